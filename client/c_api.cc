@@ -1,0 +1,137 @@
+// The C API over tensorshm::Client.
+#include "tensorshm/tensorshm.h"
+
+#include <string>
+
+#include "tensorshm/client.h"
+
+struct tsm_client {
+  std::shared_ptr<tensorshm::Client> client;
+};
+
+struct tsm_writable {
+  tensorshm::WritableTensor tensor;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+int Fail(const absl::Status& status) {
+  last_error = std::string(status.message());
+  return static_cast<int>(status.code());
+}
+
+int Check(const absl::Status& status) {
+  if (status.ok()) {
+    last_error.clear();
+    return TSM_OK;
+  }
+  return Fail(status);
+}
+
+int NullArgument(const char* what) {
+  return Fail(absl::InvalidArgumentError(std::string(what) + ": must not be NULL"));
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* tsm_last_error(void) { return last_error.c_str(); }
+
+int tsm_connect(const char* socket, const char* client_name, tsm_client** out) {
+  if (out == nullptr) return NullArgument("out");
+  *out = nullptr;
+  tensorshm::ClientOptions options;
+  if (socket != nullptr) options.socket = socket;
+  if (client_name != nullptr) options.client_name = client_name;
+  absl::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(options);
+  if (!client.ok()) return Fail(client.status());
+  *out = new tsm_client{*std::move(client)};
+  return Check(absl::OkStatus());
+}
+
+void tsm_client_free(tsm_client* client) { delete client; }
+
+int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
+               const int64_t* strides, DLDevice device, tsm_writable** out) {
+  if (out == nullptr) return NullArgument("out");
+  *out = nullptr;
+  if (client == nullptr) return NullArgument("client");
+  if (ndim < 0) return Fail(absl::InvalidArgumentError("ndim = " + std::to_string(ndim) +
+                                                       ": must be >= 0"));
+  if (ndim > 0 && shape == nullptr) return NullArgument("shape");
+  tensorshm::TensorSpec spec;
+  spec.dtype = dtype;
+  spec.device = device;
+  if (ndim > 0) spec.shape.assign(shape, shape + ndim);
+  if (ndim > 0 && strides != nullptr) spec.strides.assign(strides, strides + ndim);
+  absl::StatusOr<tensorshm::WritableTensor> tensor = client->client->Create(spec);
+  if (!tensor.ok()) return Fail(tensor.status());
+  *out = new tsm_writable{*std::move(tensor)};
+  return Check(absl::OkStatus());
+}
+
+const DLTensor* tsm_writable_dltensor(const tsm_writable* tensor) {
+  return tensor == nullptr ? nullptr : &tensor->tensor.dl_tensor();
+}
+
+void* tsm_writable_data(const tsm_writable* tensor) {
+  return tensor == nullptr ? nullptr : tensor->tensor.data();
+}
+
+int tsm_publish(tsm_client* client, tsm_writable* tensor, const char* name, int replace) {
+  if (client == nullptr) return NullArgument("client");
+  if (tensor == nullptr) return NullArgument("tensor");
+  if (name == nullptr) return NullArgument("name");
+  return Check(client->client->Publish(tensor->tensor, name, replace != 0));
+}
+
+void tsm_writable_free(tsm_writable* tensor) { delete tensor; }
+
+int tsm_acquire(tsm_client* client, const char* name, int64_t timeout_ms,
+                DLManagedTensorVersioned** out) {
+  if (out == nullptr) return NullArgument("out");
+  *out = nullptr;
+  if (client == nullptr) return NullArgument("client");
+  if (name == nullptr) return NullArgument("name");
+  if (timeout_ms < 0 && timeout_ms != TSM_WAIT_FOREVER) {
+    return Fail(absl::InvalidArgumentError("timeout_ms = " + std::to_string(timeout_ms) +
+                                           ": must be >= 0 or TSM_WAIT_FOREVER"));
+  }
+  const absl::Duration timeout = timeout_ms == TSM_WAIT_FOREVER ? absl::InfiniteDuration()
+                                                                : absl::Milliseconds(timeout_ms);
+  absl::StatusOr<DLManagedTensorVersioned*> tensor = client->client->Acquire(name, timeout);
+  if (!tensor.ok()) return Fail(tensor.status());
+  *out = *tensor;
+  return Check(absl::OkStatus());
+}
+
+int tsm_delete(tsm_client* client, const char* name) {
+  if (client == nullptr) return NullArgument("client");
+  if (name == nullptr) return NullArgument("name");
+  return Check(client->client->Delete(name));
+}
+
+int tsm_stat(tsm_client* client, tsm_stats* out) {
+  if (client == nullptr) return NullArgument("client");
+  if (out == nullptr) return NullArgument("out");
+  absl::StatusOr<tensorshm::ServerStats> stats = client->client->Stat();
+  if (!stats.ok()) return Fail(stats.status());
+  *out = tsm_stats{stats->tensors, stats->leases, stats->sessions, 0, 0};
+  for (const tensorshm::PoolStats& pool : stats->pools) {
+    if (pool.device.device_type == kDLCPU) {
+      out->host_capacity_bytes = pool.capacity_bytes;
+      out->host_used_bytes = pool.used_bytes;
+    }
+  }
+  return Check(absl::OkStatus());
+}
+
+int tsm_flush(tsm_client* client) {
+  if (client == nullptr) return NullArgument("client");
+  return Check(client->client->Flush());
+}
+
+}  // extern "C"

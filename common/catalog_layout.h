@@ -1,0 +1,131 @@
+// The control segment: tensorshmd's catalog in shared memory, a wire format between a daemon and
+// its restarted self. Standard-layout structs of fixed size, offsets not pointers, a magic and a
+// layout version in the header. A record is committed by its `state` word, written last with
+// release ordering; readers load it with acquire ordering before trusting the other fields.
+//
+// Layout of the segment:
+//   [0, kControlHeaderBytes)                       ControlHeader
+//   [kControlHeaderBytes, + kMaxSegments * 32)     SegmentRecord[kMaxSegments]
+//   [RecordsOffset(), + record_count * 1024)       TensorRecord[record_count]
+#ifndef TENSORSHM_COMMON_CATALOG_LAYOUT_H_
+#define TENSORSHM_COMMON_CATALOG_LAYOUT_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace tensorshm {
+
+inline constexpr uint64_t kControlMagic = 0x314c54434d534e54ull;  // "TNSMCTL1", little-endian
+inline constexpr uint32_t kControlLayoutVersion = 1;
+inline constexpr uint32_t kControlHeaderBytes = 4096;
+inline constexpr uint32_t kMaxSegments = 1024;
+inline constexpr uint32_t kRecordMaxDims = 32;
+inline constexpr uint32_t kRecordNameBytes = 256;
+
+enum class SegmentState : uint32_t {
+  kUnused = 0,
+  kLive = 1,  // the shm object exists with `size` bytes reserved
+};
+
+enum class RecordState : uint32_t {
+  kFree = 0,       // slot unused
+  kWriting = 1,    // buffer allocated to a producer, not yet published; reclaimed on recovery
+  kPublished = 2,  // sealed and bound to `name`; the highest publish_seq wins a name on recovery
+  kUnbound = 3,    // sealed, name deleted or replaced, memory still held by leases
+};
+
+struct ControlHeader {
+  uint64_t magic;
+  uint32_t layout_version;
+  uint32_t header_bytes;
+  uint32_t segment_record_bytes;
+  uint32_t tensor_record_bytes;
+  uint32_t max_segments;
+  uint32_t record_count;
+  uint64_t host_pool_bytes;
+  uint64_t host_segment_bytes;
+  std::atomic<uint64_t> next_tensor_id;
+  std::atomic<uint64_t> next_publish_seq;
+  char shm_prefix[64];  // NUL-terminated
+  uint8_t reserved[kControlHeaderBytes - 128];
+};
+
+struct SegmentRecord {
+  std::atomic<uint32_t> state;  // SegmentState; written last
+  int32_t device_type;          // DLDeviceType
+  int32_t device_id;
+  uint32_t reserved0;
+  uint64_t segment_id;
+  uint64_t size;
+};
+
+struct TensorRecord {
+  std::atomic<uint32_t> state;  // RecordState; written last
+  uint32_t name_length;
+  uint64_t tensor_id;
+  uint64_t publish_seq;
+  uint64_t segment_id;
+  uint64_t offset;
+  uint64_t length;
+  int32_t device_type;
+  int32_t device_id;
+  uint8_t dtype_code;
+  uint8_t dtype_bits;
+  uint16_t dtype_lanes;
+  int32_t ndim;
+  uint64_t byte_offset;
+  int64_t nbytes;
+  int64_t shape[kRecordMaxDims];
+  int64_t strides[kRecordMaxDims];
+  char name[kRecordNameBytes];
+  uint8_t reserved[176];
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<uint32_t>) == 4 && sizeof(std::atomic<uint64_t>) == 8);
+
+static_assert(std::is_standard_layout_v<ControlHeader>);
+static_assert(sizeof(ControlHeader) == kControlHeaderBytes);
+static_assert(offsetof(ControlHeader, layout_version) == 8);
+static_assert(offsetof(ControlHeader, record_count) == 28);
+static_assert(offsetof(ControlHeader, next_tensor_id) == 48);
+static_assert(offsetof(ControlHeader, shm_prefix) == 64);
+
+static_assert(std::is_standard_layout_v<SegmentRecord>);
+static_assert(sizeof(SegmentRecord) == 32);
+static_assert(offsetof(SegmentRecord, segment_id) == 16);
+static_assert(offsetof(SegmentRecord, size) == 24);
+
+static_assert(std::is_standard_layout_v<TensorRecord>);
+static_assert(sizeof(TensorRecord) == 1024);
+static_assert(offsetof(TensorRecord, tensor_id) == 8);
+static_assert(offsetof(TensorRecord, publish_seq) == 16);
+static_assert(offsetof(TensorRecord, segment_id) == 24);
+static_assert(offsetof(TensorRecord, offset) == 32);
+static_assert(offsetof(TensorRecord, length) == 40);
+static_assert(offsetof(TensorRecord, device_type) == 48);
+static_assert(offsetof(TensorRecord, dtype_code) == 56);
+static_assert(offsetof(TensorRecord, ndim) == 60);
+static_assert(offsetof(TensorRecord, byte_offset) == 64);
+static_assert(offsetof(TensorRecord, nbytes) == 72);
+static_assert(offsetof(TensorRecord, shape) == 80);
+static_assert(offsetof(TensorRecord, strides) == 336);
+static_assert(offsetof(TensorRecord, name) == 592);
+static_assert(offsetof(TensorRecord, reserved) == 848);
+
+// Byte offset of the first TensorRecord, and the whole segment's size, for `record_count`.
+constexpr uint64_t RecordsOffset() {
+  return kControlHeaderBytes + uint64_t{kMaxSegments} * sizeof(SegmentRecord);
+}
+constexpr uint64_t ControlSegmentBytes(uint32_t record_count) {
+  return RecordsOffset() + uint64_t{record_count} * sizeof(TensorRecord);
+}
+static_assert(RecordsOffset() % alignof(TensorRecord) == 0);
+static_assert(RecordsOffset() % 4096 == 0);
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_COMMON_CATALOG_LAYOUT_H_

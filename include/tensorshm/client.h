@@ -1,0 +1,159 @@
+// tensorshm C++ client: publish tensors into tensorshmd's shared memory and acquire them
+// zero-copy as DLPack tensors.
+//
+//   auto client = tensorshm::Client::Connect().value();
+//   auto w = client->Create({{kDLFloat, 32, 1}, {2, 3}}).value();
+//   std::fill_n(static_cast<float*>(w.data()), 6, 1.0f);
+//   client->Publish(w, "weights/layer0").IgnoreError();
+//   DLManagedTensorVersioned* t = client->Acquire("weights/layer0").value();
+//   ...                  // read t->dl_tensor; it is read-only
+//   t->deleter(t);       // gives the lease back
+#ifndef TENSORSHM_CLIENT_H_
+#define TENSORSHM_CLIENT_H_
+
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tensorshm {
+
+struct ClientOptions {
+  std::string socket;       // empty: $TENSORSHM_SOCKET, $XDG_RUNTIME_DIR/tensorshm.sock, or
+                            // /tmp/tensorshm-$UID/tensorshm.sock
+  std::string client_name;  // shown in the daemon's logs
+  // How long Connect waits for the daemon to answer.
+  absl::Duration connect_timeout = absl::Seconds(5);
+};
+
+struct TensorSpec {
+  DLDataType dtype;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // in elements; empty: C-contiguous
+  DLDevice device = {kDLCPU, 0};
+};
+
+struct TensorInfo {
+  std::string name;
+  uint64_t tensor_id = 0;
+  DLDataType dtype{};
+  DLDevice device{};
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  int64_t nbytes = 0;
+  int64_t leases = 0;
+};
+
+struct PoolStats {
+  DLDevice device{};
+  int64_t capacity_bytes = 0;
+  int64_t used_bytes = 0;
+};
+
+struct ServerStats {
+  int64_t tensors = 0;  // tensors holding memory (published, unpublished, or unbound but leased)
+  int64_t leases = 0;
+  int64_t sessions = 0;
+  std::vector<PoolStats> pools;
+};
+
+class ClientCore;
+
+// A tensor being filled by its producer. Move-only. Dropping it unpublished frees its buffer
+// (asynchronously, through the session stream). Not thread-safe.
+class WritableTensor {
+ public:
+  WritableTensor(WritableTensor&& other) noexcept;
+  WritableTensor& operator=(WritableTensor&& other) noexcept;
+  WritableTensor(const WritableTensor&) = delete;
+  WritableTensor& operator=(const WritableTensor&) = delete;
+  ~WritableTensor();
+
+  // data points at the producer's writable mapping; after Publish it is nullptr.
+  const DLTensor& dl_tensor() const { return tensor_; }
+  // dl_tensor().data + byte_offset: element [0, ..., 0]. nullptr once published.
+  void* data() const;
+  uint64_t tensor_id() const { return tensor_id_; }
+  int64_t nbytes() const { return nbytes_; }
+  bool published() const { return published_; }
+
+ private:
+  friend class Client;
+  WritableTensor() = default;
+  void Unmap();
+  void Reset();  // unmaps, and frees the buffer if unpublished
+
+  std::shared_ptr<ClientCore> core_;
+  uint64_t tensor_id_ = 0;
+  DLTensor tensor_{};
+  std::vector<int64_t> shape_;
+  std::vector<int64_t> strides_;
+  void* mapping_ = nullptr;  // the writable mapping of the buffer
+  size_t mapping_length_ = 0;
+  int64_t nbytes_ = 0;
+  bool published_ = false;
+};
+
+// A connection to tensorshmd: one session. Thread-safe. Tensors acquired through it stay valid
+// after the Client is destroyed, until their deleters run; the session stays open until then.
+class Client {
+ public:
+  // Connects to tensorshmd and opens a session. UNAVAILABLE naming the socket if the daemon does
+  // not answer within options.connect_timeout.
+  static absl::StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options = {});
+
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Allocates a writable tensor. INVALID_ARGUMENT for a bad dtype, shape, strides or device,
+  // RESOURCE_EXHAUSTED if the pool is full, FAILED_PRECONDITION for a device without a pool.
+  absl::StatusOr<WritableTensor> Create(const TensorSpec& spec);
+
+  // Seals `tensor` and binds it to `name`, dropping the writable mapping. ALREADY_EXISTS if
+  // `name` is bound and !replace; with replace the old tensor lives on for its leases.
+  // INVALID_ARGUMENT for a bad name; FAILED_PRECONDITION if `tensor` is already published. On
+  // failure `tensor` is unchanged and may be published again.
+  absl::Status Publish(WritableTensor& tensor, std::string_view name, bool replace = false);
+
+  // Acquires a lease on the tensor published as `name`. With a positive timeout, waits up to that
+  // long for a publish (DEADLINE_EXCEEDED after); zero: NOT_FOUND at once if unbound;
+  // absl::InfiniteDuration(): waits until published. The result is read-only
+  // (DLPACK_FLAG_BITMASK_READ_ONLY); its deleter gives the lease back.
+  // Caller owns the result and calls its deleter exactly once.
+  absl::StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name,
+                                                    absl::Duration timeout = absl::ZeroDuration());
+  // As Acquire, as a pre-1.0 DLManagedTensor (which cannot say it is read-only).
+  absl::StatusOr<DLManagedTensor*> AcquireLegacy(std::string_view name,
+                                                 absl::Duration timeout = absl::ZeroDuration());
+
+  // Unbinds `name`; memory is freed once its last lease ends. NOT_FOUND if unbound.
+  absl::Status Delete(std::string_view name);
+  absl::StatusOr<std::vector<TensorInfo>> List(std::string_view prefix = "");
+  absl::StatusOr<ServerStats> Stat();
+
+  // Blocks until every release queued before the call has been applied by the daemon. Returns
+  // the first refusal the daemon reported for those releases, or UNAVAILABLE if the session
+  // ended.
+  absl::Status Flush();
+
+  // The session id the daemon assigned.
+  const std::string& session_id() const;
+
+ private:
+  explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
+  std::shared_ptr<ClientCore> core_;
+  std::thread sender_;  // sends batched releases on the session stream
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_CLIENT_H_

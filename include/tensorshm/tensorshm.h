@@ -1,0 +1,87 @@
+/* tensorshm C API: the C++ client behind opaque handles, for C and other languages.
+ *
+ * Every function returning int returns a status code: TSM_OK (0) or one of the canonical gRPC
+ * codes below. After a failure, tsm_last_error() returns the message (which names the field and
+ * value at fault) for the calling thread, valid until that thread's next tensorshm call. */
+#ifndef TENSORSHM_TENSORSHM_H_
+#define TENSORSHM_TENSORSHM_H_
+
+#include <dlpack/dlpack.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+  TSM_OK = 0,
+  TSM_CANCELLED = 1,
+  TSM_UNKNOWN = 2,
+  TSM_INVALID_ARGUMENT = 3,
+  TSM_DEADLINE_EXCEEDED = 4,
+  TSM_NOT_FOUND = 5,
+  TSM_ALREADY_EXISTS = 6,
+  TSM_PERMISSION_DENIED = 7,
+  TSM_RESOURCE_EXHAUSTED = 8,
+  TSM_FAILED_PRECONDITION = 9,
+  TSM_ABORTED = 10,
+  TSM_OUT_OF_RANGE = 11,
+  TSM_UNIMPLEMENTED = 12,
+  TSM_INTERNAL = 13,
+  TSM_UNAVAILABLE = 14,
+  TSM_DATA_LOSS = 15,
+  TSM_UNAUTHENTICATED = 16
+};
+
+/* Acquire timeouts: wait forever for the name to be published. */
+#define TSM_WAIT_FOREVER (-1)
+
+typedef struct tsm_client tsm_client;     /* a connection (session); thread-safe */
+typedef struct tsm_writable tsm_writable; /* a tensor being filled; not thread-safe */
+
+typedef struct {
+  int64_t tensors;
+  int64_t leases;
+  int64_t sessions;
+  int64_t host_capacity_bytes;
+  int64_t host_used_bytes;
+} tsm_stats;
+
+/* The message of the calling thread's last failure ("" if none). */
+const char* tsm_last_error(void);
+
+/* Connects. socket may be NULL (the default path); client_name may be NULL. On success *out is a
+ * client to free with tsm_client_free; on failure *out is NULL. */
+int tsm_connect(const char* socket, const char* client_name, tsm_client** out);
+/* Drops the client; tensors acquired through it stay valid until their deleters run. NULL is
+ * ignored. */
+void tsm_client_free(tsm_client* client);
+
+/* Allocates a writable tensor. strides may be NULL (C-contiguous), else ndim values in elements.
+ * On success *out is to be published with tsm_publish or dropped with tsm_writable_free. */
+int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
+               const int64_t* strides, DLDevice device, tsm_writable** out);
+/* The tensor's metadata; data points at the writable mapping (NULL once published). */
+const DLTensor* tsm_writable_dltensor(const tsm_writable* tensor);
+/* data + byte_offset; NULL once published. */
+void* tsm_writable_data(const tsm_writable* tensor);
+/* Seals and binds to name. On failure the tensor is unchanged. */
+int tsm_publish(tsm_client* client, tsm_writable* tensor, const char* name, int replace);
+/* Frees the handle; an unpublished tensor's buffer goes back to the pool. NULL is ignored. */
+void tsm_writable_free(tsm_writable* tensor);
+
+/* Acquires name. timeout_ms: 0 no wait, > 0 wait that long, TSM_WAIT_FOREVER. On success *out is
+ * a read-only tensor; the caller calls (*out)->deleter(*out) exactly once. */
+int tsm_acquire(tsm_client* client, const char* name, int64_t timeout_ms,
+                DLManagedTensorVersioned** out);
+int tsm_delete(tsm_client* client, const char* name);
+int tsm_stat(tsm_client* client, tsm_stats* out);
+/* Waits until releases queued so far are applied by the daemon. */
+int tsm_flush(tsm_client* client);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TENSORSHM_TENSORSHM_H_ */

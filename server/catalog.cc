@@ -1,0 +1,237 @@
+#include "server/catalog.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+#include "common/layout.h"
+
+namespace tensorshm {
+
+absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& options) {
+  if (options.max_tensors == 0) {
+    return absl::InvalidArgumentError("max tensors = 0: must be at least 1");
+  }
+  absl::StatusOr<ControlSegment> control =
+      ControlSegment::Create(options.shm_prefix, options.max_tensors, options.host_pool_bytes,
+                             options.host_segment_bytes, options.mode);
+  if (!control.ok()) return control.status();
+  std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control)));
+  absl::StatusOr<HostPool> pool = HostPool::Create(
+      HostPoolOptions{options.shm_prefix, options.host_pool_bytes, options.host_segment_bytes,
+                      options.mode},
+      &catalog->control_);
+  if (!pool.ok()) return pool.status();
+  catalog->pool_.emplace(*std::move(pool));
+  return catalog;
+}
+
+Catalog::Catalog(ControlSegment control) : control_(std::move(control)) {
+  const uint32_t count = control_.record_count();
+  free_slots_.reserve(count);
+  for (uint32_t slot = count; slot-- > 0;) free_slots_.push_back(slot);
+}
+
+void Catalog::WriteRecordState(const Tensor& tensor, RecordState state) {
+  control_.record(tensor.slot).state.store(static_cast<uint32_t>(state),
+                                           std::memory_order_release);
+}
+
+absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType& dtype,
+                                              absl::Span<const int64_t> shape,
+                                              absl::Span<const int64_t> strides,
+                                              const DLDevice& device) {
+  if (device.device_type != kDLCPU) {
+    if (device.device_type == kDLCUDA) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("device = cuda:", device.device_id,
+                       ": this tensorshmd has no pool for the device (host pool only)"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("device = {type: ", device.device_type,
+                                                   ", id: ", device.device_id,
+                                                   "}: only cpu (1) tensors are supported"));
+  }
+  if (device.device_id != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device = cpu:", device.device_id, ": the cpu device id must be 0"));
+  }
+  absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides);
+  if (!layout.ok()) return layout.status();
+  if (free_slots_.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat("catalog: all ", control_.record_count(),
+                                                     " tensor records in use (--max-tensors)"));
+  }
+  Buffer buffer;
+  if (layout->nbytes > 0) {
+    absl::StatusOr<Buffer> allocated = pool_->Allocate(static_cast<uint64_t>(layout->nbytes));
+    if (!allocated.ok()) return allocated.status();
+    buffer = *allocated;
+  }
+  const uint32_t slot = free_slots_.back();
+  free_slots_.pop_back();
+
+  ControlHeader& header = control_.header();
+  Tensor tensor;
+  tensor.id = header.next_tensor_id.fetch_add(1, std::memory_order_relaxed);
+  tensor.slot = slot;
+  tensor.dtype = dtype;
+  tensor.device = device;
+  tensor.shape.assign(shape.begin(), shape.end());
+  tensor.strides = std::move(layout->strides);
+  tensor.byte_offset = layout->byte_offset;
+  tensor.nbytes = layout->nbytes;
+  tensor.buffer = buffer;
+  tensor.owner_session = session;
+
+  TensorRecord& record = control_.record(slot);
+  TSM_CHECK(record.state.load(std::memory_order_acquire) ==
+            static_cast<uint32_t>(RecordState::kFree));
+  record.name_length = 0;
+  record.tensor_id = tensor.id;
+  record.publish_seq = 0;
+  record.segment_id = buffer.segment_id;
+  record.offset = buffer.offset;
+  record.length = buffer.length;
+  record.device_type = device.device_type;
+  record.device_id = device.device_id;
+  record.dtype_code = dtype.code;
+  record.dtype_bits = dtype.bits;
+  record.dtype_lanes = dtype.lanes;
+  record.ndim = static_cast<int32_t>(tensor.shape.size());
+  record.byte_offset = tensor.byte_offset;
+  record.nbytes = tensor.nbytes;
+  std::copy(tensor.shape.begin(), tensor.shape.end(), record.shape);
+  std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
+  WriteRecordState(tensor, RecordState::kWriting);
+
+  auto [it, inserted] = tensors_.emplace(tensor.id, std::move(tensor));
+  TSM_CHECK(inserted);
+  return &it->second;
+}
+
+absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::string& name,
+                              bool replace) {
+  auto it = tensors_.find(tensor_id);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
+  }
+  Tensor& tensor = it->second;
+  if (tensor.sealed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor_id = ", tensor_id, ": already published"));
+  }
+  if (tensor.owner_session != session) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("tensor_id = ", tensor_id, ": created by another session"));
+  }
+  auto bound = names_.find(name);
+  if (bound != names_.end() && !replace) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "name = \"", name, "\": already published (tensor ", bound->second,
+        "); delete it first or publish with replace"));
+  }
+
+  TensorRecord& record = control_.record(tensor.slot);
+  std::memcpy(record.name, name.data(), name.size());
+  record.name_length = static_cast<uint32_t>(name.size());
+  record.publish_seq = control_.header().next_publish_seq.fetch_add(1, std::memory_order_relaxed);
+  tensor.sealed = true;
+  tensor.owner_session = 0;
+  tensor.name = name;
+  // Commit point: from here a restarted daemon serves the new tensor under `name` (the highest
+  // publish_seq wins if the old record below is still marked published).
+  WriteRecordState(tensor, RecordState::kPublished);
+
+  if (bound != names_.end()) {
+    auto old = tensors_.find(bound->second);
+    TSM_CHECK(old != tensors_.end());
+    old->second.name.clear();
+    bound->second = tensor_id;
+    if (old->second.leases == 0) {
+      Free(old);
+    } else {
+      WriteRecordState(old->second, RecordState::kUnbound);
+    }
+  } else {
+    names_.emplace(name, tensor_id);
+  }
+  return absl::OkStatus();
+}
+
+const Tensor* Catalog::Find(const std::string& name) const {
+  auto bound = names_.find(name);
+  if (bound == names_.end()) return nullptr;
+  return FindId(bound->second);
+}
+
+const Tensor* Catalog::FindId(uint64_t tensor_id) const {
+  auto it = tensors_.find(tensor_id);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+void Catalog::AddLease(uint64_t tensor_id) {
+  auto it = tensors_.find(tensor_id);
+  TSM_CHECK(it != tensors_.end() && it->second.sealed);
+  ++it->second.leases;
+}
+
+void Catalog::DropLease(uint64_t tensor_id) {
+  auto it = tensors_.find(tensor_id);
+  TSM_CHECK(it != tensors_.end() && it->second.leases > 0);
+  if (--it->second.leases == 0 && it->second.name.empty()) Free(it);
+}
+
+absl::Status Catalog::Delete(const std::string& name) {
+  auto bound = names_.find(name);
+  if (bound == names_.end()) {
+    return absl::NotFoundError(absl::StrCat("name = \"", name, "\": not published"));
+  }
+  auto it = tensors_.find(bound->second);
+  TSM_CHECK(it != tensors_.end());
+  names_.erase(bound);
+  it->second.name.clear();
+  if (it->second.leases == 0) {
+    Free(it);
+  } else {
+    WriteRecordState(it->second, RecordState::kUnbound);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Catalog::Abandon(uint64_t session, uint64_t tensor_id) {
+  auto it = tensors_.find(tensor_id);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
+  }
+  if (it->second.sealed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor_id = ", tensor_id, ": already published"));
+  }
+  if (it->second.owner_session != session) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("tensor_id = ", tensor_id, ": created by another session"));
+  }
+  Free(it);
+  return absl::OkStatus();
+}
+
+std::vector<const Tensor*> Catalog::List(const std::string& prefix) const {
+  std::vector<const Tensor*> found;
+  for (const auto& [name, id] : names_) {
+    if (name.compare(0, prefix.size(), prefix) == 0) found.push_back(FindId(id));
+  }
+  std::sort(found.begin(), found.end(),
+            [](const Tensor* a, const Tensor* b) { return a->name < b->name; });
+  return found;
+}
+
+void Catalog::Free(std::map<uint64_t, Tensor>::iterator it) {
+  // The record goes free before the memory is reused, so a restart never sees two live records
+  // over one buffer.
+  WriteRecordState(it->second, RecordState::kFree);
+  if (it->second.buffer.length > 0) pool_->Free(it->second.buffer);
+  free_slots_.push_back(it->second.slot);
+  tensors_.erase(it);
+}
+
+}  // namespace tensorshm

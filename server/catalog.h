@@ -1,0 +1,105 @@
+// The catalog: every tensor the daemon holds memory for, the names bound to them, and their
+// records in the control segment.
+#ifndef TENSORSHM_SERVER_CATALOG_H_
+#define TENSORSHM_SERVER_CATALOG_H_
+
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "server/control_segment.h"
+#include "server/host_pool.h"
+
+namespace tensorshm {
+
+struct Tensor {
+  uint64_t id = 0;
+  uint32_t slot = 0;  // index of its TensorRecord
+  DLDataType dtype{};
+  DLDevice device{kDLCPU, 0};
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // resolved: one per dimension, in elements
+  uint64_t byte_offset = 0;
+  int64_t nbytes = 0;
+  Buffer buffer;  // length 0: empty tensor, no buffer
+  bool sealed = false;
+  uint64_t owner_session = 0;  // the creating session, while unpublished
+  std::string name;            // bound name; empty when unbound
+  int64_t leases = 0;
+};
+
+struct CatalogOptions {
+  std::string shm_prefix;
+  uint64_t host_pool_bytes = 0;
+  uint64_t host_segment_bytes = 0;
+  uint32_t max_tensors = 0;
+  mode_t mode = 0600;
+};
+
+// Thread-compatible: the service serialises all calls under its mutex. Tensor pointers returned
+// stay valid until the tensor is freed (by Release, Delete, Abandon or a replace).
+class Catalog {
+ public:
+  // Creates the control segment and the host pool. Errors from either.
+  static absl::StatusOr<std::unique_ptr<Catalog>> Create(const CatalogOptions& options);
+
+  // Allocates a writable tensor owned by `session`. INVALID_ARGUMENT for a bad dtype / shape /
+  // strides / device, FAILED_PRECONDITION for a device without a pool, RESOURCE_EXHAUSTED when
+  // the pool or the record table is full.
+  absl::StatusOr<const Tensor*> Create(uint64_t session, const DLDataType& dtype,
+                                       absl::Span<const int64_t> shape,
+                                       absl::Span<const int64_t> strides, const DLDevice& device);
+
+  // Seals `tensor_id` (created by `session`) and binds it to `name`. NOT_FOUND for an unknown
+  // tensor, PERMISSION_DENIED if another session created it, FAILED_PRECONDITION if already
+  // published, ALREADY_EXISTS if `name` is bound and !replace. With replace, the old tensor is
+  // unbound and freed once unleased. REQUIRES: name valid.
+  absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace);
+
+  // The sealed tensor bound to `name`, or nullptr.
+  const Tensor* Find(const std::string& name) const;
+  const Tensor* FindId(uint64_t tensor_id) const;
+
+  // Lease counting. REQUIRES: a sealed tensor; DropLease on a tensor with leases.
+  void AddLease(uint64_t tensor_id);
+  void DropLease(uint64_t tensor_id);
+
+  // Unbinds `name`; memory is freed now if unleased, else at the last DropLease. NOT_FOUND if
+  // unbound.
+  absl::Status Delete(const std::string& name);
+
+  // Frees the unpublished tensor `tensor_id` created by `session`. NOT_FOUND / PERMISSION_DENIED /
+  // FAILED_PRECONDITION (already published) otherwise.
+  absl::Status Abandon(uint64_t session, uint64_t tensor_id);
+
+  // Bound names starting with `prefix`, in name order.
+  std::vector<const Tensor*> List(const std::string& prefix) const;
+
+  int64_t tensor_count() const { return static_cast<int64_t>(tensors_.size()); }
+  int64_t name_count() const { return static_cast<int64_t>(names_.size()); }
+  const HostPool& host_pool() const { return *pool_; }
+  const ControlSegment& control() const { return control_; }
+
+ private:
+  explicit Catalog(ControlSegment control);
+  void Free(std::map<uint64_t, Tensor>::iterator it);
+  void WriteRecordState(const Tensor& tensor, RecordState state);
+
+  ControlSegment control_;
+  std::optional<HostPool> pool_;  // set by Create; refers to control_
+  std::vector<uint32_t> free_slots_;
+  std::map<uint64_t, Tensor> tensors_;                    // by id
+  std::unordered_map<std::string, uint64_t> names_;       // bound name -> tensor id
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_CATALOG_H_

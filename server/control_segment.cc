@@ -1,0 +1,53 @@
+#include "server/control_segment.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+
+namespace tensorshm {
+
+absl::StatusOr<ControlSegment> ControlSegment::Create(const std::string& prefix,
+                                                      uint32_t record_count,
+                                                      uint64_t host_pool_bytes,
+                                                      uint64_t host_segment_bytes, mode_t mode) {
+  if (prefix.size() >= sizeof(ControlHeader::shm_prefix)) {
+    return absl::InvalidArgumentError(absl::StrCat("shm prefix = \"", prefix, "\": longer than ",
+                                                   sizeof(ControlHeader::shm_prefix) - 1,
+                                                   " bytes"));
+  }
+  absl::StatusOr<ShmSegment> shm = ShmSegment::Create(
+      absl::StrCat("/", prefix, ".ctl"), ControlSegmentBytes(record_count), mode, /*map=*/true);
+  if (!shm.ok()) return shm.status();
+  // A new shm object reads as zeros: every segment and record starts unused / free.
+  auto* header = static_cast<ControlHeader*>(shm->address());
+  header->layout_version = kControlLayoutVersion;
+  header->header_bytes = kControlHeaderBytes;
+  header->segment_record_bytes = sizeof(SegmentRecord);
+  header->tensor_record_bytes = sizeof(TensorRecord);
+  header->max_segments = kMaxSegments;
+  header->record_count = record_count;
+  header->host_pool_bytes = host_pool_bytes;
+  header->host_segment_bytes = host_segment_bytes;
+  header->next_tensor_id.store(1, std::memory_order_relaxed);
+  header->next_publish_seq.store(1, std::memory_order_relaxed);
+  std::memcpy(header->shm_prefix, prefix.data(), prefix.size());
+  // The magic goes last: a header with it is complete.
+  std::atomic_thread_fence(std::memory_order_release);
+  header->magic = kControlMagic;
+  return ControlSegment(*std::move(shm));
+}
+
+SegmentRecord& ControlSegment::segment(uint32_t index) const {
+  TSM_CHECK(index < kMaxSegments);
+  auto* base = static_cast<char*>(shm_.address()) + kControlHeaderBytes;
+  return reinterpret_cast<SegmentRecord*>(base)[index];
+}
+
+TensorRecord& ControlSegment::record(uint32_t slot) const {
+  TSM_CHECK(slot < record_count());
+  auto* base = static_cast<char*>(shm_.address()) + RecordsOffset();
+  return reinterpret_cast<TensorRecord*>(base)[slot];
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,37 @@
+// The control segment holding the catalog records (see common/catalog_layout.h).
+#ifndef TENSORSHM_SERVER_CONTROL_SEGMENT_H_
+#define TENSORSHM_SERVER_CONTROL_SEGMENT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/catalog_layout.h"
+#include "server/shm_segment.h"
+
+namespace tensorshm {
+
+// Thread-compatible: the catalog serialises access. Move-only; unlinks the segment when
+// destroyed.
+class ControlSegment {
+ public:
+  // Creates "/<prefix>.ctl" with room for `record_count` tensor records, mode `mode`, and writes
+  // a fresh header. Errors as ShmSegment::Create.
+  static absl::StatusOr<ControlSegment> Create(const std::string& prefix, uint32_t record_count,
+                                               uint64_t host_pool_bytes,
+                                               uint64_t host_segment_bytes, mode_t mode);
+
+  ControlHeader& header() const { return *static_cast<ControlHeader*>(shm_.address()); }
+  SegmentRecord& segment(uint32_t index) const;
+  TensorRecord& record(uint32_t slot) const;
+  uint32_t record_count() const { return header().record_count; }
+  const std::string& name() const { return shm_.name(); }
+
+ private:
+  explicit ControlSegment(ShmSegment shm) : shm_(std::move(shm)) {}
+  ShmSegment shm_;
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_CONTROL_SEGMENT_H_

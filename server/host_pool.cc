@@ -1,0 +1,123 @@
+#include "server/host_pool.h"
+
+#include <dlpack/dlpack.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+
+namespace tensorshm {
+
+uint64_t HostPool::PageSize() {
+  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+absl::StatusOr<HostPool> HostPool::Create(const HostPoolOptions& options,
+                                          ControlSegment* control) {
+  const uint64_t page = PageSize();
+  if (options.capacity_bytes == 0 || options.capacity_bytes % page != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host pool size = ", options.capacity_bytes,
+                                                   ": must be a positive multiple of the page size (",
+                                                   page, ")"));
+  }
+  if (options.segment_bytes == 0 || options.segment_bytes % page != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("segment size = ", options.segment_bytes,
+                                                   ": must be a positive multiple of the page size (",
+                                                   page, ")"));
+  }
+  HostPool pool(options, control);
+  if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes));
+      !s.ok()) {
+    return s;
+  }
+  return pool;
+}
+
+absl::Status HostPool::AddSegment(uint64_t size) {
+  if (segments_.size() >= kMaxSegments) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host pool: all ", kMaxSegments, " segments in use; raise --segment-size"));
+  }
+  const uint64_t id = segments_.size() + 1;
+  absl::StatusOr<ShmSegment> shm = ShmSegment::Create(
+      absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size, options_.mode, /*map=*/false);
+  if (!shm.ok()) return shm.status();
+  segments_.push_back(Segment{*std::move(shm), BestFitAllocator(size)});
+  SegmentRecord& record = control_->segment(static_cast<uint32_t>(id - 1));
+  record.device_type = kDLCPU;
+  record.device_id = 0;
+  record.segment_id = id;
+  record.size = size;
+  record.state.store(static_cast<uint32_t>(SegmentState::kLive), std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes) {
+  TSM_CHECK(nbytes > 0);
+  const uint64_t page = PageSize();
+  if (nbytes > options_.capacity_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("host pool: cannot allocate ", nbytes,
+                                                     " bytes: larger than the whole pool (",
+                                                     options_.capacity_bytes, " bytes, --host-pool)"));
+  }
+  const uint64_t length = (nbytes + page - 1) / page * page;
+  Segment* best = nullptr;
+  uint64_t best_block = 0;
+  for (Segment& segment : segments_) {
+    std::optional<uint64_t> block = segment.allocator.BestFitBlock(length);
+    if (block && (best == nullptr || *block < best_block)) {
+      best = &segment;
+      best_block = *block;
+    }
+  }
+  if (best == nullptr) {
+    const uint64_t remaining = options_.capacity_bytes - reserved_bytes();
+    if (remaining < length) {
+      uint64_t largest = 0;
+      for (const Segment& s : segments_) largest = std::max(largest, s.allocator.largest_free_block());
+      largest = std::max(largest, remaining);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "host pool: cannot allocate ", nbytes, " bytes (", length, " rounded to pages): ",
+          options_.capacity_bytes - used_bytes(), " of ", options_.capacity_bytes,
+          " bytes free, largest free block ", largest, " bytes"));
+    }
+    if (absl::Status s = AddSegment(std::min(std::max(options_.segment_bytes, length), remaining));
+        !s.ok()) {
+      return s;
+    }
+    best = &segments_.back();
+  }
+  std::optional<uint64_t> offset = best->allocator.Allocate(length);
+  TSM_CHECK(offset.has_value());
+  return Buffer{static_cast<uint64_t>(best - segments_.data()) + 1, *offset, length};
+}
+
+void HostPool::Free(const Buffer& buffer) {
+  TSM_CHECK(buffer.segment_id >= 1 && buffer.segment_id <= segments_.size());
+  segments_[buffer.segment_id - 1].allocator.Free(buffer.offset, buffer.length);
+}
+
+const std::string& HostPool::SegmentName(uint64_t segment_id) const {
+  TSM_CHECK(segment_id >= 1 && segment_id <= segments_.size());
+  return segments_[segment_id - 1].shm.name();
+}
+
+uint64_t HostPool::SegmentSize(uint64_t segment_id) const {
+  TSM_CHECK(segment_id >= 1 && segment_id <= segments_.size());
+  return segments_[segment_id - 1].shm.size();
+}
+
+uint64_t HostPool::used_bytes() const {
+  uint64_t used = 0;
+  for (const Segment& s : segments_) used += s.allocator.capacity() - s.allocator.free_bytes();
+  return used;
+}
+
+uint64_t HostPool::reserved_bytes() const {
+  uint64_t reserved = 0;
+  for (const Segment& s : segments_) reserved += s.shm.size();
+  return reserved;
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,74 @@
+// The host pool: POSIX shm segments, grown one at a time up to the configured capacity, each
+// with a best-fit allocator.
+#ifndef TENSORSHM_SERVER_HOST_POOL_H_
+#define TENSORSHM_SERVER_HOST_POOL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/allocator.h"
+#include "server/control_segment.h"
+#include "server/shm_segment.h"
+
+namespace tensorshm {
+
+// [segment_id, offset, length) of the pool. Page-aligned and page-rounded.
+struct Buffer {
+  uint64_t segment_id = 0;  // 1-based; 0 for "no buffer" (empty tensors)
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+struct HostPoolOptions {
+  std::string shm_prefix;
+  uint64_t capacity_bytes = 0;
+  uint64_t segment_bytes = 0;
+  mode_t mode = 0600;
+};
+
+// Thread-compatible: the catalog serialises access.
+class HostPool {
+ public:
+  // Creates the pool and its first segment (min(segment_bytes, capacity_bytes) bytes), recording
+  // segments in `control`, which must outlive the pool. Errors as ShmSegment::Create, or
+  // INVALID_ARGUMENT for sizes that are zero or not page multiples.
+  static absl::StatusOr<HostPool> Create(const HostPoolOptions& options, ControlSegment* control);
+
+  // Returns a buffer of at least `nbytes` (rounded up to whole pages), taken best-fit from the
+  // existing segments or, failing that, from a new segment while the capacity allows.
+  // RESOURCE_EXHAUSTED naming the requested, free and largest-free sizes when nothing fits.
+  // REQUIRES: nbytes > 0.
+  absl::StatusOr<Buffer> Allocate(uint64_t nbytes);
+
+  // Returns `buffer` to its segment. REQUIRES: it came from Allocate and is not yet freed.
+  void Free(const Buffer& buffer);
+
+  // The shm name and size of segment `segment_id`. REQUIRES: a live segment id.
+  const std::string& SegmentName(uint64_t segment_id) const;
+  uint64_t SegmentSize(uint64_t segment_id) const;
+
+  uint64_t capacity_bytes() const { return options_.capacity_bytes; }
+  uint64_t used_bytes() const;
+  uint64_t reserved_bytes() const;  // bytes of all segments created so far
+  size_t segment_count() const { return segments_.size(); }
+  static uint64_t PageSize();
+
+ private:
+  struct Segment {
+    ShmSegment shm;
+    BestFitAllocator allocator;
+  };
+  HostPool(HostPoolOptions options, ControlSegment* control)
+      : options_(std::move(options)), control_(control) {}
+  absl::Status AddSegment(uint64_t size);
+
+  HostPoolOptions options_;
+  ControlSegment* control_;
+  std::vector<Segment> segments_;  // segments_[id - 1]
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_HOST_POOL_H_

@@ -1,0 +1,44 @@
+// Minimal leveled logging to stderr: TSM_LOG(kInfo) << "session " << id << " opened";
+#ifndef TENSORSHM_SERVER_LOG_H_
+#define TENSORSHM_SERVER_LOG_H_
+
+#include <sstream>
+#include <string_view>
+
+#include "absl/strings/string_view.h"
+#include "absl/status/statusor.h"
+
+namespace tensorshm {
+
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
+
+// Thread-safe. The threshold below which messages are dropped; kInfo unless set.
+void SetLogLevel(LogLevel level);
+LogLevel GetLogLevel();
+// "debug", "info", "warning", "error"; INVALID_ARGUMENT naming the value otherwise.
+absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view text);
+
+// One log line, written whole when the statement ends.
+class LogLine {
+ public:
+  explicit LogLine(LogLevel level) : level_(level) {}
+  ~LogLine();
+  template <typename T>
+  LogLine& operator<<(const T& value) {
+    stream_ << value;
+    return *this;
+  }
+
+ private:
+  LogLevel level_;
+  std::ostringstream stream_;
+};
+
+}  // namespace tensorshm
+
+#define TSM_LOG(level)                                                                   \
+  if (::tensorshm::LogLevel::level < ::tensorshm::GetLogLevel()) {                       \
+  } else                                                                                 \
+    ::tensorshm::LogLine(::tensorshm::LogLevel::level)
+
+#endif  // TENSORSHM_SERVER_LOG_H_

@@ -1,0 +1,151 @@
+// tensorshmd: the tensorshm daemon.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <thread>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/sys_error.h"
+#include "server/catalog.h"
+#include "server/log.h"
+#include "server/options.h"
+#include "server/service.h"
+
+namespace tensorshm {
+namespace {
+
+// Makes the socket's directory (0700 when created here) and removes a stale socket file left by
+// a daemon that died. FAILED_PRECONDITION if a live daemon already serves on `path`.
+absl::Status PrepareSocketPath(const std::string& path) {
+  sockaddr_un address{};
+  if (path.size() >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("--socket = \"", path, "\": longer than ",
+                                                   sizeof(address.sun_path) - 1, " bytes"));
+  }
+  // Create missing parent directories, one level at a time.
+  for (size_t slash = path.find('/', 1); slash != std::string::npos;
+       slash = path.find('/', slash + 1)) {
+    const std::string dir = path.substr(0, slash);
+    if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return ErrnoError("mkdir", dir, errno);
+  }
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? absl::OkStatus() : ErrnoError("lstat", path, errno);
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--socket = \"", path, "\": exists and is not a socket"));
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoError("socket", path, errno);
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, path.data(), path.size());
+  const bool live = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  close(fd);
+  if (live) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--socket = \"", path, "\": another tensorshmd is serving there"));
+  }
+  if (unlink(path.c_str()) != 0) return ErrnoError("unlink", path, errno);
+  TSM_LOG(kInfo) << "removed stale socket " << path;
+  return absl::OkStatus();
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  return absl::StrFormat("%.4g %s", value, kUnits[unit]);
+}
+
+int Run(int argc, char** argv) {
+  absl::StatusOr<DaemonOptions> options = ParseOptions(argc, argv);
+  if (!options.ok()) {
+    std::cerr << "tensorshmd: " << options.status().message() << "\n";
+    return 2;
+  }
+  if (options->help) {
+    std::cout << Usage();
+    return 0;
+  }
+  SetLogLevel(options->log_level);
+  // Everything the daemon creates (socket, its directory, shm objects) is private to its user.
+  umask(077);
+  signal(SIGPIPE, SIG_IGN);
+  // SIGTERM and SIGINT are taken by one thread with sigwait; block them before any other thread
+  // starts so that they inherit the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  if (absl::Status s = PrepareSocketPath(options->socket); !s.ok()) {
+    std::cerr << "tensorshmd: " << s.message() << "\n";
+    return 1;
+  }
+  absl::StatusOr<std::unique_ptr<Catalog>> catalog = Catalog::Create(
+      CatalogOptions{options->shm_prefix, options->host_pool_bytes, options->segment_bytes,
+                     options->max_tensors, 0600});
+  if (!catalog.ok()) {
+    std::cerr << "tensorshmd: " << catalog.status().message() << "\n";
+    return 1;
+  }
+  TensorShmService service(*std::move(catalog));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + options->socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    std::cerr << "tensorshmd: cannot listen on unix:" << options->socket << "\n";
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+
+  std::cout << "tensorshmd " << TENSORSHM_VERSION << ": serving on unix:" << options->socket
+            << "; host pool " << FormatBytes(options->host_pool_bytes) << " in segments of "
+            << FormatBytes(options->segment_bytes) << ", shm prefix /" << options->shm_prefix
+            << std::endl;
+
+  std::thread stopper([&] {
+    int signal_number = 0;
+    sigwait(&stop_signals, &signal_number);
+    TSM_LOG(kInfo) << "received " << strsignal(signal_number) << ", stopping";
+    server->GetHealthCheckService()->SetServingStatus(false);
+    service.BeginShutdown();
+    // In-flight calls get a moment to finish; session streams are then cancelled.
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  });
+  server->Wait();
+  stopper.join();
+  server.reset();
+  unlink(options->socket.c_str());
+  TSM_LOG(kInfo) << "stopped; socket and shm segments removed";
+  return 0;  // `service` goes now, and with it the catalog, which unlinks every segment
+}
+
+}  // namespace
+}  // namespace tensorshm
+
+int main(int argc, char** argv) { return tensorshm::Run(argc, argv); }

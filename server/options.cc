@@ -1,0 +1,145 @@
+#include "server/options.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <random>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/socket_path.h"
+
+namespace tensorshm {
+namespace {
+
+bool IsPrefixChar(char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_'; }
+
+std::string RandomPrefix() {
+  std::random_device device;
+  return absl::StrFormat("tsm-%08x%08x", device(), device());
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view flag) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " = \"", text, "\": ", why));
+  };
+  absl::string_view digits = text;
+  if (!digits.empty() && (digits.back() == 'B' || digits.back() == 'b')) digits.remove_suffix(1);
+  uint64_t multiplier = 1;
+  const bool binary = !digits.empty() && digits.back() == 'i';
+  if (binary) digits.remove_suffix(1);
+  if (!digits.empty() && absl::ascii_isalpha(digits.back())) {
+    const int power = absl::string_view("KMGT").find(absl::ascii_toupper(digits.back())) + 1;
+    if (power == 0) return bad("unknown size suffix (use K, M, G, T, Ki, Mi, Gi or Ti)");
+    for (int i = 0; i < power; ++i) multiplier *= binary ? 1024 : 1000;
+    digits.remove_suffix(1);
+  } else if (binary) {
+    return bad("unknown size suffix (use K, M, G, T, Ki, Mi, Gi or Ti)");
+  }
+  uint64_t value;
+  if (digits.empty() || !absl::SimpleAtoi(digits, &value)) return bad("not a size");
+  if (value > UINT64_MAX / multiplier) return bad("too large");
+  return value * multiplier;
+}
+
+std::string Usage() {
+  return absl::StrCat(
+      "usage: tensorshmd [options]\n"
+      "\n"
+      "Shares tensors between processes through shared memory; clients talk to it over gRPC on\n"
+      "a Unix socket.\n"
+      "\n"
+      "  --socket PATH        Unix socket to serve on (default: $TENSORSHM_SOCKET, else\n"
+      "                       $XDG_RUNTIME_DIR/tensorshm.sock, else\n"
+      "                       /tmp/tensorshm-$UID/tensorshm.sock; now ",
+      DefaultSocketPath(),
+      ")\n"
+      "  --host-pool SIZE     most host memory the pool may hold (default 1Gi)\n"
+      "  --segment-size SIZE  size of each shm segment the pool grows by (default 256Mi);\n"
+      "                       a larger tensor gets a segment of its own size\n"
+      "  --shm-prefix P       prefix of the shm object names (default: tsm-<random>)\n"
+      "  --max-tensors N      tensor records in the catalog (default 4096)\n"
+      "  --log-level LEVEL    debug, info, warning or error (default info)\n"
+      "  --help               this text\n"
+      "\n"
+      "Sizes take K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024) suffixes.\n"
+      "SIGTERM or SIGINT stops serving, closes sessions, removes the socket and the shm\n"
+      "segments, and exits 0.\n");
+}
+
+absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
+  DaemonOptions options;
+  options.socket = DefaultSocketPath();
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    absl::string_view value;
+    bool has_value = false;
+    if (size_t eq = arg.find('='); arg.substr(0, 2) == "--" && eq != absl::string_view::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    if (arg == "--help" || arg == "-h") {
+      options.help = true;
+      continue;
+    }
+    const bool takes_value = arg == "--socket" || arg == "--host-pool" ||
+                             arg == "--segment-size" || arg == "--shm-prefix" ||
+                             arg == "--max-tensors" || arg == "--log-level";
+    if (!takes_value) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
+    }
+    if (!has_value) {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(arg, ": needs a value"));
+      value = argv[++i];
+    }
+    if (arg == "--socket") {
+      if (value.empty()) return absl::InvalidArgumentError("--socket = \"\": must not be empty");
+      options.socket = std::string(value);
+    } else if (arg == "--host-pool") {
+      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+      if (!size.ok()) return size.status();
+      options.host_pool_bytes = *size;
+    } else if (arg == "--segment-size") {
+      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+      if (!size.ok()) return size.status();
+      options.segment_bytes = *size;
+    } else if (arg == "--shm-prefix") {
+      if (value.empty() || value.size() > 48 ||
+          !std::all_of(value.begin(), value.end(), IsPrefixChar)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--shm-prefix = \"", value, "\": use 1-48 characters of [A-Za-z0-9_-]"));
+      }
+      options.shm_prefix = std::string(value);
+    } else if (arg == "--max-tensors") {
+      if (!absl::SimpleAtoi(value, &options.max_tensors) || options.max_tensors == 0 ||
+          options.max_tensors > (1u << 24)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--max-tensors = \"", value, "\": expected 1..16777216"));
+      }
+    } else if (arg == "--log-level") {
+      absl::StatusOr<LogLevel> level = ParseLogLevel(value);
+      if (!level.ok()) return level.status();
+      options.log_level = *level;
+    }
+  }
+  if (options.shm_prefix.empty()) options.shm_prefix = RandomPrefix();
+  // Both sizes round to whole pages, the unit of allocation.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  for (uint64_t* size : {&options.host_pool_bytes, &options.segment_bytes}) {
+    if (*size == 0) {
+      return absl::InvalidArgumentError(
+          size == &options.host_pool_bytes ? "--host-pool = 0: must be positive"
+                                           : "--segment-size = 0: must be positive");
+    }
+    *size = (*size + page - 1) / page * page;
+  }
+  return options;
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,37 @@
+// tensorshmd's command line.
+#ifndef TENSORSHM_SERVER_OPTIONS_H_
+#define TENSORSHM_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/strings/string_view.h"
+#include "absl/status/statusor.h"
+#include "server/log.h"
+
+namespace tensorshm {
+
+struct DaemonOptions {
+  std::string socket;                     // default: DefaultSocketPath()
+  uint64_t host_pool_bytes = 1ull << 30;  // --host-pool
+  uint64_t segment_bytes = 256ull << 20;  // --segment-size
+  std::string shm_prefix;                 // default: "tsm-" + 64 random bits in hex
+  uint32_t max_tensors = 4096;            // --max-tensors
+  LogLevel log_level = LogLevel::kInfo;
+  bool help = false;
+};
+
+// Parses "64Mi", "1G", "4096", "2Ki" (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024; a
+// trailing "B" is allowed). INVALID_ARGUMENT naming `flag` and the text otherwise.
+absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view flag);
+
+// Parses argv. INVALID_ARGUMENT naming the flag and value for anything unknown or malformed.
+absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv);
+
+// The --help text.
+std::string Usage();
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_OPTIONS_H_

@@ -1,0 +1,292 @@
+#include "server/service.h"
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/check.h"
+#include "common/grpc_status.h"
+#include "common/name.h"
+#include "common/wire.h"
+#include "server/log.h"
+
+namespace tensorshm {
+namespace {
+
+// How often an acquire waiter looks at its call for cancellation.
+constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
+
+}  // namespace
+
+TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog)
+    : catalog_(std::move(catalog)) {}
+
+void TensorShmService::BeginShutdown() {
+  absl::MutexLock lock(&mu_);
+  shutting_down_ = true;
+  published_.SignalAll();
+}
+
+absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerContext& context) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find(kSessionMetadataKey);
+  if (it == metadata.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metadata ", kSessionMetadataKey, ": missing; open a Session stream and send its id"));
+  }
+  std::string token(it->second.data(), it->second.size());
+  tensorshm::Session* session = sessions_.Find(token);
+  if (session == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "metadata ", kSessionMetadataKey, " = \"", absl::CHexEscape(token.substr(0, 64)),
+        "\": no open session has this id (its stream ended, or it never existed)"));
+  }
+  return session;
+}
+
+void TensorShmService::Describe(const Tensor& tensor, v1::TensorDesc* desc,
+                                v1::Location* location) const {
+  ToWire(tensor.dtype, desc->mutable_dtype());
+  ToWire(tensor.device, desc->mutable_device());
+  desc->mutable_shape()->Assign(tensor.shape.begin(), tensor.shape.end());
+  desc->mutable_strides()->Assign(tensor.strides.begin(), tensor.strides.end());
+  desc->set_byte_offset(tensor.byte_offset);
+  desc->set_nbytes(tensor.nbytes);
+  if (location == nullptr) return;
+  location->set_segment_id(tensor.buffer.segment_id);
+  location->set_offset(tensor.buffer.offset);
+  location->set_length(tensor.buffer.length);
+  if (tensor.buffer.length > 0) {
+    const HostPool& pool = catalog_->host_pool();
+    location->set_segment_size(pool.SegmentSize(tensor.buffer.segment_id));
+    location->mutable_host()->set_shm_name(pool.SegmentName(tensor.buffer.segment_id));
+  }
+}
+
+grpc::Status TensorShmService::Session(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
+  v1::SessionRequest request;
+  if (!stream->Read(&request)) return grpc::Status::OK;  // closed before opening
+  if (!request.has_open()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "Session: the first message must be `open`");
+  }
+  uint64_t session_id;
+  std::string token;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+    tensorshm::Session& session =
+        sessions_.Open(request.open().pid(), request.open().client_name(), context->peer());
+    session_id = session.id;
+    token = session.token;
+  }
+  TSM_LOG(kInfo) << "session " << session_id << " opened: pid " << request.open().pid()
+                 << ", client \"" << request.open().client_name() << "\"";
+  v1::SessionResponse opened;
+  opened.mutable_opened()->set_session_id(token);
+  opened.mutable_opened()->set_server_version(TENSORSHM_VERSION);
+  bool alive = stream->Write(opened);
+  grpc::Status result = grpc::Status::OK;
+  while (alive && stream->Read(&request)) {
+    if (!request.has_release()) {
+      result = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "Session: after `open`, only `release` messages are accepted");
+      break;
+    }
+    v1::SessionResponse response;
+    {
+      absl::MutexLock lock(&mu_);
+      tensorshm::Session* session = sessions_.Find(token);
+      if (session == nullptr) break;
+      HandleReleases(*session, request.release(), response.mutable_ack());
+    }
+    alive = stream->Write(response);
+  }
+  // The stream ended: the client closed it, exited or died, or the daemon is stopping.
+  CloseSession(session_id, token);
+  return result;
+}
+
+void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
+                                      v1::ReleaseAck* ack) {
+  ack->set_sequence(batch.sequence());
+  for (int i = 0; i < batch.lease_ids_size(); ++i) {
+    const uint64_t lease = batch.lease_ids(i);
+    auto it = session.leases.find(lease);
+    if (it == session.leases.end()) {
+      v1::Rejection* rejection = ack->add_rejected();
+      rejection->set_id(lease);
+      rejection->set_code(grpc::StatusCode::FAILED_PRECONDITION);
+      rejection->set_message(
+          absl::StrCat("lease_ids[", i, "] = ", lease, ": not held by this session"));
+      continue;
+    }
+    catalog_->DropLease(it->second);
+    session.leases.erase(it);
+  }
+  for (int i = 0; i < batch.abandoned_tensor_ids_size(); ++i) {
+    const uint64_t tensor_id = batch.abandoned_tensor_ids(i);
+    absl::Status status = session.unpublished.count(tensor_id) == 0
+                              ? absl::FailedPreconditionError(absl::StrCat(
+                                    "abandoned_tensor_ids[", i, "] = ", tensor_id,
+                                    ": not an unpublished tensor of this session"))
+                              : catalog_->Abandon(session.id, tensor_id);
+    if (status.ok()) {
+      session.unpublished.erase(tensor_id);
+      continue;
+    }
+    v1::Rejection* rejection = ack->add_rejected();
+    rejection->set_id(tensor_id);
+    rejection->set_code(static_cast<int32_t>(status.code()));
+    rejection->set_message(std::string(status.message()));
+  }
+}
+
+void TensorShmService::CloseSession(uint64_t session_id, const std::string& token) {
+  size_t leases = 0;
+  size_t unpublished = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    tensorshm::Session* session = sessions_.Find(token);
+    if (session == nullptr) return;
+    leases = session->leases.size();
+    unpublished = session->unpublished.size();
+    for (const auto& [lease, tensor_id] : session->leases) catalog_->DropLease(tensor_id);
+    session->leases.clear();
+    for (uint64_t tensor_id : session->unpublished) {
+      absl::Status s = catalog_->Abandon(session_id, tensor_id);
+      TSM_CHECK(s.ok());
+    }
+    session->unpublished.clear();
+    sessions_.Close(session_id);
+  }
+  TSM_LOG(kInfo) << "session " << session_id << " closed: released " << leases << " leases, freed "
+                 << unpublished << " unpublished tensors";
+}
+
+grpc::Status TensorShmService::Create(grpc::ServerContext* context,
+                                      const v1::CreateRequest* request,
+                                      v1::CreateResponse* response) {
+  absl::StatusOr<DLDataType> dtype = FromWire(request->dtype());
+  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+  const DLDevice device = request->has_device() ? FromWire(request->device()) : DLDevice{kDLCPU, 0};
+  const std::vector<int64_t> shape(request->shape().begin(), request->shape().end());
+  const std::vector<int64_t> strides(request->strides().begin(), request->strides().end());
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  absl::StatusOr<const Tensor*> tensor =
+      catalog_->Create((*session)->id, *dtype, shape, strides, device);
+  if (!tensor.ok()) return ToGrpcStatus(tensor.status());
+  (*session)->unpublished.insert((*tensor)->id);
+  response->set_tensor_id((*tensor)->id);
+  Describe(**tensor, response->mutable_desc(), response->mutable_location());
+  return grpc::Status::OK;
+}
+
+grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
+                                       const v1::PublishRequest* request,
+                                       v1::PublishResponse*) {
+  if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  absl::Status s =
+      catalog_->Publish((*session)->id, request->tensor_id(), request->name(), request->replace());
+  if (!s.ok()) return ToGrpcStatus(s);
+  (*session)->unpublished.erase(request->tensor_id());
+  published_.SignalAll();
+  return grpc::Status::OK;
+}
+
+grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
+                                       const v1::AcquireRequest* request,
+                                       v1::AcquireResponse* response) {
+  if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
+  // gRPC reports "no deadline" as a far-future time point that absl cannot represent exactly.
+  const auto grpc_deadline = context->deadline();
+  const absl::Time call_deadline =
+      grpc_deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)
+          ? absl::InfiniteFuture()
+          : absl::FromChrono(grpc_deadline);
+  const absl::Time deadline =
+      request->wait_ms() > 0
+          ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->wait_ms()))
+          : call_deadline;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    // Looked up again after every wait: the session may have ended meanwhile.
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    if (!session.ok()) return ToGrpcStatus(session.status());
+    if (const Tensor* tensor = catalog_->Find(request->name()); tensor != nullptr) {
+      const uint64_t lease = sessions_.NextLeaseId();
+      (*session)->leases.emplace(lease, tensor->id);
+      catalog_->AddLease(tensor->id);
+      response->set_lease_id(lease);
+      response->set_tensor_id(tensor->id);
+      Describe(*tensor, response->mutable_desc(), response->mutable_location());
+      return grpc::Status::OK;
+    }
+    if (request->wait_ms() == 0) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("name = \"", request->name(), "\": not published"));
+    }
+    if (shutting_down_) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+    }
+    if (context->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "acquire cancelled by the client");
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          absl::StrCat("name = \"", request->name(), "\": not published within ",
+                                       request->wait_ms() > 0
+                                           ? absl::StrCat("wait_ms = ", request->wait_ms())
+                                           : std::string("the call's deadline")));
+    }
+    published_.WaitWithTimeout(&mu_, std::min(deadline - now, kWaitPoll));
+  }
+}
+
+grpc::Status TensorShmService::Delete(grpc::ServerContext* context,
+                                      const v1::DeleteRequest* request, v1::DeleteResponse*) {
+  if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  return ToGrpcStatus(catalog_->Delete(request->name()));
+}
+
+grpc::Status TensorShmService::List(grpc::ServerContext*, const v1::ListRequest* request,
+                                    v1::ListResponse* response) {
+  if (absl::Status s = ValidateNamePrefix(request->prefix()); !s.ok()) return ToGrpcStatus(s);
+  absl::MutexLock lock(&mu_);
+  for (const Tensor* tensor : catalog_->List(request->prefix())) {
+    v1::TensorInfo* info = response->add_tensors();
+    info->set_name(tensor->name);
+    info->set_tensor_id(tensor->id);
+    info->set_leases(tensor->leases);
+    Describe(*tensor, info->mutable_desc(), nullptr);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TensorShmService::Stat(grpc::ServerContext*, const v1::StatRequest*,
+                                    v1::StatResponse* response) {
+  absl::MutexLock lock(&mu_);
+  response->set_tensors(catalog_->tensor_count());
+  response->set_names(catalog_->name_count());
+  response->set_leases(sessions_.lease_count());
+  response->set_sessions(sessions_.size());
+  const HostPool& pool = catalog_->host_pool();
+  v1::PoolStats* stats = response->add_pools();
+  ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
+  stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
+  stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes()));
+  stats->set_segments(static_cast<int64_t>(pool.segment_count()));
+  return grpc::Status::OK;
+}
+
+}  // namespace tensorshm

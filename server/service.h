@@ -1,0 +1,64 @@
+// The gRPC service: sessions, create / publish / acquire / delete / list / stat.
+#ifndef TENSORSHM_SERVER_SERVICE_H_
+#define TENSORSHM_SERVER_SERVICE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "server/catalog.h"
+#include "server/session.h"
+#include "tensorshm/v1/tensorshm.grpc.pb.h"
+
+namespace tensorshm {
+
+inline constexpr char kSessionMetadataKey[] = "tensorshm-session";
+
+// Thread-safe: every RPC runs on a gRPC thread and takes mu_ for the catalog and sessions.
+class TensorShmService final : public v1::TensorShm::Service {
+ public:
+  explicit TensorShmService(std::unique_ptr<Catalog> catalog);
+
+  // Wakes acquire waiters and makes new waits fail with UNAVAILABLE; call before stopping the
+  // server so that no handler outlives it.
+  void BeginShutdown();
+
+  grpc::Status Session(grpc::ServerContext* context,
+                       grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream)
+      override;
+  grpc::Status Create(grpc::ServerContext* context, const v1::CreateRequest* request,
+                      v1::CreateResponse* response) override;
+  grpc::Status Publish(grpc::ServerContext* context, const v1::PublishRequest* request,
+                       v1::PublishResponse* response) override;
+  grpc::Status Acquire(grpc::ServerContext* context, const v1::AcquireRequest* request,
+                       v1::AcquireResponse* response) override;
+  grpc::Status Delete(grpc::ServerContext* context, const v1::DeleteRequest* request,
+                      v1::DeleteResponse* response) override;
+  grpc::Status List(grpc::ServerContext* context, const v1::ListRequest* request,
+                    v1::ListResponse* response) override;
+  grpc::Status Stat(grpc::ServerContext* context, const v1::StatRequest* request,
+                    v1::StatResponse* response) override;
+
+ private:
+  // The session named by the call's metadata. INVALID_ARGUMENT if the metadata is missing,
+  // FAILED_PRECONDITION if no open session has that token.
+  absl::StatusOr<tensorshm::Session*> CallerSession(const grpc::ServerContext& context)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends `session`: drops its leases, frees its unpublished tensors, forgets it.
+  void CloseSession(uint64_t session_id, const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+  void HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
+                      v1::ReleaseAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  absl::CondVar published_;  // signalled on every publish and on shutdown
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
+  SessionTable sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_SERVICE_H_

@@ -1,0 +1,49 @@
+// Sessions: one per connected client process, each tied to its Session stream, with the leases
+// it holds and the tensors it created but has not published.
+#ifndef TENSORSHM_SERVER_SESSION_H_
+#define TENSORSHM_SERVER_SESSION_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <unordered_map>
+
+namespace tensorshm {
+
+struct Session {
+  uint64_t id = 0;
+  std::string token;  // what clients send as "tensorshm-session" metadata; unguessable
+  int64_t pid = 0;
+  std::string client_name;
+  std::string peer;
+  std::map<uint64_t, uint64_t> leases;  // lease id -> tensor id
+  std::set<uint64_t> unpublished;       // tensor ids created and not yet published
+};
+
+// Thread-compatible: the service serialises calls.
+class SessionTable {
+ public:
+  // Registers a new session and returns it; its token is 128 random bits in hex.
+  Session& Open(int64_t pid, std::string client_name, std::string peer);
+  // The session with `token`, or nullptr.
+  Session* Find(const std::string& token);
+  // Removes the session. REQUIRES: its leases and unpublished tensors have been dealt with.
+  void Close(uint64_t id);
+  // A fresh lease id, unique for the daemon's lifetime.
+  uint64_t NextLeaseId() { return next_lease_id_++; }
+
+  int64_t size() const { return static_cast<int64_t>(by_id_.size()); }
+  int64_t lease_count() const;
+
+ private:
+  uint64_t next_session_id_ = 1;
+  uint64_t next_lease_id_ = 1;
+  std::map<uint64_t, std::unique_ptr<Session>> by_id_;
+  std::unordered_map<std::string, Session*> by_token_;
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_SESSION_H_

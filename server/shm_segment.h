@@ -1,0 +1,50 @@
+// A POSIX shared memory object created by tensorshmd: one host pool segment, or the control
+// segment. Move-only; the creator unlinks it when destroyed.
+#ifndef TENSORSHM_SERVER_SHM_SEGMENT_H_
+#define TENSORSHM_SERVER_SHM_SEGMENT_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace tensorshm {
+
+// Thread-compatible.
+class ShmSegment {
+ public:
+  // Creates the shm object `name` ("/..."), `size` bytes, with `mode` permissions regardless of
+  // the umask, and reserves all its pages with posix_fallocate so that a full /dev/shm fails
+  // here rather than later as SIGBUS in a client. With `map` the daemon also maps it read-write.
+  // Returns ALREADY_EXISTS if the name is taken, RESOURCE_EXHAUSTED if /dev/shm cannot hold
+  // `size` bytes (the object is removed again), or another error naming the call and object.
+  static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size, mode_t mode,
+                                           bool map);
+
+  ShmSegment(ShmSegment&& other) noexcept;
+  ShmSegment& operator=(ShmSegment&& other) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();  // unmaps and unlinks
+
+  const std::string& name() const { return name_; }
+  uint64_t size() const { return size_; }
+  // The daemon's read-write mapping; nullptr unless created with `map`.
+  void* address() const { return address_; }
+
+ private:
+  ShmSegment(std::string name, uint64_t size, void* address)
+      : name_(std::move(name)), size_(size), address_(address) {}
+  void Reset();
+
+  std::string name_;
+  uint64_t size_ = 0;
+  void* address_ = nullptr;
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_SHM_SEGMENT_H_
