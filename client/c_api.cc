@@ -1,9 +1,8 @@
 // The C API over tensorshm::Client.
-#include "tensorshm/tensorshm.h"
-
 #include <string>
 
 #include "tensorshm/client.h"
+#include "tensorshm/tensorshm.h"
 
 struct tsm_client {
   std::shared_ptr<tensorshm::Client> client;
@@ -59,8 +58,8 @@ int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t
   if (out == nullptr) return NullArgument("out");
   *out = nullptr;
   if (client == nullptr) return NullArgument("client");
-  if (ndim < 0) return Fail(absl::InvalidArgumentError("ndim = " + std::to_string(ndim) +
-                                                       ": must be >= 0"));
+  if (ndim < 0)
+    return Fail(absl::InvalidArgumentError("ndim = " + std::to_string(ndim) + ": must be >= 0"));
   if (ndim > 0 && shape == nullptr) return NullArgument("shape");
   tensorshm::TensorSpec spec;
   spec.dtype = dtype;
@@ -100,8 +99,8 @@ int tsm_acquire(tsm_client* client, const char* name, int64_t timeout_ms,
     return Fail(absl::InvalidArgumentError("timeout_ms = " + std::to_string(timeout_ms) +
                                            ": must be >= 0 or TSM_WAIT_FOREVER"));
   }
-  const absl::Duration timeout = timeout_ms == TSM_WAIT_FOREVER ? absl::InfiniteDuration()
-                                                                : absl::Milliseconds(timeout_ms);
+  const absl::Duration timeout =
+      timeout_ms == TSM_WAIT_FOREVER ? absl::InfiniteDuration() : absl::Milliseconds(timeout_ms);
   absl::StatusOr<DLManagedTensorVersioned*> tensor = client->client->Acquire(name, timeout);
   if (!tensor.ok()) return Fail(tensor.status());
   *out = *tensor;

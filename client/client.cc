@@ -1,13 +1,12 @@
 #include "tensorshm/client.h"
 
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <thread>
-
-#include <grpcpp/channel.h>
-#include <grpcpp/client_context.h>
-#include <grpcpp/create_channel.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -29,7 +28,9 @@ constexpr absl::Duration kCallTimeout = absl::Seconds(60);
 constexpr size_t kMaxBatch = 4096;
 
 // absl here predates its use of std::string_view, so names cross over explicitly.
-absl::string_view View(std::string_view text) { return absl::string_view(text.data(), text.size()); }
+absl::string_view View(std::string_view text) {
+  return absl::string_view(text.data(), text.size());
+}
 
 // Data pointer of empty tensors: non-null and 256-byte aligned, never read.
 alignas(256) const char kEmptyData[256] = {};
@@ -151,9 +152,8 @@ bool ClientCore::CloseClient() {
 
 absl::Status ClientCore::Flush() {
   absl::MutexLock lock(&mu_);
-  const uint64_t target = (pending_leases_.empty() && pending_abandons_.empty())
-                              ? next_sequence_ - 1
-                              : next_sequence_;
+  const uint64_t target =
+      (pending_leases_.empty() && pending_abandons_.empty()) ? next_sequence_ - 1 : next_sequence_;
   work_.Signal();
   while (acked_sequence_ < target && !stream_broken_) acked_.Wait(&mu_);
   if (stream_broken_ && acked_sequence_ < target) {
@@ -241,8 +241,7 @@ void DeleteLegacy(DLManagedTensor* self) noexcept {
 }
 
 absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<ClientCore>& core,
-                                                    std::string_view name,
-                                                    absl::Duration timeout) {
+                                                    std::string_view name, absl::Duration timeout) {
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
   if (timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -479,8 +478,7 @@ absl::StatusOr<ServerStats> Client::Stat() {
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::StatResponse response;
-  if (absl::Status s =
-          FromGrpcStatus(core_->stub().Stat(&context, v1::StatRequest(), &response));
+  if (absl::Status s = FromGrpcStatus(core_->stub().Stat(&context, v1::StatRequest(), &response));
       !s.ok()) {
     return s;
   }

@@ -52,8 +52,8 @@ absl::StatusOr<const char*> SegmentMap::MapReadOnly(const std::string& shm_name,
   }
   if (static_cast<uint64_t>(st.st_size) < size) {
     close(fd);
-    return absl::FailedPreconditionError(absl::StrCat("segment ", shm_name, ": ", st.st_size,
-                                                      " bytes, daemon says ", size));
+    return absl::FailedPreconditionError(
+        absl::StrCat("segment ", shm_name, ": ", st.st_size, " bytes, daemon says ", size));
   }
   void* address = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
   const int err = errno;
@@ -67,8 +67,8 @@ absl::StatusOr<void*> MapWritable(const std::string& shm_name, uint64_t offset, 
   if (absl::Status s = ValidateShmName(shm_name); !s.ok()) return s;
   const int fd = shm_open(shm_name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) return ErrnoError("shm_open", shm_name, errno);
-  void* address = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-                       static_cast<off_t>(offset));
+  void* address =
+      mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
   const int err = errno;
   close(fd);
   if (address == MAP_FAILED) return ErrnoError("mmap", shm_name, err);

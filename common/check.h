@@ -5,12 +5,12 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define TSM_CHECK(condition)                                                              \
-  do {                                                                                    \
-    if (!(condition)) {                                                                   \
+#define TSM_CHECK(condition)                                                             \
+  do {                                                                                   \
+    if (!(condition)) {                                                                  \
       std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #condition); \
-      std::abort();                                                                       \
-    }                                                                                     \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (false)
 
 #endif  // TENSORSHM_COMMON_CHECK_H_

@@ -2,8 +2,8 @@
 
 #include <array>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -57,14 +57,22 @@ constexpr uint32_t kMaxCode = kDLFloat4_e2m1fn;
 
 const char* CodeName(uint32_t code) {
   switch (code) {
-    case kDLInt: return "int";
-    case kDLUInt: return "uint";
-    case kDLFloat: return "float";
-    case kDLOpaqueHandle: return "opaque handle";
-    case kDLBfloat: return "bfloat";
-    case kDLComplex: return "complex";
-    case kDLBool: return "bool";
-    default: return code <= kMaxCode ? "float8/6/4" : "unknown";
+    case kDLInt:
+      return "int";
+    case kDLUInt:
+      return "uint";
+    case kDLFloat:
+      return "float";
+    case kDLOpaqueHandle:
+      return "opaque handle";
+    case kDLBfloat:
+      return "bfloat";
+    case kDLComplex:
+      return "complex";
+    case kDLBool:
+      return "bool";
+    default:
+      return code <= kMaxCode ? "float8/6/4" : "unknown";
   }
 }
 
@@ -76,8 +84,7 @@ const ScalarType* FindScalar(uint32_t code, uint32_t bits) {
 }
 
 std::string Describe(uint32_t code, uint32_t bits, uint32_t lanes) {
-  return absl::StrFormat("{code: %d (%s), bits: %d, lanes: %d}", code, CodeName(code), bits,
-                         lanes);
+  return absl::StrFormat("{code: %d (%s), bits: %d, lanes: %d}", code, CodeName(code), bits, lanes);
 }
 
 }  // namespace
@@ -98,8 +105,8 @@ absl::StatusOr<DLDataType> MakeDataType(uint32_t code, uint32_t bits, uint32_t l
     for (const ScalarType& t : kScalarTypes) {
       if (t.code == code) allowed.push_back(t.bits);
     }
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", CodeName(code), " takes bits ",
-                                                   absl::StrJoin(allowed, ", ")));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", CodeName(code), " takes bits ", absl::StrJoin(allowed, ", ")));
   }
   if (lanes < 1 || lanes > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": lanes must be in 1..65535"));
@@ -118,26 +125,31 @@ absl::StatusOr<DLDataType> MakeDataType(uint32_t code, uint32_t bits, uint32_t l
 std::string DataTypeName(const DLDataType& dtype) {
   const ScalarType* t = FindScalar(dtype.code, dtype.bits);
   if (t == nullptr) {
-    return absl::StrFormat("dtype(code=%d,bits=%d,lanes=%d)", dtype.code, dtype.bits,
-                           dtype.lanes);
+    return absl::StrFormat("dtype(code=%d,bits=%d,lanes=%d)", dtype.code, dtype.bits, dtype.lanes);
   }
   if (dtype.lanes == 1) return t->name;
   return absl::StrCat(t->name, "x", dtype.lanes);
 }
 
 absl::StatusOr<DLDataType> ParseDataType(absl::string_view name, absl::string_view field) {
-  absl::string_view scalar = name;
-  uint32_t lanes = 1;
-  if (size_t x = name.rfind('x'); x != absl::string_view::npos && x + 1 < name.size() &&
-                                  absl::SimpleAtoi(name.substr(x + 1), &lanes)) {
-    scalar = name.substr(0, x);
-  }
-  if (scalar == "bool_") scalar = "bool";
-  if (scalar == "half") scalar = "float16";
-  if (scalar == "float") scalar = "float32";
-  if (scalar == "double") scalar = "float64";
-  for (const ScalarType& t : kScalarTypes) {
-    if (scalar == t.name) return MakeDataType(t.code, t.bits, lanes, field);
+  auto scalar_type = [](absl::string_view scalar) -> const ScalarType* {
+    if (scalar == "bool_") scalar = "bool";
+    if (scalar == "half") scalar = "float16";
+    if (scalar == "float") scalar = "float32";
+    if (scalar == "double") scalar = "float64";
+    for (const ScalarType& t : kScalarTypes) {
+      if (scalar == t.name) return &t;
+    }
+    return nullptr;
+  };
+  if (const ScalarType* t = scalar_type(name)) return MakeDataType(t->code, t->bits, 1, field);
+  // A vector: "<scalar>x<lanes>".
+  uint32_t lanes = 0;
+  if (size_t x = name.rfind('x');
+      x != absl::string_view::npos && absl::SimpleAtoi(name.substr(x + 1), &lanes)) {
+    if (const ScalarType* t = scalar_type(name.substr(0, x))) {
+      return MakeDataType(t->code, t->bits, lanes, field);
+    }
   }
   return absl::InvalidArgumentError(
       absl::StrCat(field, " = \"", absl::CHexEscape(name), "\": unknown dtype name"));

@@ -44,9 +44,9 @@ absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<c
     }
   }
   if (!strides.empty() && static_cast<int64_t>(strides.size()) != ndim) {
-    return absl::InvalidArgumentError(absl::StrCat("strides = ", Dims(strides), ": ",
-                                                   strides.size(), " values for ", ndim,
-                                                   " dimensions (give one per dimension, or none)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("strides = ", Dims(strides), ": ", strides.size(), " values for ", ndim,
+                     " dimensions (give one per dimension, or none)"));
   }
 
   TensorLayout layout;
@@ -85,7 +85,8 @@ absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<c
   }
 
   const int64_t item_bytes = ElementBits(dtype) / 8;
-  layout.strides = strides.empty() ? contiguous : std::vector<int64_t>(strides.begin(), strides.end());
+  layout.strides =
+      strides.empty() ? contiguous : std::vector<int64_t>(strides.begin(), strides.end());
   if (empty) return layout;
 
   // Elements reachable from [0, ..., 0]: [low, high], in elements.

@@ -29,9 +29,9 @@ absl::Status CheckAlphabet(absl::string_view value, absl::string_view field) {
   }
   for (size_t i = 0; i < value.size(); ++i) {
     if (!IsNameChar(value[i])) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s = %s: byte %d (%s) is not one of [A-Za-z0-9._:/-]", field, Quote(value), i,
-          Quote(value.substr(i, 1))));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s = %s: byte %d (%s) is not one of [A-Za-z0-9._:/-]", field,
+                          Quote(value), i, Quote(value.substr(i, 1))));
     }
   }
   return absl::OkStatus();

@@ -27,8 +27,10 @@ DLDevice FromWire(const v1::Device& device) {
 
 std::string DeviceName(const DLDevice& device) {
   switch (device.device_type) {
-    case kDLCPU: return "cpu";
-    case kDLCUDA: return absl::StrCat("cuda:", device.device_id);
+    case kDLCPU:
+      return "cpu";
+    case kDLCUDA:
+      return absl::StrCat("cuda:", device.device_id);
     default:
       return absl::StrCat("device(type=", static_cast<int>(device.device_type),
                           ",id=", device.device_id, ")");
@@ -56,12 +58,11 @@ absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
                                                    ": smaller than the tensor's ", layout->nbytes,
                                                    " bytes"));
   }
-  if (location.length() > 0 &&
-      (location.offset() > location.segment_size() ||
-       location.length() > location.segment_size() - location.offset())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "location: [", location.offset(), ", +", location.length(), ") exceeds segment size ",
-        location.segment_size()));
+  if (location.length() > 0 && (location.offset() > location.segment_size() ||
+                                location.length() > location.segment_size() - location.offset())) {
+    return absl::InvalidArgumentError(absl::StrCat("location: [", location.offset(), ", +",
+                                                   location.length(), ") exceeds segment size ",
+                                                   location.segment_size()));
   }
   out.strides = std::move(layout->strides);
   out.byte_offset = layout->byte_offset;

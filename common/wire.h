@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-apt_packages=(build-essential cmake pkg-config git python3 python3-venv
+apt_packages=(build-essential cmake pkg-config python3 python3-venv
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libboost-dev libabsl-dev libgtest-dev libgmock-dev)
 

@@ -17,10 +17,10 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& o
                              options.host_segment_bytes, options.mode);
   if (!control.ok()) return control.status();
   std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control)));
-  absl::StatusOr<HostPool> pool = HostPool::Create(
-      HostPoolOptions{options.shm_prefix, options.host_pool_bytes, options.host_segment_bytes,
-                      options.mode},
-      &catalog->control_);
+  absl::StatusOr<HostPool> pool =
+      HostPool::Create(HostPoolOptions{options.shm_prefix, options.host_pool_bytes,
+                                       options.host_segment_bytes, options.mode},
+                       &catalog->control_);
   if (!pool.ok()) return pool.status();
   catalog->pool_.emplace(*std::move(pool));
   return catalog;
@@ -33,8 +33,7 @@ Catalog::Catalog(ControlSegment control) : control_(std::move(control)) {
 }
 
 void Catalog::WriteRecordState(const Tensor& tensor, RecordState state) {
-  control_.record(tensor.slot).state.store(static_cast<uint32_t>(state),
-                                           std::memory_order_release);
+  control_.record(tensor.slot).state.store(static_cast<uint32_t>(state), std::memory_order_release);
 }
 
 absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType& dtype,
@@ -126,9 +125,9 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   }
   auto bound = names_.find(name);
   if (bound != names_.end() && !replace) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "name = \"", name, "\": already published (tensor ", bound->second,
-        "); delete it first or publish with replace"));
+    return absl::AlreadyExistsError(absl::StrCat("name = \"", name,
+                                                 "\": already published (tensor ", bound->second,
+                                                 "); delete it first or publish with replace"));
   }
 
   TensorRecord& record = control_.record(tensor.slot);

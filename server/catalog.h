@@ -96,8 +96,8 @@ class Catalog {
   ControlSegment control_;
   std::optional<HostPool> pool_;  // set by Create; refers to control_
   std::vector<uint32_t> free_slots_;
-  std::map<uint64_t, Tensor> tensors_;                    // by id
-  std::unordered_map<std::string, uint64_t> names_;       // bound name -> tensor id
+  std::map<uint64_t, Tensor> tensors_;               // by id
+  std::unordered_map<std::string, uint64_t> names_;  // bound name -> tensor id
 };
 
 }  // namespace tensorshm

@@ -13,18 +13,17 @@ uint64_t HostPool::PageSize() {
   return page;
 }
 
-absl::StatusOr<HostPool> HostPool::Create(const HostPoolOptions& options,
-                                          ControlSegment* control) {
+absl::StatusOr<HostPool> HostPool::Create(const HostPoolOptions& options, ControlSegment* control) {
   const uint64_t page = PageSize();
   if (options.capacity_bytes == 0 || options.capacity_bytes % page != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("host pool size = ", options.capacity_bytes,
-                                                   ": must be a positive multiple of the page size (",
-                                                   page, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("host pool size = ", options.capacity_bytes,
+                     ": must be a positive multiple of the page size (", page, ")"));
   }
   if (options.segment_bytes == 0 || options.segment_bytes % page != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("segment size = ", options.segment_bytes,
-                                                   ": must be a positive multiple of the page size (",
-                                                   page, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment size = ", options.segment_bytes,
+                     ": must be a positive multiple of the page size (", page, ")"));
   }
   HostPool pool(options, control);
   if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes));
@@ -57,9 +56,9 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes) {
   TSM_CHECK(nbytes > 0);
   const uint64_t page = PageSize();
   if (nbytes > options_.capacity_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("host pool: cannot allocate ", nbytes,
-                                                     " bytes: larger than the whole pool (",
-                                                     options_.capacity_bytes, " bytes, --host-pool)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host pool: cannot allocate ", nbytes, " bytes: larger than the whole pool (",
+                     options_.capacity_bytes, " bytes, --host-pool)"));
   }
   const uint64_t length = (nbytes + page - 1) / page * page;
   Segment* best = nullptr;
@@ -75,12 +74,13 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes) {
     const uint64_t remaining = options_.capacity_bytes - reserved_bytes();
     if (remaining < length) {
       uint64_t largest = 0;
-      for (const Segment& s : segments_) largest = std::max(largest, s.allocator.largest_free_block());
+      for (const Segment& s : segments_)
+        largest = std::max(largest, s.allocator.largest_free_block());
       largest = std::max(largest, remaining);
       return absl::ResourceExhaustedError(absl::StrCat(
-          "host pool: cannot allocate ", nbytes, " bytes (", length, " rounded to pages): ",
-          options_.capacity_bytes - used_bytes(), " of ", options_.capacity_bytes,
-          " bytes free, largest free block ", largest, " bytes"));
+          "host pool: cannot allocate ", nbytes, " bytes (", length,
+          " rounded to pages): ", options_.capacity_bytes - used_bytes(), " of ",
+          options_.capacity_bytes, " bytes free, largest free block ", largest, " bytes"));
     }
     if (absl::Status s = AddSegment(std::min(std::max(options_.segment_bytes, length), remaining));
         !s.ok()) {

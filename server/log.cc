@@ -14,10 +14,14 @@ std::atomic<LogLevel> threshold{LogLevel::kInfo};
 
 const char* LevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "debug";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kWarning: return "warning";
-    case LogLevel::kError: return "error";
+    case LogLevel::kDebug:
+      return "debug";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kWarning:
+      return "warning";
+    case LogLevel::kError:
+      return "error";
   }
   return "?";
 }
@@ -31,8 +35,8 @@ absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view text) {
   for (LogLevel level : {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning, LogLevel::kError}) {
     if (text == LevelName(level)) return level;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--log-level = \"", text, "\": expected debug, info, warning or error"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--log-level = \"", text, "\": expected debug, info, warning or error"));
 }
 
 LogLine::~LogLine() {

@@ -5,8 +5,8 @@
 #include <sstream>
 #include <string_view>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace tensorshm {
 
@@ -36,9 +36,9 @@ class LogLine {
 
 }  // namespace tensorshm
 
-#define TSM_LOG(level)                                                                   \
-  if (::tensorshm::LogLevel::level < ::tensorshm::GetLogLevel()) {                       \
-  } else                                                                                 \
+#define TSM_LOG(level)                                             \
+  if (::tensorshm::LogLevel::level < ::tensorshm::GetLogLevel()) { \
+  } else                                                           \
     ::tensorshm::LogLine(::tensorshm::LogLevel::level)
 
 #endif  // TENSORSHM_SERVER_LOG_H_

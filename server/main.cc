@@ -1,5 +1,9 @@
 // tensorshmd: the tensorshm daemon.
 #include <fcntl.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,11 +15,6 @@
 #include <cstring>
 #include <iostream>
 #include <thread>
-
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -102,9 +101,9 @@ int Run(int argc, char** argv) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<Catalog>> catalog = Catalog::Create(
-      CatalogOptions{options->shm_prefix, options->host_pool_bytes, options->segment_bytes,
-                     options->max_tensors, 0600});
+  absl::StatusOr<std::unique_ptr<Catalog>> catalog =
+      Catalog::Create(CatalogOptions{options->shm_prefix, options->host_pool_bytes,
+                                     options->segment_bytes, options->max_tensors, 0600});
   if (!catalog.ok()) {
     std::cerr << "tensorshmd: " << catalog.status().message() << "\n";
     return 1;

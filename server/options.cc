@@ -87,9 +87,9 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       options.help = true;
       continue;
     }
-    const bool takes_value = arg == "--socket" || arg == "--host-pool" ||
-                             arg == "--segment-size" || arg == "--shm-prefix" ||
-                             arg == "--max-tensors" || arg == "--log-level";
+    const bool takes_value = arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
+                             arg == "--shm-prefix" || arg == "--max-tensors" ||
+                             arg == "--log-level";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -112,8 +112,8 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
     } else if (arg == "--shm-prefix") {
       if (value.empty() || value.size() > 48 ||
           !std::all_of(value.begin(), value.end(), IsPrefixChar)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--shm-prefix = \"", value, "\": use 1-48 characters of [A-Za-z0-9_-]"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--shm-prefix = \"", value, "\": use 1-48 characters of [A-Za-z0-9_-]"));
       }
       options.shm_prefix = std::string(value);
     } else if (arg == "--max-tensors") {
@@ -133,9 +133,9 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   for (uint64_t* size : {&options.host_pool_bytes, &options.segment_bytes}) {
     if (*size == 0) {
-      return absl::InvalidArgumentError(
-          size == &options.host_pool_bytes ? "--host-pool = 0: must be positive"
-                                           : "--segment-size = 0: must be positive");
+      return absl::InvalidArgumentError(size == &options.host_pool_bytes
+                                            ? "--host-pool = 0: must be positive"
+                                            : "--segment-size = 0: must be positive");
     }
     *size = (*size + page - 1) / page * page;
   }

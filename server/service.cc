@@ -75,7 +75,8 @@ grpc::Status TensorShmService::Session(
   std::string token;
   {
     absl::MutexLock lock(&mu_);
-    if (shutting_down_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+    if (shutting_down_)
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
     tensorshm::Session& session =
         sessions_.Open(request.open().pid(), request.open().client_name(), context->peer());
     session_id = session.id;
@@ -128,9 +129,9 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
   for (int i = 0; i < batch.abandoned_tensor_ids_size(); ++i) {
     const uint64_t tensor_id = batch.abandoned_tensor_ids(i);
     absl::Status status = session.unpublished.count(tensor_id) == 0
-                              ? absl::FailedPreconditionError(absl::StrCat(
-                                    "abandoned_tensor_ids[", i, "] = ", tensor_id,
-                                    ": not an unpublished tensor of this session"))
+                              ? absl::FailedPreconditionError(
+                                    absl::StrCat("abandoned_tensor_ids[", i, "] = ", tensor_id,
+                                                 ": not an unpublished tensor of this session"))
                               : catalog_->Abandon(session.id, tensor_id);
     if (status.ok()) {
       session.unpublished.erase(tensor_id);
@@ -186,8 +187,7 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
 }
 
 grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
-                                       const v1::PublishRequest* request,
-                                       v1::PublishResponse*) {
+                                       const v1::PublishRequest* request, v1::PublishResponse*) {
   if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
@@ -240,11 +240,11 @@ grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
     }
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                          absl::StrCat("name = \"", request->name(), "\": not published within ",
-                                       request->wait_ms() > 0
-                                           ? absl::StrCat("wait_ms = ", request->wait_ms())
-                                           : std::string("the call's deadline")));
+      return grpc::Status(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          absl::StrCat("name = \"", request->name(), "\": not published within ",
+                       request->wait_ms() > 0 ? absl::StrCat("wait_ms = ", request->wait_ms())
+                                              : std::string("the call's deadline")));
     }
     published_.WaitWithTimeout(&mu_, std::min(deadline - now, kWaitPoll));
   }

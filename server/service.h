@@ -24,9 +24,9 @@ class TensorShmService final : public v1::TensorShm::Service {
   // server so that no handler outlives it.
   void BeginShutdown();
 
-  grpc::Status Session(grpc::ServerContext* context,
-                       grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream)
-      override;
+  grpc::Status Session(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) override;
   grpc::Status Create(grpc::ServerContext* context, const v1::CreateRequest* request,
                       v1::CreateResponse* response) override;
   grpc::Status Publish(grpc::ServerContext* context, const v1::PublishRequest* request,

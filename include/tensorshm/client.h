@@ -35,9 +35,9 @@ struct ClientOptions {
 };
 
 struct TensorSpec {
-  DLDataType dtype;
-  std::vector<int64_t> shape;
-  std::vector<int64_t> strides;  // in elements; empty: C-contiguous
+  DLDataType dtype{};
+  std::vector<int64_t> shape = {};
+  std::vector<int64_t> strides = {};  // in elements; empty: C-contiguous
   DLDevice device = {kDLCPU, 0};
 };
 
@@ -46,7 +46,7 @@ struct TensorInfo {
   uint64_t tensor_id = 0;
   DLDataType dtype{};
   DLDevice device{};
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape = {};
   std::vector<int64_t> strides;
   int64_t nbytes = 0;
   int64_t leases = 0;

@@ -1,0 +1,385 @@
+// handoff_bench: hands a tensor from a producer process to a consumer process through tensorshm,
+// and the same bytes through a gRPC bytes field on the same kind of socket, and prints medians.
+//
+//   handoff_bench [--sizes 4Ki,1Mi,64Mi,1Gi] [--max-iterations N]
+//
+// tensorshm handoff: producer create + fill + publish -> consumer (already waiting in Acquire)
+//   acquire + read one byte per page. Measured from the producer's start to the consumer's last
+//   read, on CLOCK_MONOTONIC, which both processes share.
+// tensorshm acquire (warm): the consumer acquiring the same, already published tensor again
+//   and reading one byte per page (segment mapping cached, as in a long-running consumer).
+// gRPC bytes: producer fills a buffer and sends it in a unary call to the consumer's server,
+//   whose handler reads one byte per page; measured from the fill's start to that last read.
+// empty RPC: round trip of an empty unary call on the same socket: the floor of any RPC.
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "bench.grpc.pb.h"
+#include "tensorshm/client.h"
+
+extern char** environ;
+
+namespace {
+
+constexpr size_t kPage = 4096;
+
+int64_t NowNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// Reads one byte per page, so every page is really mapped and present.
+uint64_t TouchPages(const void* data, size_t size) {
+  const auto* bytes = static_cast<const volatile unsigned char*>(data);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < size; i += kPage) sum += bytes[i];
+  if (size > 0) sum += bytes[size - 1];
+  return sum;
+}
+
+uint64_t ParseSize(const std::string& text) {
+  size_t end = 0;
+  const uint64_t n = std::stoull(text, &end);
+  const std::string suffix = text.substr(end);
+  if (suffix.empty()) return n;
+  if (suffix == "Ki") return n << 10;
+  if (suffix == "Mi") return n << 20;
+  if (suffix == "Gi") return n << 30;
+  std::cerr << "bad size " << text << "\n";
+  std::exit(2);
+}
+
+std::string FormatSize(uint64_t bytes) {
+  if (bytes >= (1u << 30) && bytes % (1u << 30) == 0) return absl::StrFormat("%d GiB", bytes >> 30);
+  if (bytes >= (1u << 20) && bytes % (1u << 20) == 0) return absl::StrFormat("%d MiB", bytes >> 20);
+  if (bytes >= (1u << 10) && bytes % (1u << 10) == 0) return absl::StrFormat("%d KiB", bytes >> 10);
+  return absl::StrFormat("%d B", bytes);
+}
+
+std::string FormatNs(double ns) {
+  if (ns < 1e3) return absl::StrFormat("%.0f ns", ns);
+  if (ns < 1e6) return absl::StrFormat("%.1f us", ns / 1e3);
+  if (ns < 1e9) return absl::StrFormat("%.2f ms", ns / 1e6);
+  return absl::StrFormat("%.2f s", ns / 1e9);
+}
+
+double Median(std::vector<int64_t> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2.0;
+}
+
+// Line-oriented I/O with a child's stdin / stdout.
+struct Child {
+  pid_t pid = -1;
+  FILE* in = nullptr;   // the child's stdin
+  FILE* out = nullptr;  // the child's stdout
+
+  static Child Spawn(const std::vector<std::string>& argv) {
+    int to_child[2], from_child[2];
+    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) std::abort();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, to_child[0], STDIN_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, from_child[1], STDOUT_FILENO);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    Child child;
+    if (posix_spawn(&child.pid, args[0], &actions, nullptr, args.data(), environ) != 0) {
+      std::perror("posix_spawn");
+      std::exit(1);
+    }
+    posix_spawn_file_actions_destroy(&actions);
+    close(to_child[0]);
+    close(from_child[1]);
+    child.in = fdopen(to_child[1], "w");
+    child.out = fdopen(from_child[0], "r");
+    return child;
+  }
+
+  void Send(const std::string& line) {
+    std::fputs((line + "\n").c_str(), in);
+    std::fflush(in);
+  }
+
+  // The next line starting with `key`, split into words after it.
+  std::vector<std::string> Expect(const std::string& key) {
+    char buffer[512];
+    while (std::fgets(buffer, sizeof(buffer), out) != nullptr) {
+      std::vector<std::string> words =
+          absl::StrSplit(absl::StripTrailingAsciiWhitespace(buffer), ' ', absl::SkipEmpty());
+      if (!words.empty() && words[0] == key) return {words.begin() + 1, words.end()};
+    }
+    std::cerr << "child " << pid << " ended before sending '" << key << "'\n";
+    std::exit(1);
+  }
+
+  void Finish() {
+    std::fclose(in);
+    int status;
+    waitpid(pid, &status, 0);
+    std::fclose(out);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::cerr << "child " << pid << " failed (status " << status << ")\n";
+      std::exit(1);
+    }
+  }
+};
+
+bool ReadLine(std::string& line) { return static_cast<bool>(std::getline(std::cin, line)); }
+
+void Say(const std::string& line) {
+  std::fputs((line + "\n").c_str(), stdout);
+  std::fflush(stdout);
+}
+
+[[noreturn]] void Die(const absl::Status& status) {
+  std::cerr << "handoff_bench: " << status << "\n";
+  std::exit(1);
+}
+
+std::shared_ptr<tensorshm::Client> ConnectOrDie(const std::string& socket) {
+  auto client = tensorshm::Client::Connect({socket, "handoff_bench"});
+  if (!client.ok()) Die(client.status());
+  return *client;
+}
+
+// ---- roles (child processes) ----
+
+int TsmProducer(const std::string& socket, uint64_t size, int iterations) {
+  auto client = ConnectOrDie(socket);
+  std::string line;
+  for (int i = 0; i < iterations && ReadLine(line); ++i) {
+    const int64_t start = NowNs();
+    auto tensor = client->Create({{kDLUInt, 8, 1}, {static_cast<int64_t>(size)}});
+    if (!tensor.ok()) Die(tensor.status());
+    std::memset(tensor->data(), i & 0xff, size);
+    if (absl::Status s = client->Publish(*tensor, absl::StrFormat("bench/%d", i)); !s.ok()) Die(s);
+    Say(absl::StrFormat("start %d", start));
+  }
+  return 0;
+}
+
+int TsmConsumer(const std::string& socket, uint64_t size, int iterations) {
+  auto client = ConnectOrDie(socket);
+  uint64_t sink = 0;
+  for (int i = 0; i < iterations; ++i) {
+    const std::string name = absl::StrFormat("bench/%d", i);
+    Say("ready");
+    auto tensor = client->Acquire(name, absl::InfiniteDuration());
+    if (!tensor.ok()) Die(tensor.status());
+    sink += TouchPages((*tensor)->dl_tensor.data, size);
+    const int64_t end = NowNs();
+    (*tensor)->deleter(*tensor);
+    // Warm: the tensor is published and its segment already mapped.
+    const int64_t warm_start = NowNs();
+    auto again = client->Acquire(name);
+    if (!again.ok()) Die(again.status());
+    sink += TouchPages((*again)->dl_tensor.data, size);
+    const int64_t warm = NowNs() - warm_start;
+    (*again)->deleter(*again);
+    if (absl::Status s = client->Delete(name); !s.ok()) Die(s);
+    if (absl::Status s = client->Flush(); !s.ok()) Die(s);
+    Say(absl::StrFormat("end %d %d", end, warm));
+  }
+  return sink == 42 ? 1 : 0;  // keeps the reads from being optimised away
+}
+
+class BytesService final : public tensorshm::bench::BytesBench::Service {
+  grpc::Status Send(grpc::ServerContext*, const tensorshm::bench::Blob* blob,
+                    tensorshm::bench::Empty*) override {
+    sink_ += TouchPages(blob->data().data(), blob->data().size());
+    Say(absl::StrFormat("end %d", NowNs()));
+    return grpc::Status::OK;
+  }
+  grpc::Status Ping(grpc::ServerContext*, const tensorshm::bench::Empty*,
+                    tensorshm::bench::Empty*) override {
+    return grpc::Status::OK;
+  }
+  uint64_t sink_ = 0;
+};
+
+int GrpcConsumer(const std::string& socket) {
+  BytesService service;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+  builder.SetMaxReceiveMessageSize(INT32_MAX);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) return 1;
+  Say("listening");
+  std::string line;
+  while (ReadLine(line)) {
+  }
+  server->Shutdown();
+  return 0;
+}
+
+int GrpcProducer(const std::string& socket, uint64_t size, int iterations) {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(INT32_MAX);
+  auto stub = tensorshm::bench::BytesBench::NewStub(
+      grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args));
+  std::string line;
+  for (int i = 0; i < iterations && ReadLine(line); ++i) {
+    const int64_t start = NowNs();
+    tensorshm::bench::Blob blob;
+    blob.mutable_data()->resize(size);
+    std::memset(blob.mutable_data()->data(), i & 0xff, size);
+    grpc::ClientContext context;
+    tensorshm::bench::Empty reply;
+    grpc::Status status = stub->Send(&context, blob, &reply);
+    if (!status.ok()) {
+      std::cerr << "Send: " << status.error_message() << "\n";
+      return 1;
+    }
+    Say(absl::StrFormat("start %d", start));
+  }
+  std::vector<int64_t> pings;
+  for (int i = 0; i < 2000; ++i) {
+    grpc::ClientContext context;
+    tensorshm::bench::Empty request, reply;
+    const int64_t start = NowNs();
+    if (!stub->Ping(&context, request, &reply).ok()) return 1;
+    pings.push_back(NowNs() - start);
+  }
+  Say(absl::StrFormat("ping %d", static_cast<int64_t>(Median(pings))));
+  return 0;
+}
+
+// ---- the driver ----
+
+struct Row {
+  uint64_t size;
+  int iterations;
+  double tsm_handoff, tsm_warm, grpc_bytes, ping;
+};
+
+Row Measure(const std::string& self, const std::string& dir, const std::string& tsm_socket,
+            uint64_t size, int iterations) {
+  Row row{size, iterations, 0, 0, 0, 0};
+  const std::string size_arg = std::to_string(size);
+  const std::string iter_arg = std::to_string(iterations);
+  {
+    Child consumer = Child::Spawn({self, "--role", "tsm-consumer", tsm_socket, size_arg, iter_arg});
+    Child producer = Child::Spawn({self, "--role", "tsm-producer", tsm_socket, size_arg, iter_arg});
+    std::vector<int64_t> handoff, warm;
+    for (int i = 0; i < iterations; ++i) {
+      consumer.Expect("ready");
+      absl::SleepFor(absl::Milliseconds(2));  // let the consumer enter its wait
+      producer.Send("go");
+      const int64_t start = std::stoll(producer.Expect("start").at(0));
+      std::vector<std::string> end = consumer.Expect("end");
+      handoff.push_back(std::stoll(end.at(0)) - start);
+      warm.push_back(std::stoll(end.at(1)));
+    }
+    producer.Finish();
+    consumer.Finish();
+    row.tsm_handoff = Median(handoff);
+    row.tsm_warm = Median(warm);
+  }
+  {
+    const std::string socket = dir + "/bytes.sock";
+    std::filesystem::remove(socket);
+    Child consumer = Child::Spawn({self, "--role", "grpc-consumer", socket, size_arg, iter_arg});
+    consumer.Expect("listening");
+    Child producer = Child::Spawn({self, "--role", "grpc-producer", socket, size_arg, iter_arg});
+    std::vector<int64_t> bytes;
+    for (int i = 0; i < iterations; ++i) {
+      producer.Send("go");
+      const int64_t start = std::stoll(producer.Expect("start").at(0));
+      bytes.push_back(std::stoll(consumer.Expect("end").at(0)) - start);
+    }
+    row.ping = std::stod(producer.Expect("ping").at(0));
+    producer.Finish();
+    consumer.Finish();
+    row.grpc_bytes = Median(bytes);
+  }
+  return row;
+}
+
+int Driver(const std::string& self, const std::vector<uint64_t>& sizes, int max_iterations) {
+  const std::string dir = absl::StrFormat("/tmp/tsm-bench-%d", getpid());
+  std::filesystem::create_directories(dir);
+  const std::string socket = dir + "/tensorshm.sock";
+  const uint64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  const uint64_t pool = largest + (512ull << 20);
+  std::vector<std::string> argv = {TENSORSHMD_PATH, "--socket",           socket,
+                                   "--host-pool",   std::to_string(pool), "--segment-size",
+                                   "256Mi",         "--log-level",        "warning"};
+  Child daemon = Child::Spawn(argv);
+  daemon.Expect("tensorshmd");  // its "serving on" line
+
+  std::cout << "handoff_bench: producer process -> consumer process, medians; CLOCK_MONOTONIC\n"
+            << "  tensorshm handoff: create + fill + publish -> acquire + read a byte per page\n"
+            << "  tensorshm acquire: acquire (warm) + read a byte per page\n"
+            << "  gRPC bytes: fill + unary call with a bytes field -> read a byte per page\n"
+            << "  empty RPC: round trip of an empty unary call on the same kind of socket\n\n";
+  std::printf("%-8s %6s %18s %18s %14s %11s %15s\n", "size", "iters", "tensorshm handoff",
+              "tensorshm acquire", "gRPC bytes", "empty RPC", "gRPC / tensorshm");
+  for (uint64_t size : sizes) {
+    const int iterations = static_cast<int>(
+        std::clamp<uint64_t>((4ull << 30) / std::max<uint64_t>(size, 1), 5, max_iterations));
+    Row r = Measure(self, dir, socket, size, iterations);
+    std::printf("%-8s %6d %18s %18s %14s %11s %14.1fx\n", FormatSize(size).c_str(), r.iterations,
+                FormatNs(r.tsm_handoff).c_str(), FormatNs(r.tsm_warm).c_str(),
+                FormatNs(r.grpc_bytes).c_str(), FormatNs(r.ping).c_str(),
+                r.grpc_bytes / r.tsm_handoff);
+    std::fflush(stdout);
+  }
+  kill(daemon.pid, SIGTERM);
+  daemon.Finish();
+  std::filesystem::remove_all(dir);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  signal(SIGPIPE, SIG_IGN);
+  if (argc >= 6 && std::string(argv[1]) == "--role") {
+    const std::string role = argv[2];
+    const std::string socket = argv[3];
+    const uint64_t size = std::stoull(argv[4]);
+    const int iterations = std::stoi(argv[5]);
+    if (role == "tsm-producer") return TsmProducer(socket, size, iterations);
+    if (role == "tsm-consumer") return TsmConsumer(socket, size, iterations);
+    if (role == "grpc-producer") return GrpcProducer(socket, size, iterations);
+    if (role == "grpc-consumer") return GrpcConsumer(socket);
+    return 2;
+  }
+  std::vector<uint64_t> sizes = {4ull << 10, 1ull << 20, 64ull << 20, 1ull << 30};
+  int max_iterations = 200;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--sizes" && i + 1 < argc) {
+      sizes.clear();
+      for (absl::string_view s : absl::StrSplit(argv[++i], ','))
+        sizes.push_back(ParseSize(std::string(s)));
+    } else if (arg == "--max-iterations" && i + 1 < argc) {
+      max_iterations = std::max(5, std::stoi(argv[++i]));
+    } else {
+      std::cerr << "usage: handoff_bench [--sizes 4Ki,1Mi,64Mi,1Gi] [--max-iterations N]\n";
+      return 2;
+    }
+  }
+  return Driver(std::filesystem::canonical("/proc/self/exe").string(), sizes, max_iterations);
+}

@@ -1,0 +1,128 @@
+#include "server/catalog.h"
+
+#include <unistd.h>
+
+#include <boost/interprocess/shared_memory_object.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace tensorshm {
+namespace {
+
+const DLDataType kF32{kDLFloat, 32, 1};
+const DLDevice kCpu{kDLCPU, 0};
+
+class CatalogTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = absl::StrCat("tsmtest-catalog-", getpid());
+    for (const char* suffix : {".ctl", ".cpu.1", ".cpu.2", ".cpu.3"}) {
+      boost::interprocess::shared_memory_object::remove((prefix_ + suffix).c_str());
+    }
+    absl::StatusOr<std::unique_ptr<Catalog>> catalog =
+        Catalog::Create(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8, 0600});
+    ASSERT_TRUE(catalog.ok()) << catalog.status();
+    catalog_ = *std::move(catalog);
+  }
+
+  RecordState State(const Tensor* t) {
+    return static_cast<RecordState>(catalog_->control().record(t->slot).state.load());
+  }
+
+  std::string prefix_;
+  std::unique_ptr<Catalog> catalog_;
+};
+
+TEST_F(CatalogTest, HeaderIsWrittenWithMagicAndVersion) {
+  const ControlHeader& h = catalog_->control().header();
+  EXPECT_EQ(h.magic, kControlMagic);
+  EXPECT_EQ(h.layout_version, kControlLayoutVersion);
+  EXPECT_EQ(h.record_count, 8u);
+  EXPECT_EQ(h.tensor_record_bytes, sizeof(TensorRecord));
+  EXPECT_EQ(std::string(h.shm_prefix), prefix_);
+  const SegmentRecord& s = catalog_->control().segment(0);
+  EXPECT_EQ(s.state.load(), static_cast<uint32_t>(SegmentState::kLive));
+  EXPECT_EQ(s.size, 4u << 20);
+}
+
+TEST_F(CatalogTest, RecordsFollowTheTensorLifecycle) {
+  absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {2, 3}, {}, kCpu);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(State(*t), RecordState::kWriting);
+  const TensorRecord& record = catalog_->control().record((*t)->slot);
+  EXPECT_EQ(record.tensor_id, (*t)->id);
+  EXPECT_EQ(record.ndim, 2);
+  EXPECT_EQ(record.shape[1], 3);
+  EXPECT_EQ(record.strides[0], 3);
+  EXPECT_EQ(record.length, 4096u);
+  EXPECT_EQ(record.offset % 4096, 0u);
+
+  ASSERT_TRUE(catalog_->Publish(1, (*t)->id, "w", false).ok());
+  EXPECT_EQ(State(*t), RecordState::kPublished);
+  EXPECT_EQ(std::string(record.name, record.name_length), "w");
+  const uint64_t first_seq = record.publish_seq;
+
+  // Replace while leased: the old record is unbound, the new one published with a later seq.
+  catalog_->AddLease((*t)->id);
+  absl::StatusOr<const Tensor*> t2 = catalog_->Create(1, kF32, {2, 3}, {}, kCpu);
+  ASSERT_TRUE(t2.ok());
+  ASSERT_TRUE(catalog_->Publish(1, (*t2)->id, "w", true).ok());
+  EXPECT_EQ(State(*t), RecordState::kUnbound);
+  EXPECT_EQ(State(*t2), RecordState::kPublished);
+  EXPECT_GT(catalog_->control().record((*t2)->slot).publish_seq, first_seq);
+  const uint32_t old_slot = (*t)->slot;
+  catalog_->DropLease((*t)->id);  // frees the old tensor
+  EXPECT_EQ(catalog_->control().record(old_slot).state.load(),
+            static_cast<uint32_t>(RecordState::kFree));
+  EXPECT_EQ(catalog_->tensor_count(), 1);
+
+  const uint32_t slot2 = (*t2)->slot;
+  ASSERT_TRUE(catalog_->Delete("w").ok());
+  EXPECT_EQ(catalog_->control().record(slot2).state.load(),
+            static_cast<uint32_t>(RecordState::kFree));
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 0u);
+}
+
+TEST_F(CatalogTest, RecordTableExhaustionIsResourceExhausted) {
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(catalog_->Create(1, kF32, {1}, {}, kCpu).ok());
+  absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {1}, {}, kCpu);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(t.status().message().find("--max-tensors"), absl::string_view::npos);
+}
+
+TEST_F(CatalogTest, PoolGrowsBySegmentsUpToItsCapacity) {
+  // 16 MiB pool of 4 MiB segments.
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {1 << 20}, {}, kCpu);
+    ASSERT_TRUE(t.ok()) << i << ": " << t.status();
+    EXPECT_EQ((*t)->buffer.segment_id, static_cast<uint64_t>(i + 1));
+    ids.push_back((*t)->id);
+  }
+  EXPECT_EQ(catalog_->host_pool().segment_count(), 4u);
+  absl::StatusOr<const Tensor*> full = catalog_->Create(1, kF32, {1}, {}, kCpu);
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("0 of 16777216 bytes free"), absl::string_view::npos)
+      << full.status();
+  ASSERT_TRUE(catalog_->Abandon(1, ids[2]).ok());
+  EXPECT_TRUE(catalog_->Create(1, kF32, {1}, {}, kCpu).ok());
+}
+
+TEST_F(CatalogTest, OnlyTheCreatorPublishesOrAbandons) {
+  absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {4}, {}, kCpu);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(catalog_->Publish(2, (*t)->id, "n", false).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(catalog_->Abandon(2, (*t)->id).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(catalog_->Abandon(1, (*t)->id).ok());
+}
+
+TEST_F(CatalogTest, EmptyTensorsTakeNoBuffer) {
+  absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {0, 4}, {}, kCpu);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ((*t)->buffer.length, 0u);
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 0u);
+}
+
+}  // namespace
+}  // namespace tensorshm

@@ -1,0 +1,64 @@
+#include "server/options.h"
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+
+namespace tensorshm {
+namespace {
+
+TEST(ParseSizeTest, SuffixesArePowersOfTenOrTwo) {
+  EXPECT_EQ(*ParseSize("4096", "--x"), 4096u);
+  EXPECT_EQ(*ParseSize("1K", "--x"), 1000u);
+  EXPECT_EQ(*ParseSize("1Ki", "--x"), 1024u);
+  EXPECT_EQ(*ParseSize("64Mi", "--x"), 64u << 20);
+  EXPECT_EQ(*ParseSize("2G", "--x"), 2000000000u);
+  EXPECT_EQ(*ParseSize("2GiB", "--x"), 2ull << 30);
+  EXPECT_EQ(*ParseSize("1Ti", "--x"), 1ull << 40);
+}
+
+TEST(ParseSizeTest, BadSizesNameFlagAndValue) {
+  for (const char* bad : {"", "Mi", "12Q", "1.5G", "-1", "99999999999999999999", "20000000Ti"}) {
+    absl::StatusOr<uint64_t> size = ParseSize(bad, "--host-pool");
+    ASSERT_FALSE(size.ok()) << bad;
+    EXPECT_TRUE(absl::StartsWith(size.status().message(), absl::StrCat("--host-pool = \"", bad)))
+        << size.status();
+  }
+}
+
+TEST(ParseOptionsTest, DefaultsAndFlags) {
+  const char* argv[] = {"tensorshmd",   "--socket", "/tmp/x.sock", "--host-pool=2Gi",
+                        "--shm-prefix", "abc",      "--log-level", "debug"};
+  absl::StatusOr<DaemonOptions> options = ParseOptions(8, const_cast<char**>(argv));
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->socket, "/tmp/x.sock");
+  EXPECT_EQ(options->host_pool_bytes, 2ull << 30);
+  EXPECT_EQ(options->segment_bytes, 256ull << 20);
+  EXPECT_EQ(options->shm_prefix, "abc");
+  EXPECT_EQ(options->log_level, LogLevel::kDebug);
+}
+
+TEST(ParseOptionsTest, RandomPrefixByDefaultAndBadFlagsRefused) {
+  const char* plain[] = {"tensorshmd"};
+  absl::StatusOr<DaemonOptions> a = ParseOptions(1, const_cast<char**>(plain));
+  absl::StatusOr<DaemonOptions> b = ParseOptions(1, const_cast<char**>(plain));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(absl::StartsWith(a->shm_prefix, "tsm-"));
+  EXPECT_NE(a->shm_prefix, b->shm_prefix);
+
+  for (std::vector<const char*> argv : std::vector<std::vector<const char*>>{
+           {"tensorshmd", "--nope"},
+           {"tensorshmd", "--shm-prefix", "a/b"},
+           {"tensorshmd", "--max-tensors", "0"},
+           {"tensorshmd", "--log-level", "loud"},
+           {"tensorshmd", "--host-pool"},
+           {"tensorshmd", "--host-pool", "0"},
+       }) {
+    absl::StatusOr<DaemonOptions> options =
+        ParseOptions(static_cast<int>(argv.size()), const_cast<char**>(argv.data()));
+    EXPECT_EQ(options.status().code(), absl::StatusCode::kInvalidArgument) << argv[1];
+    EXPECT_TRUE(absl::StrContains(options.status().message(), argv[1])) << options.status();
+  }
+}
+
+}  // namespace
+}  // namespace tensorshm

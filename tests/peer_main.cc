@@ -1,0 +1,161 @@
+// tsm_peer: a producer or consumer process for the integration tests.
+//
+//   tsm_peer produce SOCKET NAME --dtype D --shape 2,3 [--strides 3,1] [--seed N] [--replace]
+//                                [--hang-before-publish]
+//   tsm_peer consume SOCKET NAME [--wait-ms N] [--legacy]
+//   tsm_peer hold SOCKET NAME...      acquire all, print "held", sleep until killed
+//   tsm_peer write SOCKET NAME        acquire, print "acquired", write into the tensor
+//
+// Output lines: "checksum <storage hash> <logical hash>", "meta <dtype> <shape> <strides>
+// <byte_offset> <flags>", "error <code> <message>" (exit 3).
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <random>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "tensorshm/client.h"
+#include "tests/tensor_bytes.h"
+
+namespace {
+
+using tensorshm::testing::LogicalHash;
+using tensorshm::testing::StorageHash;
+
+int Fail(const absl::Status& status) {
+  std::cout << "error " << static_cast<int>(status.code()) << " " << status.message() << std::endl;
+  return 3;
+}
+
+std::vector<int64_t> ParseList(const std::string& text) {
+  std::vector<int64_t> values;
+  if (text.empty() || text == "-") return values;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(part, &v)) {
+      std::cerr << "bad number: " << part << "\n";
+      std::exit(2);
+    }
+    values.push_back(v);
+  }
+  return values;
+}
+
+void PrintTensor(const DLTensor& t, uint64_t flags) {
+  std::cout << "meta " << tensorshm::DataTypeName(t.dtype) << " ["
+            << absl::StrJoin(t.shape, t.shape + t.ndim, ",") << "] ["
+            << absl::StrJoin(t.strides, t.strides + t.ndim, ",") << "] " << t.byte_offset << " "
+            << flags << "\n";
+  std::cout << "checksum " << StorageHash(t) << " " << LogicalHash(t) << std::endl;
+}
+
+int Main(int argc, char** argv) {
+  if (argc < 4) {
+    std::cerr << "usage: tsm_peer produce|consume|hold|write SOCKET NAME ...\n";
+    return 2;
+  }
+  const std::string mode = argv[1];
+  tensorshm::ClientOptions options;
+  options.socket = argv[2];
+  options.client_name = "tsm_peer-" + mode;
+  std::vector<std::string> names;
+  std::string dtype = "float32", shape, strides;
+  uint64_t seed = 1;
+  int64_t wait_ms = 0;
+  bool replace = false, hang = false, legacy = false;
+  for (int i = 3; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    if (arg == "--dtype")
+      dtype = value();
+    else if (arg == "--shape")
+      shape = value();
+    else if (arg == "--strides")
+      strides = value();
+    else if (arg == "--seed")
+      seed = std::stoull(value());
+    else if (arg == "--wait-ms")
+      wait_ms = std::stoll(value());
+    else if (arg == "--replace")
+      replace = true;
+    else if (arg == "--hang-before-publish")
+      hang = true;
+    else if (arg == "--legacy")
+      legacy = true;
+    else
+      names.push_back(arg);
+  }
+  absl::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(options);
+  if (!client.ok()) return Fail(client.status());
+
+  if (mode == "produce") {
+    absl::StatusOr<DLDataType> dt = tensorshm::ParseDataType(dtype);
+    if (!dt.ok()) return Fail(dt.status());
+    tensorshm::TensorSpec spec{*dt, ParseList(shape), ParseList(strides)};
+    absl::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(spec);
+    if (!w.ok()) return Fail(w.status());
+    // Fill every byte of the storage the tensor spans from a seeded generator.
+    std::mt19937_64 random(seed);
+    auto* bytes = static_cast<unsigned char*>(w->dl_tensor().data);
+    for (int64_t i = 0; i < w->nbytes(); ++i) bytes[i] = static_cast<unsigned char>(random());
+    PrintTensor(w->dl_tensor(), 0);
+    if (hang) {
+      std::cout << "created" << std::endl;
+      pause();
+    }
+    if (absl::Status s = (*client)->Publish(*w, names.at(0), replace); !s.ok()) return Fail(s);
+    std::cout << "published" << std::endl;
+    return 0;
+  }
+  if (mode == "consume") {
+    const absl::Duration timeout =
+        wait_ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(wait_ms);
+    if (legacy) {
+      absl::StatusOr<DLManagedTensor*> t = (*client)->AcquireLegacy(names.at(0), timeout);
+      if (!t.ok()) return Fail(t.status());
+      PrintTensor((*t)->dl_tensor, 0);
+      (*t)->deleter(*t);
+    } else {
+      absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0), timeout);
+      if (!t.ok()) return Fail(t.status());
+      if ((*t)->version.major != DLPACK_MAJOR_VERSION ||
+          (*t)->version.minor != DLPACK_MINOR_VERSION) {
+        return Fail(absl::InternalError("wrong DLPack version in acquired tensor"));
+      }
+      PrintTensor((*t)->dl_tensor, (*t)->flags);
+      (*t)->deleter(*t);
+    }
+    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    return 0;
+  }
+  if (mode == "hold") {
+    for (const std::string& name : names) {
+      absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
+      if (!t.ok()) return Fail(t.status());
+      PrintTensor((*t)->dl_tensor, (*t)->flags);  // never released: the process is killed
+    }
+    std::cout << "held" << std::endl;
+    while (true) pause();
+  }
+  if (mode == "write") {
+    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0));
+    if (!t.ok()) return Fail(t.status());
+    std::cout << "acquired" << std::endl;
+    auto* data = static_cast<volatile char*>((*t)->dl_tensor.data);
+    data[0] = 42;  // the mapping is read-only: this faults
+    std::cout << "write succeeded" << std::endl;
+    return 0;
+  }
+  std::cerr << "unknown mode " << mode << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return Main(argc, argv); }

@@ -1,0 +1,179 @@
+#include "tests/test_daemon.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/sys_error.h"
+
+extern char** environ;
+
+namespace tensorshm::testing {
+
+std::string TensorShmdPath() { return TENSORSHMD_PATH; }
+std::string PeerPath() { return TSM_PEER_PATH; }
+std::string CConsumerPath() { return TSM_C_CONSUMER_PATH; }
+
+absl::StatusOr<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
+                                                 const std::string& log_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid;
+  const int err = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (err != 0) return ErrnoError("posix_spawn", argv[0], err);
+  return ChildProcess(pid, log_path);
+}
+
+ChildProcess::ChildProcess(ChildProcess&& other) noexcept { *this = std::move(other); }
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
+  std::swap(pid_, other.pid_);
+  std::swap(log_path_, other.log_path_);
+  std::swap(reaped_, other.reaped_);
+  std::swap(status_, other.status_);
+  return *this;
+}
+
+ChildProcess::~ChildProcess() {
+  if (pid_ > 0 && !reaped_) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+}
+
+void ChildProcess::Kill(int signal_number) {
+  if (pid_ > 0 && !reaped_) kill(pid_, signal_number);
+}
+
+absl::StatusOr<int> ChildProcess::Wait(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    if (reaped_) return status_;
+    const pid_t r = waitpid(pid_, &status_, WNOHANG);
+    if (r == pid_) {
+      reaped_ = true;
+      return status_;
+    }
+    if (r < 0) return ErrnoError("waitpid", std::to_string(pid_), errno);
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("pid ", pid_, " still running"));
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+}
+
+std::string ChildProcess::Output() const {
+  std::ifstream in(log_path_);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool ChildProcess::WaitForOutput(const std::string& text, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (absl::StrContains(Output(), text)) return true;
+    if (!reaped_ && waitpid(pid_, &status_, WNOHANG) == pid_) {
+      reaped_ = true;
+      return absl::StrContains(Output(), text);
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+namespace {
+
+void RemoveShmObjects(const std::string& prefix) {
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (dirent* entry = readdir(dir)) {
+    if (absl::StartsWith(entry->d_name, prefix + ".")) {
+      shm_unlink(absl::StrCat("/", entry->d_name).c_str());
+    }
+  }
+  closedir(dir);
+}
+
+bool SocketAccepts(const std::string& path) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strncpy(address.sun_path, path.c_str(), sizeof(address.sun_path) - 1);
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  close(fd);
+  return ok;
+}
+
+}  // namespace
+
+absl::StatusOr<TestDaemon> TestDaemon::Start(const std::string& test_name,
+                                             const std::vector<std::string>& extra_args) {
+  TestDaemon daemon;
+  daemon.shm_prefix_ = absl::StrCat("tsmtest-", test_name, "-", getpid());
+  RemoveShmObjects(daemon.shm_prefix_);
+  daemon.dir_ =
+      absl::StrCat(std::filesystem::temp_directory_path().string(), "/", daemon.shm_prefix_);
+  std::filesystem::remove_all(daemon.dir_);
+  std::filesystem::create_directories(daemon.dir_);
+  daemon.socket_ = daemon.dir_ + "/tensorshm.sock";
+  std::vector<std::string> argv = {TensorShmdPath(), "--socket",         daemon.socket_,
+                                   "--shm-prefix",   daemon.shm_prefix_, "--log-level",
+                                   "warning"};
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  absl::StatusOr<ChildProcess> process = ChildProcess::Start(argv, daemon.dir_ + "/daemon.log");
+  if (!process.ok()) return process.status();
+  daemon.process_ = std::make_unique<ChildProcess>(*std::move(process));
+  if (!daemon.process_->WaitForOutput("serving on", absl::Seconds(20)) ||
+      !SocketAccepts(daemon.socket_)) {
+    return absl::UnavailableError(
+        absl::StrCat("tensorshmd did not start: ", daemon.process_->Output()));
+  }
+  return daemon;
+}
+
+TestDaemon::~TestDaemon() {
+  if (process_ != nullptr) {
+    process_->Kill(SIGTERM);
+    if (!process_->Wait(absl::Seconds(10)).ok()) process_->Kill(SIGKILL);
+    process_.reset();
+  }
+  if (!shm_prefix_.empty()) RemoveShmObjects(shm_prefix_);
+  if (!dir_.empty()) std::filesystem::remove_all(dir_);
+}
+
+int TestDaemon::ShmObjectCount() const {
+  int count = 0;
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return -1;
+  while (dirent* entry = readdir(dir)) {
+    if (absl::StartsWith(entry->d_name, shm_prefix_ + ".")) ++count;
+  }
+  closedir(dir);
+  return count;
+}
+
+}  // namespace tensorshm::testing

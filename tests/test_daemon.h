@@ -1,0 +1,74 @@
+// Starts a real tensorshmd for a test: its own socket, shm prefix and temporary directory.
+#ifndef TENSORSHM_TESTS_TEST_DAEMON_H_
+#define TENSORSHM_TESTS_TEST_DAEMON_H_
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tensorshm::testing {
+
+// A child process started with posix_spawn, stdout captured to a file.
+class ChildProcess {
+ public:
+  // Starts `argv[0]` with `argv`; its stdout and stderr go to `log_path`.
+  static absl::StatusOr<ChildProcess> Start(const std::vector<std::string>& argv,
+                                            const std::string& log_path);
+  ChildProcess(ChildProcess&& other) noexcept;
+  ChildProcess& operator=(ChildProcess&& other) noexcept;
+  ~ChildProcess();  // SIGKILLs and reaps the child if it still runs
+
+  pid_t pid() const { return pid_; }
+  // Waits for exit; returns the raw wait status, or DEADLINE_EXCEEDED (child left running).
+  absl::StatusOr<int> Wait(absl::Duration timeout);
+  void Kill(int signal_number);
+  // Everything the child has written so far.
+  std::string Output() const;
+  // Waits until the output contains `text`; false on timeout or child exit without it.
+  bool WaitForOutput(const std::string& text, absl::Duration timeout);
+
+ private:
+  ChildProcess(pid_t pid, std::string log_path) : pid_(pid), log_path_(std::move(log_path)) {}
+  pid_t pid_ = -1;
+  std::string log_path_;
+  bool reaped_ = false;
+  int status_ = 0;  // wait status, once reaped
+};
+
+// A tensorshmd for one test. Removes leftovers of an earlier run with the same prefix first.
+class TestDaemon {
+ public:
+  // Starts the daemon with `extra_args` and waits until its socket accepts connections.
+  static absl::StatusOr<TestDaemon> Start(const std::string& test_name,
+                                          const std::vector<std::string>& extra_args = {});
+  TestDaemon(TestDaemon&&) = default;
+  TestDaemon& operator=(TestDaemon&&) = default;
+  ~TestDaemon();  // SIGTERMs the daemon and removes the directory
+
+  const std::string& socket() const { return socket_; }
+  const std::string& shm_prefix() const { return shm_prefix_; }
+  const std::string& dir() const { return dir_; }
+  ChildProcess& process() { return *process_; }
+  // Number of /dev/shm entries whose name starts with the prefix.
+  int ShmObjectCount() const;
+
+ private:
+  TestDaemon() = default;
+  std::string dir_;
+  std::string socket_;
+  std::string shm_prefix_;
+  std::unique_ptr<ChildProcess> process_;
+};
+
+// Path of a built test tool (the peer program, the C consumer, tensorshmd).
+std::string TensorShmdPath();
+std::string PeerPath();
+std::string CConsumerPath();
+
+}  // namespace tensorshm::testing
+
+#endif  // TENSORSHM_TESTS_TEST_DAEMON_H_
