@@ -5,6 +5,8 @@
 set -euo pipefail
 build_dir=$1
 consumer_src=$2
+cxx_flags=${3:-}
+link_flags=${4:-}
 work=$(mktemp -d /tmp/tsm-install-test.XXXXXX)
 daemon_pid=
 cleanup() {
@@ -19,7 +21,8 @@ test -f "$work/prefix/include/tensorshm/tensorshm.h"
 test -f "$work/prefix/include/tensorshm/third_party/dlpack/dlpack.h"
 test -x "$work/prefix/bin/tensorshmd"
 
-cmake -S "$consumer_src" -B "$work/build" -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
+cmake -S "$consumer_src" -B "$work/build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DCMAKE_CXX_FLAGS="$cxx_flags" -DCMAKE_EXE_LINKER_FLAGS="$link_flags" >/dev/null
 cmake --build "$work/build" -j2 >/dev/null
 
 socket="$work/tensorshm.sock"
