@@ -508,7 +508,8 @@ TEST_F(IntegrationTest, ProducerMapsOnlyItsOwnBufferAndDropsItOnPublish) {
 
 TEST(DaemonStartTest, FullDevShmIsAClearErrorAtStartAndAtCreate) {
   // A private mount namespace with an 8 MiB /dev/shm stands in for a full one.
-  if (std::system("unshare --mount --propagation private true >/dev/null 2>&1") != 0) {
+  if (std::system("unshare --mount --propagation private /bin/sh -c "
+                  "'mount -t tmpfs -o size=1m tmpfs /dev/shm' >/dev/null 2>&1") != 0) {
     GTEST_SKIP() << "cannot create a mount namespace here (needs root and unshare); the "
                     "full-/dev/shm paths are not exercised";
   }
