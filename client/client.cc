@@ -302,7 +302,7 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
   tensor.byte_offset = decoded->byte_offset;
   lease->versioned.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
   lease->versioned.manager_ctx = lease.get();
-  lease->versioned.flags = DLPACK_FLAG_BITMASK_READ_ONLY;
+  lease->versioned.flags = DLPACK_FLAG_BITMASK_READ_ONLY | decoded->flags;
   lease->versioned.dl_tensor = tensor;
   lease->legacy.manager_ctx = lease.get();
   lease->legacy.dl_tensor = tensor;
@@ -352,6 +352,7 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   request.mutable_shape()->Assign(spec.shape.begin(), spec.shape.end());
   request.mutable_strides()->Assign(spec.strides.begin(), spec.strides.end());
   ToWire(spec.device, request.mutable_device());
+  request.set_subbyte_padded(spec.subbyte_padded);
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::CreateResponse response;
@@ -382,6 +383,7 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   tensor.shape_ = std::move(decoded->shape);
   tensor.strides_ = std::move(decoded->strides);
   tensor.nbytes_ = decoded->nbytes;
+  tensor.flags_ = decoded->flags;
   tensor.tensor_.data = data;
   tensor.tensor_.device = decoded->device;
   tensor.tensor_.ndim = static_cast<int32_t>(tensor.shape_.size());
@@ -510,6 +512,7 @@ WritableTensor& WritableTensor::operator=(WritableTensor&& other) noexcept {
   mapping_ = other.mapping_;
   mapping_length_ = other.mapping_length_;
   nbytes_ = other.nbytes_;
+  flags_ = other.flags_;
   published_ = other.published_;
   other.mapping_ = nullptr;
   other.mapping_length_ = 0;
@@ -529,6 +532,13 @@ void WritableTensor::Reset() {
 void* WritableTensor::data() const {
   if (tensor_.data == nullptr) return nullptr;
   return static_cast<char*>(tensor_.data) + tensor_.byte_offset;
+}
+
+std::pair<void*, size_t> WritableTensor::TakeMapping() {
+  std::pair<void*, size_t> taken{mapping_, mapping_length_};
+  mapping_ = nullptr;
+  mapping_length_ = 0;
+  return taken;
 }
 
 void WritableTensor::Unmap() {

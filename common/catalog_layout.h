@@ -80,7 +80,8 @@ struct TensorRecord {
   int64_t shape[kRecordMaxDims];
   int64_t strides[kRecordMaxDims];
   char name[kRecordNameBytes];
-  uint8_t reserved[176];
+  uint64_t dlpack_flags;  // DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED or 0
+  uint8_t reserved[168];
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -114,7 +115,8 @@ static_assert(offsetof(TensorRecord, nbytes) == 72);
 static_assert(offsetof(TensorRecord, shape) == 80);
 static_assert(offsetof(TensorRecord, strides) == 336);
 static_assert(offsetof(TensorRecord, name) == 592);
-static_assert(offsetof(TensorRecord, reserved) == 848);
+static_assert(offsetof(TensorRecord, dlpack_flags) == 848);
+static_assert(offsetof(TensorRecord, reserved) == 856);
 
 // Byte offset of the first TensorRecord, and the whole segment's size, for `record_count`.
 constexpr uint64_t RecordsOffset() {

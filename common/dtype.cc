@@ -19,7 +19,7 @@ struct ScalarType {
   const char* name;
 };
 
-constexpr std::array<ScalarType, 31> kScalarTypes = {{
+constexpr std::array<ScalarType, 33> kScalarTypes = {{
     {kDLInt, 4, "int4"},
     {kDLInt, 8, "int8"},
     {kDLInt, 16, "int16"},
@@ -51,6 +51,8 @@ constexpr std::array<ScalarType, 31> kScalarTypes = {{
     {kDLFloat4_e2m1fn, 4, "float4_e2m1fn"},
     {kDLInt, 1, "int1"},
     {kDLUInt, 1, "uint1"},
+    {kDLInt, 2, "int2"},
+    {kDLUInt, 2, "uint2"},
 }};
 
 constexpr uint32_t kMaxCode = kDLFloat4_e2m1fn;

@@ -31,7 +31,7 @@ std::vector<int64_t> ContiguousStrides(absl::Span<const int64_t> shape) {
 }
 
 absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<const int64_t> shape,
-                                           absl::Span<const int64_t> strides) {
+                                           absl::Span<const int64_t> strides, bool subbyte_padded) {
   const int64_t ndim = static_cast<int64_t>(shape.size());
   if (ndim > kMaxDims) {
     return absl::InvalidArgumentError(
@@ -64,7 +64,11 @@ absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<c
   if (empty) numel = 0;
 
   const std::vector<int64_t> contiguous = ContiguousStrides(shape);
-  if (IsSubByte(dtype)) {
+  if (subbyte_padded && !IsSubByte(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("subbyte_padded: dtype ", DataTypeName(dtype), " is not a sub-byte type"));
+  }
+  if (IsSubByte(dtype) && !subbyte_padded) {
     if (!strides.empty() && !empty) {
       for (int64_t i = 0; i < ndim; ++i) {
         if (shape[i] > 1 && strides[i] != contiguous[i]) {
@@ -84,7 +88,7 @@ absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<c
     return layout;
   }
 
-  const int64_t item_bytes = ElementBits(dtype) / 8;
+  const int64_t item_bytes = subbyte_padded ? 1 : ElementBits(dtype) / 8;
   layout.strides =
       strides.empty() ? contiguous : std::vector<int64_t>(strides.begin(), strides.end());
   if (empty) return layout;

@@ -24,11 +24,15 @@ struct TensorLayout {
 };
 
 // Returns the layout of a tensor of `dtype` (already valid, see MakeDataType) with `shape` and
-// `strides` (empty: C-contiguous). INVALID_ARGUMENT naming the field and value if ndim exceeds
-// kMaxDims, a dimension is negative, the stride count differs from ndim, a sub-byte dtype has
-// non-contiguous strides, or the element count or byte extent overflows int64.
+// `strides` (empty: C-contiguous). Sub-byte dtypes are packed, and must be C-contiguous, unless
+// `subbyte_padded`: then every element takes one byte and any strides are fine (DLPack's
+// IS_SUBBYTE_TYPE_PADDED). INVALID_ARGUMENT naming the field and value if ndim exceeds kMaxDims,
+// a dimension is negative, the stride count differs from ndim, a packed sub-byte dtype has
+// non-contiguous strides, `subbyte_padded` is set for a dtype of whole bytes, or the element
+// count or byte extent overflows int64.
 absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<const int64_t> shape,
-                                           absl::Span<const int64_t> strides);
+                                           absl::Span<const int64_t> strides,
+                                           bool subbyte_padded = false);
 
 // C-contiguous strides, in elements, for `shape`. REQUIRES: shape valid per ComputeLayout.
 std::vector<int64_t> ContiguousStrides(absl::Span<const int64_t> shape);

@@ -46,7 +46,14 @@ absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
   out.device = FromWire(desc.device());
   out.shape.assign(desc.shape().begin(), desc.shape().end());
   out.strides.assign(desc.strides().begin(), desc.strides().end());
-  absl::StatusOr<TensorLayout> layout = ComputeLayout(out.dtype, out.shape, out.strides);
+  if ((desc.flags() & ~uint64_t{DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED}) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("desc.flags = ", desc.flags(), ": unknown flag bits"));
+  }
+  out.flags = desc.flags();
+  absl::StatusOr<TensorLayout> layout =
+      ComputeLayout(out.dtype, out.shape, out.strides,
+                    (out.flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0);
   if (!layout.ok()) return layout.status();
   if (layout->nbytes != desc.nbytes() || layout->byte_offset != desc.byte_offset()) {
     return absl::InvalidArgumentError(absl::StrCat(

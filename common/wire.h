@@ -34,6 +34,7 @@ struct DecodedTensor {
   std::vector<int64_t> strides;
   uint64_t byte_offset = 0;
   int64_t nbytes = 0;
+  uint64_t flags = 0;  // DLPack flags of the storage (IS_SUBBYTE_TYPE_PADDED or 0)
 };
 absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
                                                const v1::Location& location);

@@ -39,7 +39,7 @@ void Catalog::WriteRecordState(const Tensor& tensor, RecordState state) {
 absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType& dtype,
                                               absl::Span<const int64_t> shape,
                                               absl::Span<const int64_t> strides,
-                                              const DLDevice& device) {
+                                              const DLDevice& device, bool subbyte_padded) {
   if (device.device_type != kDLCPU) {
     if (device.device_type == kDLCUDA) {
       return absl::FailedPreconditionError(
@@ -54,7 +54,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
     return absl::InvalidArgumentError(
         absl::StrCat("device = cpu:", device.device_id, ": the cpu device id must be 0"));
   }
-  absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides);
+  absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides, subbyte_padded);
   if (!layout.ok()) return layout.status();
   if (free_slots_.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat("catalog: all ", control_.record_count(),
@@ -79,6 +79,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   tensor.strides = std::move(layout->strides);
   tensor.byte_offset = layout->byte_offset;
   tensor.nbytes = layout->nbytes;
+  tensor.subbyte_padded = subbyte_padded;
   tensor.buffer = buffer;
   tensor.owner_session = session;
 
@@ -99,6 +100,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   record.ndim = static_cast<int32_t>(tensor.shape.size());
   record.byte_offset = tensor.byte_offset;
   record.nbytes = tensor.nbytes;
+  record.dlpack_flags = subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
   std::copy(tensor.shape.begin(), tensor.shape.end(), record.shape);
   std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
   WriteRecordState(tensor, RecordState::kWriting);

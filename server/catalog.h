@@ -29,7 +29,8 @@ struct Tensor {
   std::vector<int64_t> strides;  // resolved: one per dimension, in elements
   uint64_t byte_offset = 0;
   int64_t nbytes = 0;
-  Buffer buffer;  // length 0: empty tensor, no buffer
+  bool subbyte_padded = false;  // one byte per element of a sub-byte dtype
+  Buffer buffer;                // length 0: empty tensor, no buffer
   bool sealed = false;
   uint64_t owner_session = 0;  // the creating session, while unpublished
   std::string name;            // bound name; empty when unbound
@@ -56,7 +57,8 @@ class Catalog {
   // the pool or the record table is full.
   absl::StatusOr<const Tensor*> Create(uint64_t session, const DLDataType& dtype,
                                        absl::Span<const int64_t> shape,
-                                       absl::Span<const int64_t> strides, const DLDevice& device);
+                                       absl::Span<const int64_t> strides, const DLDevice& device,
+                                       bool subbyte_padded = false);
 
   // Seals `tensor_id` (created by `session`) and binds it to `name`. NOT_FOUND for an unknown
   // tensor, PERMISSION_DENIED if another session created it, FAILED_PRECONDITION if already

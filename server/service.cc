@@ -51,6 +51,7 @@ void TensorShmService::Describe(const Tensor& tensor, v1::TensorDesc* desc,
   desc->mutable_strides()->Assign(tensor.strides.begin(), tensor.strides.end());
   desc->set_byte_offset(tensor.byte_offset);
   desc->set_nbytes(tensor.nbytes);
+  desc->set_flags(tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
   if (location == nullptr) return;
   location->set_segment_id(tensor.buffer.segment_id);
   location->set_offset(tensor.buffer.offset);
@@ -178,7 +179,7 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
   absl::StatusOr<const Tensor*> tensor =
-      catalog_->Create((*session)->id, *dtype, shape, strides, device);
+      catalog_->Create((*session)->id, *dtype, shape, strides, device, request->subbyte_padded());
   if (!tensor.ok()) return ToGrpcStatus(tensor.status());
   (*session)->unpublished.insert((*tensor)->id);
   response->set_tensor_id((*tensor)->id);

@@ -96,3 +96,22 @@ TEST(ComputeLayoutTest, ThirtyTwoDimensionsAreFine) {
 
 }  // namespace
 }  // namespace tensorshm
+
+namespace tensorshm {
+namespace {
+
+TEST(ComputeLayoutTest, PaddedSubByteTypesTakeAByteEachAndAnyStrides) {
+  const DLDataType int4{kDLInt, 4, 1};
+  absl::StatusOr<TensorLayout> layout =
+      ComputeLayout(int4, {3, 5}, {1, 3}, /*subbyte_padded=*/true);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->nbytes, 15);
+  EXPECT_EQ(ComputeLayout(int4, {9}, {}, true)->nbytes, 9);
+  absl::StatusOr<TensorLayout> not_sub_byte =
+      ComputeLayout(DLDataType{kDLFloat, 32, 1}, {2}, {}, true);
+  EXPECT_EQ(not_sub_byte.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(not_sub_byte.status().message(), "float32"));
+}
+
+}  // namespace
+}  // namespace tensorshm

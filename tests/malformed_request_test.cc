@@ -211,6 +211,13 @@ TEST_F(MalformedRequestTest, EachGetsItsCodeAndTheDaemonKeepsServing) {
          return w.Create(CreateRequest(kDLFloat4_e2m1fn, 4, 1, {4, 4}, {1, 4}));
        },
        StatusCode::INVALID_ARGUMENT, "C-contiguous"},
+      {"subbyte_padded for a whole-byte dtype",
+       [](Wire& w) {
+         v1::CreateRequest request = CreateRequest(kDLFloat, 32, 1, {4});
+         request.set_subbyte_padded(true);
+         return w.Create(request);
+       },
+       StatusCode::INVALID_ARGUMENT, "subbyte_padded: dtype float32"},
       {"unknown device type",
        [](Wire& w) { return w.Create(CreateRequest(kDLFloat, 32, 1, {4}, {}, 99)); },
        StatusCode::INVALID_ARGUMENT, "type: 99"},

@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -39,6 +40,9 @@ struct TensorSpec {
   std::vector<int64_t> shape = {};
   std::vector<int64_t> strides = {};  // in elements; empty: C-contiguous
   DLDevice device = {kDLCPU, 0};
+  // Sub-byte dtypes only (float4, int4, ...): store one element per byte, as numpy and ml_dtypes
+  // do, instead of packed; tensors then carry DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED.
+  bool subbyte_padded = false;
 };
 
 struct TensorInfo {
@@ -83,6 +87,12 @@ class WritableTensor {
   void* data() const;
   uint64_t tensor_id() const { return tensor_id_; }
   int64_t nbytes() const { return nbytes_; }
+  // DLPack flags describing the storage (DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED or 0).
+  uint64_t dlpack_flags() const { return flags_; }
+  // Hands the writable mapping to the caller, who then owns it and must munmap(first, second);
+  // data() keeps pointing into it, and Publish no longer unmaps anything. For bindings that keep
+  // views of the memory alive past publish. {nullptr, 0} if there is no mapping.
+  std::pair<void*, size_t> TakeMapping();
   bool published() const { return published_; }
 
  private:
@@ -99,6 +109,7 @@ class WritableTensor {
   void* mapping_ = nullptr;  // the writable mapping of the buffer
   size_t mapping_length_ = 0;
   int64_t nbytes_ = 0;
+  uint64_t flags_ = 0;
   bool published_ = false;
 };
 
