@@ -240,30 +240,9 @@ void DeleteLegacy(DLManagedTensor* self) noexcept {
   if (self != nullptr) ReleaseLease(static_cast<Lease*>(self->manager_ctx));
 }
 
-absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<ClientCore>& core,
-                                                    std::string_view name, absl::Duration timeout) {
-  if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
-  if (timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout = ", absl::FormatDuration(timeout), ": must be >= 0"));
-  }
-  v1::AcquireRequest request;
-  request.set_name(std::string(name));
-  grpc::ClientContext context;
-  if (timeout == absl::InfiniteDuration()) {
-    request.set_wait_ms(-1);
-    core->PrepareContext(context, absl::InfiniteDuration());
-  } else {
-    const int64_t wait_ms = absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)));
-    request.set_wait_ms(wait_ms);
-    // The call's own deadline leaves room for the daemon to answer DEADLINE_EXCEEDED itself.
-    core->PrepareContext(context, timeout + kCallTimeout);
-  }
-  v1::AcquireResponse response;
-  if (absl::Status s = FromGrpcStatus(core->stub().Acquire(&context, request, &response));
-      !s.ok()) {
-    return s;
-  }
+// Builds the tensor for a lease the daemon granted. On failure the lease is given back.
+absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCore>& core,
+                                                 const v1::AcquireResponse& response) {
   auto lease = std::make_unique<Lease>();
   lease->lease_id = response.lease_id();
   lease->core = core;
@@ -307,6 +286,33 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
   lease->legacy.manager_ctx = lease.get();
   lease->legacy.dl_tensor = tensor;
   return lease;
+}
+
+absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<ClientCore>& core,
+                                                    std::string_view name, absl::Duration timeout) {
+  if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
+  if (timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout = ", absl::FormatDuration(timeout), ": must be >= 0"));
+  }
+  v1::AcquireRequest request;
+  request.set_name(std::string(name));
+  grpc::ClientContext context;
+  if (timeout == absl::InfiniteDuration()) {
+    request.set_wait_ms(-1);
+    core->PrepareContext(context, absl::InfiniteDuration());
+  } else {
+    const int64_t wait_ms = absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)));
+    request.set_wait_ms(wait_ms);
+    // The call's own deadline leaves room for the daemon to answer DEADLINE_EXCEEDED itself.
+    core->PrepareContext(context, timeout + kCallTimeout);
+  }
+  v1::AcquireResponse response;
+  if (absl::Status s = FromGrpcStatus(core->stub().Acquire(&context, request, &response));
+      !s.ok()) {
+    return s;
+  }
+  return MakeLease(core, response);
 }
 
 }  // namespace
@@ -395,6 +401,23 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
 }
 
 absl::Status Client::Publish(WritableTensor& tensor, std::string_view name, bool replace) {
+  return PublishImpl(tensor, name, replace, nullptr);
+}
+
+absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTensor& tensor,
+                                                                    std::string_view name,
+                                                                    bool replace) {
+  v1::AcquireResponse acquired;
+  if (absl::Status s = PublishImpl(tensor, name, replace, &acquired); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<Lease>> lease = MakeLease(core_, acquired);
+  if (!lease.ok()) return lease.status();
+  Lease* raw = lease->release();
+  raw->versioned.deleter = DeleteVersioned;
+  return &raw->versioned;
+}
+
+absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, bool replace,
+                                 v1::AcquireResponse* acquired) {
   if (tensor.published_ || tensor.core_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("tensor ", tensor.tensor_id_, ": already published or moved from"));
@@ -408,6 +431,7 @@ absl::Status Client::Publish(WritableTensor& tensor, std::string_view name, bool
   request.set_tensor_id(tensor.tensor_id_);
   request.set_name(std::string(name));
   request.set_replace(replace);
+  request.set_acquire(acquired != nullptr);
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::PublishResponse response;
@@ -418,6 +442,7 @@ absl::Status Client::Publish(WritableTensor& tensor, std::string_view name, bool
   tensor.Unmap();
   tensor.published_ = true;
   core_->DropOutstanding();
+  if (acquired != nullptr) *acquired = std::move(*response.mutable_acquired());
   return absl::OkStatus();
 }
 

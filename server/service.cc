@@ -145,6 +145,13 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
   }
 }
 
+uint64_t TensorShmService::AddLease(tensorshm::Session& session, const Tensor& tensor) {
+  const uint64_t lease = sessions_.NextLeaseId();
+  session.leases.emplace(lease, tensor.id);
+  catalog_->AddLease(tensor.id);
+  return lease;
+}
+
 void TensorShmService::CloseSession(uint64_t session_id, const std::string& token) {
   size_t leases = 0;
   size_t unpublished = 0;
@@ -188,7 +195,8 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
 }
 
 grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
-                                       const v1::PublishRequest* request, v1::PublishResponse*) {
+                                       const v1::PublishRequest* request,
+                                       v1::PublishResponse* response) {
   if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
@@ -197,6 +205,14 @@ grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
       catalog_->Publish((*session)->id, request->tensor_id(), request->name(), request->replace());
   if (!s.ok()) return ToGrpcStatus(s);
   (*session)->unpublished.erase(request->tensor_id());
+  if (request->acquire()) {
+    const Tensor* tensor = catalog_->FindId(request->tensor_id());
+    TSM_CHECK(tensor != nullptr);
+    v1::AcquireResponse* acquired = response->mutable_acquired();
+    acquired->set_lease_id(AddLease(**session, *tensor));
+    acquired->set_tensor_id(tensor->id);
+    Describe(*tensor, acquired->mutable_desc(), acquired->mutable_location());
+  }
   published_.SignalAll();
   return grpc::Status::OK;
 }
@@ -221,10 +237,7 @@ grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
     absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
     if (!session.ok()) return ToGrpcStatus(session.status());
     if (const Tensor* tensor = catalog_->Find(request->name()); tensor != nullptr) {
-      const uint64_t lease = sessions_.NextLeaseId();
-      (*session)->leases.emplace(lease, tensor->id);
-      catalog_->AddLease(tensor->id);
-      response->set_lease_id(lease);
+      response->set_lease_id(AddLease(**session, *tensor));
       response->set_tensor_id(tensor->id);
       Describe(*tensor, response->mutable_desc(), response->mutable_location());
       return grpc::Status::OK;

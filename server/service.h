@@ -49,6 +49,9 @@ class TensorShmService final : public v1::TensorShm::Service {
   void CloseSession(uint64_t session_id, const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
   void HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
                       v1::ReleaseAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a new lease of `session` on `tensor` (sealed) and returns its id.
+  uint64_t AddLease(tensorshm::Session& session, const Tensor& tensor)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -291,6 +291,26 @@ TEST_F(IntegrationTest, ReplaceRebindsAndOldTensorLivesForItsLeases) {
   EXPECT_EQ(Used(Stats()), Used(before));
 }
 
+TEST_F(IntegrationTest, PublishAndAcquireHoldsWhatItPublished) {
+  absl::StatusOr<WritableTensor> w = client_->Create({{kDLInt, 16, 1}, {3, 7}});
+  ASSERT_OK(w);
+  for (int i = 0; i < 21; ++i) static_cast<int16_t*>(w->data())[i] = static_cast<int16_t>(i * 3);
+  absl::StatusOr<DLManagedTensorVersioned*> held = client_->PublishAndAcquire(*w, "pa");
+  ASSERT_OK(held);
+  EXPECT_EQ(Stats().leases, 1);
+  EXPECT_TRUE((*held)->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
+  EXPECT_EQ(static_cast<const int16_t*>((*held)->dl_tensor.data)[20], 60);
+  // Another process replaces the name; the lease still holds the bytes published here.
+  ASSERT_TRUE(
+      RunPeer({"produce", "pa", "--dtype", "int16", "--shape", "3,7", "--replace"}).exited_ok());
+  EXPECT_EQ(static_cast<const int16_t*>((*held)->dl_tensor.data)[20], 60);
+  EXPECT_EQ(Stats().tensors, 2);
+  (*held)->deleter(*held);
+  ASSERT_TRUE(client_->Flush().ok());
+  EXPECT_EQ(Stats().tensors, 1);
+  EXPECT_EQ(Stats().leases, 0);
+}
+
 TEST_F(IntegrationTest, DeleteWhileLeasedKeepsBytesUntilLastRelease) {
   const ServerStats baseline = Stats();
   ASSERT_TRUE(RunPeer({"produce", "x", "--dtype", "float64", "--shape", "300,300"}).exited_ok());

@@ -70,6 +70,9 @@ struct ServerStats {
 };
 
 class ClientCore;
+namespace v1 {
+class AcquireResponse;
+}  // namespace v1
 
 // A tensor being filled by its producer. Move-only. Dropping it unpublished frees its buffer
 // (asynchronously, through the session stream). Not thread-safe.
@@ -135,6 +138,13 @@ class Client {
   // failure `tensor` is unchanged and may be published again.
   absl::Status Publish(WritableTensor& tensor, std::string_view name, bool replace = false);
 
+  // As Publish, and in the same step acquires a lease on the published tensor, so that no other
+  // process can replace or delete it in between: the result is what Acquire(name) would return.
+  // Caller owns the result and calls its deleter exactly once.
+  absl::StatusOr<DLManagedTensorVersioned*> PublishAndAcquire(WritableTensor& tensor,
+                                                              std::string_view name,
+                                                              bool replace = false);
+
   // Acquires a lease on the tensor published as `name`. With a positive timeout, waits up to that
   // long for a publish (DEADLINE_EXCEEDED after); zero: NOT_FOUND at once if unbound;
   // absl::InfiniteDuration(): waits until published. The result is read-only
@@ -161,6 +171,9 @@ class Client {
 
  private:
   explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
+  // Publish, filling *acquired (when not null) with the lease the daemon took in the same step.
+  absl::Status PublishImpl(WritableTensor& tensor, std::string_view name, bool replace,
+                           v1::AcquireResponse* acquired);
   std::shared_ptr<ClientCore> core_;
   std::thread sender_;  // sends batched releases on the session stream
 };
