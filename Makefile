@@ -8,7 +8,9 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test bench install format clean
+.PHONY: all setup configure build run test test-cpp test-python python test-torch bench install format clean
+
+VENV_PY = .venv/bin/python
 
 all: build
 
@@ -24,9 +26,24 @@ build: configure
 run: build
 	exec $(BUILD_DIR)/tensorshmd $(ARGS)
 
+test: test-cpp test-python
+
 # --no-tests=error: a run that found no test fails.
-test: build
+test-cpp: build
 	cd $(BUILD_DIR) && ctest -j$(JOBS) --output-on-failure --no-tests=error
+
+# The Python package, built by scikit-build-core into .venv (incrementally, in build-python/).
+python: setup
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VENV_PY) -m pip install --no-build-isolation -q .
+
+# pytest exits 5 when it collects nothing, which fails the run like any failure.
+test-python: build python
+	TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd $(VENV_PY) -m pytest -q -rs tests/python
+
+# Installs torch (CPU build from PyPI) into .venv and runs the Python tests, torch's included.
+test-torch: build python
+	$(VENV_PY) -c 'import torch' 2>/dev/null || $(VENV_PY) -m pip install -q torch
+	TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd $(VENV_PY) -m pytest -q -rs tests/python
 
 bench: build
 	$(BUILD_DIR)/bench/handoff_bench $(ARGS)

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-apt_packages=(build-essential cmake pkg-config python3 python3-venv
+apt_packages=(build-essential cmake pkg-config python3 python3-venv python3-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libboost-dev libabsl-dev libgtest-dev libgmock-dev)
 
@@ -31,7 +31,8 @@ if [ ! -x .venv/bin/python ]; then
     exit 1
   }
 fi
-if ! .venv/bin/python -c 'import tvm_ffi' 2>/dev/null || [ ! -x .venv/bin/tvm-ffi-config ]; then
+if ! .venv/bin/python -c 'import tvm_ffi, nanobind, scikit_build_core, numpy, ml_dtypes, pytest' \
+    2>/dev/null || [ ! -x .venv/bin/tvm-ffi-config ]; then
   echo "setup: installing Python packages into .venv"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -r scripts/requirements.txt

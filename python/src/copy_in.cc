@@ -1,0 +1,75 @@
+#include "copy_in.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "common/wire.h"
+
+namespace tensorshm::python {
+namespace {
+
+// Copies the elements of an n-d strided array into contiguous `out`, row by row: a whole inner
+// row at once when it is contiguous.
+void CopyStrided(const char* element0, const int64_t* shape, const int64_t* strides, int ndim,
+                 int64_t item, char*& out) {
+  if (ndim == 0) {
+    std::memcpy(out, element0, item);
+    out += item;
+    return;
+  }
+  if (ndim == 1) {
+    if (strides[0] == 1) {
+      std::memcpy(out, element0, shape[0] * item);
+      out += shape[0] * item;
+    } else {
+      for (int64_t i = 0; i < shape[0]; ++i, out += item) {
+        std::memcpy(out, element0 + i * strides[0] * item, item);
+      }
+    }
+    return;
+  }
+  for (int64_t i = 0; i < shape[0]; ++i) {
+    CopyStrided(element0 + i * strides[0] * item, shape + 1, strides + 1, ndim - 1, item, out);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags) {
+  if (source.device.device_type != kDLCPU && source.device.device_type != kDLCUDAHost) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("device = ", DeviceName(source.device),
+                     ": only CPU tensors can be put (CUDA support is a later addition)"));
+  }
+  absl::StatusOr<DLDataType> dtype =
+      MakeDataType(source.dtype.code, source.dtype.bits, source.dtype.lanes);
+  if (!dtype.ok()) return dtype.status();
+  const bool padded = (flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
+  TensorSpec spec;
+  spec.dtype = *dtype;
+  spec.shape.assign(source.shape, source.shape + source.ndim);
+  spec.subbyte_padded = padded && IsSubByte(*dtype);
+  std::vector<int64_t> strides =
+      source.strides != nullptr ? std::vector<int64_t>(source.strides, source.strides + source.ndim)
+                                : ContiguousStrides(spec.shape);
+  // The source's layout must itself be valid (this also bounds every stride product).
+  absl::StatusOr<TensorLayout> layout =
+      ComputeLayout(*dtype, spec.shape, strides, spec.subbyte_padded);
+  if (!layout.ok()) return layout.status();
+  absl::StatusOr<WritableTensor> tensor = client.Create(spec);
+  if (!tensor.ok()) return tensor.status();
+  if (tensor->nbytes() == 0) return tensor;
+  const char* element0 = static_cast<const char*>(source.data) + source.byte_offset;
+  char* out = static_cast<char*>(tensor->data());
+  if (IsSubByte(*dtype) && !spec.subbyte_padded) {
+    std::memcpy(out, element0, tensor->nbytes());  // packed: contiguous (checked by the layout)
+  } else {
+    const int64_t item = spec.subbyte_padded ? 1 : ElementBits(*dtype) / 8;
+    CopyStrided(element0, source.shape, strides.data(), source.ndim, item, out);
+  }
+  return tensor;
+}
+
+}  // namespace tensorshm::python

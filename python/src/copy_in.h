@@ -1,0 +1,21 @@
+// Copying a DLPack tensor from another library into a new tensorshm buffer.
+#ifndef TENSORSHM_PYTHON_COPY_IN_H_
+#define TENSORSHM_PYTHON_COPY_IN_H_
+
+#include <dlpack/dlpack.h>
+
+#include "absl/status/statusor.h"
+#include "tensorshm/client.h"
+
+namespace tensorshm::python {
+
+// Allocates a C-contiguous tensorshm tensor with `source`'s dtype and shape through `client` and
+// copies `source` (any strides, CPU memory) into it. `flags` are the source's DLPack flags
+// (IS_SUBBYTE_TYPE_PADDED is kept). INVALID_ARGUMENT for a dtype tensorshm does not store or a
+// packed sub-byte source that is not contiguous; FAILED_PRECONDITION for non-CPU memory; errors
+// of Client::Create. Safe without the GIL as long as `source` stays valid.
+absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags);
+
+}  // namespace tensorshm::python
+
+#endif  // TENSORSHM_PYTHON_COPY_IN_H_

@@ -1,0 +1,56 @@
+// What a Python tensor object and every DLPack export of it share: the memory and what keeps it
+// valid (a lease, a foreign DLPack tensor, or an unpublished buffer with its writable mapping).
+#ifndef TENSORSHM_PYTHON_STORAGE_H_
+#define TENSORSHM_PYTHON_STORAGE_H_
+
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tensorshm/client.h"
+
+namespace tensorshm::python {
+
+// Thread-safe to destroy from any thread, with or without the GIL: destruction queues a lease
+// release, calls a foreign deleter (which takes the GIL itself if it needs it), or unmaps memory.
+struct Storage {
+  Storage() = default;
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  ~Storage();
+
+  // Exactly one of these owns the memory `tensor` describes (writable also keeps `mapping`).
+  DLManagedTensorVersioned* versioned = nullptr;  // an acquired lease, or a foreign tensor
+  DLManagedTensor* legacy = nullptr;              // a foreign pre-1.0 tensor
+  std::optional<WritableTensor> writable;         // unpublished (or just published) buffer
+  void* mapping = nullptr;                        // writable mapping, owned here
+  size_t mapping_length = 0;
+
+  DLTensor tensor{};           // what exports describe; shape/strides point below or into
+  std::vector<int64_t> shape;  // the owner above
+  std::vector<int64_t> strides;
+  uint64_t flags = 0;  // DLPack flags exports carry: READ_ONLY, IS_SUBBYTE_TYPE_PADDED
+};
+
+// The storage span of `tensor`: the lowest byte any element occupies, and how many bytes from
+// there the elements reach. `element0` is the offset of element [0, ..., 0] from `start`.
+struct StorageSpan {
+  const char* start = nullptr;
+  int64_t nbytes = 0;
+  int64_t element0 = 0;
+};
+StorageSpan SpanOf(const DLTensor& tensor, bool subbyte_padded);
+
+// A new DLManagedTensorVersioned viewing `storage` (flags as storage->flags), or a private copy
+// of its bytes when `copy` (flags IS_COPIED, writable). Its deleter is noexcept, needs no GIL.
+DLManagedTensorVersioned* ExportVersioned(const std::shared_ptr<Storage>& storage, bool copy);
+// The same as a pre-1.0 DLManagedTensor (no flags: the caller checks writability).
+DLManagedTensor* ExportLegacy(const std::shared_ptr<Storage>& storage, bool copy);
+
+}  // namespace tensorshm::python
+
+#endif  // TENSORSHM_PYTHON_STORAGE_H_

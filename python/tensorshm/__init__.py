@@ -1,0 +1,196 @@
+"""tensorshm: share tensors between processes through shared memory, zero-copy, over DLPack.
+
+    import tensorshm, numpy as np
+    client = tensorshm.connect()
+    client.put("batch/17", np.arange(12, dtype=np.float32).reshape(3, 4))
+    t = client.get("batch/17")          # zero-copy, read-only
+    a = np.from_dlpack(t)               # or torch.from_dlpack(t), tvm_ffi.from_dlpack(t)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from . import _tensorshm
+from ._errors import (
+    AlreadyExistsError,
+    CancelledError,
+    ConnectionError,
+    Error,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionError,
+    ResourceExhaustedError,
+    TimeoutError,
+    UnimplementedError,
+)
+from ._numpy import to_numpy
+from ._tensorshm import Tensor, WritableTensor
+
+__all__ = [
+    "AlreadyExistsError",
+    "CancelledError",
+    "Client",
+    "ConnectionError",
+    "Error",
+    "FailedPreconditionError",
+    "InternalError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "PermissionError",
+    "ResourceExhaustedError",
+    "Tensor",
+    "TimeoutError",
+    "UnimplementedError",
+    "WritableTensor",
+    "connect",
+    "to_numpy",
+]
+
+__version__ = "0.1.0"
+
+_DLPACK_VERSION = (1, 3)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A tensorshm dtype name from a string, a numpy dtype, or a numpy / ml_dtypes scalar type."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None)
+        if name is None:
+            try:
+                import numpy as np
+
+                name = np.dtype(dtype).name
+            except Exception as e:  # noqa: BLE001 - any failure means "not a dtype"
+                raise InvalidArgumentError(f"dtype = {dtype!r}: not a dtype") from e
+    _tensorshm._dtype_fields(name)  # raises InvalidArgumentError naming the dtype if unknown
+    return name
+
+
+class Client:
+    """A connection (one session) to tensorshmd. Thread-safe.
+
+    Tensors obtained through a client stay valid after it is closed or garbage collected, until
+    they themselves are released.
+    """
+
+    def __init__(self, native: _tensorshm._Client) -> None:
+        self._native = native
+
+    @property
+    def session_id(self) -> str:
+        return self._native.session_id
+
+    def create(self, shape: Any, dtype: Any = "float32", device: str = "cpu", *,
+               strides: Any = None, subbyte_padded: bool | None = None) -> WritableTensor:
+        """Allocate a writable tensor; fill it through ``np.from_dlpack(w)`` or
+        ``tensorshm.to_numpy(w)``, then ``w.publish(name)``.
+
+        Sub-byte dtypes (int4, float4_e2m1fn, ...) are stored one element per byte by default,
+        as numpy and ml_dtypes keep them; ``subbyte_padded=False`` packs them.
+        """
+        if isinstance(shape, int):
+            shape = (shape,)
+        name = _dtype_name(dtype)
+        bits = _tensorshm._dtype_fields(name)[1]
+        padded = bits < 8 if subbyte_padded is None else subbyte_padded
+        return self._native.create(
+            [int(d) for d in shape], name, None if strides is None else [int(s) for s in strides],
+            device, padded,
+        )
+
+    def get(self, name: str, timeout: float | None = 0) -> Tensor:
+        """Acquire the tensor published as ``name``, zero-copy and read-only.
+
+        ``timeout``: 0 raises NotFoundError at once if the name is not published; seconds waits
+        that long for a publish (then TimeoutError); None waits until it is published.
+        """
+        return self._native.get(name, None if timeout is None else float(timeout))
+
+    def put(self, name: str, obj: Any, replace: bool = False) -> Tensor:
+        """Copy any DLPack producer (numpy, torch, tvm-ffi, JAX, a DLPack capsule, ...) into a new
+        shared buffer, publish it as ``name``, and return it (read-only, leased).
+
+        The producer is asked the way the DLPack spec says: ``type(obj).__dlpack_c_exchange_api__``
+        first (then the older ``__c_dlpack_exchange_api__``), else ``obj.__dlpack__(max_version=
+        (1, 3))``, falling back to the legacy ``obj.__dlpack__()`` on TypeError.
+        """
+        if _is_numpy_scalar(obj):
+            import numpy as np
+
+            obj = np.asarray(obj)
+        cls = type(obj)
+        api = getattr(cls, "__dlpack_c_exchange_api__", None)
+        if api is None:
+            api = getattr(cls, "__c_dlpack_exchange_api__", None)
+        if api is not None:
+            return self._native.put_exchange(name, obj, api, replace)
+        if hasattr(obj, "__dlpack__"):
+            try:
+                try:
+                    capsule = obj.__dlpack__(max_version=_DLPACK_VERSION)
+                except TypeError:
+                    capsule = obj.__dlpack__()
+            except BufferError:
+                if _is_numpy_array(obj):
+                    return self._put_numpy(name, obj, replace)
+                raise
+            return self._native.put_capsule(name, capsule, replace)
+        if type(obj).__name__ == "PyCapsule":
+            return self._native.put_capsule(name, obj, replace)
+        raise TypeError(
+            f"put({name!r}, ...): {cls.__module__}.{cls.__qualname__} is not a DLPack producer "
+            "(no __dlpack_c_exchange_api__ or __dlpack__)"
+        )
+
+    def _put_numpy(self, name: str, array: Any, replace: bool) -> Tensor:
+        """numpy arrays of ml_dtypes types, which numpy's __dlpack__ refuses: copy through a view."""
+        import numpy as np
+
+        w = self.create(array.shape, array.dtype.name)
+        np.copyto(to_numpy(w), array, casting="no")
+        w.publish(name, replace)
+        return w
+
+    def delete(self, name: str) -> None:
+        """Unbind ``name``; its memory is freed once the last lease on it ends."""
+        self._native.delete(name)
+
+    def list(self, prefix: str = "") -> list[dict[str, Any]]:
+        """Published tensors whose names start with ``prefix``, in name order."""
+        return self._native.list(prefix)
+
+    def stat(self) -> dict[str, Any]:
+        """``{"tensors", "leases", "sessions", "pools": [{"device", "capacity_bytes",
+        "used_bytes"}]}``."""
+        return self._native.stat()
+
+    def flush(self) -> None:
+        """Wait until every lease released so far has been given back to the daemon."""
+        self._native.flush()
+
+    def __repr__(self) -> str:
+        return f"tensorshm.Client(session_id={self.session_id!r})"
+
+
+def _is_numpy_scalar(obj: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(obj, np.generic)
+
+
+def _is_numpy_array(obj: Any) -> bool:
+    cls = type(obj)
+    return cls.__module__ == "numpy" and cls.__name__ == "ndarray"
+
+
+def connect(socket: str | None = None, *, client_name: str | None = None,
+            timeout: float = 5.0) -> Client:
+    """Connect to tensorshmd. ``socket=None``: $TENSORSHM_SOCKET, else
+    $XDG_RUNTIME_DIR/tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock.
+    ConnectionError if the daemon does not answer within ``timeout`` seconds."""
+    return Client(_tensorshm._Client.connect(socket, client_name, timeout))

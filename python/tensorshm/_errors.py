@@ -1,0 +1,92 @@
+"""tensorshm's exceptions: each subclasses tensorshm.Error and the builtin a Python user would
+catch for the same condition."""
+
+from __future__ import annotations
+
+import builtins
+
+
+class Error(Exception):
+    """Base of every tensorshm error. ``code`` is the canonical gRPC status code."""
+
+    code: int = 2  # UNKNOWN
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return self.message
+
+
+class CancelledError(Error):
+    code = 1
+
+
+class InvalidArgumentError(Error, ValueError):
+    code = 3
+
+
+class TimeoutError(Error, builtins.TimeoutError):
+    """An acquire wait ran out (DEADLINE_EXCEEDED)."""
+
+    code = 4
+
+
+class NotFoundError(Error, KeyError):
+    code = 5
+
+
+class AlreadyExistsError(Error):
+    code = 6
+
+
+class PermissionError(Error, builtins.PermissionError):
+    code = 7
+
+
+class ResourceExhaustedError(Error, MemoryError):
+    code = 8
+
+
+class FailedPreconditionError(Error):
+    code = 9
+
+
+class UnimplementedError(Error, NotImplementedError):
+    code = 12
+
+
+class InternalError(Error):
+    code = 13
+
+
+class ConnectionError(Error, builtins.ConnectionError):
+    """The daemon is not reachable, or the session with it ended (UNAVAILABLE)."""
+
+    code = 14
+
+
+_BY_CODE: dict[int, type[Error]] = {
+    cls.code: cls
+    for cls in (
+        CancelledError,
+        InvalidArgumentError,
+        TimeoutError,
+        NotFoundError,
+        AlreadyExistsError,
+        PermissionError,
+        ResourceExhaustedError,
+        FailedPreconditionError,
+        UnimplementedError,
+        InternalError,
+        ConnectionError,
+    )
+}
+
+
+def _raise_status(code: int, message: str) -> None:
+    """Called by the native layer: raises the exception for a non-OK status."""
+    raise _BY_CODE.get(code, Error)(message, code)
