@@ -22,3 +22,24 @@ def test_put_of_a_torch_tensor(client):
     t = client.put("torch/b", source, replace=True)
     assert t.dtype == "bfloat16" and t.shape == (4, 3)
     assert torch.equal(torch.from_dlpack(client.get("torch/b")), source)
+
+
+def test_put_uses_torchs_exchange_api_when_it_has_one(client):
+    if getattr(torch.Tensor, "__dlpack_c_exchange_api__", None) is None:
+        pytest.skip(f"torch {torch.__version__} has no __dlpack_c_exchange_api__")
+
+    class NoDunder(torch.Tensor):
+        def __dlpack__(self, *args, **kwargs):
+            raise AssertionError("put() used __dlpack__ although torch has an exchange API")
+
+    source = torch.arange(10, dtype=torch.int32).as_subclass(NoDunder)
+    t = client.put("torch/api", source, replace=True)
+    assert torch.equal(torch.from_dlpack(client.get("torch/api")), torch.arange(10, dtype=torch.int32))
+    assert t.shape == (10,)
+
+
+def test_writable_tensor_filled_by_torch(client):
+    w = client.create((4, 4), "float32")
+    torch.from_dlpack(w).fill_(3.0)
+    w.publish("torch/filled", replace=True)
+    assert float(torch.from_dlpack(client.get("torch/filled")).sum()) == 48.0
