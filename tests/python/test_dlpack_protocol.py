@@ -40,9 +40,24 @@ def capsule_flags(capsule) -> int:
     return ctypes.c_uint64.from_address(address + 24).value
 
 
-def test_numpy_view_is_zero_copy_and_read_only(sealed):
+def shm_mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, path) of the mapping of this process that holds `address`."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[1], fields[5] if len(fields) > 5 else ""
+    return "", ""
+
+
+def test_numpy_view_is_zero_copy_and_read_only(daemon, sealed):
     array = np.from_dlpack(sealed)
     assert array.ctypes.data == sealed._data_ptr
+    # The very pages of the daemon's pool segment, mapped read-only and shared.
+    permissions, path = shm_mapping_of(array.ctypes.data)
+    assert path.startswith(f"/dev/shm/{daemon.prefix}.cpu."), path
+    assert permissions == "r--s"
     assert not array.flags.writeable
     with pytest.raises(ValueError):
         array[0, 0] = 1
