@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-torch bench install format clean
+.PHONY: all setup configure build run test test-cpp test-python python test-torch test-asan test-tsan bench install format clean
 
 VENV_PY = .venv/bin/python
 
@@ -44,6 +44,25 @@ test-python: build python
 test-torch: build python
 	$(VENV_PY) -c 'import torch' 2>/dev/null || $(VENV_PY) -m pip install -q torch
 	TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd $(VENV_PY) -m pytest -q -rs tests/python
+
+# The C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer (CI runs this too).
+test-asan: setup
+	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTENSORSHM_SANITIZE=address \
+	  -DTENSORSHM_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake --build build-asan -j$(JOBS)
+	cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest -j$(JOBS) --output-on-failure --no-tests=error
+
+# The concurrency tests (integration, load, client death) under ThreadSanitizer.
+test-tsan: setup
+	@cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DTENSORSHM_SANITIZE=thread \
+	  -DTENSORSHM_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake --build build-tsan -j$(JOBS)
+	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 suppressions=$(CURDIR)/tests/tsan.supp" \
+	  ctest -j$(JOBS) --output-on-failure --no-tests=error -R '$(TSAN_TESTS)'
+
+TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes
 
 bench: build
 	$(BUILD_DIR)/bench/handoff_bench $(ARGS)

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -64,6 +65,32 @@ absl::Status PrepareSocketPath(const std::string& path) {
   return absl::OkStatus();
 }
 
+// FAILED_PRECONDITION, with the sizes and the fix, if /dev/shm cannot hold the pool and the
+// catalog at all; a warning if it has less free now (creates then fail cleanly when it runs out).
+absl::Status CheckShmCapacity(uint64_t pool_bytes, uint64_t control_bytes) {
+  struct statvfs st;
+  if (statvfs("/dev/shm", &st) != 0) {
+    TSM_LOG(kWarning) << "cannot check the size of /dev/shm: " << std::strerror(errno);
+    return absl::OkStatus();
+  }
+  const uint64_t total = static_cast<uint64_t>(st.f_frsize) * st.f_blocks;
+  const uint64_t available = static_cast<uint64_t>(st.f_frsize) * st.f_bavail;
+  const uint64_t needed = pool_bytes + control_bytes;
+  if (total < needed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--host-pool = ", pool_bytes, " bytes (plus ", control_bytes,
+        " for the catalog) does not fit /dev/shm, which holds ", total, " bytes (", available,
+        " free): enlarge /dev/shm (docker run --shm-size=..., Kubernetes: an emptyDir with "
+        "medium: Memory and sizeLimit mounted at /dev/shm) or lower --host-pool"));
+  }
+  if (available < needed) {
+    TSM_LOG(kWarning) << "/dev/shm has " << available << " bytes free for a pool of " << pool_bytes
+                      << " bytes: creates will fail with RESOURCE_EXHAUSTED once "
+                      << "it is full";
+  }
+  return absl::OkStatus();
+}
+
 std::string FormatBytes(uint64_t bytes) {
   constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double value = static_cast<double>(bytes);
@@ -101,6 +128,12 @@ int Run(int argc, char** argv) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
   }
+  if (absl::Status s =
+          CheckShmCapacity(options->host_pool_bytes, ControlSegmentBytes(options->max_tensors));
+      !s.ok()) {
+    std::cerr << "tensorshmd: " << s.message() << "\n";
+    return 1;
+  }
   absl::StatusOr<std::unique_ptr<Catalog>> catalog =
       Catalog::Create(CatalogOptions{options->shm_prefix, options->host_pool_bytes,
                                      options->segment_bytes, options->max_tensors, 0600});
@@ -108,7 +141,7 @@ int Run(int argc, char** argv) {
     std::cerr << "tensorshmd: " << catalog.status().message() << "\n";
     return 1;
   }
-  TensorShmService service(*std::move(catalog));
+  TensorShmService service(*std::move(catalog), options->session_quota_bytes);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

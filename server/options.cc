@@ -63,6 +63,8 @@ std::string Usage() {
       "                       a larger tensor gets a segment of its own size\n"
       "  --shm-prefix P       prefix of the shm object names (default: tsm-<random>)\n"
       "  --max-tensors N      tensor records in the catalog (default 4096)\n"
+      "  --session-quota SIZE most bytes of unpublished buffers one session may hold at once\n"
+      "                       (default 0: no limit beyond the pool)\n"
       "  --log-level LEVEL    debug, info, warning or error (default info)\n"
       "  --help               this text\n"
       "\n"
@@ -89,7 +91,7 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
     }
     const bool takes_value = arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
                              arg == "--shm-prefix" || arg == "--max-tensors" ||
-                             arg == "--log-level";
+                             arg == "--log-level" || arg == "--session-quota";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -105,6 +107,10 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();
       options.host_pool_bytes = *size;
+    } else if (arg == "--session-quota") {
+      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+      if (!size.ok()) return size.status();
+      options.session_quota_bytes = *size;
     } else if (arg == "--segment-size") {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();

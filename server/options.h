@@ -18,6 +18,7 @@ struct DaemonOptions {
   uint64_t segment_bytes = 256ull << 20;  // --segment-size
   std::string shm_prefix;                 // default: "tsm-" + 64 random bits in hex
   uint32_t max_tensors = 4096;            // --max-tensors
+  uint64_t session_quota_bytes = 0;       // --session-quota; 0: unlimited
   LogLevel log_level = LogLevel::kInfo;
   bool help = false;
 };

@@ -17,8 +17,8 @@ constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
 
 }  // namespace
 
-TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog)
-    : catalog_(std::move(catalog)) {}
+TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes)
+    : catalog_(std::move(catalog)), session_quota_bytes_(session_quota_bytes) {}
 
 void TensorShmService::BeginShutdown() {
   absl::MutexLock lock(&mu_);
@@ -135,7 +135,7 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
                                                  ": not an unpublished tensor of this session"))
                               : catalog_->Abandon(session.id, tensor_id);
     if (status.ok()) {
-      session.unpublished.erase(tensor_id);
+      session.ForgetUnpublished(tensor_id);
       continue;
     }
     v1::Rejection* rejection = ack->add_rejected();
@@ -163,7 +163,7 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
     unpublished = session->unpublished.size();
     for (const auto& [lease, tensor_id] : session->leases) catalog_->DropLease(tensor_id);
     session->leases.clear();
-    for (uint64_t tensor_id : session->unpublished) {
+    for (const auto& [tensor_id, bytes] : session->unpublished) {
       absl::Status s = catalog_->Abandon(session_id, tensor_id);
       TSM_CHECK(s.ok());
     }
@@ -188,7 +188,17 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
   absl::StatusOr<const Tensor*> tensor =
       catalog_->Create((*session)->id, *dtype, shape, strides, device, request->subbyte_padded());
   if (!tensor.ok()) return ToGrpcStatus(tensor.status());
-  (*session)->unpublished.insert((*tensor)->id);
+  const uint64_t length = (*tensor)->buffer.length;
+  if (session_quota_bytes_ > 0 && (*session)->unpublished_bytes + length > session_quota_bytes_) {
+    const uint64_t tensor_id = (*tensor)->id;
+    TSM_CHECK(catalog_->Abandon((*session)->id, tensor_id).ok());
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("session quota: ", length, " more bytes requested, ",
+                     (*session)->unpublished_bytes, " bytes of unpublished tensors held, quota ",
+                     session_quota_bytes_, " bytes (--session-quota); publish or drop some first"));
+  }
+  (*session)->AddUnpublished((*tensor)->id, length);
   response->set_tensor_id((*tensor)->id);
   Describe(**tensor, response->mutable_desc(), response->mutable_location());
   return grpc::Status::OK;
@@ -204,7 +214,7 @@ grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
   absl::Status s =
       catalog_->Publish((*session)->id, request->tensor_id(), request->name(), request->replace());
   if (!s.ok()) return ToGrpcStatus(s);
-  (*session)->unpublished.erase(request->tensor_id());
+  (*session)->ForgetUnpublished(request->tensor_id());
   if (request->acquire()) {
     const Tensor* tensor = catalog_->FindId(request->tensor_id());
     TSM_CHECK(tensor != nullptr);

@@ -18,7 +18,8 @@ inline constexpr char kSessionMetadataKey[] = "tensorshm-session";
 // Thread-safe: every RPC runs on a gRPC thread and takes mu_ for the catalog and sessions.
 class TensorShmService final : public v1::TensorShm::Service {
  public:
-  explicit TensorShmService(std::unique_ptr<Catalog> catalog);
+  // `session_quota_bytes`: most bytes of unpublished buffers one session may hold; 0: no limit.
+  TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes = 0);
 
   // Wakes acquire waiters and makes new waits fail with UNAVAILABLE; call before stopping the
   // server so that no handler outlives it.
@@ -59,6 +60,7 @@ class TensorShmService final : public v1::TensorShm::Service {
   absl::CondVar published_;  // signalled on every publish and on shutdown
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
+  const uint64_t session_quota_bytes_;
   SessionTable sessions_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -18,8 +18,20 @@ struct Session {
   int64_t pid = 0;
   std::string client_name;
   std::string peer;
-  std::map<uint64_t, uint64_t> leases;  // lease id -> tensor id
-  std::set<uint64_t> unpublished;       // tensor ids created and not yet published
+  std::map<uint64_t, uint64_t> leases;       // lease id -> tensor id
+  std::map<uint64_t, uint64_t> unpublished;  // tensor id -> buffer bytes, created, unpublished
+  uint64_t unpublished_bytes = 0;            // their sum, held against --session-quota
+
+  void AddUnpublished(uint64_t tensor_id, uint64_t bytes) {
+    unpublished.emplace(tensor_id, bytes);
+    unpublished_bytes += bytes;
+  }
+  // Forgets `tensor_id` (published or freed). REQUIRES: it is in `unpublished`.
+  void ForgetUnpublished(uint64_t tensor_id) {
+    auto it = unpublished.find(tensor_id);
+    unpublished_bytes -= it->second;
+    unpublished.erase(it);
+  }
 };
 
 // Thread-compatible: the service serialises calls.

@@ -526,18 +526,19 @@ TEST_F(IntegrationTest, ProducerMapsOnlyItsOwnBufferAndDropsItOnPublish) {
   EXPECT_EQ(PoolMappings(daemon_->shm_prefix()), 0);
 }
 
-TEST(DaemonStartTest, FullDevShmIsAClearErrorAtStartAndAtCreate) {
-  // A private mount namespace with an 8 MiB /dev/shm stands in for a full one.
+TEST(DaemonStartTest, SmallOrFullDevShmIsAClearErrorAtStartAndAtCreate) {
+  // A private mount namespace with a 16 MiB /dev/shm stands in for a small or full one.
   if (std::system("unshare --mount --propagation private /bin/sh -c "
                   "'mount -t tmpfs -o size=1m tmpfs /dev/shm' >/dev/null 2>&1") != 0) {
     GTEST_SKIP() << "cannot create a mount namespace here (needs root and unshare); the "
-                    "full-/dev/shm paths are not exercised";
+                    "small-/dev/shm paths are not exercised";
   }
   const std::string dir =
       std::filesystem::temp_directory_path().string() + absl::StrCat("/tsmtest-fullshm-", getpid());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  auto small_shm = [&](const std::string& flags) {
+  // `fill_mib` of /dev/shm is taken by something else before the daemon starts.
+  auto small_shm = [&](int fill_mib, const std::string& flags) {
     return std::vector<std::string>{
         "/usr/bin/unshare",
         "--mount",
@@ -545,21 +546,26 @@ TEST(DaemonStartTest, FullDevShmIsAClearErrorAtStartAndAtCreate) {
         "private",
         "/bin/sh",
         "-c",
-        absl::StrCat("mount -t tmpfs -o size=8m tmpfs /dev/shm && exec ", TensorShmdPath(),
-                     " --socket ", dir, "/s.sock --max-tensors 64 --log-level warning ", flags)};
+        absl::StrCat("mount -t tmpfs -o size=16m tmpfs /dev/shm && ",
+                     "dd if=/dev/zero of=/dev/shm/other bs=1M count=", fill_mib,
+                     " status=none && exec ", TensorShmdPath(), " --socket ", dir,
+                     "/s.sock --max-tensors 64 --log-level warning ", flags)};
   };
-  // At start: the first segment does not fit.
+  // At start: a pool larger than /dev/shm is refused with the sizes and the fix.
   absl::StatusOr<ChildProcess> daemon =
-      ChildProcess::Start(small_shm("--host-pool 64Mi --segment-size 16Mi"), dir + "/a.log");
+      ChildProcess::Start(small_shm(0, "--host-pool 64Mi --segment-size 16Mi"), dir + "/a.log");
   ASSERT_OK(daemon);
   absl::StatusOr<int> status = daemon->Wait(absl::Seconds(15));
   ASSERT_TRUE(status.ok());
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << daemon->Output();
-  EXPECT_TRUE(absl::StrContains(daemon->Output(), "16777216 bytes): /dev/shm has no room"))
-      << daemon->Output();
+  for (const char* expected :
+       {"--host-pool = 67108864 bytes", "holds 16777216 bytes", "--shm-size", "sizeLimit"}) {
+    EXPECT_TRUE(absl::StrContains(daemon->Output(), expected)) << daemon->Output();
+  }
 
-  // At create: the pool may grow to 64 MiB, but /dev/shm holds only 8.
-  daemon = ChildProcess::Start(small_shm("--host-pool 64Mi --segment-size 4Mi"), dir + "/b.log");
+  // At create: the pool fits /dev/shm, but 10 of its 16 MiB are taken by someone else.
+  daemon =
+      ChildProcess::Start(small_shm(10, "--host-pool 12Mi --segment-size 4Mi"), dir + "/b.log");
   ASSERT_OK(daemon);
   ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(15))) << daemon->Output();
   absl::StatusOr<std::shared_ptr<Client>> client =
@@ -577,6 +583,27 @@ TEST(DaemonStartTest, FullDevShmIsAClearErrorAtStartAndAtCreate) {
   ASSERT_TRUE(status.ok());
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << daemon->Output();
   std::filesystem::remove_all(dir);
+}
+
+TEST(DaemonStartTest, SessionQuotaBoundsUnpublishedBytes) {
+  absl::StatusOr<TestDaemon> daemon =
+      TestDaemon::Start("quota", {"--host-pool", "64Mi", "--session-quota", "1Mi"});
+  ASSERT_OK(daemon);
+  absl::StatusOr<std::shared_ptr<Client>> c =
+      Client::Connect(ClientOptions{daemon->socket(), "quota"});
+  ASSERT_OK(c);
+  absl::StatusOr<WritableTensor> a = (*c)->Create({{kDLUInt, 8, 1}, {600 << 10}});
+  ASSERT_OK(a);
+  absl::StatusOr<WritableTensor> b = (*c)->Create({{kDLUInt, 8, 1}, {600 << 10}});
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(b.status().message(), "quota 1048576 bytes")) << b.status();
+  // Another session has a quota of its own; publishing gives this one's back.
+  absl::StatusOr<std::shared_ptr<Client>> other =
+      Client::Connect(ClientOptions{daemon->socket(), "quota-other"});
+  ASSERT_OK(other);
+  EXPECT_TRUE((*other)->Create({{kDLUInt, 8, 1}, {600 << 10}}).ok());
+  ASSERT_TRUE((*c)->Publish(*a, "q").ok());
+  EXPECT_TRUE((*c)->Create({{kDLUInt, 8, 1}, {600 << 10}}).ok());
 }
 
 TEST(DaemonStartTest, RefusesASecondDaemonOnTheSameSocket) {

@@ -26,15 +26,17 @@ TEST(ParseSizeTest, BadSizesNameFlagAndValue) {
 }
 
 TEST(ParseOptionsTest, DefaultsAndFlags) {
-  const char* argv[] = {"tensorshmd",   "--socket", "/tmp/x.sock", "--host-pool=2Gi",
-                        "--shm-prefix", "abc",      "--log-level", "debug"};
-  absl::StatusOr<DaemonOptions> options = ParseOptions(8, const_cast<char**>(argv));
+  const char* argv[] = {"tensorshmd",      "--socket", "/tmp/x.sock", "--host-pool=2Gi",
+                        "--shm-prefix",    "abc",      "--log-level", "debug",
+                        "--session-quota", "1Mi"};
+  absl::StatusOr<DaemonOptions> options = ParseOptions(10, const_cast<char**>(argv));
   ASSERT_TRUE(options.ok()) << options.status();
   EXPECT_EQ(options->socket, "/tmp/x.sock");
   EXPECT_EQ(options->host_pool_bytes, 2ull << 30);
   EXPECT_EQ(options->segment_bytes, 256ull << 20);
   EXPECT_EQ(options->shm_prefix, "abc");
   EXPECT_EQ(options->log_level, LogLevel::kDebug);
+  EXPECT_EQ(options->session_quota_bytes, 1u << 20);
 }
 
 TEST(ParseOptionsTest, RandomPrefixByDefaultAndBadFlagsRefused) {

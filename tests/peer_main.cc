@@ -5,6 +5,8 @@
 //   tsm_peer consume SOCKET NAME [--wait-ms N] [--legacy]
 //   tsm_peer hold SOCKET NAME...      acquire all, print "held", sleep until killed
 //   tsm_peer write SOCKET NAME        acquire, print "acquired", write into the tensor
+//   tsm_peer churn SOCKET NAME... [--seed N]         hold, create, drop at random until killed
+//   tsm_peer load SOCKET NAME... --ops N --seed S     N mixed operations, all must succeed
 //
 // Output lines: "checksum <storage hash> <logical hash>", "meta <dtype> <shape> <strides>
 // <byte_offset> <flags>", "error <code> <message>" (exit 3).
@@ -16,6 +18,7 @@
 #include <random>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/dtype.h"
@@ -68,6 +71,7 @@ int Main(int argc, char** argv) {
   std::string dtype = "float32", shape, strides;
   uint64_t seed = 1;
   int64_t wait_ms = 0;
+  int64_t ops = 0;
   bool replace = false, hang = false, legacy = false;
   for (int i = 3; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -82,6 +86,8 @@ int Main(int argc, char** argv) {
       seed = std::stoull(value());
     else if (arg == "--wait-ms")
       wait_ms = std::stoll(value());
+    else if (arg == "--ops")
+      ops = std::stoll(value());
     else if (arg == "--replace")
       replace = true;
     else if (arg == "--hang-before-publish")
@@ -142,6 +148,89 @@ int Main(int argc, char** argv) {
     }
     std::cout << "held" << std::endl;
     while (true) pause();
+  }
+  if (mode == "churn") {
+    // Until killed: acquire and hold published tensors, create buffers and write half of them,
+    // drop some of each. NAMES are the published tensors to acquire.
+    std::mt19937_64 random(seed);
+    std::vector<DLManagedTensorVersioned*> held;
+    std::vector<tensorshm::WritableTensor> writing;
+    std::cout << "churning" << std::endl;
+    while (true) {
+      const uint64_t dice = random() % 6;
+      if (dice < 2) {
+        absl::StatusOr<DLManagedTensorVersioned*> t =
+            (*client)->Acquire(names.at(random() % names.size()));
+        if (!t.ok()) return Fail(t.status());
+        held.push_back(*t);
+      } else if (dice == 2 && !held.empty()) {
+        held.back()->deleter(held.back());
+        held.pop_back();
+      } else if (dice == 3) {
+        absl::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(
+            {{kDLUInt, 8, 1}, {static_cast<int64_t>(4096 * (1 + random() % 64))}});
+        if (!w.ok()) return Fail(w.status());
+        std::memset(w->data(), 0x5a, w->nbytes() / 2);  // half-written
+        writing.push_back(*std::move(w));
+      } else if (dice == 4 && !writing.empty()) {
+        writing.pop_back();  // dropped unpublished
+      }
+      if (held.size() > 16 || writing.size() > 8) {
+        for (auto* t : held) t->deleter(t);
+        held.clear();
+        writing.clear();
+      }
+    }
+  }
+  if (mode == "load") {
+    // OPS mixed operations in this process's own namespace load/<seed>/, plus reads of NAMES.
+    // Every operation must succeed; at the end everything created is deleted again.
+    std::mt19937_64 random(seed);
+    std::vector<std::string> mine;
+    std::vector<DLManagedTensorVersioned*> held;
+    int next = 0;
+    for (int i = 0; i < ops; ++i) {
+      const uint64_t dice = random() % 8;
+      absl::Status status;
+      if (dice == 0 || mine.empty()) {
+        absl::StatusOr<tensorshm::WritableTensor> w =
+            (*client)->Create({{kDLFloat, 32, 1}, {static_cast<int64_t>(1 + random() % 20000)}});
+        if (!w.ok()) return Fail(w.status());
+        std::memset(w->data(), static_cast<int>(i & 0xff), w->nbytes());
+        const std::string name = absl::StrCat("load/", seed, "/", next++);
+        status = (*client)->Publish(*w, name);
+        mine.push_back(name);
+      } else if (dice == 1) {
+        absl::StatusOr<tensorshm::WritableTensor> w =
+            (*client)->Create({{kDLInt, 8, 1}, {static_cast<int64_t>(random() % 5000)}});
+        if (!w.ok()) return Fail(w.status());
+        status = (*client)->Publish(*w, mine[random() % mine.size()], /*replace=*/true);
+      } else if (dice <= 3) {
+        absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(
+            dice == 2 ? mine[random() % mine.size()] : names.at(random() % names.size()));
+        if (!t.ok()) return Fail(t.status());
+        held.push_back(*t);
+      } else if (dice == 4 && !held.empty()) {
+        held.back()->deleter(held.back());
+        held.pop_back();
+      } else if (dice == 5 && mine.size() > 4) {
+        const size_t k = random() % mine.size();
+        status = (*client)->Delete(mine[k]);
+        mine.erase(mine.begin() + k);
+      } else if (dice == 6) {
+        status = (*client)->List(absl::StrCat("load/", seed, "/")).status();
+      } else {
+        status = (*client)->Stat().status();
+      }
+      if (!status.ok()) return Fail(status);
+    }
+    for (auto* t : held) t->deleter(t);
+    for (const std::string& name : mine) {
+      if (absl::Status s = (*client)->Delete(name); !s.ok()) return Fail(s);
+    }
+    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    std::cout << "load ok " << ops << std::endl;
+    return 0;
   }
   if (mode == "write") {
     absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0));
