@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-torch test-asan test-tsan bench install format clean
+.PHONY: all setup configure build run test test-cpp test-python python test-torch test-asan test-tsan fuzz bench install format clean
 
 VENV_PY = .venv/bin/python
 
@@ -63,6 +63,19 @@ test-tsan: setup
 	  ctest -j$(JOBS) --output-on-failure --no-tests=error -R '$(TSAN_TESTS)'
 
 TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes
+
+# libFuzzer over request validation and descriptor decoding (clang, ASan+UBSan), from a seed
+# corpus generated from the proto; FUZZ_SECONDS bounds the run, and any crash fails it.
+FUZZ_SECONDS ?= 60
+fuzz: setup
+	@CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DTENSORSHM_SANITIZE=address -DTENSORSHM_FUZZ=ON -DTENSORSHM_BUILD_TESTS=OFF \
+	  -DTENSORSHM_BUILD_BENCH=OFF -DTENSORSHM_BUILD_DAEMON=OFF >/dev/null
+	@cmake --build build-fuzz -j$(JOBS) --target request_fuzzer make_fuzz_seeds
+	@rm -rf build-fuzz/seeds && mkdir -p build-fuzz/seeds build-fuzz/corpus
+	build-fuzz/tests/fuzz/make_fuzz_seeds build-fuzz/seeds
+	ASAN_OPTIONS=detect_leaks=1 build-fuzz/tests/fuzz/request_fuzzer build-fuzz/corpus \
+	  build-fuzz/seeds -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1
 
 bench: build
 	$(BUILD_DIR)/bench/handoff_bench $(ARGS)
