@@ -104,8 +104,12 @@ absl::Status ClientCore::OpenSession(const std::string& client_name) {
   if (!stream_->Write(open) || !stream_->Read(&opened) || !opened.has_opened()) {
     stream_->WritesDone();
     absl::Status status = FromGrpcStatus(stream_->Finish());
-    return absl::UnavailableError(absl::StrCat("tensorshmd at unix:", socket_,
-                                               " did not open a session: ", status.ToString()));
+    // A refusal (PERMISSION_DENIED, ...) keeps its code; a broken connection is UNAVAILABLE.
+    const absl::StatusCode code = status.ok() || status.code() == absl::StatusCode::kCancelled
+                                      ? absl::StatusCode::kUnavailable
+                                      : status.code();
+    return absl::Status(code, absl::StrCat("tensorshmd at unix:", socket_,
+                                           " did not open a session: ", status.message()));
   }
   session_id_ = opened.opened().session_id();
   return absl::OkStatus();

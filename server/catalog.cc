@@ -14,12 +14,12 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& o
   }
   absl::StatusOr<ControlSegment> control =
       ControlSegment::Create(options.shm_prefix, options.max_tensors, options.host_pool_bytes,
-                             options.host_segment_bytes, options.mode);
+                             options.host_segment_bytes, 0600);
   if (!control.ok()) return control.status();
   std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control)));
   absl::StatusOr<HostPool> pool =
       HostPool::Create(HostPoolOptions{options.shm_prefix, options.host_pool_bytes,
-                                       options.host_segment_bytes, options.mode},
+                                       options.host_segment_bytes, options.mode, options.group},
                        &catalog->control_);
   if (!pool.ok()) return pool.status();
   catalog->pool_.emplace(*std::move(pool));
@@ -111,7 +111,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
 }
 
 absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::string& name,
-                              bool replace) {
+                              bool replace, uint32_t publisher_uid) {
   auto it = tensors_.find(tensor_id);
   if (it == tensors_.end()) {
     return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
@@ -138,6 +138,7 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   record.publish_seq = control_.header().next_publish_seq.fetch_add(1, std::memory_order_relaxed);
   tensor.sealed = true;
   tensor.owner_session = 0;
+  tensor.publisher_uid = publisher_uid;
   tensor.name = name;
   // Commit point: from here a restarted daemon serves the new tensor under `name` (the highest
   // publish_seq wins if the old record below is still marked published).

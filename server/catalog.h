@@ -33,6 +33,7 @@ struct Tensor {
   Buffer buffer;                // length 0: empty tensor, no buffer
   bool sealed = false;
   uint64_t owner_session = 0;  // the creating session, while unpublished
+  uint32_t publisher_uid = 0;  // the uid whose session published it
   std::string name;            // bound name; empty when unbound
   int64_t leases = 0;
 };
@@ -42,7 +43,8 @@ struct CatalogOptions {
   uint64_t host_pool_bytes = 0;
   uint64_t host_segment_bytes = 0;
   uint32_t max_tensors = 0;
-  mode_t mode = 0600;
+  mode_t mode = 0600;                    // of pool segments; the control segment is always 0600
+  gid_t group = static_cast<gid_t>(-1);  // of pool segments, unless -1
 };
 
 // Thread-compatible: the service serialises all calls under its mutex. Tensor pointers returned
@@ -64,7 +66,8 @@ class Catalog {
   // tensor, PERMISSION_DENIED if another session created it, FAILED_PRECONDITION if already
   // published, ALREADY_EXISTS if `name` is bound and !replace. With replace, the old tensor is
   // unbound and freed once unleased. REQUIRES: name valid.
-  absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace);
+  absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace,
+                       uint32_t publisher_uid = 0);
 
   // The sealed tensor bound to `name`, or nullptr.
   const Tensor* Find(const std::string& name) const;

@@ -39,8 +39,9 @@ absl::Status HostPool::AddSegment(uint64_t size) {
         absl::StrCat("host pool: all ", kMaxSegments, " segments in use; raise --segment-size"));
   }
   const uint64_t id = segments_.size() + 1;
-  absl::StatusOr<ShmSegment> shm = ShmSegment::Create(
-      absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size, options_.mode, /*map=*/false);
+  absl::StatusOr<ShmSegment> shm =
+      ShmSegment::Create(absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size, options_.mode,
+                         /*map=*/false, options_.group);
   if (!shm.ok()) return shm.status();
   segments_.push_back(Segment{*std::move(shm), BestFitAllocator(size)});
   SegmentRecord& record = control_->segment(static_cast<uint32_t>(id - 1));

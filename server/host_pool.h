@@ -26,6 +26,7 @@ struct HostPoolOptions {
   uint64_t capacity_bytes = 0;
   uint64_t segment_bytes = 0;
   mode_t mode = 0600;
+  gid_t group = static_cast<gid_t>(-1);  // segment group, unless -1
 };
 
 // Thread-compatible: the catalog serialises access.

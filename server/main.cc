@@ -4,6 +4,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
+#include <grpcpp/server_posix.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -20,7 +21,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/sys_error.h"
+#include "server/access.h"
 #include "server/catalog.h"
+#include "server/listener.h"
 #include "server/log.h"
 #include "server/options.h"
 #include "server/service.h"
@@ -30,7 +33,7 @@ namespace {
 
 // Makes the socket's directory (0700 when created here) and removes a stale socket file left by
 // a daemon that died. FAILED_PRECONDITION if a live daemon already serves on `path`.
-absl::Status PrepareSocketPath(const std::string& path) {
+absl::Status PrepareSocketPath(const std::string& path, bool shared) {
   sockaddr_un address{};
   if (path.size() >= sizeof(address.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("--socket = \"", path, "\": longer than ",
@@ -40,7 +43,12 @@ absl::Status PrepareSocketPath(const std::string& path) {
   for (size_t slash = path.find('/', 1); slash != std::string::npos;
        slash = path.find('/', slash + 1)) {
     const std::string dir = path.substr(0, slash);
-    if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return ErrnoError("mkdir", dir, errno);
+    if (mkdir(dir.c_str(), 0700) == 0) {
+      // Others must reach a shared socket; they can traverse the directory, not list it.
+      if (shared && chmod(dir.c_str(), 0711) != 0) return ErrnoError("chmod", dir, errno);
+    } else if (errno != EEXIST) {
+      return ErrnoError("mkdir", dir, errno);
+    }
   }
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) {
@@ -124,7 +132,8 @@ int Run(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  if (absl::Status s = PrepareSocketPath(options->socket); !s.ok()) {
+  const bool shared = !options->allow_uids.empty() || !options->allow_gids.empty();
+  if (absl::Status s = PrepareSocketPath(options->socket, shared); !s.ok()) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
   }
@@ -134,26 +143,46 @@ int Run(int argc, char** argv) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<Catalog>> catalog =
-      Catalog::Create(CatalogOptions{options->shm_prefix, options->host_pool_bytes,
-                                     options->segment_bytes, options->max_tensors, 0600});
+  absl::StatusOr<std::unique_ptr<Catalog>> catalog = Catalog::Create(CatalogOptions{
+      options->shm_prefix, options->host_pool_bytes, options->segment_bytes, options->max_tensors,
+      // Admitted users must map the segments: a group when only gids are allowed; other
+      // uids need them world-readable until descriptors are passed over the socket.
+      !options->allow_uids.empty()   ? mode_t{0644}
+      : !options->allow_gids.empty() ? mode_t{0640}
+                                     : mode_t{0600},
+      options->allow_gids.empty() ? static_cast<gid_t>(-1) : *options->allow_gids.begin()});
   if (!catalog.ok()) {
     std::cerr << "tensorshmd: " << catalog.status().message() << "\n";
     return 1;
   }
-  TensorShmService service(*std::move(catalog), options->session_quota_bytes);
+  const AccessPolicy policy(geteuid(), options->allow_uids, options->allow_gids);
+  PeerTable peers;
+  TensorShmService service(*std::move(catalog), options->session_quota_bytes, &policy, &peers);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + options->socket, grpc::InsecureServerCredentials());
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
-    std::cerr << "tensorshmd: cannot listen on unix:" << options->socket << "\n";
+    std::cerr << "tensorshmd: cannot start the gRPC server\n";
     return 1;
   }
   server->GetHealthCheckService()->SetServingStatus(true);
+  // The daemon accepts connections itself, so that it knows who is at the other end
+  // (SO_PEERCRED); admission is then checked on every call. A shared socket is open to all
+  // local users at the file level: the credentials decide.
+  absl::StatusOr<std::unique_ptr<UnixListener>> listener =
+      UnixListener::Create(options->socket, policy.shared() ? 0666 : 0600);
+  if (!listener.ok()) {
+    std::cerr << "tensorshmd: " << listener.status().message() << "\n";
+    return 1;
+  }
+  (*listener)->Start([&](int fd, const PeerCredentials& peer) {
+    peers.Add(absl::StrCat("fd:", fd), peer);
+    TSM_LOG(kDebug) << "accepted fd " << fd << ": pid " << peer.pid << ", uid " << peer.uid;
+    grpc::AddInsecureChannelFromFd(server.get(), fd);
+  });
 
   std::cout << "tensorshmd " << TENSORSHM_VERSION << ": serving on unix:" << options->socket
             << "; host pool " << FormatBytes(options->host_pool_bytes) << " in segments of "
@@ -165,6 +194,7 @@ int Run(int argc, char** argv) {
     sigwait(&stop_signals, &signal_number);
     TSM_LOG(kInfo) << "received " << strsignal(signal_number) << ", stopping";
     server->GetHealthCheckService()->SetServingStatus(false);
+    (*listener)->Stop();
     service.BeginShutdown();
     // In-flight calls get a moment to finish; session streams are then cancelled.
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -172,7 +202,7 @@ int Run(int argc, char** argv) {
   server->Wait();
   stopper.join();
   server.reset();
-  unlink(options->socket.c_str());
+  listener->reset();  // removes the socket file
   TSM_LOG(kInfo) << "stopped; socket and shm segments removed";
   return 0;  // `service` goes now, and with it the catalog, which unlinks every segment
 }

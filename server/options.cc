@@ -66,6 +66,10 @@ std::string Usage() {
       "  --session-quota SIZE most bytes of unpublished buffers one session may hold at once\n"
       "                       (default 0: no limit beyond the pool)\n"
       "  --log-level LEVEL    debug, info, warning or error (default info)\n"
+      "  --allow-uid UID      also admit clients running as UID (repeatable); by default only\n"
+      "                       the daemon's own uid is admitted, others get PERMISSION_DENIED\n"
+      "  --allow-gid GID      also admit clients whose primary gid is GID (repeatable); pool\n"
+      "                       segments then belong to the first such group, mode 0640\n"
       "  --help               this text\n"
       "\n"
       "Sizes take K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024) suffixes.\n"
@@ -91,7 +95,8 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
     }
     const bool takes_value = arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
                              arg == "--shm-prefix" || arg == "--max-tensors" ||
-                             arg == "--log-level" || arg == "--session-quota";
+                             arg == "--log-level" || arg == "--session-quota" ||
+                             arg == "--allow-uid" || arg == "--allow-gid";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -107,6 +112,13 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();
       options.host_pool_bytes = *size;
+    } else if (arg == "--allow-uid" || arg == "--allow-gid") {
+      uint32_t id;
+      if (!absl::SimpleAtoi(value, &id)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            arg, " = \"", value, "\": expected a numeric ", arg == "--allow-uid" ? "uid" : "gid"));
+      }
+      (arg == "--allow-uid" ? options.allow_uids : options.allow_gids).insert(id);
     } else if (arg == "--session-quota") {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();

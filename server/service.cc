@@ -17,8 +17,34 @@ constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
 
 }  // namespace
 
-TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes)
-    : catalog_(std::move(catalog)), session_quota_bytes_(session_quota_bytes) {}
+TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
+                                   const AccessPolicy* policy, const PeerTable* peers)
+    : catalog_(std::move(catalog)),
+      session_quota_bytes_(session_quota_bytes),
+      policy_(policy),
+      peers_(peers) {}
+
+absl::Status TensorShmService::MayChange(const tensorshm::Session& session, const Tensor& tensor,
+                                         absl::string_view verb) const {
+  if (policy_ == nullptr || session.uid == tensor.publisher_uid ||
+      session.uid == policy_->owner()) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "name = \"", tensor.name, "\": published by uid ", tensor.publisher_uid, "; uid ",
+      session.uid, " may not ", verb, " it (only its publisher and the daemon's uid may)"));
+}
+
+absl::StatusOr<PeerCredentials> TensorShmService::Admit(const grpc::ServerContext& context) const {
+  if (policy_ == nullptr || peers_ == nullptr) return PeerCredentials{};
+  absl::StatusOr<PeerCredentials> peer = peers_->Find(context.peer());
+  if (!peer.ok()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("connection ", context.peer(), ": peer credentials unknown"));
+  }
+  if (absl::Status s = policy_->Admit(*peer); !s.ok()) return s;
+  return *peer;
+}
 
 void TensorShmService::BeginShutdown() {
   absl::MutexLock lock(&mu_);
@@ -67,6 +93,8 @@ grpc::Status TensorShmService::Session(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
   v1::SessionRequest request;
+  absl::StatusOr<PeerCredentials> peer = Admit(*context);
+  if (!peer.ok()) return ToGrpcStatus(peer.status());
   if (!stream->Read(&request)) return grpc::Status::OK;  // closed before opening
   if (!request.has_open()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -80,11 +108,15 @@ grpc::Status TensorShmService::Session(
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
     tensorshm::Session& session =
         sessions_.Open(request.open().pid(), request.open().client_name(), context->peer());
+    session.uid = peer->uid;
+    session.gid = peer->gid;
+    if (peer->pid != 0) session.pid = peer->pid;  // the kernel's word over the client's
     session_id = session.id;
     token = session.token;
   }
-  TSM_LOG(kInfo) << "session " << session_id << " opened: pid " << request.open().pid()
-                 << ", client \"" << request.open().client_name() << "\"";
+  TSM_LOG(kInfo) << "session " << session_id << " opened: pid " << request.open().pid() << ", uid "
+                 << peer->uid << ", client \"" << request.open().client_name() << "\", "
+                 << context->peer();
   v1::SessionResponse opened;
   opened.mutable_opened()->set_session_id(token);
   opened.mutable_opened()->set_server_version(TENSORSHM_VERSION);
@@ -177,6 +209,8 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
 grpc::Status TensorShmService::Create(grpc::ServerContext* context,
                                       const v1::CreateRequest* request,
                                       v1::CreateResponse* response) {
+  absl::StatusOr<PeerCredentials> peer = Admit(*context);
+  if (!peer.ok()) return ToGrpcStatus(peer.status());
   absl::StatusOr<DLDataType> dtype = FromWire(request->dtype());
   if (!dtype.ok()) return ToGrpcStatus(dtype.status());
   const DLDevice device = request->has_device() ? FromWire(request->device()) : DLDevice{kDLCPU, 0};
@@ -207,12 +241,18 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
 grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
                                        const v1::PublishRequest* request,
                                        v1::PublishResponse* response) {
+  absl::StatusOr<PeerCredentials> peer = Admit(*context);
+  if (!peer.ok()) return ToGrpcStatus(peer.status());
   if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
-  absl::Status s =
-      catalog_->Publish((*session)->id, request->tensor_id(), request->name(), request->replace());
+  if (const Tensor* bound = catalog_->Find(request->name());
+      bound != nullptr && request->replace()) {
+    if (absl::Status s = MayChange(**session, *bound, "replace"); !s.ok()) return ToGrpcStatus(s);
+  }
+  absl::Status s = catalog_->Publish((*session)->id, request->tensor_id(), request->name(),
+                                     request->replace(), (*session)->uid);
   if (!s.ok()) return ToGrpcStatus(s);
   (*session)->ForgetUnpublished(request->tensor_id());
   if (request->acquire()) {
@@ -230,6 +270,8 @@ grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
 grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
                                        const v1::AcquireRequest* request,
                                        v1::AcquireResponse* response) {
+  absl::StatusOr<PeerCredentials> peer = Admit(*context);
+  if (!peer.ok()) return ToGrpcStatus(peer.status());
   if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
   // gRPC reports "no deadline" as a far-future time point that absl cannot represent exactly.
   const auto grpc_deadline = context->deadline();
@@ -276,15 +318,21 @@ grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
 
 grpc::Status TensorShmService::Delete(grpc::ServerContext* context,
                                       const v1::DeleteRequest* request, v1::DeleteResponse*) {
+  absl::StatusOr<PeerCredentials> peer = Admit(*context);
+  if (!peer.ok()) return ToGrpcStatus(peer.status());
   if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
+  if (const Tensor* bound = catalog_->Find(request->name()); bound != nullptr) {
+    if (absl::Status s = MayChange(**session, *bound, "delete"); !s.ok()) return ToGrpcStatus(s);
+  }
   return ToGrpcStatus(catalog_->Delete(request->name()));
 }
 
-grpc::Status TensorShmService::List(grpc::ServerContext*, const v1::ListRequest* request,
+grpc::Status TensorShmService::List(grpc::ServerContext* context, const v1::ListRequest* request,
                                     v1::ListResponse* response) {
+  if (absl::Status s = Admit(*context).status(); !s.ok()) return ToGrpcStatus(s);
   if (absl::Status s = ValidateNamePrefix(request->prefix()); !s.ok()) return ToGrpcStatus(s);
   absl::MutexLock lock(&mu_);
   for (const Tensor* tensor : catalog_->List(request->prefix())) {
@@ -297,8 +345,9 @@ grpc::Status TensorShmService::List(grpc::ServerContext*, const v1::ListRequest*
   return grpc::Status::OK;
 }
 
-grpc::Status TensorShmService::Stat(grpc::ServerContext*, const v1::StatRequest*,
+grpc::Status TensorShmService::Stat(grpc::ServerContext* context, const v1::StatRequest*,
                                     v1::StatResponse* response) {
+  if (absl::Status s = Admit(*context).status(); !s.ok()) return ToGrpcStatus(s);
   absl::MutexLock lock(&mu_);
   response->set_tensors(catalog_->tensor_count());
   response->set_names(catalog_->name_count());

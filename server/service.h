@@ -7,6 +7,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "server/access.h"
 #include "server/catalog.h"
 #include "server/session.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
@@ -19,7 +20,9 @@ inline constexpr char kSessionMetadataKey[] = "tensorshm-session";
 class TensorShmService final : public v1::TensorShm::Service {
  public:
   // `session_quota_bytes`: most bytes of unpublished buffers one session may hold; 0: no limit.
-  TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes = 0);
+  // `policy` and `peers` (both outliving the service) decide who may call; null admits all.
+  TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes = 0,
+                   const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr);
 
   // Wakes acquire waiters and makes new waits fail with UNAVAILABLE; call before stopping the
   // server so that no handler outlives it.
@@ -42,6 +45,11 @@ class TensorShmService final : public v1::TensorShm::Service {
                     v1::StatResponse* response) override;
 
  private:
+  // OK if `session` may delete or replace `tensor`: its publisher's uid, or the daemon's.
+  absl::Status MayChange(const tensorshm::Session& session, const Tensor& tensor,
+                         absl::string_view verb) const;
+  // The caller's credentials if the policy admits it; PERMISSION_DENIED otherwise.
+  absl::StatusOr<PeerCredentials> Admit(const grpc::ServerContext& context) const;
   // The session named by the call's metadata. INVALID_ARGUMENT if the metadata is missing,
   // FAILED_PRECONDITION if no open session has that token.
   absl::StatusOr<tensorshm::Session*> CallerSession(const grpc::ServerContext& context)
@@ -61,6 +69,8 @@ class TensorShmService final : public v1::TensorShm::Service {
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
   const uint64_t session_quota_bytes_;
+  const AccessPolicy* const policy_;
+  const PeerTable* const peers_;
   SessionTable sessions_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -16,6 +16,8 @@ struct Session {
   uint64_t id = 0;
   std::string token;  // what clients send as "tensorshm-session" metadata; unguessable
   int64_t pid = 0;
+  uint32_t uid = 0;  // from SO_PEERCRED
+  uint32_t gid = 0;
   std::string client_name;
   std::string peer;
   std::map<uint64_t, uint64_t> leases;       // lease id -> tensor id

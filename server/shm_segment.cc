@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <boost/interprocess/exceptions.hpp>
 #include <boost/interprocess/permissions.hpp>
@@ -15,7 +16,7 @@ namespace tensorshm {
 namespace bip = boost::interprocess;
 
 absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size, mode_t mode,
-                                              bool map) {
+                                              bool map, gid_t group) {
   if (name.size() < 2 || name[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("shm name = \"", name, "\": must start with /"));
   }
@@ -34,6 +35,9 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
     return status;
   };
   const int fd = object.get_mapping_handle().handle;
+  if (group != static_cast<gid_t>(-1) && fchown(fd, static_cast<uid_t>(-1), group) != 0) {
+    return fail(ErrnoError("fchown", name, errno));
+  }
   if (int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
     if (err == ENOSPC) {
       return fail(absl::ResourceExhaustedError(absl::StrCat(

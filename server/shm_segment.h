@@ -21,8 +21,9 @@ class ShmSegment {
   // here rather than later as SIGBUS in a client. With `map` the daemon also maps it read-write.
   // Returns ALREADY_EXISTS if the name is taken, RESOURCE_EXHAUSTED if /dev/shm cannot hold
   // `size` bytes (the object is removed again), or another error naming the call and object.
+  // `group`, unless (gid_t)-1, becomes the object's group (for --allow-gid).
   static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size, mode_t mode,
-                                           bool map);
+                                           bool map, gid_t group = static_cast<gid_t>(-1));
 
   ShmSegment(ShmSegment&& other) noexcept;
   ShmSegment& operator=(ShmSegment&& other) noexcept;

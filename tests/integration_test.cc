@@ -3,6 +3,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <atomic>
@@ -606,6 +607,66 @@ TEST(DaemonStartTest, SessionQuotaBoundsUnpublishedBytes) {
   EXPECT_TRUE((*other)->Create({{kDLUInt, 8, 1}, {600 << 10}}).ok());
   ASSERT_TRUE((*c)->Publish(*a, "q").ok());
   EXPECT_TRUE((*c)->Create({{kDLUInt, 8, 1}, {600 << 10}}).ok());
+}
+
+// Runs tsm_peer as `uid` (needs root to drop to it); returns its wait status and output.
+std::pair<int, std::string> RunPeerAs(const TestDaemon& daemon, int uid,
+                                      const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {PeerPath(), args.at(0), daemon.socket()};
+  argv.insert(argv.end(), args.begin() + 1, args.end());
+  argv.insert(argv.end(), {"--as-uid", std::to_string(uid)});
+  absl::StatusOr<ChildProcess> child =
+      ChildProcess::Start(argv, daemon.dir() + "/as-" + std::to_string(uid) + "-" + args[0]);
+  TSM_CHECK(child.ok());
+  absl::StatusOr<int> status = child->Wait(absl::Seconds(30));
+  return {status.ok() ? *status : -1, child->Output()};
+}
+
+constexpr int kNobody = 65534;
+
+TEST(AccessTest, AnotherUidIsRefusedWithPermissionDenied) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+  absl::StatusOr<TestDaemon> daemon = TestDaemon::Start("access-default");
+  ASSERT_OK(daemon);
+  // The socket and its directory let other users reach the daemon, which then refuses them.
+  chmod(daemon->dir().c_str(), 0755);
+  chmod(daemon->socket().c_str(), 0666);
+  auto [status, output] = RunPeerAs(*daemon, kNobody, {"stat"});
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << output;
+  EXPECT_TRUE(absl::StrContains(output, "error 7 ")) << output;  // PERMISSION_DENIED
+  EXPECT_TRUE(absl::StrContains(output, "uid 65534")) << output;
+  EXPECT_TRUE(absl::StrContains(output, "--allow-uid")) << output;
+  // The daemon's own uid is served as before.
+  absl::StatusOr<std::shared_ptr<Client>> own =
+      Client::Connect(ClientOptions{daemon->socket(), "owner"});
+  ASSERT_OK(own);
+  EXPECT_TRUE((*own)->Stat().ok());
+}
+
+TEST(AccessTest, AllowedUidReadsButMayNotDeleteOthersTensors) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+  absl::StatusOr<TestDaemon> daemon =
+      TestDaemon::Start("access-allow", {"--allow-uid", std::to_string(kNobody)});
+  ASSERT_OK(daemon);
+  chmod(daemon->dir().c_str(), 0755);
+  struct stat st;
+  ASSERT_EQ(stat(daemon->socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0666u);  // shared socket: credentials decide
+  absl::StatusOr<std::shared_ptr<Client>> own =
+      Client::Connect(ClientOptions{daemon->socket(), "owner"});
+  ASSERT_OK(own);
+  absl::StatusOr<WritableTensor> w = (*own)->Create({{kDLInt, 32, 1}, {64}});
+  ASSERT_OK(w);
+  for (int i = 0; i < 64; ++i) static_cast<int32_t*>(w->data())[i] = i;
+  ASSERT_TRUE((*own)->Publish(*w, "owned").ok());
+
+  auto [read_status, read_output] = RunPeerAs(*daemon, kNobody, {"consume", "owned"});
+  EXPECT_TRUE(WIFEXITED(read_status) && WEXITSTATUS(read_status) == 0) << read_output;
+  EXPECT_TRUE(absl::StrContains(read_output, "meta int32 [64]")) << read_output;
+  auto [delete_status, delete_output] = RunPeerAs(*daemon, kNobody, {"delete", "owned"});
+  EXPECT_TRUE(absl::StrContains(delete_output, "error 7 ")) << delete_output;
+  EXPECT_TRUE(absl::StrContains(delete_output, "published by uid 0")) << delete_output;
+  EXPECT_TRUE((*own)->Acquire("owned").ok());  // still there
 }
 
 TEST(DaemonStartTest, RefusesASecondDaemonOnTheSameSocket) {

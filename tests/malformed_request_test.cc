@@ -156,6 +156,7 @@ class MalformedRequestTest : public ::testing::Test {
   uint64_t published_id_ = 0;
   uint64_t unpublished_id_ = 0;
   uint64_t foreign_id_ = 0;
+  uint64_t other_lease_ = 0;
 };
 
 TEST_F(MalformedRequestTest, EachGetsItsCodeAndTheDaemonKeepsServing) {
@@ -280,6 +281,19 @@ TEST_F(MalformedRequestTest, EachGetsItsCodeAndTheDaemonKeepsServing) {
          return w.Release(batch);
        },
        StatusCode::FAILED_PRECONDITION, "lease_ids[0] = 424242"},
+      {"release another session's lease",
+       [this](Wire& w) {
+         v1::AcquireRequest request;
+         request.set_name("fixture/published");
+         v1::AcquireResponse acquired;
+         grpc::Status status = other_->stub().Acquire(other_->Context().get(), request, &acquired);
+         if (!status.ok()) return status;
+         other_lease_ = acquired.lease_id();
+         v1::ReleaseBatch batch;
+         batch.add_lease_ids(other_lease_);
+         return w.Release(batch);
+       },
+       StatusCode::FAILED_PRECONDITION, "not held by this session"},
       {"abandon another session's tensor",
        [this](Wire& w) {
          v1::ReleaseBatch batch;
@@ -324,6 +338,9 @@ TEST_F(MalformedRequestTest, EachGetsItsCodeAndTheDaemonKeepsServing) {
   absl::StatusOr<ServerStats> stats = (*client)->Stat();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->sessions, 3);
+  // The lease another session tried to release is still held by its owner.
+  EXPECT_EQ(stats->leases, 1);
+  EXPECT_NE(other_lease_, 0u);
 }
 
 }  // namespace

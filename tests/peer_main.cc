@@ -10,6 +10,7 @@
 //
 // Output lines: "checksum <storage hash> <logical hash>", "meta <dtype> <shape> <strides>
 // <byte_offset> <flags>", "error <code> <message>" (exit 3).
+#include <grp.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -72,6 +73,7 @@ int Main(int argc, char** argv) {
   uint64_t seed = 1;
   int64_t wait_ms = 0;
   int64_t ops = 0;
+  int as_uid = -1;  // drop to this uid (and gid) before connecting
   bool replace = false, hang = false, legacy = false;
   for (int i = 3; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -88,6 +90,8 @@ int Main(int argc, char** argv) {
       wait_ms = std::stoll(value());
     else if (arg == "--ops")
       ops = std::stoll(value());
+    else if (arg == "--as-uid")
+      as_uid = std::stoi(value());
     else if (arg == "--replace")
       replace = true;
     else if (arg == "--hang-before-publish")
@@ -96,6 +100,10 @@ int Main(int argc, char** argv) {
       legacy = true;
     else
       names.push_back(arg);
+  }
+  if (as_uid >= 0 && (setgroups(0, nullptr) != 0 || setgid(as_uid) != 0 || setuid(as_uid) != 0)) {
+    std::cerr << "cannot drop privileges to uid " << as_uid << "\n";
+    return 4;
   }
   absl::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(options);
   if (!client.ok()) return Fail(client.status());
@@ -230,6 +238,17 @@ int Main(int argc, char** argv) {
     }
     if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
     std::cout << "load ok " << ops << std::endl;
+    return 0;
+  }
+  if (mode == "delete") {
+    if (absl::Status s = (*client)->Delete(names.at(0)); !s.ok()) return Fail(s);
+    std::cout << "deleted" << std::endl;
+    return 0;
+  }
+  if (mode == "stat") {
+    absl::StatusOr<tensorshm::ServerStats> stats = (*client)->Stat();
+    if (!stats.ok()) return Fail(stats.status());
+    std::cout << "sessions " << stats->sessions << std::endl;
     return 0;
   }
   if (mode == "write") {
