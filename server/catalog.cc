@@ -4,7 +4,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/dtype.h"
 #include "common/layout.h"
+#include "common/name.h"
+#include "server/log.h"
 
 namespace tensorshm {
 
@@ -26,10 +29,128 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& o
   return catalog;
 }
 
-Catalog::Catalog(ControlSegment control) : control_(std::move(control)) {
+Catalog::Catalog(ControlSegment control, bool all_slots_free) : control_(std::move(control)) {
+  if (!all_slots_free) return;
   const uint32_t count = control_.record_count();
   free_slots_.reserve(count);
   for (uint32_t slot = count; slot-- > 0;) free_slots_.push_back(slot);
+}
+
+absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& options) {
+  absl::StatusOr<ControlSegment> control = ControlSegment::Open(options.shm_prefix);
+  if (!control.ok()) return control.status();
+  std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control), /*all_slots_free=*/false));
+  absl::StatusOr<HostPool> pool =
+      HostPool::Recover(HostPoolOptions{options.shm_prefix, options.host_pool_bytes,
+                                        options.host_segment_bytes, options.mode, options.group},
+                        &catalog->control_);
+  if (!pool.ok()) return pool.status();
+  catalog->pool_.emplace(*std::move(pool));
+
+  const uint32_t count = catalog->control_.record_count();
+  // Published records, by name: the highest publish_seq wins (a replace that was cut short
+  // leaves two); the others are unbound.
+  std::unordered_map<std::string, uint32_t> winners;
+  for (uint32_t slot = count; slot-- > 0;) {
+    TensorRecord& record = catalog->control_.record(slot);
+    const auto state = static_cast<RecordState>(record.state.load(std::memory_order_acquire));
+    if (state == RecordState::kWriting) {
+      // Never published: nobody can hold it any more.
+      record.state.store(static_cast<uint32_t>(RecordState::kFree), std::memory_order_release);
+    }
+    if (state != RecordState::kPublished && state != RecordState::kUnbound) {
+      catalog->free_slots_.push_back(slot);
+      continue;
+    }
+    if (!catalog->Restore(slot)) {
+      record.state.store(static_cast<uint32_t>(RecordState::kFree), std::memory_order_release);
+      catalog->free_slots_.push_back(slot);
+      continue;
+    }
+    if (state == RecordState::kPublished) {
+      const std::string name(record.name, record.name_length);
+      auto [it, inserted] = winners.emplace(name, slot);
+      if (!inserted) {
+        TensorRecord& other = catalog->control_.record(it->second);
+        uint32_t loser = slot;
+        if (record.publish_seq > other.publish_seq) {
+          loser = it->second;
+          it->second = slot;
+        }
+        catalog->control_.record(loser).state.store(static_cast<uint32_t>(RecordState::kUnbound),
+                                                    std::memory_order_release);
+      }
+    }
+  }
+  for (auto& [id, tensor] : catalog->tensors_) {
+    TensorRecord& record = catalog->control_.record(tensor.slot);
+    const std::string name(record.name, record.name_length);
+    auto it = winners.find(name);
+    if (record.state.load() == static_cast<uint32_t>(RecordState::kPublished) &&
+        it != winners.end() && it->second == tensor.slot) {
+      tensor.name = name;
+      catalog->names_.emplace(name, id);
+    }
+  }
+  return catalog;
+}
+
+bool Catalog::Restore(uint32_t slot) {
+  const TensorRecord& record = control_.record(slot);
+  absl::StatusOr<DLDataType> dtype =
+      MakeDataType(record.dtype_code, record.dtype_bits, record.dtype_lanes);
+  const bool padded = record.dlpack_flags == DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED;
+  if (!dtype.ok() || record.ndim < 0 || record.ndim > static_cast<int32_t>(kRecordMaxDims) ||
+      (record.dlpack_flags != 0 && !padded) || record.name_length == 0 ||
+      record.name_length > kMaxNameLength || record.device_type != kDLCPU ||
+      tensors_.count(record.tensor_id) > 0) {
+    TSM_LOG(kWarning) << "recovery: record " << slot << " is not a valid tensor; dropped";
+    return false;
+  }
+  Tensor tensor;
+  tensor.id = record.tensor_id;
+  tensor.slot = slot;
+  tensor.dtype = *dtype;
+  tensor.device = DLDevice{kDLCPU, 0};
+  tensor.shape.assign(record.shape, record.shape + record.ndim);
+  absl::StatusOr<TensorLayout> layout =
+      ComputeLayout(*dtype, tensor.shape, absl::MakeConstSpan(record.strides, record.ndim), padded);
+  tensor.buffer = Buffer{record.segment_id, record.offset, record.length};
+  const uint64_t page = HostPool::PageSize();
+  if (!layout.ok() || layout->nbytes != record.nbytes ||
+      layout->byte_offset != record.byte_offset ||
+      static_cast<uint64_t>(layout->nbytes) > tensor.buffer.length ||
+      tensor.buffer.offset % page != 0 || tensor.buffer.length % page != 0 ||
+      (tensor.buffer.length > 0 && !pool_->Reserve(tensor.buffer))) {
+    TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
+                      << ") does not fit its buffer or overlaps another; dropped";
+    return false;
+  }
+  tensor.strides = std::move(layout->strides);
+  tensor.byte_offset = layout->byte_offset;
+  tensor.nbytes = layout->nbytes;
+  tensor.subbyte_padded = padded;
+  tensor.sealed = true;
+  tensors_.emplace(tensor.id, std::move(tensor));
+  return true;
+}
+
+int Catalog::ExpireUnbound() {
+  int freed = 0;
+  for (auto it = tensors_.begin(); it != tensors_.end();) {
+    auto next = std::next(it);
+    if (it->second.sealed && it->second.name.empty() && it->second.leases == 0) {
+      Free(it);
+      ++freed;
+    }
+    it = next;
+  }
+  return freed;
+}
+
+void Catalog::KeepSegments() {
+  control_.Keep();
+  pool_->KeepSegments();
 }
 
 void Catalog::WriteRecordState(const Tensor& tensor, RecordState state) {

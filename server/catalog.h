@@ -54,6 +54,21 @@ class Catalog {
   // Creates the control segment and the host pool. Errors from either.
   static absl::StatusOr<std::unique_ptr<Catalog>> Create(const CatalogOptions& options);
 
+  // Rebuilds the catalog of a daemon that was killed (or stopped with --keep-segments) from its
+  // control segment "/<prefix>.ctl": re-opens the pool's segments, serves every committed
+  // (published) record again, keeps unbound-but-leased ones until ExpireUnbound, and reclaims
+  // records that were never committed. Records that do not describe a valid tensor inside the
+  // pool are dropped with a warning. Errors from opening the segments.
+  static absl::StatusOr<std::unique_ptr<Catalog>> Recover(const CatalogOptions& options);
+
+  // Frees every unbound tensor no lease holds (after a restart's grace period, in which clients
+  // that held them could have come back). Returns how many.
+  int ExpireUnbound();
+
+  // Leaves the control segment and every pool segment in place at destruction
+  // (--keep-segments), for a later daemon with the same --shm-prefix.
+  void KeepSegments();
+
   // Allocates a writable tensor owned by `session`. INVALID_ARGUMENT for a bad dtype / shape /
   // strides / device, FAILED_PRECONDITION for a device without a pool, RESOURCE_EXHAUSTED when
   // the pool or the record table is full.
@@ -94,7 +109,9 @@ class Catalog {
   const ControlSegment& control() const { return control_; }
 
  private:
-  explicit Catalog(ControlSegment control);
+  explicit Catalog(ControlSegment control, bool all_slots_free = true);
+  // Turns the record in `slot` back into a Tensor, reserving its buffer; false if it is invalid.
+  bool Restore(uint32_t slot);
   void Free(std::map<uint64_t, Tensor>::iterator it);
   void WriteRecordState(const Tensor& tensor, RecordState state);
 

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/check.h"
 
 namespace tensorshm {
@@ -35,6 +36,34 @@ absl::StatusOr<ControlSegment> ControlSegment::Create(const std::string& prefix,
   // The magic goes last: a header with it is complete.
   std::atomic_thread_fence(std::memory_order_release);
   header->magic = kControlMagic;
+  return ControlSegment(*std::move(shm));
+}
+
+absl::StatusOr<ControlSegment> ControlSegment::Open(const std::string& prefix) {
+  const std::string name = absl::StrCat("/", prefix, ".ctl");
+  absl::StatusOr<ShmSegment> shm = ShmSegment::Open(name, /*map=*/true);
+  if (!shm.ok()) return shm.status();
+  auto bad = [&](absl::string_view what) {
+    shm->Keep();  // not ours to remove: it may belong to something else
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, ": not a tensorshm control segment of this version (", what, ")"));
+  };
+  if (shm->size() < sizeof(ControlHeader)) return bad("too small");
+  const auto* header = static_cast<const ControlHeader*>(shm->address());
+  if (header->magic != kControlMagic) return bad("magic");
+  if (header->layout_version != kControlLayoutVersion) {
+    return bad(absl::StrCat("layout_version ", header->layout_version));
+  }
+  if (header->header_bytes != kControlHeaderBytes ||
+      header->segment_record_bytes != sizeof(SegmentRecord) ||
+      header->tensor_record_bytes != sizeof(TensorRecord) || header->max_segments != kMaxSegments) {
+    return bad("record sizes");
+  }
+  if (shm->size() < ControlSegmentBytes(header->record_count)) return bad("record_count");
+  if (std::string(header->shm_prefix, strnlen(header->shm_prefix, sizeof(header->shm_prefix))) !=
+      prefix) {
+    return bad("shm_prefix");
+  }
   return ControlSegment(*std::move(shm));
 }
 

@@ -21,6 +21,13 @@ class ControlSegment {
                                                uint64_t host_pool_bytes,
                                                uint64_t host_segment_bytes, mode_t mode);
 
+  // Re-opens "/<prefix>.ctl" left by a daemon that was killed (or stopped with
+  // --keep-segments). FAILED_PRECONDITION naming the field if it is not a control segment of
+  // this layout version; NOT_FOUND if there is none.
+  static absl::StatusOr<ControlSegment> Open(const std::string& prefix);
+
+  void Keep() { shm_.Keep(); }
+
   ControlHeader& header() const { return *static_cast<ControlHeader*>(shm_.address()); }
   SegmentRecord& segment(uint32_t index) const;
   TensorRecord& record(uint32_t slot) const;

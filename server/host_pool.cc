@@ -33,6 +33,46 @@ absl::StatusOr<HostPool> HostPool::Create(const HostPoolOptions& options, Contro
   return pool;
 }
 
+absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
+                                           ControlSegment* control) {
+  HostPool pool(options, control);
+  for (uint32_t index = 0; index < kMaxSegments; ++index) {
+    const SegmentRecord& record = control->segment(index);
+    if (record.state.load(std::memory_order_acquire) !=
+        static_cast<uint32_t>(SegmentState::kLive)) {
+      break;  // segments are added in order; the first unused one ends the list
+    }
+    const std::string name = absl::StrCat("/", options.shm_prefix, ".cpu.", index + 1);
+    if (record.segment_id != index + 1) {
+      return absl::DataLossError(absl::StrCat("segment record ", index, ": segment_id ",
+                                              record.segment_id, ", expected ", index + 1));
+    }
+    absl::StatusOr<ShmSegment> shm = ShmSegment::Open(name, /*map=*/false);
+    if (!shm.ok()) return shm.status();
+    if (shm->size() != record.size) {
+      return absl::DataLossError(
+          absl::StrCat(name, ": ", shm->size(), " bytes, the catalog recorded ", record.size));
+    }
+    pool.segments_.push_back(Segment{*std::move(shm), BestFitAllocator(record.size)});
+  }
+  if (pool.segments_.empty()) {
+    if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return pool;
+}
+
+bool HostPool::Reserve(const Buffer& buffer) {
+  if (buffer.segment_id < 1 || buffer.segment_id > segments_.size()) return false;
+  return segments_[buffer.segment_id - 1].allocator.Reserve(buffer.offset, buffer.length);
+}
+
+void HostPool::KeepSegments() {
+  for (Segment& segment : segments_) segment.shm.Keep();
+}
+
 absl::Status HostPool::AddSegment(uint64_t size) {
   if (segments_.size() >= kMaxSegments) {
     return absl::ResourceExhaustedError(

@@ -37,6 +37,17 @@ class HostPool {
   // INVALID_ARGUMENT for sizes that are zero or not page multiples.
   static absl::StatusOr<HostPool> Create(const HostPoolOptions& options, ControlSegment* control);
 
+  // Re-opens the segments `control` records as live (a restarted daemon), each with a fully free
+  // allocator: the catalog then reserves what its records hold. Errors name the segment.
+  static absl::StatusOr<HostPool> Recover(const HostPoolOptions& options, ControlSegment* control);
+
+  // Marks [offset, offset + length) of segment `segment_id` used, as a recovered record says.
+  // False (and nothing changed) if the range is not in a segment or not free.
+  bool Reserve(const Buffer& buffer);
+
+  // Leaves every segment in place when the pool is destroyed (--keep-segments).
+  void KeepSegments();
+
   // Returns a buffer of at least `nbytes` (rounded up to whole pages), taken best-fit from the
   // existing segments or, failing that, from a new segment while the capacity allows.
   // RESOURCE_EXHAUSTED naming the requested, free and largest-free sizes when nothing fits.

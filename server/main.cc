@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "common/sys_error.h"
 #include "server/access.h"
 #include "server/catalog.h"
@@ -143,17 +144,29 @@ int Run(int argc, char** argv) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<Catalog>> catalog = Catalog::Create(CatalogOptions{
+  const CatalogOptions catalog_options{
       options->shm_prefix, options->host_pool_bytes, options->segment_bytes, options->max_tensors,
       // Admitted users must map the segments: a group when only gids are allowed; other
       // uids need them world-readable until descriptors are passed over the socket.
       !options->allow_uids.empty()   ? mode_t{0644}
       : !options->allow_gids.empty() ? mode_t{0640}
                                      : mode_t{0600},
-      options->allow_gids.empty() ? static_cast<gid_t>(-1) : *options->allow_gids.begin()});
+      options->allow_gids.empty() ? static_cast<gid_t>(-1) : *options->allow_gids.begin()};
+  // The segments of a daemon that was killed (or kept them) are taken back, not replaced.
+  const bool recovering =
+      access(absl::StrCat("/dev/shm/", options->shm_prefix, ".ctl").c_str(), F_OK) == 0;
+  absl::StatusOr<std::unique_ptr<Catalog>> catalog =
+      recovering ? Catalog::Recover(catalog_options) : Catalog::Create(catalog_options);
   if (!catalog.ok()) {
-    std::cerr << "tensorshmd: " << catalog.status().message() << "\n";
+    std::cerr << "tensorshmd: " << (recovering ? "recovering /" + options->shm_prefix + ": " : "")
+              << catalog.status().message() << "\n";
     return 1;
+  }
+  if (recovering) {
+    TSM_LOG(kInfo) << "recovered /" << options->shm_prefix << ".*: " << (*catalog)->name_count()
+                   << " published tensors, "
+                   << (*catalog)->tensor_count() - (*catalog)->name_count()
+                   << " unbound ones kept for " << options->recovery_grace_seconds << " s";
   }
   const AccessPolicy policy(geteuid(), options->allow_uids, options->allow_gids);
   PeerTable peers;
@@ -189,21 +202,35 @@ int Run(int argc, char** argv) {
             << FormatBytes(options->segment_bytes) << ", shm prefix /" << options->shm_prefix
             << std::endl;
 
+  // After the grace period, unbound tensors nobody came back for are freed.
+  absl::Notification stopping;
+  std::thread grace([&] {
+    if (!recovering) return;
+    if (!stopping.WaitForNotificationWithTimeout(absl::Seconds(options->recovery_grace_seconds))) {
+      const int freed = service.ExpireUnbound();
+      TSM_LOG(kInfo) << "recovery grace over: freed " << freed << " unbound tensors";
+    }
+  });
+
   std::thread stopper([&] {
     int signal_number = 0;
     sigwait(&stop_signals, &signal_number);
     TSM_LOG(kInfo) << "received " << strsignal(signal_number) << ", stopping";
     server->GetHealthCheckService()->SetServingStatus(false);
     (*listener)->Stop();
+    stopping.Notify();
     service.BeginShutdown();
     // In-flight calls get a moment to finish; session streams are then cancelled.
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   });
   server->Wait();
   stopper.join();
+  grace.join();
+  if (options->keep_segments) service.KeepSegments();
   server.reset();
   listener->reset();  // removes the socket file
-  TSM_LOG(kInfo) << "stopped; socket and shm segments removed";
+  TSM_LOG(kInfo) << "stopped; socket removed, shm segments "
+                 << (options->keep_segments ? "kept (--keep-segments)" : "removed");
   return 0;  // `service` goes now, and with it the catalog, which unlinks every segment
 }
 

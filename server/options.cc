@@ -66,6 +66,10 @@ std::string Usage() {
       "  --session-quota SIZE most bytes of unpublished buffers one session may hold at once\n"
       "                       (default 0: no limit beyond the pool)\n"
       "  --log-level LEVEL    debug, info, warning or error (default info)\n"
+      "  --keep-segments      on SIGTERM/SIGINT, leave the shm segments (and the catalog) for\n"
+      "                       a later tensorshmd started with the same --shm-prefix\n"
+      "  --recovery-grace S   after recovering a killed daemon's segments, keep tensors that\n"
+      "                       were unbound but leased this many seconds (default 10)\n"
       "  --allow-uid UID      also admit clients running as UID (repeatable); by default only\n"
       "                       the daemon's own uid is admitted, others get PERMISSION_DENIED\n"
       "  --allow-gid GID      also admit clients whose primary gid is GID (repeatable); pool\n"
@@ -74,7 +78,9 @@ std::string Usage() {
       "\n"
       "Sizes take K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024) suffixes.\n"
       "SIGTERM or SIGINT stops serving, closes sessions, removes the socket and the shm\n"
-      "segments, and exits 0.\n");
+      "segments (unless --keep-segments), and exits 0. Started with the --shm-prefix of a daemon\n"
+      "that was killed (or kept its segments), tensorshmd re-opens its segments and serves\n"
+      "every published tensor again.\n");
 }
 
 absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
@@ -93,10 +99,15 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       options.help = true;
       continue;
     }
+    if (arg == "--keep-segments") {
+      options.keep_segments = true;
+      continue;
+    }
     const bool takes_value = arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
                              arg == "--shm-prefix" || arg == "--max-tensors" ||
                              arg == "--log-level" || arg == "--session-quota" ||
-                             arg == "--allow-uid" || arg == "--allow-gid";
+                             arg == "--allow-uid" || arg == "--allow-gid" ||
+                             arg == "--recovery-grace";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -112,6 +123,12 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();
       options.host_pool_bytes = *size;
+    } else if (arg == "--recovery-grace") {
+      if (!absl::SimpleAtoi(value, &options.recovery_grace_seconds) ||
+          options.recovery_grace_seconds < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--recovery-grace = \"", value, "\": expected seconds >= 0"));
+      }
     } else if (arg == "--allow-uid" || arg == "--allow-gid") {
       uint32_t id;
       if (!absl::SimpleAtoi(value, &id)) {

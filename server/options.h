@@ -22,6 +22,8 @@ struct DaemonOptions {
   std::string shm_prefix;                 // default: "tsm-" + 64 random bits in hex
   uint32_t max_tensors = 4096;            // --max-tensors
   uint64_t session_quota_bytes = 0;       // --session-quota; 0: unlimited
+  bool keep_segments = false;             // --keep-segments
+  int64_t recovery_grace_seconds = 10;    // --recovery-grace
   std::set<uid_t> allow_uids;             // --allow-uid, repeatable
   std::set<gid_t> allow_gids;             // --allow-gid, repeatable
   LogLevel log_level = LogLevel::kInfo;

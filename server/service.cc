@@ -35,6 +35,16 @@ absl::Status TensorShmService::MayChange(const tensorshm::Session& session, cons
       session.uid, " may not ", verb, " it (only its publisher and the daemon's uid may)"));
 }
 
+int TensorShmService::ExpireUnbound() {
+  absl::MutexLock lock(&mu_);
+  return catalog_->ExpireUnbound();
+}
+
+void TensorShmService::KeepSegments() {
+  absl::MutexLock lock(&mu_);
+  catalog_->KeepSegments();
+}
+
 absl::StatusOr<PeerCredentials> TensorShmService::Admit(const grpc::ServerContext& context) const {
   if (policy_ == nullptr || peers_ == nullptr) return PeerCredentials{};
   absl::StatusOr<PeerCredentials> peer = peers_->Find(context.peer());

@@ -28,6 +28,11 @@ class TensorShmService final : public v1::TensorShm::Service {
   // server so that no handler outlives it.
   void BeginShutdown();
 
+  // After a restart's grace period: frees unbound tensors nobody came back for.
+  int ExpireUnbound();
+  // --keep-segments: leave the shm objects for the next daemon with this prefix.
+  void KeepSegments();
+
   grpc::Status Session(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) override;

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/interprocess/exceptions.hpp>
@@ -56,8 +57,34 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
   return ShmSegment(name, size, address);
 }
 
+absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) return ErrnoError("shm_open", name, errno);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return ErrnoError("fstat", name, err);
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  void* address = nullptr;
+  if (map) {
+    address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (address == MAP_FAILED) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError("mmap", name, err);
+    }
+  }
+  close(fd);
+  return ShmSegment(name, size, address);
+}
+
 ShmSegment::ShmSegment(ShmSegment&& other) noexcept
-    : name_(std::move(other.name_)), size_(other.size_), address_(other.address_) {
+    : name_(std::move(other.name_)),
+      size_(other.size_),
+      address_(other.address_),
+      keep_(other.keep_) {
   other.name_.clear();
   other.address_ = nullptr;
 }
@@ -68,6 +95,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     name_ = std::move(other.name_);
     size_ = other.size_;
     address_ = other.address_;
+    keep_ = other.keep_;
     other.name_.clear();
     other.address_ = nullptr;
   }
@@ -79,7 +107,7 @@ ShmSegment::~ShmSegment() { Reset(); }
 void ShmSegment::Reset() {
   if (address_ != nullptr) munmap(address_, size_);
   address_ = nullptr;
-  if (!name_.empty()) bip::shared_memory_object::remove(name_.c_str() + 1);
+  if (!name_.empty() && !keep_) bip::shared_memory_object::remove(name_.c_str() + 1);
   name_.clear();
 }
 

@@ -25,11 +25,18 @@ class ShmSegment {
   static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size, mode_t mode,
                                            bool map, gid_t group = static_cast<gid_t>(-1));
 
+  // Re-opens the existing shm object `name` (a restarted daemon taking its segments back); the
+  // result owns it like a created one. Its size is the object's. NOT_FOUND if it is gone.
+  static absl::StatusOr<ShmSegment> Open(const std::string& name, bool map);
+
   ShmSegment(ShmSegment&& other) noexcept;
   ShmSegment& operator=(ShmSegment&& other) noexcept;
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
   ~ShmSegment();  // unmaps and unlinks
+
+  // Leaves the shm object in place when this is destroyed (--keep-segments).
+  void Keep() { keep_ = true; }
 
   const std::string& name() const { return name_; }
   uint64_t size() const { return size_; }
@@ -44,6 +51,7 @@ class ShmSegment {
   std::string name_;
   uint64_t size_ = 0;
   void* address_ = nullptr;
+  bool keep_ = false;
 };
 
 }  // namespace tensorshm

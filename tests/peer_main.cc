@@ -240,6 +240,24 @@ int Main(int argc, char** argv) {
     std::cout << "load ok " << ops << std::endl;
     return 0;
   }
+  if (mode == "crashload") {
+    // Publishes (and replaces) tensors under crash/<seed>/<k> until the daemon goes away:
+    // "publishing NAME SUM" before each publish, "published NAME" once it is acknowledged.
+    std::mt19937_64 random(seed);
+    for (int i = 0;; ++i) {
+      const std::string name = absl::StrCat("crash/", seed, "/", i % 30);
+      absl::StatusOr<tensorshm::WritableTensor> w =
+          (*client)->Create({{kDLFloat, 32, 1}, {static_cast<int64_t>(1 + random() % 50000)}});
+      if (!w.ok()) break;
+      auto* bytes = static_cast<unsigned char*>(w->dl_tensor().data);
+      for (int64_t b = 0; b < w->nbytes(); ++b) bytes[b] = static_cast<unsigned char>(random());
+      std::cout << "publishing " << name << " " << StorageHash(w->dl_tensor()) << std::endl;
+      if (!(*client)->Publish(*w, name, /*replace=*/true).ok()) break;
+      std::cout << "published " << name << std::endl;
+    }
+    std::cout << "daemon gone" << std::endl;
+    return 0;
+  }
   if (mode == "delete") {
     if (absl::Status s = (*client)->Delete(names.at(0)); !s.ok()) return Fail(s);
     std::cout << "deleted" << std::endl;
