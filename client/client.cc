@@ -10,9 +10,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "client/segment_map.h"
 #include "common/grpc_status.h"
+#include "common/mutex.h"
 #include "common/name.h"
 #include "common/socket_path.h"
 #include "common/wire.h"
@@ -81,9 +81,9 @@ class ClientCore {
   std::string session_id_;
   SegmentMap segments_;
 
-  absl::Mutex mu_;
-  absl::CondVar work_;   // the sender has something to do
-  absl::CondVar acked_;  // a batch was acknowledged, or the stream broke
+  Mutex mu_;
+  CondVar work_;   // the sender has something to do
+  CondVar acked_;  // a batch was acknowledged, or the stream broke
   std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
@@ -123,39 +123,39 @@ void ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration tim
 }
 
 void ClientCore::QueueRelease(uint64_t lease_id) noexcept {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   pending_leases_.push_back(lease_id);
   --outstanding_;
   work_.Signal();
 }
 
 void ClientCore::QueueAbandon(uint64_t tensor_id) noexcept {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   pending_abandons_.push_back(tensor_id);
   --outstanding_;
   work_.Signal();
 }
 
 void ClientCore::AddOutstanding() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ++outstanding_;
 }
 
 void ClientCore::DropOutstanding() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   --outstanding_;
   work_.Signal();
 }
 
 bool ClientCore::CloseClient() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   client_closed_ = true;
   work_.Signal();
   return outstanding_ == 0;
 }
 
 absl::Status ClientCore::Flush() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const uint64_t target =
       (pending_leases_.empty() && pending_abandons_.empty()) ? next_sequence_ - 1 : next_sequence_;
   work_.Signal();
@@ -174,7 +174,7 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
     v1::SessionRequest request;
     uint64_t sequence;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       while (pending_leases_.empty() && pending_abandons_.empty() && !SenderDone()) {
         work_.Wait(&mu_);
       }
@@ -198,7 +198,7 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
     }
     v1::SessionResponse response;
     const bool ok = stream_->Write(request) && stream_->Read(&response) && response.has_ack();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!ok) {
       stream_broken_ = true;
     } else {

@@ -23,17 +23,17 @@ absl::Status ValidateShmName(const std::string& shm_name) {
 }
 
 SegmentMap::~SegmentMap() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (auto& [name, mapping] : mappings_) munmap(mapping.address, mapping.size);
 }
 
 size_t SegmentMap::size() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return mappings_.size();
 }
 
 absl::StatusOr<const char*> SegmentMap::MapReadOnly(const std::string& shm_name, uint64_t size) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (auto it = mappings_.find(shm_name); it != mappings_.end()) {
     if (it->second.size < size) {
       return absl::FailedPreconditionError(absl::StrCat(

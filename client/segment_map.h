@@ -8,7 +8,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 
 namespace tensorshm {
 
@@ -34,7 +34,7 @@ class SegmentMap {
     void* address;
     uint64_t size;
   };
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::unordered_map<std::string, Mapping> mappings_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -28,17 +28,17 @@ std::string AccessPolicy::Describe() const {
 }
 
 void PeerTable::Add(const std::string& peer, const PeerCredentials& credentials) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   peers_[peer] = credentials;
 }
 
 void PeerTable::Remove(const std::string& peer) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   peers_.erase(peer);
 }
 
 absl::StatusOr<PeerCredentials> PeerTable::Find(const std::string& peer) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = peers_.find(peer);
   if (it == peers_.end()) {
     return absl::NotFoundError(absl::StrCat("peer ", peer, ": not accepted by this daemon"));

@@ -13,7 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 
 namespace tensorshm {
 
@@ -54,7 +54,7 @@ class PeerTable {
   absl::StatusOr<PeerCredentials> Find(const std::string& peer) const;
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, PeerCredentials> peers_ ABSL_GUARDED_BY(mu_);
 };
 

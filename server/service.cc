@@ -36,12 +36,12 @@ absl::Status TensorShmService::MayChange(const tensorshm::Session& session, cons
 }
 
 int TensorShmService::ExpireUnbound() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return catalog_->ExpireUnbound();
 }
 
 void TensorShmService::KeepSegments() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   catalog_->KeepSegments();
 }
 
@@ -57,7 +57,7 @@ absl::StatusOr<PeerCredentials> TensorShmService::Admit(const grpc::ServerContex
 }
 
 void TensorShmService::BeginShutdown() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   shutting_down_ = true;
   published_.SignalAll();
 }
@@ -113,7 +113,7 @@ grpc::Status TensorShmService::Session(
   uint64_t session_id;
   std::string token;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (shutting_down_)
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
     tensorshm::Session& session =
@@ -140,7 +140,7 @@ grpc::Status TensorShmService::Session(
     }
     v1::SessionResponse response;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       tensorshm::Session* session = sessions_.Find(token);
       if (session == nullptr) break;
       HandleReleases(*session, request.release(), response.mutable_ack());
@@ -198,7 +198,7 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
   size_t leases = 0;
   size_t unpublished = 0;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     tensorshm::Session* session = sessions_.Find(token);
     if (session == nullptr) return;
     leases = session->leases.size();
@@ -226,7 +226,7 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
   const DLDevice device = request->has_device() ? FromWire(request->device()) : DLDevice{kDLCPU, 0};
   const std::vector<int64_t> shape(request->shape().begin(), request->shape().end());
   const std::vector<int64_t> strides(request->strides().begin(), request->strides().end());
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
   absl::StatusOr<const Tensor*> tensor =
@@ -254,7 +254,7 @@ grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
   absl::StatusOr<PeerCredentials> peer = Admit(*context);
   if (!peer.ok()) return ToGrpcStatus(peer.status());
   if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
   if (const Tensor* bound = catalog_->Find(request->name());
@@ -293,7 +293,7 @@ grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
       request->wait_ms() > 0
           ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->wait_ms()))
           : call_deadline;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   while (true) {
     // Looked up again after every wait: the session may have ended meanwhile.
     absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
@@ -331,7 +331,7 @@ grpc::Status TensorShmService::Delete(grpc::ServerContext* context,
   absl::StatusOr<PeerCredentials> peer = Admit(*context);
   if (!peer.ok()) return ToGrpcStatus(peer.status());
   if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
   if (const Tensor* bound = catalog_->Find(request->name()); bound != nullptr) {
@@ -344,7 +344,7 @@ grpc::Status TensorShmService::List(grpc::ServerContext* context, const v1::List
                                     v1::ListResponse* response) {
   if (absl::Status s = Admit(*context).status(); !s.ok()) return ToGrpcStatus(s);
   if (absl::Status s = ValidateNamePrefix(request->prefix()); !s.ok()) return ToGrpcStatus(s);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (const Tensor* tensor : catalog_->List(request->prefix())) {
     v1::TensorInfo* info = response->add_tensors();
     info->set_name(tensor->name);
@@ -358,7 +358,7 @@ grpc::Status TensorShmService::List(grpc::ServerContext* context, const v1::List
 grpc::Status TensorShmService::Stat(grpc::ServerContext* context, const v1::StatRequest*,
                                     v1::StatResponse* response) {
   if (absl::Status s = Admit(*context).status(); !s.ok()) return ToGrpcStatus(s);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   response->set_tensors(catalog_->tensor_count());
   response->set_names(catalog_->name_count());
   response->set_leases(sessions_.lease_count());

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "server/access.h"
 #include "server/catalog.h"
 #include "server/session.h"
@@ -69,8 +69,8 @@ class TensorShmService final : public v1::TensorShm::Service {
   void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  absl::Mutex mu_;
-  absl::CondVar published_;  // signalled on every publish and on shutdown
+  Mutex mu_;
+  CondVar published_;  // signalled on every publish and on shutdown
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
   const uint64_t session_quota_bytes_;

@@ -7,7 +7,7 @@
 #include <atomic>
 #include <string>
 
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "tensor_object.h"
 
 namespace nb = nanobind;
@@ -17,7 +17,7 @@ namespace {
 
 std::atomic<int64_t> calls[5];
 
-absl::Mutex allocator_mu;
+Mutex allocator_mu;
 std::weak_ptr<Client> allocator_client ABSL_GUARDED_BY(allocator_mu);
 
 // Sets a Python exception; REQUIRES the GIL (the functions below that call it run with it, as
@@ -133,12 +133,12 @@ DLPackExchangeAPI MakeApi() {
 }  // namespace
 
 void SetAllocatorClient(const std::shared_ptr<Client>& client) {
-  absl::MutexLock lock(&allocator_mu);
+  MutexLock lock(&allocator_mu);
   allocator_client = client;
 }
 
 std::shared_ptr<Client> AllocatorClient() {
-  absl::MutexLock lock(&allocator_mu);
+  MutexLock lock(&allocator_mu);
   return allocator_client.lock();
 }
 
