@@ -183,8 +183,8 @@ TEST_F(IntegrationTest, ConsumerWriteToAcquiredTensorFaults) {
   PeerRun writer = RunPeer({"write", "ro"});
   ASSERT_TRUE(absl::StrContains(writer.output, "acquired")) << writer.output;
   EXPECT_FALSE(absl::StrContains(writer.output, "write succeeded")) << writer.output;
-  if (absl::StrContains(writer.output, "AddressSanitizer: SEGV")) {
-    // Under ASan the fault is reported by the sanitizer, which then exits non-zero.
+  if (absl::StrContains(writer.output, "Sanitizer: SEGV")) {
+    // Under ASan or TSan the fault is reported by the sanitizer, which then exits non-zero.
     EXPECT_TRUE(absl::StrContains(writer.output, "caused by a WRITE memory access"));
     // It then exits non-zero, or aborts with abort_on_error=1.
     EXPECT_TRUE((WIFEXITED(writer.status) && WEXITSTATUS(writer.status) != 0) ||
