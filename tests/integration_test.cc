@@ -666,7 +666,9 @@ TEST(AccessTest, AllowedUidReadsButMayNotDeleteOthersTensors) {
   auto [delete_status, delete_output] = RunPeerAs(*daemon, kNobody, {"delete", "owned"});
   EXPECT_TRUE(absl::StrContains(delete_output, "error 7 ")) << delete_output;
   EXPECT_TRUE(absl::StrContains(delete_output, "published by uid 0")) << delete_output;
-  EXPECT_TRUE((*own)->Acquire("owned").ok());  // still there
+  absl::StatusOr<DLManagedTensorVersioned*> still = (*own)->Acquire("owned");
+  ASSERT_OK(still);  // still there
+  (*still)->deleter(*still);
 }
 
 TEST(DaemonStartTest, RefusesASecondDaemonOnTheSameSocket) {
