@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -25,7 +27,13 @@ constexpr char kSessionMetadataKey[] = "tensorshm-session";
 // Deadline of unary calls that do not wait for anything.
 constexpr absl::Duration kCallTimeout = absl::Seconds(60);
 // Largest number of ids sent in one release batch.
-constexpr size_t kMaxBatch = 4096;
+constexpr int kMaxBatch = 4096;
+// Reconnecting: how long one attempt waits for the daemon, and the pause between attempts.
+constexpr absl::Duration kReconnectWait = absl::Seconds(1);
+constexpr absl::Duration kMinBackoff = absl::Milliseconds(50);
+constexpr absl::Duration kMaxBackoff = absl::Seconds(2);
+// How often an idle sender looks at the channel's state.
+constexpr absl::Duration kIdleCheck = absl::Milliseconds(100);
 
 // absl here predates its use of std::string_view, so names cross over explicitly.
 absl::string_view View(std::string_view text) {
@@ -39,21 +47,32 @@ alignas(256) const char kEmptyData[256] = {};
 
 // Everything a Client and its tensors share: the channel, the session stream, the release queue
 // and the segment mappings. Lives as long as the Client or any tensor from it. Thread-safe.
+//
+// When the session stream breaks (the daemon died or restarted), the sender thread reconnects
+// with backoff and re-registers what the client still holds: the tensors of its live leases and
+// its unpublished writable tensors. A restarted daemon honours that within its grace period and
+// answers with new lease ids, which replace the old ones behind the client-side lease keys.
 class ClientCore {
  public:
-  ClientCore(std::string socket, std::shared_ptr<grpc::Channel> channel)
+  ClientCore(std::string socket, std::shared_ptr<grpc::Channel> channel, std::string client_name)
       : socket_(std::move(socket)),
+        client_name_(std::move(client_name)),
         channel_(std::move(channel)),
         stub_(v1::TensorShm::NewStub(channel_)) {}
 
-  absl::Status OpenSession(const std::string& client_name);
+  // Opens the first session. A refusal keeps its code; no daemon is UNAVAILABLE.
+  absl::Status OpenSession() { return Open(/*reattach=*/false); }
 
+  // Registers a lease the daemon granted on `tensor_id`; returns the client-side key that
+  // QueueRelease takes. Each lease is "outstanding" until released.
+  uint64_t AddLease(uint64_t tensor_id, uint64_t lease_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers an unpublished writable tensor (outstanding until published or abandoned).
+  void AddUnpublished(uint64_t tensor_id) ABSL_LOCKS_EXCLUDED(mu_);
+  void Published(uint64_t tensor_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Queue a lease release / an abandoned writable tensor for the sender thread. O(1), never
-  // blocks on I/O. Each also ends one "outstanding" object.
-  void QueueRelease(uint64_t lease_id) noexcept;
-  void QueueAbandon(uint64_t tensor_id) noexcept;
-  void AddOutstanding() ABSL_LOCKS_EXCLUDED(mu_);
-  void DropOutstanding() ABSL_LOCKS_EXCLUDED(mu_);
+  // blocks on I/O.
+  void QueueRelease(uint64_t key) noexcept ABSL_LOCKS_EXCLUDED(mu_);
+  void QueueAbandon(uint64_t tensor_id) noexcept ABSL_LOCKS_EXCLUDED(mu_);
 
   // The sender thread's body; returns once the Client is gone and no tensor is outstanding.
   void SendReleases(std::shared_ptr<ClientCore> self);
@@ -61,70 +80,167 @@ class ClientCore {
   bool CloseClient() ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Flush() ABSL_LOCKS_EXCLUDED(mu_);
 
-  void PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const;
+  void PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   v1::TensorShm::Stub& stub() { return *stub_; }
   SegmentMap& segments() { return segments_; }
-  const std::string& session_id() const { return session_id_; }
+  std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket() const { return socket_; }
 
  private:
+  struct HeldLease {
+    uint64_t tensor_id;
+    uint64_t lease_id;  // in the current session; 0: the daemon no longer knows it
+  };
+
   bool SenderDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return client_closed_ && outstanding_ == 0 && pending_leases_.empty() &&
            pending_abandons_.empty();
   }
+  // Opens a session stream; with `reattach`, asks the daemon to take back what this client holds.
+  absl::Status Open(bool reattach) ABSL_LOCKS_EXCLUDED(mu_);
+  // After the stream broke: reopens a session, with backoff. False if the sender should exit.
+  bool Reconnect() ABSL_LOCKS_EXCLUDED(mu_);
+  // Fills `batch` from the queues (ids the daemon no longer knows are dropped); false if empty.
+  bool TakeBatch(v1::ReleaseBatch* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string socket_;
+  const std::string client_name_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::TensorShm::Stub> stub_;
-  grpc::ClientContext session_context_;
+  // The session stream; replaced only by the thread that opens sessions (Connect, then sender).
+  std::unique_ptr<grpc::ClientContext> session_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
-  std::string session_id_;
   SegmentMap segments_;
 
-  Mutex mu_;
+  mutable Mutex mu_;
   CondVar work_;   // the sender has something to do
   CondVar acked_;  // a batch was acknowledged, or the stream broke
-  std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);
+  std::string session_id_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, HeldLease> held_ ABSL_GUARDED_BY(mu_);  // by client-side key
+  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
+  std::unordered_set<uint64_t> unpublished_ ABSL_GUARDED_BY(mu_);  // known to the daemon as ours
+  std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);      // keys
+  std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);    // tensor ids
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t acked_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status rejection_ ABSL_GUARDED_BY(mu_);
-  bool stream_broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool connected_ ABSL_GUARDED_BY(mu_) = false;
   bool client_closed_ ABSL_GUARDED_BY(mu_) = false;
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-absl::Status ClientCore::OpenSession(const std::string& client_name) {
-  stream_ = stub_->Session(&session_context_);
+absl::Status ClientCore::Open(bool reattach) {
+  auto context = std::make_unique<grpc::ClientContext>();
   v1::SessionRequest open;
   open.mutable_open()->set_client_version(TENSORSHM_VERSION);
   open.mutable_open()->set_pid(getpid());
-  open.mutable_open()->set_client_name(client_name);
+  open.mutable_open()->set_client_name(client_name_);
+  std::vector<uint64_t> keys;
+  if (reattach) {
+    // Wait for the channel to reach the daemon again, a bounded time so that a Client closing
+    // meanwhile is not kept waiting long. (A deadline on the stream itself would end it.)
+    if (!channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + kReconnectWait))) {
+      return absl::UnavailableError(absl::StrCat("tensorshmd at unix:", socket_, " not reachable"));
+    }
+    MutexLock lock(&mu_);
+    for (const auto& [key, held] : held_) {
+      keys.push_back(key);
+      open.mutable_open()->add_held_tensor_ids(held.tensor_id);
+    }
+    for (uint64_t tensor_id : unpublished_)
+      open.mutable_open()->add_unpublished_tensor_ids(tensor_id);
+  }
+  auto stream = stub_->Session(context.get());
   v1::SessionResponse opened;
-  if (!stream_->Write(open) || !stream_->Read(&opened) || !opened.has_opened()) {
-    stream_->WritesDone();
-    absl::Status status = FromGrpcStatus(stream_->Finish());
+  if (!stream->Write(open) || !stream->Read(&opened) || !opened.has_opened()) {
+    stream->WritesDone();
+    absl::Status status = FromGrpcStatus(stream->Finish());
     // A refusal (PERMISSION_DENIED, ...) keeps its code; a broken connection is UNAVAILABLE.
-    const absl::StatusCode code = status.ok() || status.code() == absl::StatusCode::kCancelled
+    const absl::StatusCode code = status.ok() || status.code() == absl::StatusCode::kCancelled ||
+                                          status.code() == absl::StatusCode::kDeadlineExceeded
                                       ? absl::StatusCode::kUnavailable
                                       : status.code();
     return absl::Status(code, absl::StrCat("tensorshmd at unix:", socket_,
                                            " did not open a session: ", status.message()));
   }
-  session_id_ = opened.opened().session_id();
+  const v1::SessionOpened& answer = opened.opened();
+  MutexLock lock(&mu_);
+  session_id_ = answer.session_id();
+  if (reattach) {
+    // Leases and tensors the daemon did not take back are gone: their releases are dropped.
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const uint64_t lease =
+          static_cast<int>(i) < answer.lease_ids_size() ? answer.lease_ids(i) : 0;
+      held_.at(keys[i]).lease_id = lease;
+    }
+    const auto& sent = open.open().unpublished_tensor_ids();
+    for (int i = 0; i < sent.size(); ++i) {
+      if (i >= answer.readopted_size() || !answer.readopted(i)) unpublished_.erase(sent[i]);
+    }
+  }
+  session_context_ = std::move(context);
+  stream_ = std::move(stream);
+  connected_ = true;
   return absl::OkStatus();
 }
 
+bool ClientCore::Reconnect() {
+  absl::Duration backoff = kMinBackoff;
+  while (true) {
+    {
+      MutexLock lock(&mu_);
+      // What was queued for the dead session needs no sending: the daemon that held those
+      // leases is gone, and they must not be re-registered.
+      for (uint64_t key : pending_leases_) held_.erase(key);
+      for (uint64_t tensor_id : pending_abandons_) unpublished_.erase(tensor_id);
+      pending_leases_.clear();
+      pending_abandons_.clear();
+      if (SenderDone()) return false;
+    }
+    if (Open(/*reattach=*/true).ok()) return true;
+    MutexLock lock(&mu_);
+    if (!SenderDone()) work_.WaitWithTimeout(&mu_, backoff);
+    backoff = std::min(backoff * 2, kMaxBackoff);
+  }
+}
+
 void ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
-  context.AddMetadata(kSessionMetadataKey, session_id_);
+  context.AddMetadata(kSessionMetadataKey, session_id());
   if (timeout != absl::InfiniteDuration()) {
     context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   }
 }
 
-void ClientCore::QueueRelease(uint64_t lease_id) noexcept {
+std::string ClientCore::session_id() const {
   MutexLock lock(&mu_);
-  pending_leases_.push_back(lease_id);
+  return session_id_;
+}
+
+uint64_t ClientCore::AddLease(uint64_t tensor_id, uint64_t lease_id) {
+  MutexLock lock(&mu_);
+  const uint64_t key = next_key_++;
+  held_.emplace(key, HeldLease{tensor_id, lease_id});
+  ++outstanding_;
+  return key;
+}
+
+void ClientCore::AddUnpublished(uint64_t tensor_id) {
+  MutexLock lock(&mu_);
+  unpublished_.insert(tensor_id);
+  ++outstanding_;
+}
+
+void ClientCore::Published(uint64_t tensor_id) {
+  MutexLock lock(&mu_);
+  unpublished_.erase(tensor_id);
+  --outstanding_;
+  work_.Signal();
+}
+
+void ClientCore::QueueRelease(uint64_t key) noexcept {
+  MutexLock lock(&mu_);
+  pending_leases_.push_back(key);
   --outstanding_;
   work_.Signal();
 }
@@ -132,17 +248,6 @@ void ClientCore::QueueRelease(uint64_t lease_id) noexcept {
 void ClientCore::QueueAbandon(uint64_t tensor_id) noexcept {
   MutexLock lock(&mu_);
   pending_abandons_.push_back(tensor_id);
-  --outstanding_;
-  work_.Signal();
-}
-
-void ClientCore::AddOutstanding() {
-  MutexLock lock(&mu_);
-  ++outstanding_;
-}
-
-void ClientCore::DropOutstanding() {
-  MutexLock lock(&mu_);
   --outstanding_;
   work_.Signal();
 }
@@ -159,60 +264,99 @@ absl::Status ClientCore::Flush() {
   const uint64_t target =
       (pending_leases_.empty() && pending_abandons_.empty()) ? next_sequence_ - 1 : next_sequence_;
   work_.Signal();
-  while (acked_sequence_ < target && !stream_broken_) acked_.Wait(&mu_);
-  if (stream_broken_ && acked_sequence_ < target) {
+  while (acked_sequence_ < target && connected_) acked_.Wait(&mu_);
+  if (acked_sequence_ < target) {
     return absl::UnavailableError(
-        absl::StrCat("session with tensorshmd at unix:", socket_, " ended"));
+        absl::StrCat("session with tensorshmd at unix:", socket_, " ended; reconnecting"));
   }
   absl::Status result = rejection_;
   rejection_ = absl::OkStatus();
   return result;
 }
 
+bool ClientCore::TakeBatch(v1::ReleaseBatch* batch) {
+  size_t taken = 0;
+  for (; taken < pending_leases_.size() && batch->lease_ids_size() < kMaxBatch; ++taken) {
+    auto it = held_.find(pending_leases_[taken]);
+    if (it == held_.end()) continue;
+    if (it->second.lease_id != 0) batch->add_lease_ids(it->second.lease_id);
+    held_.erase(it);
+  }
+  pending_leases_.erase(pending_leases_.begin(), pending_leases_.begin() + taken);
+  taken = 0;
+  for (; taken < pending_abandons_.size() && batch->abandoned_tensor_ids_size() < kMaxBatch;
+       ++taken) {
+    if (unpublished_.erase(pending_abandons_[taken]) > 0) {
+      batch->add_abandoned_tensor_ids(pending_abandons_[taken]);
+    }
+  }
+  pending_abandons_.erase(pending_abandons_.begin(), pending_abandons_.begin() + taken);
+  return batch->lease_ids_size() > 0 || batch->abandoned_tensor_ids_size() > 0;
+}
+
 void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
   while (true) {
     v1::SessionRequest request;
-    uint64_t sequence;
+    uint64_t sequence = 0;
     {
       MutexLock lock(&mu_);
-      while (pending_leases_.empty() && pending_abandons_.empty() && !SenderDone()) {
-        work_.Wait(&mu_);
+      bool probe = false;
+      while (connected_ && pending_leases_.empty() && pending_abandons_.empty() && !SenderDone()) {
+        // The sync stream says nothing until used, so a daemon gone while this client is idle
+        // shows as the channel leaving READY: an empty batch then tells whether the stream lives.
+        if (work_.WaitWithTimeout(&mu_, kIdleCheck) &&
+            channel_->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
+          probe = true;
+          break;
+        }
       }
       if (SenderDone()) break;
-      v1::ReleaseBatch* batch = request.mutable_release();
-      sequence = next_sequence_++;
-      batch->set_sequence(sequence);
-      const size_t leases = std::min(pending_leases_.size(), kMaxBatch);
-      batch->mutable_lease_ids()->Assign(pending_leases_.begin(), pending_leases_.begin() + leases);
-      pending_leases_.erase(pending_leases_.begin(), pending_leases_.begin() + leases);
-      const size_t abandons = std::min(pending_abandons_.size(), kMaxBatch);
-      batch->mutable_abandoned_tensor_ids()->Assign(pending_abandons_.begin(),
-                                                    pending_abandons_.begin() + abandons);
-      pending_abandons_.erase(pending_abandons_.begin(), pending_abandons_.begin() + abandons);
-      if (stream_broken_) {
-        // The daemon is gone and with it every lease of this session; nothing to send.
-        acked_sequence_ = sequence;
-        acked_.SignalAll();
-        continue;
+      if (connected_) {
+        sequence = next_sequence_++;
+        request.mutable_release()->set_sequence(sequence);
+        if (!TakeBatch(request.mutable_release()) && !probe) {
+          // Only ids the daemon no longer knows: nothing to send.
+          acked_sequence_ = sequence;
+          acked_.SignalAll();
+          continue;
+        }
       }
+    }
+    if (!request.has_release()) {
+      if (!Reconnect()) break;
+      continue;
     }
     v1::SessionResponse response;
     const bool ok = stream_->Write(request) && stream_->Read(&response) && response.has_ack();
+    if (!ok) {
+      stream_->WritesDone();
+      stream_->Finish().ok();
+    }
     MutexLock lock(&mu_);
     if (!ok) {
-      stream_broken_ = true;
-    } else {
-      for (const v1::Rejection& r : response.ack().rejected()) {
-        if (rejection_.ok()) {
-          rejection_ = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
-        }
+      // The daemon is gone and with it every lease this batch released; Flush callers learn
+      // that the session ended.
+      connected_ = false;
+      acked_.SignalAll();
+      continue;
+    }
+    for (const v1::Rejection& r : response.ack().rejected()) {
+      if (rejection_.ok()) {
+        rejection_ = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
       }
     }
     acked_sequence_ = sequence;
     acked_.SignalAll();
   }
-  stream_->WritesDone();
-  stream_->Finish().ok();
+  bool connected;
+  {
+    MutexLock lock(&mu_);
+    connected = connected_;
+  }
+  if (connected) {
+    stream_->WritesDone();
+    stream_->Finish().ok();
+  }
   // `self` kept the core alive while tensors outlived the Client; it goes here, possibly last.
   self.reset();
 }
@@ -227,12 +371,12 @@ struct Lease {
   DLManagedTensor legacy{};
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;
-  uint64_t lease_id = 0;
+  uint64_t key = 0;  // ClientCore's key for the lease
   std::shared_ptr<ClientCore> core;
 };
 
 void ReleaseLease(Lease* lease) noexcept {
-  lease->core->QueueRelease(lease->lease_id);
+  lease->core->QueueRelease(lease->key);
   delete lease;
 }
 
@@ -248,12 +392,11 @@ void DeleteLegacy(DLManagedTensor* self) noexcept {
 absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCore>& core,
                                                  const v1::AcquireResponse& response) {
   auto lease = std::make_unique<Lease>();
-  lease->lease_id = response.lease_id();
   lease->core = core;
   // From here a failure must still give the lease back.
-  core->AddOutstanding();
+  lease->key = core->AddLease(response.tensor_id(), response.lease_id());
   auto give_back = [&](absl::Status status) {
-    core->QueueRelease(lease->lease_id);
+    core->QueueRelease(lease->key);
     return status;
   };
   absl::StatusOr<DecodedTensor> decoded = DecodeDescriptor(response.desc(), response.location());
@@ -327,6 +470,10 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& opt
   const std::string socket = options.socket.empty() ? DefaultSocketPath() : options.socket;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
+  // gRPC's own reconnect backoff grows to minutes; a restarted daemon should be found in seconds.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
@@ -334,10 +481,10 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& opt
         "tensorshmd is not reachable at unix:", socket, " (is it running? socket from ",
         options.socket.empty() ? "the default path" : "ClientOptions::socket", ")"));
   }
-  auto core = std::make_shared<ClientCore>(socket, std::move(channel));
   std::string name = options.client_name;
   if (name.empty()) name = absl::StrCat("pid-", getpid());
-  if (absl::Status s = core->OpenSession(name); !s.ok()) return s;
+  auto core = std::make_shared<ClientCore>(socket, std::move(channel), std::move(name));
+  if (absl::Status s = core->OpenSession(); !s.ok()) return s;
   std::shared_ptr<Client> client(new Client(core));
   client->sender_ = std::thread(&ClientCore::SendReleases, core.get(), core);
   return client;
@@ -352,7 +499,7 @@ Client::~Client() {
   }
 }
 
-const std::string& Client::session_id() const { return core_->session_id(); }
+std::string Client::session_id() const { return core_->session_id(); }
 
 absl::Status Client::Flush() { return core_->Flush(); }
 
@@ -373,7 +520,7 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   WritableTensor tensor;
   tensor.core_ = core_;
   tensor.tensor_id_ = response.tensor_id();
-  core_->AddOutstanding();
+  core_->AddUnpublished(tensor.tensor_id_);
   // From here on `tensor`'s destructor gives the buffer back if anything fails.
   absl::StatusOr<DecodedTensor> decoded = DecodeDescriptor(response.desc(), response.location());
   if (!decoded.ok()) {
@@ -445,7 +592,7 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   }
   tensor.Unmap();
   tensor.published_ = true;
-  core_->DropOutstanding();
+  core_->Published(tensor.tensor_id_);
   if (acquired != nullptr) *acquired = std::move(*response.mutable_acquired());
   return absl::OkStatus();
 }

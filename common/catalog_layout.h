@@ -18,7 +18,7 @@
 namespace tensorshm {
 
 inline constexpr uint64_t kControlMagic = 0x314c54434d534e54ull;  // "TNSMCTL1", little-endian
-inline constexpr uint32_t kControlLayoutVersion = 1;
+inline constexpr uint32_t kControlLayoutVersion = 2;
 inline constexpr uint32_t kControlHeaderBytes = 4096;
 inline constexpr uint32_t kMaxSegments = 1024;
 inline constexpr uint32_t kRecordMaxDims = 32;
@@ -31,7 +31,8 @@ enum class SegmentState : uint32_t {
 
 enum class RecordState : uint32_t {
   kFree = 0,       // slot unused
-  kWriting = 1,    // buffer allocated to a producer, not yet published; reclaimed on recovery
+  kWriting = 1,    // buffer allocated to a producer, not yet published; on recovery kept for the
+                   // grace period (its producer may come back), then reclaimed
   kPublished = 2,  // sealed and bound to `name`; the highest publish_seq wins a name on recovery
   kUnbound = 3,    // sealed, name deleted or replaced, memory still held by leases
 };
@@ -81,7 +82,9 @@ struct TensorRecord {
   int64_t strides[kRecordMaxDims];
   char name[kRecordNameBytes];
   uint64_t dlpack_flags;  // DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED or 0
-  uint8_t reserved[168];
+  uint32_t owner_uid;     // uid of the creating (and publishing) session
+  uint32_t reserved0;
+  uint8_t reserved[160];
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -116,7 +119,8 @@ static_assert(offsetof(TensorRecord, shape) == 80);
 static_assert(offsetof(TensorRecord, strides) == 336);
 static_assert(offsetof(TensorRecord, name) == 592);
 static_assert(offsetof(TensorRecord, dlpack_flags) == 848);
-static_assert(offsetof(TensorRecord, reserved) == 856);
+static_assert(offsetof(TensorRecord, owner_uid) == 856);
+static_assert(offsetof(TensorRecord, reserved) == 864);
 
 // Byte offset of the first TensorRecord, and the whole segment's size, for `record_count`.
 constexpr uint64_t RecordsOffset() {

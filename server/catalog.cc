@@ -54,15 +54,13 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& 
   for (uint32_t slot = count; slot-- > 0;) {
     TensorRecord& record = catalog->control_.record(slot);
     const auto state = static_cast<RecordState>(record.state.load(std::memory_order_acquire));
-    if (state == RecordState::kWriting) {
-      // Never published: nobody can hold it any more.
-      record.state.store(static_cast<uint32_t>(RecordState::kFree), std::memory_order_release);
-    }
-    if (state != RecordState::kPublished && state != RecordState::kUnbound) {
+    if (state != RecordState::kPublished && state != RecordState::kUnbound &&
+        state != RecordState::kWriting) {
       catalog->free_slots_.push_back(slot);
       continue;
     }
-    if (!catalog->Restore(slot)) {
+    // Unpublished buffers are kept too: their producer may reconnect and publish them.
+    if (!catalog->Restore(slot, state == RecordState::kWriting)) {
       record.state.store(static_cast<uint32_t>(RecordState::kFree), std::memory_order_release);
       catalog->free_slots_.push_back(slot);
       continue;
@@ -92,16 +90,17 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& 
       catalog->names_.emplace(name, id);
     }
   }
+  catalog->in_grace_ = true;
   return catalog;
 }
 
-bool Catalog::Restore(uint32_t slot) {
+bool Catalog::Restore(uint32_t slot, bool unpublished) {
   const TensorRecord& record = control_.record(slot);
   absl::StatusOr<DLDataType> dtype =
       MakeDataType(record.dtype_code, record.dtype_bits, record.dtype_lanes);
   const bool padded = record.dlpack_flags == DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED;
   if (!dtype.ok() || record.ndim < 0 || record.ndim > static_cast<int32_t>(kRecordMaxDims) ||
-      (record.dlpack_flags != 0 && !padded) || record.name_length == 0 ||
+      (record.dlpack_flags != 0 && !padded) || (record.name_length == 0) != unpublished ||
       record.name_length > kMaxNameLength || record.device_type != kDLCPU ||
       tensors_.count(record.tensor_id) > 0) {
     TSM_LOG(kWarning) << "recovery: record " << slot << " is not a valid tensor; dropped";
@@ -130,22 +129,74 @@ bool Catalog::Restore(uint32_t slot) {
   tensor.byte_offset = layout->byte_offset;
   tensor.nbytes = layout->nbytes;
   tensor.subbyte_padded = padded;
-  tensor.sealed = true;
+  tensor.sealed = !unpublished;
+  tensor.owner_uid = record.owner_uid;
+  tensor.recovered = true;
   tensors_.emplace(tensor.id, std::move(tensor));
   return true;
 }
 
 int Catalog::ExpireUnbound() {
+  in_grace_ = false;
   int freed = 0;
   for (auto it = tensors_.begin(); it != tensors_.end();) {
     auto next = std::next(it);
-    if (it->second.sealed && it->second.name.empty() && it->second.leases == 0) {
+    Tensor& tensor = it->second;
+    tensor.recovered = false;
+    const bool orphaned = !tensor.sealed && tensor.owner_session == 0;
+    const bool unheld = tensor.sealed && tensor.name.empty() && tensor.leases == 0;
+    if (orphaned || unheld) {
       Free(it);
       ++freed;
     }
     it = next;
   }
   return freed;
+}
+
+absl::Status Catalog::ReattachLease(uint64_t tensor_id) {
+  if (!in_grace_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tensor_id = ", tensor_id, ": leases are re-registered only in a restart's grace period"));
+  }
+  auto it = tensors_.find(tensor_id);
+  if (it == tensors_.end() || !it->second.sealed) {
+    return absl::NotFoundError(
+        absl::StrCat("tensor_id = ", tensor_id, ": no such published tensor"));
+  }
+  ++it->second.leases;
+  return absl::OkStatus();
+}
+
+absl::Status Catalog::Readopt(uint64_t session, uint32_t uid, uint64_t tensor_id) {
+  if (!in_grace_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tensor_id = ", tensor_id, ": tensors are taken back only in a restart's grace period"));
+  }
+  auto it = tensors_.find(tensor_id);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
+  }
+  Tensor& tensor = it->second;
+  if (tensor.sealed || tensor.owner_session != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor_id = ", tensor_id, ": published or already taken back"));
+  }
+  if (tensor.owner_uid != uid) {
+    return absl::PermissionDeniedError(absl::StrCat("tensor_id = ", tensor_id, ": created by uid ",
+                                                    tensor.owner_uid, ", not uid ", uid));
+  }
+  tensor.owner_session = session;
+  return absl::OkStatus();
+}
+
+void Catalog::Unbind(std::map<uint64_t, Tensor>::iterator it) {
+  it->second.name.clear();
+  if (it->second.leases == 0 && !it->second.recovered) {
+    Free(it);
+  } else {
+    WriteRecordState(it->second, RecordState::kUnbound);
+  }
 }
 
 void Catalog::KeepSegments() {
@@ -160,7 +211,8 @@ void Catalog::WriteRecordState(const Tensor& tensor, RecordState state) {
 absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType& dtype,
                                               absl::Span<const int64_t> shape,
                                               absl::Span<const int64_t> strides,
-                                              const DLDevice& device, bool subbyte_padded) {
+                                              const DLDevice& device, bool subbyte_padded,
+                                              uint32_t owner_uid) {
   if (device.device_type != kDLCPU) {
     if (device.device_type == kDLCUDA) {
       return absl::FailedPreconditionError(
@@ -203,6 +255,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   tensor.subbyte_padded = subbyte_padded;
   tensor.buffer = buffer;
   tensor.owner_session = session;
+  tensor.owner_uid = owner_uid;
 
   TensorRecord& record = control_.record(slot);
   TSM_CHECK(record.state.load(std::memory_order_acquire) ==
@@ -222,6 +275,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   record.byte_offset = tensor.byte_offset;
   record.nbytes = tensor.nbytes;
   record.dlpack_flags = subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
+  record.owner_uid = owner_uid;
   std::copy(tensor.shape.begin(), tensor.shape.end(), record.shape);
   std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
   WriteRecordState(tensor, RecordState::kWriting);
@@ -232,7 +286,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
 }
 
 absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::string& name,
-                              bool replace, uint32_t publisher_uid) {
+                              bool replace) {
   auto it = tensors_.find(tensor_id);
   if (it == tensors_.end()) {
     return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
@@ -259,7 +313,6 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   record.publish_seq = control_.header().next_publish_seq.fetch_add(1, std::memory_order_relaxed);
   tensor.sealed = true;
   tensor.owner_session = 0;
-  tensor.publisher_uid = publisher_uid;
   tensor.name = name;
   // Commit point: from here a restarted daemon serves the new tensor under `name` (the highest
   // publish_seq wins if the old record below is still marked published).
@@ -268,13 +321,8 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   if (bound != names_.end()) {
     auto old = tensors_.find(bound->second);
     TSM_CHECK(old != tensors_.end());
-    old->second.name.clear();
     bound->second = tensor_id;
-    if (old->second.leases == 0) {
-      Free(old);
-    } else {
-      WriteRecordState(old->second, RecordState::kUnbound);
-    }
+    Unbind(old);
   } else {
     names_.emplace(name, tensor_id);
   }
@@ -301,7 +349,7 @@ void Catalog::AddLease(uint64_t tensor_id) {
 void Catalog::DropLease(uint64_t tensor_id) {
   auto it = tensors_.find(tensor_id);
   TSM_CHECK(it != tensors_.end() && it->second.leases > 0);
-  if (--it->second.leases == 0 && it->second.name.empty()) Free(it);
+  if (--it->second.leases == 0 && it->second.name.empty() && !it->second.recovered) Free(it);
 }
 
 absl::Status Catalog::Delete(const std::string& name) {
@@ -312,12 +360,7 @@ absl::Status Catalog::Delete(const std::string& name) {
   auto it = tensors_.find(bound->second);
   TSM_CHECK(it != tensors_.end());
   names_.erase(bound);
-  it->second.name.clear();
-  if (it->second.leases == 0) {
-    Free(it);
-  } else {
-    WriteRecordState(it->second, RecordState::kUnbound);
-  }
+  Unbind(it);
   return absl::OkStatus();
 }
 

@@ -32,8 +32,9 @@ struct Tensor {
   bool subbyte_padded = false;  // one byte per element of a sub-byte dtype
   Buffer buffer;                // length 0: empty tensor, no buffer
   bool sealed = false;
-  uint64_t owner_session = 0;  // the creating session, while unpublished
-  uint32_t publisher_uid = 0;  // the uid whose session published it
+  uint64_t owner_session = 0;  // the creating session, while unpublished; 0: orphaned by a restart
+  uint32_t owner_uid = 0;      // the uid whose session created (and published) it
+  bool recovered = false;      // restored by Recover: not freed before the grace period ends
   std::string name;            // bound name; empty when unbound
   int64_t leases = 0;
 };
@@ -61,9 +62,21 @@ class Catalog {
   // pool are dropped with a warning. Errors from opening the segments.
   static absl::StatusOr<std::unique_ptr<Catalog>> Recover(const CatalogOptions& options);
 
-  // Frees every unbound tensor no lease holds (after a restart's grace period, in which clients
-  // that held them could have come back). Returns how many.
+  // Ends a restart's grace period, in which clients that held tensors could come back: frees every
+  // unbound tensor no lease holds and every unpublished one nobody re-adopted. Returns how many.
   int ExpireUnbound();
+
+  // True from Recover until ExpireUnbound: reconnecting clients may re-register what they hold.
+  bool in_grace() const { return in_grace_; }
+
+  // A reconnecting client's lease on `tensor_id`, held before the restart: counted again.
+  // FAILED_PRECONDITION outside the grace period, NOT_FOUND if the tensor is gone or unpublished.
+  absl::Status ReattachLease(uint64_t tensor_id);
+
+  // A reconnecting producer takes back its unpublished tensor `tensor_id` for `session`.
+  // FAILED_PRECONDITION outside the grace period or if already taken back or published,
+  // NOT_FOUND if gone, PERMISSION_DENIED if `uid` did not create it.
+  absl::Status Readopt(uint64_t session, uint32_t uid, uint64_t tensor_id);
 
   // Leaves the control segment and every pool segment in place at destruction
   // (--keep-segments), for a later daemon with the same --shm-prefix.
@@ -75,14 +88,13 @@ class Catalog {
   absl::StatusOr<const Tensor*> Create(uint64_t session, const DLDataType& dtype,
                                        absl::Span<const int64_t> shape,
                                        absl::Span<const int64_t> strides, const DLDevice& device,
-                                       bool subbyte_padded = false);
+                                       bool subbyte_padded = false, uint32_t owner_uid = 0);
 
   // Seals `tensor_id` (created by `session`) and binds it to `name`. NOT_FOUND for an unknown
   // tensor, PERMISSION_DENIED if another session created it, FAILED_PRECONDITION if already
   // published, ALREADY_EXISTS if `name` is bound and !replace. With replace, the old tensor is
   // unbound and freed once unleased. REQUIRES: name valid.
-  absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace,
-                       uint32_t publisher_uid = 0);
+  absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace);
 
   // The sealed tensor bound to `name`, or nullptr.
   const Tensor* Find(const std::string& name) const;
@@ -110,8 +122,11 @@ class Catalog {
 
  private:
   explicit Catalog(ControlSegment control, bool all_slots_free = true);
-  // Turns the record in `slot` back into a Tensor, reserving its buffer; false if it is invalid.
-  bool Restore(uint32_t slot);
+  // Turns the record in `slot` back into a Tensor (sealed unless `unpublished`), reserving its
+  // buffer; false if it is invalid.
+  bool Restore(uint32_t slot, bool unpublished);
+  // After its name went: frees the tensor unless leases or the grace period keep it.
+  void Unbind(std::map<uint64_t, Tensor>::iterator it);
   void Free(std::map<uint64_t, Tensor>::iterator it);
   void WriteRecordState(const Tensor& tensor, RecordState state);
 
@@ -120,6 +135,7 @@ class Catalog {
   std::vector<uint32_t> free_slots_;
   std::map<uint64_t, Tensor> tensors_;               // by id
   std::unordered_map<std::string, uint64_t> names_;  // bound name -> tensor id
+  bool in_grace_ = false;
 };
 
 }  // namespace tensorshm

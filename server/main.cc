@@ -166,7 +166,8 @@ int Run(int argc, char** argv) {
     TSM_LOG(kInfo) << "recovered /" << options->shm_prefix << ".*: " << (*catalog)->name_count()
                    << " published tensors, "
                    << (*catalog)->tensor_count() - (*catalog)->name_count()
-                   << " unbound ones kept for " << options->recovery_grace_seconds << " s";
+                   << " unbound or unpublished ones kept for " << options->recovery_grace_seconds
+                   << " s for reconnecting clients";
   }
   const AccessPolicy policy(geteuid(), options->allow_uids, options->allow_gids);
   PeerTable peers;
@@ -202,13 +203,14 @@ int Run(int argc, char** argv) {
             << FormatBytes(options->segment_bytes) << ", shm prefix /" << options->shm_prefix
             << std::endl;
 
-  // After the grace period, unbound tensors nobody came back for are freed.
+  // After the grace period, unbound and unpublished tensors nobody came back for are freed.
   absl::Notification stopping;
   std::thread grace([&] {
     if (!recovering) return;
     if (!stopping.WaitForNotificationWithTimeout(absl::Seconds(options->recovery_grace_seconds))) {
       const int freed = service.ExpireUnbound();
-      TSM_LOG(kInfo) << "recovery grace over: freed " << freed << " unbound tensors";
+      TSM_LOG(kInfo) << "recovery grace over: freed " << freed
+                     << " unbound or unpublished tensors no client took back";
     }
   });
 

@@ -26,13 +26,12 @@ TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t se
 
 absl::Status TensorShmService::MayChange(const tensorshm::Session& session, const Tensor& tensor,
                                          absl::string_view verb) const {
-  if (policy_ == nullptr || session.uid == tensor.publisher_uid ||
-      session.uid == policy_->owner()) {
+  if (policy_ == nullptr || session.uid == tensor.owner_uid || session.uid == policy_->owner()) {
     return absl::OkStatus();
   }
   return absl::PermissionDeniedError(absl::StrCat(
-      "name = \"", tensor.name, "\": published by uid ", tensor.publisher_uid, "; uid ",
-      session.uid, " may not ", verb, " it (only its publisher and the daemon's uid may)"));
+      "name = \"", tensor.name, "\": published by uid ", tensor.owner_uid, "; uid ", session.uid,
+      " may not ", verb, " it (only its publisher and the daemon's uid may)"));
 }
 
 int TensorShmService::ExpireUnbound() {
@@ -112,6 +111,7 @@ grpc::Status TensorShmService::Session(
   }
   uint64_t session_id;
   std::string token;
+  v1::SessionResponse opened;
   {
     MutexLock lock(&mu_);
     if (shutting_down_)
@@ -123,11 +123,11 @@ grpc::Status TensorShmService::Session(
     if (peer->pid != 0) session.pid = peer->pid;  // the kernel's word over the client's
     session_id = session.id;
     token = session.token;
+    Reattach(session, request.open(), opened.mutable_opened());
   }
   TSM_LOG(kInfo) << "session " << session_id << " opened: pid " << request.open().pid() << ", uid "
                  << peer->uid << ", client \"" << request.open().client_name() << "\", "
                  << context->peer();
-  v1::SessionResponse opened;
   opened.mutable_opened()->set_session_id(token);
   opened.mutable_opened()->set_server_version(TENSORSHM_VERSION);
   bool alive = stream->Write(opened);
@@ -150,6 +150,33 @@ grpc::Status TensorShmService::Session(
   // The stream ended: the client closed it, exited or died, or the daemon is stopping.
   CloseSession(session_id, token);
   return result;
+}
+
+void TensorShmService::Reattach(tensorshm::Session& session, const v1::SessionOpen& open,
+                                v1::SessionOpened* opened) {
+  if (open.held_tensor_ids_size() == 0 && open.unpublished_tensor_ids_size() == 0) return;
+  int leases = 0;
+  for (uint64_t tensor_id : open.held_tensor_ids()) {
+    uint64_t lease = 0;
+    if (catalog_->ReattachLease(tensor_id).ok()) {
+      lease = sessions_.NextLeaseId();
+      session.leases.emplace(lease, tensor_id);
+      ++leases;
+    }
+    opened->add_lease_ids(lease);
+  }
+  int readopted = 0;
+  for (uint64_t tensor_id : open.unpublished_tensor_ids()) {
+    const bool ok = catalog_->Readopt(session.id, session.uid, tensor_id).ok();
+    if (ok) {
+      session.AddUnpublished(tensor_id, catalog_->FindId(tensor_id)->buffer.length);
+      ++readopted;
+    }
+    opened->add_readopted(ok);
+  }
+  TSM_LOG(kInfo) << "session " << session.id << " reconnected: " << leases << " of "
+                 << open.held_tensor_ids_size() << " leases and " << readopted << " of "
+                 << open.unpublished_tensor_ids_size() << " unpublished tensors taken back";
 }
 
 void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
@@ -229,8 +256,8 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
   MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
-  absl::StatusOr<const Tensor*> tensor =
-      catalog_->Create((*session)->id, *dtype, shape, strides, device, request->subbyte_padded());
+  absl::StatusOr<const Tensor*> tensor = catalog_->Create(
+      (*session)->id, *dtype, shape, strides, device, request->subbyte_padded(), (*session)->uid);
   if (!tensor.ok()) return ToGrpcStatus(tensor.status());
   const uint64_t length = (*tensor)->buffer.length;
   if (session_quota_bytes_ > 0 && (*session)->unpublished_bytes + length > session_quota_bytes_) {
@@ -261,8 +288,8 @@ grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
       bound != nullptr && request->replace()) {
     if (absl::Status s = MayChange(**session, *bound, "replace"); !s.ok()) return ToGrpcStatus(s);
   }
-  absl::Status s = catalog_->Publish((*session)->id, request->tensor_id(), request->name(),
-                                     request->replace(), (*session)->uid);
+  absl::Status s =
+      catalog_->Publish((*session)->id, request->tensor_id(), request->name(), request->replace());
   if (!s.ok()) return ToGrpcStatus(s);
   (*session)->ForgetUnpublished(request->tensor_id());
   if (request->acquire()) {

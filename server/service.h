@@ -61,6 +61,10 @@ class TensorShmService final : public v1::TensorShm::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends `session`: drops its leases, frees its unpublished tensors, forgets it.
   void CloseSession(uint64_t session_id, const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+  // A reconnecting client's SessionOpen: leases and unpublished tensors it held before the
+  // daemon restarted, taken back where the catalog allows; the outcome goes into `opened`.
+  void Reattach(tensorshm::Session& session, const v1::SessionOpen& open, v1::SessionOpened* opened)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
                       v1::ReleaseAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a new lease of `session` on `tensor` (sealed) and returns its id.

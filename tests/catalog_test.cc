@@ -124,5 +124,61 @@ TEST_F(CatalogTest, EmptyTensorsTakeNoBuffer) {
   EXPECT_EQ(catalog_->host_pool().used_bytes(), 0u);
 }
 
+// What a restart keeps for reconnecting clients: during the grace period unpublished tensors go
+// back only to their creator's uid, leases on sealed tensors are counted again, and nothing
+// recovered is freed before the period ends; afterwards nothing can be re-registered.
+TEST_F(CatalogTest, RecoveryGracePeriodKeepsWhatReconnectingClientsHold) {
+  constexpr uint32_t kUid = 1000;
+  absl::StatusOr<const Tensor*> published = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
+  absl::StatusOr<const Tensor*> draft = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
+  absl::StatusOr<const Tensor*> leased = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
+  ASSERT_TRUE(published.ok() && draft.ok() && leased.ok());
+  const uint64_t published_id = (*published)->id;
+  const uint64_t draft_id = (*draft)->id;
+  const uint64_t leased_id = (*leased)->id;
+  ASSERT_TRUE(catalog_->Publish(1, published_id, "a", false).ok());
+  ASSERT_TRUE(catalog_->Publish(1, leased_id, "b", false).ok());
+  catalog_->AddLease(leased_id);
+  ASSERT_TRUE(catalog_->Delete("b").ok());  // unbound, leased
+  EXPECT_FALSE(catalog_->in_grace());
+  EXPECT_EQ(catalog_->ReattachLease(leased_id).code(), absl::StatusCode::kFailedPrecondition);
+
+  // The daemon dies; a new one recovers.
+  catalog_->KeepSegments();
+  catalog_.reset();
+  absl::StatusOr<std::unique_ptr<Catalog>> recovered =
+      Catalog::Recover(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8, 0600});
+  ASSERT_TRUE(recovered.ok()) << recovered.status();
+  catalog_ = *std::move(recovered);
+  ASSERT_TRUE(catalog_->in_grace());
+  EXPECT_EQ(catalog_->tensor_count(), 3);
+  EXPECT_EQ(catalog_->FindId(published_id)->owner_uid, kUid);
+  EXPECT_FALSE(catalog_->FindId(draft_id)->sealed);
+  EXPECT_EQ(catalog_->FindId(draft_id)->owner_session, 0u);
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 3u * 4096);
+
+  EXPECT_EQ(catalog_->Readopt(7, kUid + 1, draft_id).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(catalog_->Readopt(7, kUid, 999).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(catalog_->ReattachLease(draft_id).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(catalog_->Readopt(7, kUid, draft_id).ok());
+  EXPECT_EQ(catalog_->Readopt(8, kUid, draft_id).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(catalog_->ReattachLease(leased_id).ok());
+
+  // Nothing recovered is freed in the grace period: not a deleted name, not a dropped lease.
+  ASSERT_TRUE(catalog_->Delete("a").ok());
+  catalog_->DropLease(leased_id);
+  EXPECT_NE(catalog_->FindId(published_id), nullptr);
+  EXPECT_NE(catalog_->FindId(leased_id), nullptr);
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 3u * 4096);
+
+  EXPECT_EQ(catalog_->ExpireUnbound(), 2);
+  EXPECT_FALSE(catalog_->in_grace());
+  EXPECT_EQ(catalog_->tensor_count(), 1);
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 4096u);
+  EXPECT_EQ(catalog_->ReattachLease(leased_id).code(), absl::StatusCode::kFailedPrecondition);
+  // The taken-back draft is its new session's to publish.
+  ASSERT_TRUE(catalog_->Publish(7, draft_id, "c", false).ok());
+}
+
 }  // namespace
 }  // namespace tensorshm

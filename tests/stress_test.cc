@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <random>
@@ -293,6 +294,151 @@ TEST(CrashTest, KeepSegmentsOnSigtermAndServeThemAfterRestart) {
     EXPECT_EQ(StorageHash((*t)->dl_tensor), sum);
     (*t)->deleter(*t);
   }
+  daemon->Kill(SIGTERM);
+  ASSERT_TRUE(daemon->Wait(absl::Seconds(15)).ok());
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + prefix + ".ctl"));
+  std::filesystem::remove_all(dir);
+}
+
+// Starts tensorshmd on `socket` / `prefix` and waits until it serves.
+absl::StatusOr<ChildProcess> StartDaemon(const std::string& socket, const std::string& prefix,
+                                         const std::string& grace, const std::string& log) {
+  absl::StatusOr<ChildProcess> daemon =
+      ChildProcess::Start({TensorShmdPath(), "--socket", socket, "--shm-prefix", prefix,
+                           "--host-pool", "64Mi", "--recovery-grace", grace},
+                          log);
+  if (!daemon.ok()) return daemon.status();
+  if (!daemon->WaitForOutput("serving on", absl::Seconds(20))) {
+    return absl::InternalError("tensorshmd did not start: " + daemon->Output());
+  }
+  return daemon;
+}
+
+// Waits (bounded) until `client` has reconnected: its session id differs from `old_session`.
+bool WaitForReconnect(Client& client, const std::string& old_session) {
+  for (int i = 0; i < 2000; ++i) {
+    if (client.session_id() != old_session) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
+// A client holding leases and an unpublished tensor across a SIGKILL of the daemon reconnects
+// to the restarted daemon by itself, takes them back within the grace period, and goes on:
+// mappings stay readable, the lease keeps a deleted tensor alive, the unpublished tensor can be
+// published, releases reach the new daemon, and nothing is left over after the grace period.
+TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
+  const std::string prefix = absl::StrCat("tsmtest-reconn-", getpid());
+  const std::string dir = std::filesystem::temp_directory_path().string() + "/" + prefix;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string socket = dir + "/s.sock";
+  absl::StatusOr<ChildProcess> daemon = StartDaemon(socket, prefix, "3", dir + "/a.log");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+
+  absl::StatusOr<std::shared_ptr<Client>> producer =
+      Client::Connect(ClientOptions{socket, "producer"});
+  absl::StatusOr<std::shared_ptr<Client>> consumer =
+      Client::Connect(ClientOptions{socket, "consumer"});
+  ASSERT_TRUE(producer.ok() && consumer.ok());
+  std::map<std::string, uint64_t> sums;
+  for (const std::string name : {"kept", "deleted-before"}) {
+    absl::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 16, 1}, {50000}});
+    ASSERT_TRUE(w.ok());
+    for (int i = 0; i < 50000; ++i) {
+      static_cast<uint16_t*>(w->data())[i] = static_cast<uint16_t>(i * 7 + name.size());
+    }
+    sums[name] = StorageHash(w->dl_tensor());
+    ASSERT_TRUE((*producer)->Publish(*w, name).ok());
+  }
+  absl::StatusOr<DLManagedTensorVersioned*> kept = (*consumer)->Acquire("kept");
+  absl::StatusOr<DLManagedTensorVersioned*> unbound = (*consumer)->Acquire("deleted-before");
+  ASSERT_TRUE(kept.ok() && unbound.ok());
+  // Deleted while leased: unbound, alive only through the consumer's lease.
+  ASSERT_TRUE((*producer)->Delete("deleted-before").ok());
+  absl::StatusOr<WritableTensor> draft = (*consumer)->Create({{kDLUInt, 8, 1}, {100000}});
+  ASSERT_TRUE(draft.ok());
+  std::memset(draft->data(), 0x5a, 50000);  // half written when the daemon dies
+
+  const std::string consumer_session = (*consumer)->session_id();
+  const std::string producer_session = (*producer)->session_id();
+  daemon->Kill(SIGKILL);
+  ASSERT_TRUE(daemon->Wait(absl::Seconds(10)).ok());
+  daemon = StartDaemon(socket, prefix, "3", dir + "/b.log");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_TRUE(WaitForReconnect(**consumer, consumer_session)) << daemon->Output();
+  ASSERT_TRUE(WaitForReconnect(**producer, producer_session)) << daemon->Output();
+  EXPECT_TRUE(daemon->WaitForOutput("2 of 2 leases and 1 of 1 unpublished tensors taken back",
+                                    absl::Seconds(5)))
+      << daemon->Output();
+
+  // The consumer's leases are held again, its mappings never stopped being valid.
+  absl::StatusOr<ServerStats> stats = (*consumer)->Stat();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->leases, 2);
+  EXPECT_EQ(StorageHash((*kept)->dl_tensor), sums["kept"]);
+  EXPECT_EQ(StorageHash((*unbound)->dl_tensor), sums["deleted-before"]);
+  // Deleting "kept" now does not free what the consumer still reads.
+  ASSERT_TRUE((*producer)->Delete("kept").ok());
+  std::vector<char> filler(4 << 20, 0x11);
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 8, 1}, {4 << 20}});
+    ASSERT_TRUE(w.ok());
+    std::memcpy(w->data(), filler.data(), filler.size());
+    ASSERT_TRUE((*producer)->Publish(*w, absl::StrCat("filler/", i)).ok());
+  }
+  EXPECT_EQ(StorageHash((*kept)->dl_tensor), sums["kept"]);
+  EXPECT_EQ(StorageHash((*unbound)->dl_tensor), sums["deleted-before"]);
+
+  // The half-written tensor is the consumer's again: finish and publish it.
+  std::memset(static_cast<char*>(draft->data()) + 50000, 0x5a, 50000);
+  const uint64_t draft_sum = StorageHash(draft->dl_tensor());
+  ASSERT_TRUE((*consumer)->Publish(*draft, "draft").ok());
+  {
+    absl::StatusOr<std::shared_ptr<Client>> reader =
+        Client::Connect(ClientOptions{socket, "reader"});
+    ASSERT_TRUE(reader.ok());
+    absl::StatusOr<DLManagedTensorVersioned*> t = (*reader)->Acquire("draft");
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(StorageHash((*t)->dl_tensor), draft_sum);
+    (*t)->deleter(*t);
+  }
+
+  // Releases reach the new daemon under the new lease ids.
+  (*kept)->deleter(*kept);
+  (*unbound)->deleter(*unbound);
+  ASSERT_TRUE((*consumer)->Flush().ok());
+  // After the grace period only the published tensors hold memory.
+  ASSERT_TRUE(daemon->WaitForOutput("recovery grace over", absl::Seconds(20))) << daemon->Output();
+  stats = (*consumer)->Stat();
+  absl::StatusOr<std::vector<TensorInfo>> listed = (*consumer)->List();
+  ASSERT_TRUE(stats.ok() && listed.ok());
+  EXPECT_EQ(stats->leases, 0);
+  EXPECT_EQ(listed->size(), 5u);  // draft + 4 fillers
+  EXPECT_EQ(stats->tensors, 5);
+  int64_t live_bytes = 0;
+  for (const TensorInfo& info : *listed) live_bytes += (info.nbytes + 4095) / 4096 * 4096;
+  EXPECT_EQ(stats->pools[0].used_bytes, live_bytes);
+
+  // A restart with no grace period: the lease cannot be re-registered, the tensor stays mapped,
+  // and releasing it is quietly dropped, not refused.
+  absl::StatusOr<DLManagedTensorVersioned*> late = (*consumer)->Acquire("draft");
+  ASSERT_TRUE(late.ok()) << late.status();
+  const std::string second_session = (*consumer)->session_id();
+  daemon->Kill(SIGKILL);
+  ASSERT_TRUE(daemon->Wait(absl::Seconds(10)).ok());
+  daemon = StartDaemon(socket, prefix, "0", dir + "/c.log");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_TRUE(WaitForReconnect(**consumer, second_session));
+  EXPECT_EQ(StorageHash((*late)->dl_tensor), draft_sum);
+  (*late)->deleter(*late);
+  EXPECT_TRUE((*consumer)->Flush().ok());
+  stats = (*consumer)->Stat();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->leases, 0);
+
+  producer->reset();
+  consumer->reset();
   daemon->Kill(SIGTERM);
   ASSERT_TRUE(daemon->Wait(absl::Seconds(15)).ok());
   EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + prefix + ".ctl"));

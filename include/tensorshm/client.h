@@ -122,6 +122,12 @@ class Client {
  public:
   // Connects to tensorshmd and opens a session. UNAVAILABLE naming the socket if the daemon does
   // not answer within options.connect_timeout.
+  //
+  // If the daemon goes away later, the client reconnects on its own in the background (backoff
+  // from 50 ms to 2 s) and re-registers the leases and unpublished tensors it still holds; a
+  // daemon restarted with the same --shm-prefix keeps them for its --recovery-grace. Tensors
+  // stay mapped and readable throughout. Calls made while reconnecting fail with UNAVAILABLE
+  // (or FAILED_PRECONDITION naming the old session) and may be retried.
   static absl::StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options = {});
 
   ~Client();
@@ -163,11 +169,11 @@ class Client {
 
   // Blocks until every release queued before the call has been applied by the daemon. Returns
   // the first refusal the daemon reported for those releases, or UNAVAILABLE if the session
-  // ended.
+  // ended (the client then reconnects on its own; see Connect).
   absl::Status Flush();
 
-  // The session id the daemon assigned.
-  const std::string& session_id() const;
+  // The session id the daemon assigned (a new one after reconnecting to a restarted daemon).
+  std::string session_id() const;
 
  private:
   explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}

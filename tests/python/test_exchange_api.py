@@ -31,6 +31,7 @@ def test_tvm_ffi_imports_through_our_exchange_api(client):
     np.testing.assert_array_equal(back, np.arange(10, dtype=np.float32))
     # Its lease lives as long as tvm-ffi's tensor does.
     del t, back
+    client.flush()  # t's own release is asynchronous; count from a settled state
     leases = client.stat()["leases"]
     del imported
     client.flush()
