@@ -68,6 +68,8 @@ int Main(int argc, char** argv) {
   tensorshm::ClientOptions options;
   options.socket = argv[2];
   options.client_name = "tsm_peer-" + mode;
+  // Generous: under ThreadSanitizer, a daemon serving dozens of peers answers slowly.
+  options.connect_timeout = absl::Seconds(30);
   std::vector<std::string> names;
   std::string dtype = "float32", shape, strides;
   uint64_t seed = 1;
