@@ -59,8 +59,9 @@ test-tsan: setup
 	@cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DTENSORSHM_SANITIZE=thread \
 	  -DTENSORSHM_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
 	@cmake --build build-tsan -j$(JOBS)
+	# One test at a time: two multi-process stress tests at once under TSan overload 2 cores.
 	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 suppressions=$(CURDIR)/tests/tsan.supp" \
-	  ctest -j$(JOBS) --output-on-failure --no-tests=error -R '$(TSAN_TESTS)'
+	  ctest -j1 --output-on-failure --no-tests=error -R '$(TSAN_TESTS)'
 
 TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes|Reconnect
 
