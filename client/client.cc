@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "client/cuda_state.h"
 #include "client/segment_map.h"
 #include "common/grpc_status.h"
 #include "common/mutex.h"
@@ -84,6 +85,7 @@ class ClientCore {
       ABSL_LOCKS_EXCLUDED(mu_);
   v1::TensorShm::Stub& stub() { return *stub_; }
   SegmentMap& segments() { return segments_; }
+  CudaState& cuda() { return cuda_; }
   std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket() const { return socket_; }
 
@@ -112,6 +114,7 @@ class ClientCore {
   std::unique_ptr<grpc::ClientContext> session_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
   SegmentMap segments_;
+  CudaState cuda_;
 
   mutable Mutex mu_;
   CondVar work_;   // the sender has something to do
@@ -373,6 +376,8 @@ struct Lease {
   std::vector<int64_t> strides;
   uint64_t key = 0;  // ClientCore's key for the lease
   std::shared_ptr<ClientCore> core;
+  int cuda_ordinal = -1;    // CUDA tensors: this process's device ordinal
+  std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
 };
 
 void ReleaseLease(Lease* lease) noexcept {
@@ -404,13 +409,26 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     return give_back(absl::InternalError(
         absl::StrCat("tensorshmd sent a bad descriptor: ", decoded.status().message())));
   }
-  if (decoded->device.device_type != kDLCPU) {
-    return give_back(absl::UnimplementedError(
-        absl::StrCat("device = ", DeviceName(decoded->device), ": not supported by this client")));
-  }
   const v1::Location& location = response.location();
   const char* data = kEmptyData;
-  if (location.length() > 0) {
+  if (decoded->device.device_type == kDLCUDA && location.has_cuda()) {
+    const v1::CudaLocation& cuda = location.cuda();
+    absl::StatusOr<int> ordinal = core->cuda().OrdinalOf(cuda.device_uuid());
+    if (!ordinal.ok()) return give_back(ordinal.status());
+    decoded->device.device_id = *ordinal;
+    lease->cuda_ordinal = *ordinal;
+    lease->ready_event = cuda.ready_event();
+    data = nullptr;
+    if (location.length() > 0) {
+      absl::StatusOr<CUdeviceptr> base = core->cuda().OpenSegment(*ordinal, cuda.ipc_handle());
+      if (!base.ok()) return give_back(base.status());
+      data = reinterpret_cast<const char*>(*base + location.offset());
+    }
+  } else if (decoded->device.device_type != kDLCPU ||
+             (!location.has_host() && location.length() > 0)) {
+    return give_back(absl::UnimplementedError(
+        absl::StrCat("device = ", DeviceName(decoded->device), ": not supported by this client")));
+  } else if (location.length() > 0) {
     absl::StatusOr<const char*> base =
         core->segments().MapReadOnly(location.host().shm_name(), location.segment_size());
     if (!base.ok()) return give_back(base.status());
@@ -435,8 +453,17 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
   return lease;
 }
 
+// Waits for `lease`'s ready event as `sync` says.
+absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync) {
+  if (lease.ready_event.empty() || sync.mode == ReadySync::Mode::kNone) return absl::OkStatus();
+  return lease.core->cuda().WaitReady(lease.cuda_ordinal, lease.ready_event,
+                                      sync.mode == ReadySync::Mode::kHost,
+                                      static_cast<CUstream>(sync.stream));
+}
+
 absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<ClientCore>& core,
-                                                    std::string_view name, absl::Duration timeout) {
+                                                    std::string_view name, absl::Duration timeout,
+                                                    ReadySync sync) {
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
   if (timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -459,10 +486,23 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
       !s.ok()) {
     return s;
   }
-  return MakeLease(core, response);
+  absl::StatusOr<std::unique_ptr<Lease>> lease = MakeLease(core, response);
+  if (!lease.ok()) return lease.status();
+  if (absl::Status s = WaitLeaseReady(**lease, sync); !s.ok()) {
+    core->QueueRelease((*lease)->key);
+    return s;
+  }
+  return lease;
 }
 
 }  // namespace
+
+absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
+    return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
+  }
+  return WaitLeaseReady(*static_cast<const Lease*>(tensor->manager_ctx), sync);
+}
 
 // ---- Client ----
 
@@ -510,6 +550,12 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   request.mutable_strides()->Assign(spec.strides.begin(), spec.strides.end());
   ToWire(spec.device, request.mutable_device());
   request.set_subbyte_padded(spec.subbyte_padded);
+  if (spec.device.device_type == kDLCUDA) {
+    // The daemon numbers devices its own way: the UUID names the device.
+    absl::StatusOr<std::string> uuid = core_->cuda().UuidOf(spec.device.device_id);
+    if (!uuid.ok()) return uuid.status();
+    request.set_device_uuid(*std::move(uuid));
+  }
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::CreateResponse response;
@@ -529,7 +575,18 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   }
   const v1::Location& location = response.location();
   void* data = const_cast<char*>(kEmptyData);
-  if (location.length() > 0) {
+  if (location.has_cuda()) {
+    const v1::CudaLocation& cuda = location.cuda();
+    absl::StatusOr<int> ordinal = core_->cuda().OrdinalOf(cuda.device_uuid());
+    if (!ordinal.ok()) return ordinal.status();
+    decoded->device.device_id = *ordinal;
+    data = nullptr;
+    if (location.length() > 0) {
+      absl::StatusOr<CUdeviceptr> base = core_->cuda().OpenSegment(*ordinal, cuda.ipc_handle());
+      if (!base.ok()) return base.status();
+      data = reinterpret_cast<void*>(*base + location.offset());
+    }
+  } else if (location.length() > 0) {
     absl::StatusOr<void*> mapping =
         MapWritable(location.host().shm_name(), location.offset(), location.length());
     if (!mapping.ok()) return mapping.status();
@@ -551,15 +608,19 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   return tensor;
 }
 
-absl::Status Client::Publish(WritableTensor& tensor, std::string_view name, bool replace) {
-  return PublishImpl(tensor, name, replace, nullptr);
+absl::Status Client::Publish(WritableTensor& tensor, std::string_view name, bool replace,
+                             CudaStream ready_stream) {
+  return PublishImpl(tensor, name, replace, ready_stream, nullptr);
 }
 
 absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTensor& tensor,
                                                                     std::string_view name,
-                                                                    bool replace) {
+                                                                    bool replace,
+                                                                    CudaStream ready_stream) {
   v1::AcquireResponse acquired;
-  if (absl::Status s = PublishImpl(tensor, name, replace, &acquired); !s.ok()) return s;
+  if (absl::Status s = PublishImpl(tensor, name, replace, ready_stream, &acquired); !s.ok()) {
+    return s;
+  }
   absl::StatusOr<std::unique_ptr<Lease>> lease = MakeLease(core_, acquired);
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
@@ -568,7 +629,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
 }
 
 absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, bool replace,
-                                 v1::AcquireResponse* acquired) {
+                                 CudaStream ready_stream, v1::AcquireResponse* acquired) {
   if (tensor.published_ || tensor.core_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("tensor ", tensor.tensor_id_, ": already published or moved from"));
@@ -583,6 +644,13 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   request.set_name(std::string(name));
   request.set_replace(replace);
   request.set_acquire(acquired != nullptr);
+  if (tensor.tensor_.device.device_type == kDLCUDA) {
+    // Acquirers wait for what was issued on the producer's stream up to here.
+    absl::StatusOr<std::string> event = core_->cuda().RecordReadyEvent(
+        tensor.tensor_.device.device_id, static_cast<CUstream>(ready_stream));
+    if (!event.ok()) return event.status();
+    request.set_ready_event(*std::move(event));
+  }
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::PublishResponse response;
@@ -598,8 +666,8 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
 }
 
 absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
-                                                          absl::Duration timeout) {
-  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout);
+                                                          absl::Duration timeout, ReadySync sync) {
+  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout, sync);
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->versioned.deleter = DeleteVersioned;
@@ -607,8 +675,8 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
 }
 
 absl::StatusOr<DLManagedTensor*> Client::AcquireLegacy(std::string_view name,
-                                                       absl::Duration timeout) {
-  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout);
+                                                       absl::Duration timeout, ReadySync sync) {
+  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout, sync);
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->legacy.deleter = DeleteLegacy;

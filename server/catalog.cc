@@ -94,8 +94,31 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& 
   return catalog;
 }
 
+void Catalog::AddCudaPool(std::unique_ptr<CudaPool> pool) {
+  const int ordinal = pool->ordinal();
+  TSM_CHECK(cuda_pools_.emplace(ordinal, std::move(pool)).second);
+}
+
+const CudaPool* Catalog::cuda_pool(int ordinal) const {
+  auto it = cuda_pools_.find(ordinal);
+  return it == cuda_pools_.end() ? nullptr : it->second.get();
+}
+
+std::vector<const CudaPool*> Catalog::cuda_pools() const {
+  std::vector<const CudaPool*> pools;
+  for (const auto& [ordinal, pool] : cuda_pools_) pools.push_back(pool.get());
+  return pools;
+}
+
 bool Catalog::Restore(uint32_t slot, bool unpublished) {
   const TensorRecord& record = control_.record(slot);
+  if (record.device_type == kDLCUDA) {
+    // Device memory belongs to the process that allocated it: it ended with the old daemon.
+    TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
+                      << ") was on cuda:" << record.device_id
+                      << ", whose memory ended with the old daemon; dropped";
+    return false;
+  }
   absl::StatusOr<DLDataType> dtype =
       MakeDataType(record.dtype_code, record.dtype_bits, record.dtype_lanes);
   const bool padded = record.dlpack_flags == DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED;
@@ -213,17 +236,24 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
                                               absl::Span<const int64_t> strides,
                                               const DLDevice& device, bool subbyte_padded,
                                               uint32_t owner_uid) {
-  if (device.device_type != kDLCPU) {
-    if (device.device_type == kDLCUDA) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("device = cuda:", device.device_id,
-                       ": this tensorshmd has no pool for the device (host pool only)"));
+  CudaPool* cuda = nullptr;
+  if (device.device_type == kDLCUDA) {
+    auto it = cuda_pools_.find(device.device_id);
+    if (it == cuda_pools_.end()) {
+      std::string pools;
+      for (const auto& [ordinal, pool] : cuda_pools_) {
+        absl::StrAppend(&pools, pools.empty() ? "" : ", ", "cuda:", ordinal);
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "device = cuda:", device.device_id, ": this tensorshmd has no pool for the device (",
+          pools.empty() ? "host pool only" : "CUDA pools: " + pools, "; see --cuda-pool)"));
     }
-    return absl::InvalidArgumentError(absl::StrCat("device = {type: ", device.device_type,
-                                                   ", id: ", device.device_id,
-                                                   "}: only cpu (1) tensors are supported"));
-  }
-  if (device.device_id != 0) {
+    cuda = it->second.get();
+  } else if (device.device_type != kDLCPU) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device = {type: ", device.device_type, ", id: ", device.device_id,
+                     "}: only cpu (1) and cuda (2) tensors are supported"));
+  } else if (device.device_id != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("device = cpu:", device.device_id, ": the cpu device id must be 0"));
   }
@@ -235,7 +265,9 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   }
   Buffer buffer;
   if (layout->nbytes > 0) {
-    absl::StatusOr<Buffer> allocated = pool_->Allocate(static_cast<uint64_t>(layout->nbytes));
+    const uint64_t nbytes = static_cast<uint64_t>(layout->nbytes);
+    absl::StatusOr<Buffer> allocated =
+        cuda != nullptr ? cuda->Allocate(nbytes) : pool_->Allocate(nbytes);
     if (!allocated.ok()) return allocated.status();
     buffer = *allocated;
   }
@@ -286,7 +318,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
 }
 
 absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::string& name,
-                              bool replace) {
+                              bool replace, std::string ready_event) {
   auto it = tensors_.find(tensor_id);
   if (it == tensors_.end()) {
     return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
@@ -314,6 +346,7 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   tensor.sealed = true;
   tensor.owner_session = 0;
   tensor.name = name;
+  tensor.ready_event = std::move(ready_event);
   // Commit point: from here a restarted daemon serves the new tensor under `name` (the highest
   // publish_seq wins if the old record below is still marked published).
   WriteRecordState(tensor, RecordState::kPublished);
@@ -395,7 +428,13 @@ void Catalog::Free(std::map<uint64_t, Tensor>::iterator it) {
   // The record goes free before the memory is reused, so a restart never sees two live records
   // over one buffer.
   WriteRecordState(it->second, RecordState::kFree);
-  if (it->second.buffer.length > 0) pool_->Free(it->second.buffer);
+  if (it->second.buffer.length > 0) {
+    if (it->second.device.device_type == kDLCUDA) {
+      cuda_pools_.at(it->second.device.device_id)->Free(it->second.buffer);
+    } else {
+      pool_->Free(it->second.buffer);
+    }
+  }
   free_slots_.push_back(it->second.slot);
   tensors_.erase(it);
 }

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "server/control_segment.h"
+#include "server/cuda_pool.h"
 #include "server/host_pool.h"
 
 namespace tensorshm {
@@ -35,6 +36,7 @@ struct Tensor {
   uint64_t owner_session = 0;  // the creating session, while unpublished; 0: orphaned by a restart
   uint32_t owner_uid = 0;      // the uid whose session created (and published) it
   bool recovered = false;      // restored by Recover: not freed before the grace period ends
+  std::string ready_event;     // CUDA: the producer's CUipcEventHandle, recorded at publish
   std::string name;            // bound name; empty when unbound
   int64_t leases = 0;
 };
@@ -78,6 +80,12 @@ class Catalog {
   // NOT_FOUND if gone, PERMISSION_DENIED if `uid` did not create it.
   absl::Status Readopt(uint64_t session, uint32_t uid, uint64_t tensor_id);
 
+  // Adds the pool of a CUDA device. REQUIRES: none for that ordinal yet.
+  void AddCudaPool(std::unique_ptr<CudaPool> pool);
+  // The pool of CUDA device `ordinal` (the daemon's numbering), or nullptr.
+  const CudaPool* cuda_pool(int ordinal) const;
+  std::vector<const CudaPool*> cuda_pools() const;
+
   // Leaves the control segment and every pool segment in place at destruction
   // (--keep-segments), for a later daemon with the same --shm-prefix.
   void KeepSegments();
@@ -94,7 +102,9 @@ class Catalog {
   // tensor, PERMISSION_DENIED if another session created it, FAILED_PRECONDITION if already
   // published, ALREADY_EXISTS if `name` is bound and !replace. With replace, the old tensor is
   // unbound and freed once unleased. REQUIRES: name valid.
-  absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace);
+  // `ready_event`: for a CUDA tensor, the producer's event handle that acquirers wait on.
+  absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace,
+                       std::string ready_event = "");
 
   // The sealed tensor bound to `name`, or nullptr.
   const Tensor* Find(const std::string& name) const;
@@ -131,7 +141,8 @@ class Catalog {
   void WriteRecordState(const Tensor& tensor, RecordState state);
 
   ControlSegment control_;
-  std::optional<HostPool> pool_;  // set by Create; refers to control_
+  std::optional<HostPool> pool_;                         // set by Create; refers to control_
+  std::map<int, std::unique_ptr<CudaPool>> cuda_pools_;  // by the daemon's device ordinal
   std::vector<uint32_t> free_slots_;
   std::map<uint64_t, Tensor> tensors_;               // by id
   std::unordered_map<std::string, uint64_t> names_;  // bound name -> tensor id

@@ -102,15 +102,8 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes) {
                      options_.capacity_bytes, " bytes, --host-pool)"));
   }
   const uint64_t length = (nbytes + page - 1) / page * page;
-  Segment* best = nullptr;
-  uint64_t best_block = 0;
-  for (Segment& segment : segments_) {
-    std::optional<uint64_t> block = segment.allocator.BestFitBlock(length);
-    if (block && (best == nullptr || *block < best_block)) {
-      best = &segment;
-      best_block = *block;
-    }
-  }
+  const int index = BestFitSegment(segments_, length);
+  Segment* best = index < 0 ? nullptr : &segments_[index];
   if (best == nullptr) {
     const uint64_t remaining = options_.capacity_bytes - reserved_bytes();
     if (remaining < length) {

@@ -21,9 +21,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
+#include "common/cuda_driver.h"
 #include "common/sys_error.h"
 #include "server/access.h"
 #include "server/catalog.h"
+#include "server/cuda_pool.h"
 #include "server/listener.h"
 #include "server/log.h"
 #include "server/options.h"
@@ -152,6 +154,31 @@ int Run(int argc, char** argv) {
       : !options->allow_gids.empty() ? mode_t{0640}
                                      : mode_t{0600},
       options->allow_gids.empty() ? static_cast<gid_t>(-1) : *options->allow_gids.begin()};
+  // Device pools first: a failure here must not touch the host segments (of a killed daemon,
+  // when recovering).
+  std::vector<std::unique_ptr<CudaPool>> cuda_pools;
+  for (const CudaPoolSpec& spec : options->cuda_pools) {
+    const std::string flag =
+        absl::StrCat("--cuda-pool cuda:", spec.ordinal, "=", FormatBytes(spec.bytes));
+    absl::StatusOr<const CudaDriver*> driver = CudaDriver::Get();
+    if (!driver.ok()) {
+      std::cerr << "tensorshmd: " << flag << ": " << driver.status().message() << "\n";
+      return 1;
+    }
+    const uint64_t segment = options->cuda_segment_bytes != 0
+                                 ? options->cuda_segment_bytes
+                                 : std::min<uint64_t>(spec.bytes, uint64_t{1} << 30);
+    absl::StatusOr<std::unique_ptr<CudaPool>> pool =
+        CudaPool::Create(*driver, CudaPoolOptions{spec.ordinal, spec.bytes, segment});
+    if (!pool.ok()) {
+      std::cerr << "tensorshmd: " << flag << ": " << pool.status().message() << "\n";
+      return 1;
+    }
+    TSM_LOG(kInfo) << "cuda:" << spec.ordinal << " (" << FormatUuid((*pool)->uuid())
+                   << "): pool of " << FormatBytes(spec.bytes) << " through "
+                   << (*driver)->library();
+    cuda_pools.push_back(*std::move(pool));
+  }
   // The segments of a daemon that was killed (or kept them) are taken back, not replaced.
   const bool recovering =
       access(absl::StrCat("/dev/shm/", options->shm_prefix, ".ctl").c_str(), F_OK) == 0;
@@ -169,6 +196,7 @@ int Run(int argc, char** argv) {
                    << " unbound or unpublished ones kept for " << options->recovery_grace_seconds
                    << " s for reconnecting clients";
   }
+  for (std::unique_ptr<CudaPool>& pool : cuda_pools) (*catalog)->AddCudaPool(std::move(pool));
   const AccessPolicy policy(geteuid(), options->allow_uids, options->allow_gids);
   PeerTable peers;
   TensorShmService service(*std::move(catalog), options->session_quota_bytes, &policy, &peers);

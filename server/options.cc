@@ -23,6 +23,26 @@ std::string RandomPrefix() {
 
 }  // namespace
 
+absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda-pool = \"", text, "\": ", why));
+  };
+  const size_t eq = text.find('=');
+  if (text.substr(0, 5) != "cuda:" || eq == absl::string_view::npos) {
+    return bad("expected cuda:N=SIZE, e.g. cuda:0=4Gi");
+  }
+  CudaPoolSpec spec;
+  if (!absl::SimpleAtoi(text.substr(5, eq - 5), &spec.ordinal) || spec.ordinal < 0) {
+    return bad("the device N must be a number >= 0");
+  }
+  absl::StatusOr<uint64_t> size = ParseSize(text.substr(eq + 1), "--cuda-pool");
+  if (!size.ok()) return size.status();
+  if (*size == 0) return bad("the size must be positive");
+  // Device buffers are handed out in 256-byte units.
+  spec.bytes = (*size + 255) / 256 * 256;
+  return spec;
+}
+
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view flag) {
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(flag, " = \"", text, "\": ", why));
@@ -74,6 +94,13 @@ std::string Usage() {
       "                       the daemon's own uid is admitted, others get PERMISSION_DENIED\n"
       "  --allow-gid GID      also admit clients whose primary gid is GID (repeatable); pool\n"
       "                       segments then belong to the first such group, mode 0640\n"
+      "  --cuda-pool cuda:N=SIZE\n"
+      "                       a pool of SIZE bytes of device memory on CUDA device N\n"
+      "                       (repeatable, one per device); needs the CUDA driver\n"
+      "                       (libcuda.so.1, or $TENSORSHM_LIBCUDA)\n"
+      "  --cuda-segment-size SIZE\n"
+      "                       size of each cuMemAlloc segment a CUDA pool grows by\n"
+      "                       (default: the pool's size, at most 1Gi)\n"
       "  --help               this text\n"
       "\n"
       "Sizes take K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024) suffixes.\n"
@@ -103,11 +130,11 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       options.keep_segments = true;
       continue;
     }
-    const bool takes_value = arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
-                             arg == "--shm-prefix" || arg == "--max-tensors" ||
-                             arg == "--log-level" || arg == "--session-quota" ||
-                             arg == "--allow-uid" || arg == "--allow-gid" ||
-                             arg == "--recovery-grace";
+    const bool takes_value =
+        arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
+        arg == "--shm-prefix" || arg == "--max-tensors" || arg == "--log-level" ||
+        arg == "--session-quota" || arg == "--allow-uid" || arg == "--allow-gid" ||
+        arg == "--recovery-grace" || arg == "--cuda-pool" || arg == "--cuda-segment-size";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -123,6 +150,22 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();
       options.host_pool_bytes = *size;
+    } else if (arg == "--cuda-pool") {
+      absl::StatusOr<CudaPoolSpec> pool = ParseCudaPool(value);
+      if (!pool.ok()) return pool.status();
+      for (const CudaPoolSpec& other : options.cuda_pools) {
+        if (other.ordinal == pool->ordinal) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "--cuda-pool = \"", value, "\": cuda:", pool->ordinal, " has a pool already"));
+        }
+      }
+      options.cuda_pools.push_back(*pool);
+    } else if (arg == "--cuda-segment-size") {
+      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+      if (!size.ok()) return size.status();
+      if (*size == 0)
+        return absl::InvalidArgumentError("--cuda-segment-size = 0: must be positive");
+      options.cuda_segment_bytes = *size;
     } else if (arg == "--recovery-grace") {
       if (!absl::SimpleAtoi(value, &options.recovery_grace_seconds) ||
           options.recovery_grace_seconds < 0) {

@@ -8,12 +8,19 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "server/log.h"
 
 namespace tensorshm {
+
+// --cuda-pool cuda:N=SIZE
+struct CudaPoolSpec {
+  int ordinal = 0;
+  uint64_t bytes = 0;
+};
 
 struct DaemonOptions {
   std::string socket;                     // default: DefaultSocketPath()
@@ -26,6 +33,8 @@ struct DaemonOptions {
   int64_t recovery_grace_seconds = 10;    // --recovery-grace
   std::set<uid_t> allow_uids;             // --allow-uid, repeatable
   std::set<gid_t> allow_gids;             // --allow-gid, repeatable
+  std::vector<CudaPoolSpec> cuda_pools;   // --cuda-pool, repeatable
+  uint64_t cuda_segment_bytes = 0;        // --cuda-segment-size; 0: min(pool, 1Gi)
   LogLevel log_level = LogLevel::kInfo;
   bool help = false;
 };
@@ -33,6 +42,9 @@ struct DaemonOptions {
 // Parses "64Mi", "1G", "4096", "2Ki" (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024; a
 // trailing "B" is allowed). INVALID_ARGUMENT naming `flag` and the text otherwise.
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view flag);
+
+// Parses a --cuda-pool value, "cuda:N=SIZE"; the size is rounded up to 256 bytes.
+absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text);
 
 // Parses argv. INVALID_ARGUMENT naming the flag and value for anything unknown or malformed.
 absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv);

@@ -1,5 +1,7 @@
 #include "server/service.h"
 
+#include <cstring>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -91,7 +93,18 @@ void TensorShmService::Describe(const Tensor& tensor, v1::TensorDesc* desc,
   location->set_segment_id(tensor.buffer.segment_id);
   location->set_offset(tensor.buffer.offset);
   location->set_length(tensor.buffer.length);
-  if (tensor.buffer.length > 0) {
+  if (tensor.device.device_type == kDLCUDA) {
+    const CudaPool* pool = catalog_->cuda_pool(tensor.device.device_id);
+    v1::CudaLocation* cuda = location->mutable_cuda();
+    cuda->set_device_ordinal(pool->ordinal());
+    cuda->set_device_uuid(pool->uuid().data(), pool->uuid().size());
+    if (tensor.buffer.length > 0) {
+      const CUipcMemHandle& handle = pool->SegmentHandle(tensor.buffer.segment_id);
+      location->set_segment_size(pool->SegmentSize(tensor.buffer.segment_id));
+      cuda->set_ipc_handle(handle.reserved, sizeof(handle.reserved));
+    }
+    if (tensor.sealed) cuda->set_ready_event(tensor.ready_event);
+  } else if (tensor.buffer.length > 0) {
     const HostPool& pool = catalog_->host_pool();
     location->set_segment_size(pool.SegmentSize(tensor.buffer.segment_id));
     location->mutable_host()->set_shm_name(pool.SegmentName(tensor.buffer.segment_id));
@@ -243,6 +256,25 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
                  << unpublished << " unpublished tensors";
 }
 
+absl::StatusOr<int> TensorShmService::CudaOrdinalOf(const DLDevice& device,
+                                                    const std::string& uuid) const {
+  if (device.device_type != kDLCUDA || uuid.size() != 16) {
+    return absl::InvalidArgumentError(absl::StrCat("device_uuid: ", uuid.size(),
+                                                   " bytes for device ", DeviceName(device),
+                                                   "; only CUDA devices take one, of 16 bytes"));
+  }
+  DeviceUuid wanted;
+  std::memcpy(wanted.data(), uuid.data(), wanted.size());
+  std::string pools;
+  for (const CudaPool* pool : catalog_->cuda_pools()) {
+    if (pool->uuid() == wanted) return pool->ordinal();
+    absl::StrAppend(&pools, pools.empty() ? "" : ", ", FormatUuid(pool->uuid()));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "device_uuid = ", FormatUuid(wanted), ": this tensorshmd has no pool for the device (",
+      pools.empty() ? "no CUDA pools" : "CUDA pools on " + pools, "; see --cuda-pool)"));
+}
+
 grpc::Status TensorShmService::Create(grpc::ServerContext* context,
                                       const v1::CreateRequest* request,
                                       v1::CreateResponse* response) {
@@ -250,12 +282,17 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
   if (!peer.ok()) return ToGrpcStatus(peer.status());
   absl::StatusOr<DLDataType> dtype = FromWire(request->dtype());
   if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-  const DLDevice device = request->has_device() ? FromWire(request->device()) : DLDevice{kDLCPU, 0};
+  DLDevice device = request->has_device() ? FromWire(request->device()) : DLDevice{kDLCPU, 0};
   const std::vector<int64_t> shape(request->shape().begin(), request->shape().end());
   const std::vector<int64_t> strides(request->strides().begin(), request->strides().end());
   MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!request->device_uuid().empty()) {
+    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, request->device_uuid());
+    if (!ordinal.ok()) return ToGrpcStatus(ordinal.status());
+    device.device_id = *ordinal;
+  }
   absl::StatusOr<const Tensor*> tensor = catalog_->Create(
       (*session)->id, *dtype, shape, strides, device, request->subbyte_padded(), (*session)->uid);
   if (!tensor.ok()) return ToGrpcStatus(tensor.status());
@@ -288,8 +325,22 @@ grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
       bound != nullptr && request->replace()) {
     if (absl::Status s = MayChange(**session, *bound, "replace"); !s.ok()) return ToGrpcStatus(s);
   }
-  absl::Status s =
-      catalog_->Publish((*session)->id, request->tensor_id(), request->name(), request->replace());
+  if (!request->ready_event().empty()) {
+    const Tensor* tensor = catalog_->FindId(request->tensor_id());
+    if (request->ready_event().size() != sizeof(CUipcEventHandle)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("ready_event: ", request->ready_event().size(),
+                                       " bytes; must be empty or a ", sizeof(CUipcEventHandle),
+                                       "-byte CUipcEventHandle"));
+    }
+    if (tensor != nullptr && tensor->device.device_type != kDLCUDA) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("ready_event: set for tensor ", tensor->id, " on ",
+                                       DeviceName(tensor->device), "; only CUDA tensors take one"));
+    }
+  }
+  absl::Status s = catalog_->Publish((*session)->id, request->tensor_id(), request->name(),
+                                     request->replace(), request->ready_event());
   if (!s.ok()) return ToGrpcStatus(s);
   (*session)->ForgetUnpublished(request->tensor_id());
   if (request->acquire()) {
@@ -396,6 +447,13 @@ grpc::Status TensorShmService::Stat(grpc::ServerContext* context, const v1::Stat
   stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
   stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes()));
   stats->set_segments(static_cast<int64_t>(pool.segment_count()));
+  for (const CudaPool* cuda : catalog_->cuda_pools()) {
+    v1::PoolStats* device = response->add_pools();
+    ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());
+    device->set_capacity_bytes(static_cast<int64_t>(cuda->capacity_bytes()));
+    device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
+    device->set_segments(static_cast<int64_t>(cuda->segment_count()));
+  }
   return grpc::Status::OK;
 }
 

@@ -70,6 +70,10 @@ class TensorShmService final : public v1::TensorShm::Service {
   // Records a new lease of `session` on `tensor` (sealed) and returns its id.
   uint64_t AddLease(tensorshm::Session& session, const Tensor& tensor)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The daemon's ordinal of the CUDA device with `uuid`. INVALID_ARGUMENT unless `device` is
+  // CUDA and `uuid` 16 bytes, FAILED_PRECONDITION if no pool is on that device.
+  absl::StatusOr<int> CudaOrdinalOf(const DLDevice& device, const std::string& uuid) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

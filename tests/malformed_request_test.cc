@@ -65,11 +65,13 @@ class Wire {
     v1::CreateResponse response;
     return stub_->Create(Context(kind).get(), request, out != nullptr ? out : &response);
   }
-  grpc::Status Publish(uint64_t tensor_id, const std::string& name, bool replace = false) {
+  grpc::Status Publish(uint64_t tensor_id, const std::string& name, bool replace = false,
+                       const std::string& ready_event = "") {
     v1::PublishRequest request;
     request.set_tensor_id(tensor_id);
     request.set_name(name);
     request.set_replace(replace);
+    request.set_ready_event(ready_event);
     v1::PublishResponse response;
     return stub_->Publish(Context().get(), request, &response);
   }
@@ -268,6 +270,27 @@ TEST_F(MalformedRequestTest, EachGetsItsCodeAndTheDaemonKeepsServing) {
       {"publish another session's tensor",
        [this](Wire& w) { return w.Publish(foreign_id_, "stolen"); }, StatusCode::PERMISSION_DENIED,
        std::to_string(foreign_id_)},
+      {"ready event of the wrong size",
+       [this](Wire& w) { return w.Publish(unpublished_id_, "evt", false, std::string(13, 'e')); },
+       StatusCode::INVALID_ARGUMENT, "ready_event: 13 bytes"},
+      {"ready event for a host tensor",
+       [this](Wire& w) { return w.Publish(unpublished_id_, "evt", false, std::string(64, 'e')); },
+       StatusCode::INVALID_ARGUMENT, "only CUDA tensors take one"},
+      {"device uuid for a host device",
+       [](Wire& w) {
+         v1::CreateRequest request = CreateRequest(kDLFloat, 32, 1, {4});
+         request.set_device_uuid(std::string(16, 'u'));
+         return w.Create(request);
+       },
+       StatusCode::INVALID_ARGUMENT, "only CUDA devices take one"},
+      {"cuda tensor from a daemon without CUDA pools",
+       [](Wire& w) {
+         v1::CreateRequest request = CreateRequest(kDLFloat, 32, 1, {4});
+         request.mutable_device()->set_type(kDLCUDA);
+         request.set_device_uuid(std::string(16, 'u'));
+         return w.Create(request);
+       },
+       StatusCode::FAILED_PRECONDITION, "no CUDA pools"},
       {"acquire unpublished name", [](Wire& w) { return w.Acquire("nothing/here"); },
        StatusCode::NOT_FOUND, "name = \"nothing/here\""},
       {"acquire wait runs out", [](Wire& w) { return w.Acquire("nothing/here", 100); },

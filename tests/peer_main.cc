@@ -7,9 +7,13 @@
 //   tsm_peer write SOCKET NAME        acquire, print "acquired", write into the tensor
 //   tsm_peer churn SOCKET NAME... [--seed N]         hold, create, drop at random until killed
 //   tsm_peer load SOCKET NAME... --ops N --seed S     N mixed operations, all must succeed
+//   tsm_peer cuda-produce SOCKET NAME --device N --shape S [--seed N]   fill through the driver
+//   tsm_peer cuda-consume SOCKET NAME [--stream]   acquire twice, copy to host, release; prints
+//                                                  the emulated driver's counters as it goes
 //
 // Output lines: "checksum <storage hash> <logical hash>", "meta <dtype> <shape> <strides>
 // <byte_offset> <flags>", "error <code> <message>" (exit 3).
+#include <dlfcn.h>
 #include <grp.h>
 #include <unistd.h>
 
@@ -22,9 +26,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/cuda_driver.h"
 #include "common/dtype.h"
 #include "common/layout.h"
+#include "common/wire.h"
 #include "tensorshm/client.h"
+#include "tests/fake_cuda/fake_cuda.h"
 #include "tests/tensor_bytes.h"
 
 namespace {
@@ -59,6 +66,52 @@ void PrintTensor(const DLTensor& t, uint64_t flags) {
   std::cout << "checksum " << StorageHash(t) << " " << LogicalHash(t) << std::endl;
 }
 
+// Copies between host and device `ordinal` through the driver, in its primary context.
+absl::Status DeviceCopy(int ordinal, void* host, CUdeviceptr device, size_t bytes, bool to_device) {
+  absl::StatusOr<const tensorshm::CudaDriver*> driver = tensorshm::CudaDriver::Get();
+  if (!driver.ok()) return driver.status();
+  const tensorshm::CudaDriver* d = *driver;
+  CUdevice dev;
+  CUcontext context;
+  if (absl::Status s = TSM_CU(d, ordinal, cuDeviceGet, &dev, ordinal); !s.ok()) return s;
+  if (absl::Status s = TSM_CU(d, ordinal, cuDevicePrimaryCtxRetain, &context, dev); !s.ok()) {
+    return s;
+  }
+  absl::Status status;
+  {
+    tensorshm::ScopedContext scope(d, context);
+    status = to_device ? TSM_CU(d, ordinal, cuMemcpyHtoD_v2, device, host, bytes)
+                       : TSM_CU(d, ordinal, cuMemcpyDtoH_v2, host, device, bytes);
+  }
+  d->cuDevicePrimaryCtxRelease_v2(dev);
+  return status;
+}
+
+// The emulated driver's counters, read from the library TENSORSHM_LIBCUDA names.
+void PrintCounters(const char* label) {
+  const char* library = std::getenv("TENSORSHM_LIBCUDA");
+  void* handle = library != nullptr ? dlopen(library, RTLD_NOW | RTLD_NOLOAD) : nullptr;
+  auto* counters = handle != nullptr ? reinterpret_cast<decltype(&tsm_fake_cuda_counters)>(
+                                           dlsym(handle, "tsm_fake_cuda_counters"))
+                                     : nullptr;
+  auto* open = handle != nullptr ? reinterpret_cast<decltype(&tsm_fake_cuda_open_mappings)>(
+                                       dlsym(handle, "tsm_fake_cuda_open_mappings"))
+                                 : nullptr;
+  if (counters == nullptr || open == nullptr) {
+    std::cout << label << " no-counters" << std::endl;
+    return;
+  }
+  const TsmFakeCudaCounters* c = counters();
+  std::cout << label << " ipc_open_calls=" << c->ipc_open_calls
+            << " ipc_open_mappings=" << c->ipc_open_mappings
+            << " ipc_unmappings=" << c->ipc_unmappings << " open_now=" << open()
+            << " ipc_open_event=" << c->ipc_open_event_handle
+            << " stream_wait_event=" << c->stream_wait_event
+            << " event_synchronize=" << c->event_synchronize
+            << " waits_on_recorded=" << c->waits_on_recorded << " event_record=" << c->event_record
+            << std::endl;
+}
+
 int Main(int argc, char** argv) {
   if (argc < 4) {
     std::cerr << "usage: tsm_peer produce|consume|hold|write SOCKET NAME ...\n";
@@ -76,7 +129,8 @@ int Main(int argc, char** argv) {
   int64_t wait_ms = 0;
   int64_t ops = 0;
   int as_uid = -1;  // drop to this uid (and gid) before connecting
-  bool replace = false, hang = false, legacy = false;
+  int device = 0;   // cuda-produce: this process's CUDA ordinal
+  bool replace = false, hang = false, legacy = false, on_stream = false;
   for (int i = 3; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -100,6 +154,10 @@ int Main(int argc, char** argv) {
       hang = true;
     else if (arg == "--legacy")
       legacy = true;
+    else if (arg == "--device")
+      device = std::stoi(value());
+    else if (arg == "--stream")
+      on_stream = true;
     else
       names.push_back(arg);
   }
@@ -127,6 +185,79 @@ int Main(int argc, char** argv) {
     }
     if (absl::Status s = (*client)->Publish(*w, names.at(0), replace); !s.ok()) return Fail(s);
     std::cout << "published" << std::endl;
+    return 0;
+  }
+  if (mode == "cuda-produce") {
+    absl::StatusOr<DLDataType> dt = tensorshm::ParseDataType(dtype);
+    if (!dt.ok()) return Fail(dt.status());
+    tensorshm::TensorSpec spec{*dt, ParseList(shape), {}, {kDLCUDA, device}};
+    absl::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(spec);
+    if (!w.ok()) return Fail(w.status());
+    if (w->dl_tensor().device.device_type != kDLCUDA || w->dl_tensor().device.device_id != device) {
+      return Fail(absl::InternalError("created tensor is not on the requested device"));
+    }
+    std::vector<unsigned char> host(static_cast<size_t>(w->nbytes()));
+    std::mt19937_64 random(seed);
+    for (unsigned char& b : host) b = static_cast<unsigned char>(random());
+    if (absl::Status s =
+            DeviceCopy(device, host.data(), reinterpret_cast<CUdeviceptr>(w->dl_tensor().data),
+                       host.size(), /*to_device=*/true);
+        !s.ok()) {
+      return Fail(s);
+    }
+    DLTensor view = w->dl_tensor();
+    view.data = host.data();
+    view.device = {kDLCPU, 0};
+    PrintTensor(view, 0);
+    if (absl::Status s = (*client)->Publish(*w, names.at(0), replace); !s.ok()) return Fail(s);
+    PrintCounters("counters");
+    std::cout << "published" << std::endl;
+    // Stays until killed: the ready event lives in this process.
+    while (true) pause();
+  }
+  if (mode == "cuda-consume") {
+    const tensorshm::ReadySync sync =
+        on_stream ? tensorshm::ReadySync::Stream(tensorshm::kLegacyDefaultStream)
+                  : tensorshm::ReadySync::Host();
+    std::vector<DLManagedTensorVersioned*> held;
+    for (int round = 0; round < 2; ++round) {
+      absl::StatusOr<DLManagedTensorVersioned*> t =
+          (*client)->Acquire(names.at(0), absl::Milliseconds(wait_ms), sync);
+      if (!t.ok()) return Fail(t.status());
+      const DLTensor& dl = (*t)->dl_tensor;
+      std::cout << "device " << tensorshm::DeviceName(dl.device) << " flags " << (*t)->flags
+                << std::endl;
+      absl::StatusOr<tensorshm::TensorLayout> layout =
+          tensorshm::ComputeLayout(dl.dtype, absl::MakeConstSpan(dl.shape, dl.ndim), {}, false);
+      if (!layout.ok()) return Fail(layout.status());
+      std::vector<unsigned char> host(static_cast<size_t>(layout->nbytes));
+      if (absl::Status s = DeviceCopy(dl.device.device_id, host.data(),
+                                      reinterpret_cast<CUdeviceptr>(dl.data) + dl.byte_offset,
+                                      host.size(), /*to_device=*/false);
+          !s.ok()) {
+        return Fail(s);
+      }
+      DLTensor view = dl;
+      view.data = host.data();
+      view.byte_offset = 0;
+      view.device = {kDLCPU, 0};
+      PrintTensor(view, 0);
+      PrintCounters(round == 0 ? "first" : "second");
+      held.push_back(*t);
+    }
+    for (DLManagedTensorVersioned* t : held) t->deleter(t);
+    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    PrintCounters("released");
+    client->reset();
+    // The client's core goes with its sender thread; give it a moment to close the handles.
+    for (int i = 0; i < 200; ++i) {
+      auto* open = reinterpret_cast<decltype(&tsm_fake_cuda_open_mappings)>(
+          dlsym(dlopen(std::getenv("TENSORSHM_LIBCUDA"), RTLD_NOW | RTLD_NOLOAD),
+                "tsm_fake_cuda_open_mappings"));
+      if (open == nullptr || open() == 0) break;
+      usleep(10000);
+    }
+    PrintCounters("closed");
     return 0;
   }
   if (mode == "consume") {

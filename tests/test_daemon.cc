@@ -29,9 +29,23 @@ namespace tensorshm::testing {
 std::string TensorShmdPath() { return TENSORSHMD_PATH; }
 std::string PeerPath() { return TSM_PEER_PATH; }
 std::string CConsumerPath() { return TSM_C_CONSUMER_PATH; }
+std::string FakeCudaPath() { return TSM_FAKE_CUDA_PATH; }
 
 absl::StatusOr<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
-                                                 const std::string& log_path) {
+                                                 const std::string& log_path,
+                                                 const std::vector<std::string>& env) {
+  std::vector<std::string> environment;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string name = entry.substr(0, entry.find('='));
+    bool overridden = false;
+    for (const std::string& extra : env) overridden |= extra.substr(0, extra.find('=')) == name;
+    if (!overridden) environment.push_back(entry);
+  }
+  environment.insert(environment.end(), env.begin(), env.end());
+  std::vector<char*> envp;
+  for (const std::string& e : environment) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
@@ -41,7 +55,7 @@ absl::StatusOr<ChildProcess> ChildProcess::Start(const std::vector<std::string>&
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   pid_t pid;
-  const int err = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  const int err = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   if (err != 0) return ErrnoError("posix_spawn", argv[0], err);
   return ChildProcess(pid, log_path);
@@ -131,7 +145,8 @@ bool SocketAccepts(const std::string& path) {
 }  // namespace
 
 absl::StatusOr<TestDaemon> TestDaemon::Start(const std::string& test_name,
-                                             const std::vector<std::string>& extra_args) {
+                                             const std::vector<std::string>& extra_args,
+                                             const std::vector<std::string>& env) {
   TestDaemon daemon;
   daemon.shm_prefix_ = absl::StrCat("tsmtest-", test_name, "-", getpid());
   RemoveShmObjects(daemon.shm_prefix_);
@@ -144,7 +159,8 @@ absl::StatusOr<TestDaemon> TestDaemon::Start(const std::string& test_name,
                                    "--shm-prefix",   daemon.shm_prefix_, "--log-level",
                                    "warning"};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
-  absl::StatusOr<ChildProcess> process = ChildProcess::Start(argv, daemon.dir_ + "/daemon.log");
+  absl::StatusOr<ChildProcess> process =
+      ChildProcess::Start(argv, daemon.dir_ + "/daemon.log", env);
   if (!process.ok()) return process.status();
   daemon.process_ = std::make_unique<ChildProcess>(*std::move(process));
   if (!daemon.process_->WaitForOutput("serving on", absl::Seconds(20)) ||

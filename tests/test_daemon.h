@@ -15,9 +15,11 @@ namespace tensorshm::testing {
 // A child process started with posix_spawn, stdout captured to a file.
 class ChildProcess {
  public:
-  // Starts `argv[0]` with `argv`; its stdout and stderr go to `log_path`.
+  // Starts `argv[0]` with `argv`; its stdout and stderr go to `log_path`. `env` ("NAME=value")
+  // is added to (or overrides) this process's environment.
   static absl::StatusOr<ChildProcess> Start(const std::vector<std::string>& argv,
-                                            const std::string& log_path);
+                                            const std::string& log_path,
+                                            const std::vector<std::string>& env = {});
   ChildProcess(ChildProcess&& other) noexcept;
   ChildProcess& operator=(ChildProcess&& other) noexcept;
   ~ChildProcess();  // SIGKILLs and reaps the child if it still runs
@@ -44,7 +46,8 @@ class TestDaemon {
  public:
   // Starts the daemon with `extra_args` and waits until its socket accepts connections.
   static absl::StatusOr<TestDaemon> Start(const std::string& test_name,
-                                          const std::vector<std::string>& extra_args = {});
+                                          const std::vector<std::string>& extra_args = {},
+                                          const std::vector<std::string>& env = {});
   TestDaemon(TestDaemon&&) = default;
   TestDaemon& operator=(TestDaemon&&) = default;
   ~TestDaemon();  // SIGTERMs the daemon and removes the directory
@@ -68,6 +71,8 @@ class TestDaemon {
 std::string TensorShmdPath();
 std::string PeerPath();
 std::string CConsumerPath();
+// The emulated CUDA driver library (tests/fake_cuda), for TENSORSHM_LIBCUDA.
+std::string FakeCudaPath();
 
 }  // namespace tensorshm::testing
 

@@ -69,6 +69,32 @@ struct ServerStats {
   std::vector<PoolStats> pools;
 };
 
+// A CUDA stream (CUstream) as this API takes one, so that this header needs no cuda.h.
+using CudaStream = void*;
+// CUDA's legacy default stream (CU_STREAM_LEGACY).
+inline CudaStream const kLegacyDefaultStream = reinterpret_cast<CudaStream>(0x1);
+
+// How an acquire of a CUDA tensor orders the caller after its producer's writes (the ready event
+// the producer recorded at publish). Host tensors, and tensors without an event, ignore it.
+struct ReadySync {
+  enum class Mode {
+    kHost,    // the calling thread waits (cuEventSynchronize) before Acquire returns
+    kStream,  // `stream` waits (cuStreamWaitEvent); Acquire returns at once
+    kNone,    // nobody waits now: call WaitReady before using the tensor
+  };
+  Mode mode = Mode::kHost;
+  CudaStream stream = nullptr;
+
+  static ReadySync Host() { return {}; }
+  static ReadySync Stream(CudaStream stream) { return {Mode::kStream, stream}; }
+  static ReadySync None() { return {Mode::kNone, nullptr}; }
+};
+
+// For a tensor acquired with ReadySync::None(): waits for its ready event as `sync` says.
+// OK at once for host tensors, tensors without an event, and Mode::kNone. INVALID_ARGUMENT for a
+// tensor that did not come from a tensorshm Client.
+absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync);
+
 class ClientCore;
 namespace v1 {
 class AcquireResponse;
@@ -136,31 +162,41 @@ class Client {
 
   // Allocates a writable tensor. INVALID_ARGUMENT for a bad dtype, shape, strides or device,
   // RESOURCE_EXHAUSTED if the pool is full, FAILED_PRECONDITION for a device without a pool.
+  // A CUDA tensor (device {kDLCUDA, N}, N in this process's numbering) gets a writable device
+  // pointer into the daemon's pool for that device.
   absl::StatusOr<WritableTensor> Create(const TensorSpec& spec);
 
   // Seals `tensor` and binds it to `name`, dropping the writable mapping. ALREADY_EXISTS if
   // `name` is bound and !replace; with replace the old tensor lives on for its leases.
   // INVALID_ARGUMENT for a bad name; FAILED_PRECONDITION if `tensor` is already published. On
   // failure `tensor` is unchanged and may be published again.
-  absl::Status Publish(WritableTensor& tensor, std::string_view name, bool replace = false);
+  // CUDA tensors: an interprocess event is recorded on `ready_stream` (the stream the writes were
+  // issued on) and handed to acquirers, who wait on it before reading.
+  absl::Status Publish(WritableTensor& tensor, std::string_view name, bool replace = false,
+                       CudaStream ready_stream = kLegacyDefaultStream);
 
   // As Publish, and in the same step acquires a lease on the published tensor, so that no other
   // process can replace or delete it in between: the result is what Acquire(name) would return.
   // Caller owns the result and calls its deleter exactly once.
-  absl::StatusOr<DLManagedTensorVersioned*> PublishAndAcquire(WritableTensor& tensor,
-                                                              std::string_view name,
-                                                              bool replace = false);
+  absl::StatusOr<DLManagedTensorVersioned*> PublishAndAcquire(
+      WritableTensor& tensor, std::string_view name, bool replace = false,
+      CudaStream ready_stream = kLegacyDefaultStream);
 
   // Acquires a lease on the tensor published as `name`. With a positive timeout, waits up to that
   // long for a publish (DEADLINE_EXCEEDED after); zero: NOT_FOUND at once if unbound;
   // absl::InfiniteDuration(): waits until published. The result is read-only
   // (DLPACK_FLAG_BITMASK_READ_ONLY); its deleter gives the lease back.
+  // CUDA tensors come as kDLCUDA with this process's device ordinal (found by the device's
+  // UUID), their memory opened once per segment and cached; `sync` says who waits for the
+  // producer's ready event.
   // Caller owns the result and calls its deleter exactly once.
   absl::StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name,
-                                                    absl::Duration timeout = absl::ZeroDuration());
+                                                    absl::Duration timeout = absl::ZeroDuration(),
+                                                    ReadySync sync = ReadySync::Host());
   // As Acquire, as a pre-1.0 DLManagedTensor (which cannot say it is read-only).
   absl::StatusOr<DLManagedTensor*> AcquireLegacy(std::string_view name,
-                                                 absl::Duration timeout = absl::ZeroDuration());
+                                                 absl::Duration timeout = absl::ZeroDuration(),
+                                                 ReadySync sync = ReadySync::Host());
 
   // Unbinds `name`; memory is freed once its last lease ends. NOT_FOUND if unbound.
   absl::Status Delete(std::string_view name);
@@ -179,7 +215,7 @@ class Client {
   explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
   // Publish, filling *acquired (when not null) with the lease the daemon took in the same step.
   absl::Status PublishImpl(WritableTensor& tensor, std::string_view name, bool replace,
-                           v1::AcquireResponse* acquired);
+                           CudaStream ready_stream, v1::AcquireResponse* acquired);
   std::shared_ptr<ClientCore> core_;
   std::thread sender_;  // sends batched releases on the session stream
 };

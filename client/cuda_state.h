@@ -1,0 +1,74 @@
+// A client's CUDA side: the driver (loaded on first use), this process's ordinal for each
+// device UUID, the primary contexts it retained, the segments' IPC memory handles it opened (at
+// most once per segment) and the ready events it recorded.
+#ifndef TENSORSHM_CLIENT_CUDA_STATE_H_
+#define TENSORSHM_CLIENT_CUDA_STATE_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "common/cuda_driver.h"
+#include "common/mutex.h"
+
+namespace tensorshm {
+
+// Thread-safe. Everything opened or created is closed or destroyed in the destructor, which runs
+// when the client and every tensor from it are gone.
+class CudaState {
+ public:
+  CudaState() = default;
+  ~CudaState();
+  CudaState(const CudaState&) = delete;
+  CudaState& operator=(const CudaState&) = delete;
+
+  // This process's ordinal of the device with `uuid` (16 bytes). FAILED_PRECONDITION if there is
+  // no driver or no visible device has that UUID.
+  absl::StatusOr<int> OrdinalOf(const std::string& uuid) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The 16-byte UUID of this process's device `ordinal`. INVALID_ARGUMENT for an ordinal no
+  // visible device has; FAILED_PRECONDITION without a driver.
+  absl::StatusOr<std::string> UuidOf(int ordinal) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The base address of the segment exported as `handle` (a 64-byte CUipcMemHandle), opened in
+  // device `ordinal`'s primary context on first use and cached.
+  absl::StatusOr<CUdeviceptr> OpenSegment(int ordinal, const std::string& handle)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Records a new interprocess event on `stream` of device `ordinal` and returns its 64-byte
+  // CUipcEventHandle. The event lives as long as this state.
+  absl::StatusOr<std::string> RecordReadyEvent(int ordinal, CUstream stream)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Orders the caller after the event exported as `handle`: `stream` waits on it
+  // (cuStreamWaitEvent), or with host_wait the calling thread does (cuEventSynchronize).
+  absl::Status WaitReady(int ordinal, const std::string& handle, bool host_wait, CUstream stream)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Device-to-device / device-to-host copies in device `ordinal`'s context.
+  absl::Status CopyDeviceToDevice(int ordinal, CUdeviceptr dst, CUdeviceptr src, size_t bytes,
+                                  CUstream stream) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status CopyDeviceToHost(int ordinal, void* dst, CUdeviceptr src, size_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  // The driver and the UUID table, loaded once. REQUIRES: mu_ held.
+  absl::Status Load() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Device `ordinal`'s primary context, retained on first use.
+  absl::StatusOr<CUcontext> Context(int ordinal) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Mutex mu_;
+  const CudaDriver* driver_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::vector<DeviceUuid> uuids_ ABSL_GUARDED_BY(mu_);      // by ordinal
+  std::map<int, CUcontext> contexts_ ABSL_GUARDED_BY(mu_);  // retained primary contexts
+  std::map<std::pair<int, std::string>, CUdeviceptr> segments_ ABSL_GUARDED_BY(mu_);
+  // Ready events this process recorded, by their IPC handle: waits in this process use them
+  // directly, as CUDA does not open an IPC handle in the process that exported it.
+  std::map<std::string, std::pair<int, CUevent>> events_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_CLIENT_CUDA_STATE_H_

@@ -1,0 +1,73 @@
+// A CUDA device pool: segments from cuMemAlloc in one device's primary context, each exported
+// with one IPC handle, sub-allocated best-fit in 256-byte units.
+#ifndef TENSORSHM_SERVER_CUDA_POOL_H_
+#define TENSORSHM_SERVER_CUDA_POOL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/cuda_driver.h"
+#include "server/allocator.h"
+#include "server/host_pool.h"
+
+namespace tensorshm {
+
+// Alignment and size unit of device buffers (what cudaMalloc guarantees, and enough for every
+// DLPack dtype).
+inline constexpr uint64_t kCudaAlignment = 256;
+
+struct CudaPoolOptions {
+  int ordinal = 0;
+  uint64_t capacity_bytes = 0;
+  uint64_t segment_bytes = 0;  // 0: one segment of the whole capacity
+};
+
+// Thread-compatible: the catalog serialises access.
+class CudaPool {
+ public:
+  // Retains device `ordinal`'s primary context and allocates the first segment. Errors name the
+  // device: FAILED_PRECONDITION if it does not exist, the driver's error otherwise.
+  static absl::StatusOr<std::unique_ptr<CudaPool>> Create(const CudaDriver* driver,
+                                                          const CudaPoolOptions& options);
+  ~CudaPool();
+
+  // A buffer of at least `nbytes` (rounded up to 256 bytes), best fit over the segments, growing
+  // by a segment while the capacity allows. RESOURCE_EXHAUSTED naming requested and free bytes.
+  absl::StatusOr<Buffer> Allocate(uint64_t nbytes);
+  void Free(const Buffer& buffer);
+
+  int ordinal() const { return options_.ordinal; }
+  const DeviceUuid& uuid() const { return uuid_; }
+  // The IPC handle and size of segment `segment_id` (1-based). REQUIRES: a live segment id.
+  const CUipcMemHandle& SegmentHandle(uint64_t segment_id) const;
+  uint64_t SegmentSize(uint64_t segment_id) const;
+  uint64_t capacity_bytes() const { return options_.capacity_bytes; }
+  uint64_t used_bytes() const;
+  size_t segment_count() const { return segments_.size(); }
+
+ private:
+  struct Segment {
+    CUdeviceptr base;
+    uint64_t size;
+    CUipcMemHandle handle;
+    BestFitAllocator allocator;
+  };
+  CudaPool(const CudaDriver* driver, CudaPoolOptions options)
+      : driver_(driver), options_(options) {}
+  absl::Status AddSegment(uint64_t size);
+
+  const CudaDriver* driver_;
+  CudaPoolOptions options_;
+  CUdevice device_ = 0;
+  CUcontext context_ = nullptr;
+  DeviceUuid uuid_{};
+  std::vector<Segment> segments_;
+  uint64_t reserved_bytes_ = 0;
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_CUDA_POOL_H_
