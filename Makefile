@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-torch test-asan test-tsan fuzz bench install format clean
+.PHONY: all setup configure build run test test-cpp test-python python test-torch test-gpu test-asan test-tsan fuzz bench install format clean
 
 VENV_PY = .venv/bin/python
 
@@ -36,14 +36,25 @@ test-cpp: build
 python: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VENV_PY) -m pip install --no-build-isolation -q .
 
-# pytest exits 5 when it collects nothing, which fails the run like any failure.
+PYTEST = TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd \
+  TSM_FAKE_CUDA_LIB=$(CURDIR)/$(BUILD_DIR)/tests/libtsm_fake_cuda.so $(VENV_PY) -m pytest -q -rs
+
+# pytest exits 5 when it collects nothing, which fails the run like any failure. tests/gpu runs
+# on its own (with the real driver, not the emulated one tests/python loads); without a GPU it
+# is skipped with the reason.
 test-python: build python
-	TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd $(VENV_PY) -m pytest -q -rs tests/python
+	$(PYTEST) tests/python
+	$(PYTEST) tests/gpu
 
 # Installs torch (CPU build from PyPI) into .venv and runs the Python tests, torch's included.
 test-torch: build python
 	$(VENV_PY) -c 'import torch' 2>/dev/null || $(VENV_PY) -m pip install -q torch
-	TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd $(VENV_PY) -m pytest -q -rs tests/python
+	$(PYTEST) tests/python
+	$(PYTEST) tests/gpu
+
+# The real-GPU test alone (torch on CUDA; needs a GPU, the driver and torch with CUDA).
+test-gpu: build python
+	$(PYTEST) -s tests/gpu
 
 # The C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer (CI runs this too).
 test-asan: setup

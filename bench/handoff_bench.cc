@@ -11,6 +11,11 @@
 // gRPC bytes: producer fills a buffer and sends it in a unary call to the consumer's server,
 //   whose handler reads one byte per page; measured from the fill's start to that last read.
 // empty RPC: round trip of an empty unary call on the same socket: the floor of any RPC.
+//
+// The CUDA row (device memory on cuda:0, where a driver and a device are present; skipped with
+// the reason elsewhere): handoff = producer create + fill (host-to-device copy) + publish with a
+// ready event -> consumer acquire, waiting on the event; acquire = warm re-acquire; memcpy = a
+// device-to-device cuMemcpy of the same bytes in the consumer, the cost tensorshm avoids.
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -31,6 +36,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench.grpc.pb.h"
+#include "common/cuda_driver.h"
 #include "tensorshm/client.h"
 
 extern char** environ;
@@ -203,6 +209,97 @@ int TsmConsumer(const std::string& socket, uint64_t size, int iterations) {
   return sink == 42 ? 1 : 0;  // keeps the reads from being optimised away
 }
 
+// ---- CUDA roles ----
+
+// Device `ordinal`'s primary context, retained for the process's life and made current.
+CUcontext EnterCuda(const tensorshm::CudaDriver* driver, int ordinal) {
+  CUdevice device;
+  CUcontext context;
+  if (absl::Status s = TSM_CU(driver, ordinal, cuDeviceGet, &device, ordinal); !s.ok()) Die(s);
+  if (absl::Status s = TSM_CU(driver, ordinal, cuDevicePrimaryCtxRetain, &context, device);
+      !s.ok()) {
+    Die(s);
+  }
+  if (absl::Status s = TSM_CU(driver, ordinal, cuCtxPushCurrent_v2, context); !s.ok()) Die(s);
+  return context;
+}
+
+const tensorshm::CudaDriver* DriverOrDie() {
+  absl::StatusOr<const tensorshm::CudaDriver*> driver = tensorshm::CudaDriver::Get();
+  if (!driver.ok()) Die(driver.status());
+  return *driver;
+}
+
+int CudaProducer(const std::string& socket, uint64_t size, int iterations) {
+  const tensorshm::CudaDriver* driver = DriverOrDie();
+  EnterCuda(driver, 0);
+  auto client = ConnectOrDie(socket);
+  std::vector<char> host(size, 0x5a);
+  std::string line;
+  for (int i = 0; i < iterations && ReadLine(line); ++i) {
+    const int64_t start = NowNs();
+    auto tensor = client->Create({{kDLUInt, 8, 1}, {static_cast<int64_t>(size)}, {}, {kDLCUDA, 0}});
+    if (!tensor.ok()) Die(tensor.status());
+    host[0] = static_cast<char>(i);
+    if (absl::Status s = TSM_CU(driver, 0, cuMemcpyHtoD_v2,
+                                reinterpret_cast<CUdeviceptr>(tensor->data()), host.data(), size);
+        !s.ok()) {
+      Die(s);
+    }
+    if (absl::Status s = client->Publish(*tensor, absl::StrFormat("cuda/%d", i)); !s.ok()) Die(s);
+    Say(absl::StrFormat("start %d", start));
+  }
+  // The ready events live in this process: stay until the consumer is done.
+  while (ReadLine(line)) {
+  }
+  return 0;
+}
+
+int CudaConsumer(const std::string& socket, uint64_t size, int iterations) {
+  const tensorshm::CudaDriver* driver = DriverOrDie();
+  EnterCuda(driver, 0);
+  auto client = ConnectOrDie(socket);
+  CUdeviceptr scratch;
+  if (absl::Status s = TSM_CU(driver, 0, cuMemAlloc_v2, &scratch, size); !s.ok()) Die(s);
+  for (int i = 0; i < iterations; ++i) {
+    const std::string name = absl::StrFormat("cuda/%d", i);
+    Say("ready");
+    auto tensor = client->Acquire(name, absl::InfiniteDuration(), tensorshm::ReadySync::Host());
+    if (!tensor.ok()) Die(tensor.status());
+    const int64_t end = NowNs();
+    (*tensor)->deleter(*tensor);
+    const int64_t warm_start = NowNs();
+    auto again = client->Acquire(name, absl::ZeroDuration(), tensorshm::ReadySync::Host());
+    if (!again.ok()) Die(again.status());
+    const int64_t warm = NowNs() - warm_start;
+    const int64_t copy_start = NowNs();
+    if (absl::Status s =
+            TSM_CU(driver, 0, cuMemcpyDtoDAsync_v2, scratch,
+                   reinterpret_cast<CUdeviceptr>((*again)->dl_tensor.data), size, nullptr);
+        !s.ok()) {
+      Die(s);
+    }
+    if (absl::Status s = TSM_CU(driver, 0, cuStreamSynchronize, nullptr); !s.ok()) Die(s);
+    const int64_t copy = NowNs() - copy_start;
+    (*again)->deleter(*again);
+    if (absl::Status s = client->Delete(name); !s.ok()) Die(s);
+    if (absl::Status s = client->Flush(); !s.ok()) Die(s);
+    Say(absl::StrFormat("end %d %d %d", end, warm, copy));
+  }
+  driver->cuMemFree_v2(scratch);
+  return 0;
+}
+
+// Why the CUDA row cannot run here, or OK.
+absl::Status CudaAvailable() {
+  absl::StatusOr<const tensorshm::CudaDriver*> driver = tensorshm::CudaDriver::Get();
+  if (!driver.ok()) return driver.status();
+  absl::StatusOr<int> count = (*driver)->DeviceCount();
+  if (!count.ok()) return count.status();
+  if (*count == 0) return absl::FailedPreconditionError("the CUDA driver sees no device");
+  return absl::OkStatus();
+}
+
 class BytesService final : public tensorshm::bench::BytesBench::Service {
   grpc::Status Send(grpc::ServerContext*, const tensorshm::bench::Blob* blob,
                     tensorshm::bench::Empty*) override {
@@ -316,6 +413,46 @@ Row Measure(const std::string& self, const std::string& dir, const std::string& 
   return row;
 }
 
+// Prints the CUDA row for `size` (on a daemon with a cuda:0 pool), or why it is skipped.
+void CudaRow(const std::string& self, const std::string& dir, uint64_t size, int iterations) {
+  const absl::Status available = CudaAvailable();
+  if (!available.ok()) {
+    std::printf("\ncuda:0   skipped: %s\n", std::string(available.message()).c_str());
+    return;
+  }
+  const std::string socket = dir + "/cuda.sock";
+  Child daemon =
+      Child::Spawn({TENSORSHMD_PATH, "--socket", socket, "--host-pool", "64Mi", "--cuda-pool",
+                    absl::StrFormat("cuda:0=%d", size + (64 << 20)), "--log-level", "warning"});
+  daemon.Expect("tensorshmd");
+  const std::string size_arg = std::to_string(size);
+  const std::string iter_arg = std::to_string(iterations);
+  Child consumer = Child::Spawn({self, "--role", "cuda-consumer", socket, size_arg, iter_arg});
+  Child producer = Child::Spawn({self, "--role", "cuda-producer", socket, size_arg, iter_arg});
+  std::vector<int64_t> handoff, warm, copy;
+  for (int i = 0; i < iterations; ++i) {
+    consumer.Expect("ready");
+    absl::SleepFor(absl::Milliseconds(2));
+    producer.Send("go");
+    const int64_t start = std::stoll(producer.Expect("start").at(0));
+    std::vector<std::string> end = consumer.Expect("end");
+    handoff.push_back(std::stoll(end.at(0)) - start);
+    warm.push_back(std::stoll(end.at(1)));
+    copy.push_back(std::stoll(end.at(2)));
+  }
+  consumer.Finish();
+  producer.Finish();
+  kill(daemon.pid, SIGTERM);
+  daemon.Finish();
+  std::printf("\n%-8s %6s %18s %18s %14s %15s   (driver %s)\n", "cuda:0", "iters",
+              "tensorshm handoff", "tensorshm acquire", "D2D memcpy", "memcpy / acquire",
+              DriverOrDie()->library().c_str());
+  std::printf("%-8s %6d %18s %18s %14s %14.1fx\n", FormatSize(size).c_str(), iterations,
+              FormatNs(Median(handoff)).c_str(), FormatNs(Median(warm)).c_str(),
+              FormatNs(Median(copy)).c_str(), Median(copy) / Median(warm));
+  std::fflush(stdout);
+}
+
 int Driver(const std::string& self, const std::vector<uint64_t>& sizes, int max_iterations) {
   const std::string dir = absl::StrFormat("/tmp/tsm-bench-%d", getpid());
   std::filesystem::create_directories(dir);
@@ -347,6 +484,9 @@ int Driver(const std::string& self, const std::vector<uint64_t>& sizes, int max_
   }
   kill(daemon.pid, SIGTERM);
   daemon.Finish();
+  const uint64_t cuda_size = std::min<uint64_t>(largest, 1ull << 30);
+  CudaRow(self, dir, cuda_size,
+          static_cast<int>(std::clamp<uint64_t>((4ull << 30) / cuda_size, 5, max_iterations)));
   std::filesystem::remove_all(dir);
   return 0;
 }
@@ -364,6 +504,8 @@ int main(int argc, char** argv) {
     if (role == "tsm-consumer") return TsmConsumer(socket, size, iterations);
     if (role == "grpc-producer") return GrpcProducer(socket, size, iterations);
     if (role == "grpc-consumer") return GrpcConsumer(socket);
+    if (role == "cuda-producer") return CudaProducer(socket, size, iterations);
+    if (role == "cuda-consumer") return CudaConsumer(socket, size, iterations);
     return 2;
   }
   std::vector<uint64_t> sizes = {4ull << 10, 1ull << 20, 64ull << 20, 1ull << 30};

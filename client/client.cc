@@ -497,6 +497,18 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
 
 }  // namespace
 
+absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src, void* dst,
+                        size_t bytes) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned ||
+      tensor->dl_tensor.device.device_type != kDLCUDA) {
+    return absl::InvalidArgumentError("tensor: not a CUDA tensor acquired from a tensorshm Client");
+  }
+  const auto& lease = *static_cast<const Lease*>(tensor->manager_ctx);
+  if (absl::Status s = WaitLeaseReady(lease, ReadySync::Host()); !s.ok()) return s;
+  return lease.core->cuda().CopyDeviceToHost(lease.cuda_ordinal, dst,
+                                             reinterpret_cast<CUdeviceptr>(src), bytes);
+}
+
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
   if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
     return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
@@ -542,6 +554,13 @@ Client::~Client() {
 std::string Client::session_id() const { return core_->session_id(); }
 
 absl::Status Client::Flush() { return core_->Flush(); }
+
+absl::Status Client::CopyOnDevice(int ordinal, void* dst, const void* src, size_t bytes,
+                                  CudaStream stream) {
+  return core_->cuda().CopyDeviceToDevice(ordinal, reinterpret_cast<CUdeviceptr>(dst),
+                                          reinterpret_cast<CUdeviceptr>(src), bytes,
+                                          static_cast<CUstream>(stream));
+}
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   v1::CreateRequest request;

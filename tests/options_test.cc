@@ -62,5 +62,29 @@ TEST(ParseOptionsTest, RandomPrefixByDefaultAndBadFlagsRefused) {
   }
 }
 
+TEST(ParseOptionsTest, CudaPoolsAreRepeatableOnePerDevice) {
+  const char* argv[] = {"tensorshmd",          "--cuda-pool",
+                        "cuda:0=1Gi",          "--cuda-pool=cuda:3=1000",
+                        "--cuda-segment-size", "256Mi"};
+  absl::StatusOr<DaemonOptions> options = ParseOptions(6, const_cast<char**>(argv));
+  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_EQ(options->cuda_pools.size(), 2u);
+  EXPECT_EQ(options->cuda_pools[0].ordinal, 0);
+  EXPECT_EQ(options->cuda_pools[0].bytes, 1ull << 30);
+  EXPECT_EQ(options->cuda_pools[1].ordinal, 3);
+  EXPECT_EQ(options->cuda_pools[1].bytes, 1024u);  // rounded up to 256 bytes
+  EXPECT_EQ(options->cuda_segment_bytes, 256u << 20);
+  for (const char* bad :
+       {"gpu:0=1Gi", "cuda:0", "cuda:x=1Gi", "cuda:-1=1Gi", "cuda:0=0", "cuda:0=lots"}) {
+    absl::StatusOr<CudaPoolSpec> spec = ParseCudaPool(bad);
+    ASSERT_FALSE(spec.ok()) << bad;
+    EXPECT_TRUE(absl::StrContains(spec.status().message(), "--cuda-pool")) << spec.status();
+  }
+  const char* twice[] = {"tensorshmd", "--cuda-pool", "cuda:1=1Mi", "--cuda-pool", "cuda:1=2Mi"};
+  absl::StatusOr<DaemonOptions> refused = ParseOptions(5, const_cast<char**>(twice));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "cuda:1 has a pool already"));
+}
+
 }  // namespace
 }  // namespace tensorshm

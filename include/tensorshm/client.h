@@ -95,6 +95,12 @@ struct ReadySync {
 // tensor that did not come from a tensorshm Client.
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync);
 
+// For bindings: copies `bytes` of an acquired CUDA tensor's device memory, starting at `src`
+// (inside the tensor), to host memory `dst`, after its ready event. INVALID_ARGUMENT for a
+// tensor that is not a CUDA tensor acquired from a tensorshm Client.
+absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src, void* dst,
+                        size_t bytes);
+
 class ClientCore;
 namespace v1 {
 class AcquireResponse;
@@ -202,6 +208,11 @@ class Client {
   absl::Status Delete(std::string_view name);
   absl::StatusOr<std::vector<TensorInfo>> List(std::string_view prefix = "");
   absl::StatusOr<ServerStats> Stat();
+
+  // For bindings: copies `bytes` from device memory `src` to device memory `dst` on this
+  // process's CUDA device `ordinal`, asynchronously on `stream`.
+  absl::Status CopyOnDevice(int ordinal, void* dst, const void* src, size_t bytes,
+                            CudaStream stream);
 
   // Blocks until every release queued before the call has been applied by the daemon. Returns
   // the first refusal the daemon reported for those releases, or UNAVAILABLE if the session

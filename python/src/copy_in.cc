@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "common/layout.h"
 #include "common/wire.h"
@@ -37,11 +38,12 @@ void CopyStrided(const char* element0, const int64_t* shape, const int64_t* stri
 
 }  // namespace
 
-absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags) {
-  if (source.device.device_type != kDLCPU && source.device.device_type != kDLCUDAHost) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("device = ", DeviceName(source.device),
-                     ": only CPU tensors can be put (CUDA support is a later addition)"));
+absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags,
+                                      CudaStream stream) {
+  const bool cuda = source.device.device_type == kDLCUDA;
+  if (source.device.device_type != kDLCPU && source.device.device_type != kDLCUDAHost && !cuda) {
+    return absl::FailedPreconditionError(absl::StrCat("device = ", DeviceName(source.device),
+                                                      ": only CPU and CUDA tensors can be put"));
   }
   absl::StatusOr<DLDataType> dtype =
       MakeDataType(source.dtype.code, source.dtype.bits, source.dtype.lanes);
@@ -58,9 +60,26 @@ absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, ui
   absl::StatusOr<TensorLayout> layout =
       ComputeLayout(*dtype, spec.shape, strides, spec.subbyte_padded);
   if (!layout.ok()) return layout.status();
+  if (cuda) {
+    if (strides != ContiguousStrides(spec.shape)) {
+      return absl::UnimplementedError(
+          absl::StrCat("strides = [", absl::StrJoin(strides, ","),
+                       "]: only C-contiguous CUDA tensors can be put; make it contiguous first"));
+    }
+    spec.device = source.device;
+  }
   absl::StatusOr<WritableTensor> tensor = client.Create(spec);
   if (!tensor.ok()) return tensor.status();
   if (tensor->nbytes() == 0) return tensor;
+  if (cuda) {
+    const char* from = static_cast<const char*>(source.data) + source.byte_offset;
+    if (absl::Status s = client.CopyOnDevice(source.device.device_id, tensor->data(), from,
+                                             static_cast<size_t>(tensor->nbytes()), stream);
+        !s.ok()) {
+      return s;
+    }
+    return tensor;
+  }
   const char* element0 = static_cast<const char*>(source.data) + source.byte_offset;
   char* out = static_cast<char*>(tensor->data());
   if (IsSubByte(*dtype) && !spec.subbyte_padded) {

@@ -14,7 +14,9 @@ namespace tensorshm::python {
 // (IS_SUBBYTE_TYPE_PADDED is kept). INVALID_ARGUMENT for a dtype tensorshm does not store or a
 // packed sub-byte source that is not contiguous; FAILED_PRECONDITION for non-CPU memory; errors
 // of Client::Create. Safe without the GIL as long as `source` stays valid.
-absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags);
+// CUDA sources (contiguous only) are copied device to device on `stream`, on the same device.
+absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags,
+                                      CudaStream stream = kLegacyDefaultStream);
 
 }  // namespace tensorshm::python
 

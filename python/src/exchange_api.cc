@@ -57,7 +57,7 @@ int Allocate(DLTensor* prototype, DLManagedTensorVersioned** out, void* error_ct
   storage->mapping = mapping;
   storage->mapping_length = length;
   storage->writable.emplace(*std::move(tensor));
-  *out = ExportVersioned(storage, /*copy=*/false);
+  *out = *ExportVersioned(storage, /*copy=*/false);  // a view cannot fail
   return 0;
 }
 
@@ -67,7 +67,7 @@ int ManagedFromPy(void* py_object, DLManagedTensorVersioned** out) {
   if (!nb::isinstance<PyTensor>(handle)) {
     return PyFail(PyExc_TypeError, "tensorshm exchange API: not a tensorshm tensor");
   }
-  *out = ExportVersioned(nb::inst_ptr<PyTensor>(handle)->storage, /*copy=*/false);
+  *out = *ExportVersioned(nb::inst_ptr<PyTensor>(handle)->storage, /*copy=*/false);
   return 0;
 }
 
@@ -111,9 +111,9 @@ int DLTensorFromPy(void* py_object, DLTensor* out) {
 
 int CurrentWorkStream(DLDeviceType device_type, int32_t, void** out_current_stream) {
   calls[4].fetch_add(1);
-  // Host tensors have no stream; CUDA pools come later and will report the stream here.
-  (void)device_type;
-  *out_current_stream = nullptr;
+  // Host tensors have no stream. tensorshm keeps no stream of its own: its CUDA work goes on
+  // CUDA's legacy default stream, which is what a consumer should order itself after.
+  *out_current_stream = device_type == kDLCUDA ? kLegacyDefaultStream : nullptr;
   return 0;
 }
 

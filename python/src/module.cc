@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
@@ -62,6 +63,7 @@ std::string Describe(const PyTensor& t) {
 std::shared_ptr<Storage> FromLease(DLManagedTensorVersioned* lease) {
   auto storage = std::make_shared<Storage>();
   storage->versioned = lease;
+  storage->lease = true;
   storage->tensor = lease->dl_tensor;  // shape/strides stay owned by the lease
   storage->flags = lease->flags;
   storage->shape.assign(lease->dl_tensor.shape, lease->dl_tensor.shape + lease->dl_tensor.ndim);
@@ -108,11 +110,26 @@ void DestroyCapsule(PyObject* capsule) {
 nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb::handle dl_device,
                   nb::handle copy) {
   const DLDevice device = self.storage->tensor.device;
-  if (!stream.is_none()) {
-    // DLPack: for devices without streams (CPU), stream must be None.
-    throw nb::value_error(
-        absl::StrCat("stream = ", nb::repr(stream).c_str(), ": CPU tensors take stream=None")
-            .c_str());
+  const bool cuda = device.device_type == kDLCUDA;
+  // DLPack stream rules: CPU tensors take None; for CUDA, None is the legacy default stream,
+  // -1 asks for no synchronisation, 0 is ambiguous and refused, any other int is a CUstream.
+  std::optional<CudaStream> consumer_stream;
+  if (!cuda) {
+    if (!stream.is_none()) {
+      throw nb::value_error(
+          absl::StrCat("stream = ", nb::repr(stream).c_str(), ": CPU tensors take stream=None")
+              .c_str());
+    }
+  } else if (stream.is_none()) {
+    consumer_stream = kLegacyDefaultStream;
+  } else {
+    const intptr_t value = nb::cast<intptr_t>(stream);
+    if (value == 0) {
+      throw nb::value_error(
+          "stream = 0: ambiguous for CUDA in DLPack; pass 1 (legacy default stream), 2 "
+          "(per-thread default stream), a CUstream, -1 (no synchronisation) or None");
+    }
+    if (value != -1) consumer_stream = reinterpret_cast<CudaStream>(value);
   }
   bool want_copy = false;
   if (!copy.is_none()) want_copy = nb::cast<bool>(copy);
@@ -125,12 +142,27 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
                                       DeviceName(device), " tensor, and copy=False forbids it"));
       }
       const bool host_like = type == kDLCPU || type == kDLCUDAHost;
-      if (!host_like || device.device_type != kDLCPU) {
+      if (!host_like || (device.device_type != kDLCPU && !(cuda && type == kDLCPU))) {
         RaiseBufferError(absl::StrCat("dl_device = (", type, ", ", id, "): cannot copy a ",
                                       DeviceName(device), " tensor there"));
       }
       want_copy = true;
     }
+  }
+  if (cuda && want_copy &&
+      (dl_device.is_none() || nb::cast<std::pair<int, int>>(dl_device).first == kDLCUDA)) {
+    RaiseBufferError(absl::StrCat(Describe(self), " is on ", DeviceName(device),
+                                  ": copy=True makes a host copy only, with dl_device=(1, 0)"));
+  }
+  // A host copy waits for the producer's ready event itself; a view orders the consumer's
+  // stream after it.
+  if (cuda && !want_copy && consumer_stream.has_value() && self.storage->lease) {
+    absl::Status s;
+    {
+      nb::gil_scoped_release release;
+      s = WaitReady(self.storage->versioned, ReadySync::Stream(*consumer_stream));
+    }
+    Check(s);
   }
   bool versioned = false;
   if (!max_version.is_none()) {
@@ -140,7 +172,7 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
   }
   const bool read_only = (self.storage->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
   if (versioned) {
-    DLManagedTensorVersioned* managed = ExportVersioned(self.storage, want_copy);
+    DLManagedTensorVersioned* managed = Check(ExportVersioned(self.storage, want_copy));
     PyObject* capsule = PyCapsule_New(managed, kVersioned, DestroyCapsule);
     if (capsule == nullptr) {
       managed->deleter(managed);
@@ -155,7 +187,7 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
         "say so: a consumer could write into memory other processes read. Use a consumer "
         "that passes max_version=(1, 0) or later (numpy >= 2.1, torch >= 2.4), or copy=True."));
   }
-  DLManagedTensor* managed = ExportLegacy(self.storage, want_copy);
+  DLManagedTensor* managed = Check(ExportLegacy(self.storage, want_copy));
   PyObject* capsule = PyCapsule_New(managed, kLegacy, DestroyCapsule);
   if (capsule == nullptr) {
     managed->deleter(managed);
@@ -347,12 +379,26 @@ absl::Duration TimeoutFrom(const std::optional<double>& seconds) {
   return absl::Seconds(*seconds);
 }
 
+// "cpu", "cpu:0", "cuda" (= "cuda:0") or "cuda:N".
+DLDevice ParseDevice(const std::string& device) {
+  if (device == "cpu" || device == "cpu:0") return DLDevice{kDLCPU, 0};
+  int ordinal = 0;
+  if (device == "cuda") return DLDevice{kDLCUDA, 0};
+  if (device.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(device.substr(5), &ordinal) &&
+      ordinal >= 0) {
+    return DLDevice{kDLCUDA, ordinal};
+  }
+  Raise(absl::InvalidArgumentError(
+      absl::StrCat("device = \"", device, "\": expected \"cpu\", \"cuda\" or \"cuda:N\"")));
+}
+
 PyTensor Get(PyClient& self, const std::string& name, const std::optional<double>& timeout) {
   const absl::Duration wait = TimeoutFrom(timeout);
   absl::StatusOr<DLManagedTensorVersioned*> lease;
   {
     nb::gil_scoped_release release;
-    lease = self.client->Acquire(name, wait);
+    // CUDA tensors: consumers' streams wait for the ready event in __dlpack__.
+    lease = self.client->Acquire(name, wait, ReadySync::None());
   }
   return PyTensor{FromLease(Check(std::move(lease))), name};
 }
@@ -364,10 +410,7 @@ PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const
   spec.dtype = Check(ParseDataType(dtype));
   spec.shape = shape;
   if (strides.has_value()) spec.strides = *strides;
-  if (device != "cpu" && device != "cpu:0") {
-    Raise(absl::InvalidArgumentError(
-        absl::StrCat("device = \"", device, "\": only \"cpu\" is supported so far")));
-  }
+  spec.device = ParseDevice(device);
   spec.subbyte_padded = subbyte_padded;
   absl::StatusOr<WritableTensor> tensor;
   {
@@ -395,20 +438,24 @@ void PublishWritable(PyWritableTensor& self, const std::string& name, bool repla
   // Sealed: views taken while writing stay valid (the lease keeps the buffer) but read-only.
   if (storage.mapping != nullptr) mprotect(storage.mapping, storage.mapping_length, PROT_READ);
   storage.versioned = held;
+  storage.lease = true;
   storage.flags |= DLPACK_FLAG_BITMASK_READ_ONLY;
   self.name = name;
 }
 
+// Copies `source` into a new tensor and publishes it. CUDA sources are copied on `stream` (the
+// stream their producer's work is ordered on), which the ready event is then recorded on.
 PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor& source,
-                         uint64_t flags, bool replace, bool release_gil) {
+                         uint64_t flags, bool replace, bool release_gil,
+                         CudaStream stream = kLegacyDefaultStream) {
   absl::StatusOr<DLManagedTensorVersioned*> lease;
   auto run = [&] {
-    absl::StatusOr<WritableTensor> tensor = CopyIn(*self.client, source, flags);
+    absl::StatusOr<WritableTensor> tensor = CopyIn(*self.client, source, flags, stream);
     if (!tensor.ok()) {
       lease = tensor.status();
       return;
     }
-    lease = self.client->PublishAndAcquire(*tensor, name, replace);
+    lease = self.client->PublishAndAcquire(*tensor, name, replace, stream);
   };
   if (release_gil) {
     nb::gil_scoped_release release;
@@ -471,11 +518,22 @@ PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb
   if (api == nullptr || api->header.version.major != DLPACK_MAJOR_VERSION) {
     throw nb::value_error("__dlpack_c_exchange_api__: missing, or of another DLPack major version");
   }
+  // No-sync exports: a CUDA tensor is copied on its producer's current work stream, so the copy
+  // follows the producer's writes.
+  auto producer_stream = [&](const DLDevice& device) -> CudaStream {
+    void* stream = kLegacyDefaultStream;
+    if (device.device_type == kDLCUDA && api->current_work_stream != nullptr &&
+        api->current_work_stream(device.device_type, device.device_id, &stream) != 0) {
+      throw nb::python_error();
+    }
+    return stream;
+  };
   if (api->dltensor_from_py_object_no_sync != nullptr) {
     // Non-owning and valid only until we return: copy with the GIL held and `obj` referenced.
     DLTensor view{};
     if (api->dltensor_from_py_object_no_sync(obj.ptr(), &view) != 0) throw nb::python_error();
-    return PutFromDLTensor(self, name, view, 0, replace, /*release_gil=*/false);
+    return PutFromDLTensor(self, name, view, 0, replace, /*release_gil=*/false,
+                           producer_stream(view.device));
   }
   DLManagedTensorVersioned* managed = nullptr;
   if (api->managed_tensor_from_py_object_no_sync(obj.ptr(), &managed) != 0) {
@@ -485,7 +543,8 @@ PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb
       managed, [](DLManagedTensorVersioned* m) {
         if (m->deleter != nullptr) m->deleter(m);
       });
-  return PutFromDLTensor(self, name, managed->dl_tensor, managed->flags, replace, true);
+  return PutFromDLTensor(self, name, managed->dl_tensor, managed->flags, replace, true,
+                         producer_stream(managed->dl_tensor.device));
 }
 
 nb::dict StatDict(PyClient& self) {

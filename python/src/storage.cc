@@ -65,7 +65,7 @@ void DeleteLegacy(DLManagedTensor* self) noexcept {
   if (self != nullptr) FreeExport(static_cast<Export*>(self->manager_ctx));
 }
 
-Export* MakeExport(const std::shared_ptr<Storage>& storage, bool copy) {
+absl::StatusOr<Export*> MakeExport(const std::shared_ptr<Storage>& storage, bool copy) {
   auto* e = new Export;
   e->storage = storage;
   e->shape = storage->shape;
@@ -80,8 +80,20 @@ Export* MakeExport(const std::shared_ptr<Storage>& storage, bool copy) {
     // 256-byte aligned like tensorshm's own buffers; aligned_alloc wants a multiple of it.
     const size_t size = static_cast<size_t>((span.nbytes + 255) / 256 * 256);
     e->copy = std::aligned_alloc(256, size == 0 ? 256 : size);
-    if (span.nbytes > 0) std::memcpy(e->copy, span.start, span.nbytes);
+    if (span.nbytes > 0 && tensor.device.device_type == kDLCUDA) {
+      absl::Status copied =
+          storage->lease
+              ? CopyToHost(storage->versioned, span.start, e->copy, span.nbytes)
+              : absl::FailedPreconditionError("only acquired CUDA tensors can be copied to host");
+      if (!copied.ok()) {
+        FreeExport(e);
+        return copied;
+      }
+    } else if (span.nbytes > 0) {
+      std::memcpy(e->copy, span.start, span.nbytes);
+    }
     tensor.data = e->copy;
+    tensor.device = DLDevice{kDLCPU, 0};
     tensor.byte_offset = static_cast<uint64_t>(span.element0);
     flags = (flags & ~uint64_t{DLPACK_FLAG_BITMASK_READ_ONLY}) | DLPACK_FLAG_BITMASK_IS_COPIED;
   }
@@ -98,12 +110,17 @@ Export* MakeExport(const std::shared_ptr<Storage>& storage, bool copy) {
 
 }  // namespace
 
-DLManagedTensorVersioned* ExportVersioned(const std::shared_ptr<Storage>& storage, bool copy) {
-  return &MakeExport(storage, copy)->versioned;
+absl::StatusOr<DLManagedTensorVersioned*> ExportVersioned(const std::shared_ptr<Storage>& storage,
+                                                          bool copy) {
+  absl::StatusOr<Export*> e = MakeExport(storage, copy);
+  if (!e.ok()) return e.status();
+  return &(*e)->versioned;
 }
 
-DLManagedTensor* ExportLegacy(const std::shared_ptr<Storage>& storage, bool copy) {
-  return &MakeExport(storage, copy)->legacy;
+absl::StatusOr<DLManagedTensor*> ExportLegacy(const std::shared_ptr<Storage>& storage, bool copy) {
+  absl::StatusOr<Export*> e = MakeExport(storage, copy);
+  if (!e.ok()) return e.status();
+  return &(*e)->legacy;
 }
 
 }  // namespace tensorshm::python

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "tensorshm/client.h"
 
 namespace tensorshm::python {
@@ -34,6 +35,7 @@ struct Storage {
   std::vector<int64_t> shape;  // the owner above
   std::vector<int64_t> strides;
   uint64_t flags = 0;  // DLPack flags exports carry: READ_ONLY, IS_SUBBYTE_TYPE_PADDED
+  bool lease = false;  // `versioned` is a tensorshm lease (WaitReady / CopyToHost apply)
 };
 
 // The storage span of `tensor`: the lowest byte any element occupies, and how many bytes from
@@ -45,11 +47,13 @@ struct StorageSpan {
 };
 StorageSpan SpanOf(const DLTensor& tensor, bool subbyte_padded);
 
-// A new DLManagedTensorVersioned viewing `storage` (flags as storage->flags), or a private copy
-// of its bytes when `copy` (flags IS_COPIED, writable). Its deleter is noexcept, needs no GIL.
-DLManagedTensorVersioned* ExportVersioned(const std::shared_ptr<Storage>& storage, bool copy);
+// A new DLManagedTensorVersioned viewing `storage` (flags as storage->flags), or a private host
+// copy of its bytes when `copy` (flags IS_COPIED, writable; a CUDA lease is copied to the host
+// after its ready event). Its deleter is noexcept, needs no GIL. Errors only from copying.
+absl::StatusOr<DLManagedTensorVersioned*> ExportVersioned(const std::shared_ptr<Storage>& storage,
+                                                          bool copy);
 // The same as a pre-1.0 DLManagedTensor (no flags: the caller checks writability).
-DLManagedTensor* ExportLegacy(const std::shared_ptr<Storage>& storage, bool copy);
+absl::StatusOr<DLManagedTensor*> ExportLegacy(const std::shared_ptr<Storage>& storage, bool copy);
 
 }  // namespace tensorshm::python
 

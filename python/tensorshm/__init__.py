@@ -93,6 +93,11 @@ class Client:
 
         Sub-byte dtypes (int4, float4_e2m1fn, ...) are stored one element per byte by default,
         as numpy and ml_dtypes keep them; ``subbyte_padded=False`` packs them.
+
+        ``device``: ``"cpu"``, or ``"cuda:N"`` (this process's numbering) for device memory from
+        the daemon's pool on that GPU (``--cuda-pool``); fill it through DLPack (e.g.
+        ``torch.from_dlpack(w)``) on any stream, then publish (a ready event is recorded on the
+        legacy default stream).
         """
         if isinstance(shape, int):
             shape = (shape,)
@@ -119,6 +124,8 @@ class Client:
         The producer is asked the way the DLPack spec says: ``type(obj).__dlpack_c_exchange_api__``
         first (then the older ``__c_dlpack_exchange_api__``), else ``obj.__dlpack__(max_version=
         (1, 3))``, falling back to the legacy ``obj.__dlpack__()`` on TypeError.
+        A C-contiguous CUDA tensor is copied device to device into the daemon's pool on that GPU,
+        on the producer's stream, and published with a ready event.
         """
         if _is_numpy_scalar(obj):
             import numpy as np

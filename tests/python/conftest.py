@@ -26,7 +26,8 @@ def _tensorshmd() -> str:
 class Daemon:
     """A tensorshmd on its own socket and shm prefix, stopped with SIGTERM."""
 
-    def __init__(self, name: str, host_pool: str = "256Mi") -> None:
+    def __init__(self, name: str, host_pool: str = "256Mi", extra_args: tuple = (),
+                 env: dict | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix=f"tsm-py-{name}-")
         self.socket = os.path.join(self.dir, "tensorshm.sock")
         self.prefix = f"tsmpy-{name}-{os.getpid()}"
@@ -35,8 +36,10 @@ class Daemon:
         self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
         self.process = subprocess.Popen(
             [_tensorshmd(), "--socket", self.socket, "--shm-prefix", self.prefix,
-             "--host-pool", host_pool, "--segment-size", "64Mi", "--log-level", "warning"],
+             "--host-pool", host_pool, "--segment-size", "64Mi", "--log-level", "warning",
+             *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
         )
         deadline = time.monotonic() + 20
         while not os.path.exists(self.socket):

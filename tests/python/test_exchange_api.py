@@ -124,10 +124,12 @@ def test_allocator_and_to_py_object_round_trip(client):
     assert float(np.from_dlpack(tensor).sum()) == 24.0
     out_stream = ctypes.c_void_p(1)
     assert stream(1, 0, ctypes.byref(out_stream)) == 0 and out_stream.value is None
+    # For CUDA (2), tensorshm's work stream is CUDA's legacy default stream (1).
+    assert stream(2, 0, ctypes.byref(out_stream)) == 0 and out_stream.value == 1
     after = calls()
-    for entry in ("managed_tensor_allocator", "managed_tensor_to_py_object_no_sync",
-                  "current_work_stream"):
+    for entry in ("managed_tensor_allocator", "managed_tensor_to_py_object_no_sync"):
         assert after[entry] == before[entry] + 1, entry
+    assert after["current_work_stream"] == before["current_work_stream"] + 2
     # The allocated (never published) buffer goes back when the tensor does.
     used = client.stat()["pools"][0]["used_bytes"]
     del tensor, result

@@ -1,0 +1,56 @@
+"""The emulated CUDA driver (tests/fake_cuda) from Python: its counters, and host<->device
+copies through its driver calls. Importing this changes nothing; tests set the environment."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+KDLCPU, KDLCUDA = 1, 2
+COUNTERS = ["mem_alloc", "mem_free", "ipc_get_mem_handle", "ipc_open_calls", "ipc_open_mappings",
+            "ipc_close_calls", "ipc_unmappings", "event_create", "event_record",
+            "ipc_get_event_handle", "ipc_open_event_handle", "stream_wait_event",
+            "waits_on_recorded", "event_synchronize", "memcpy_htod", "memcpy_dtoh", "memcpy_dtod",
+            "primary_ctx_retain", "primary_ctx_release"]
+
+
+class _Counters(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in COUNTERS]
+
+
+class Driver:
+    """The driver calls a test needs, through the same library tensorshm loaded."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(os.environ["TENSORSHM_LIBCUDA"])
+        self.lib.tsm_fake_cuda_counters.restype = ctypes.POINTER(_Counters)
+        assert self.lib.cuInit(0) == 0
+
+    def counters(self) -> dict[str, int]:
+        c = self.lib.tsm_fake_cuda_counters().contents
+        return {name: getattr(c, name) for name in COUNTERS}
+
+    def _copy(self, ordinal: int, fn, *args) -> None:
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        assert self.lib.cuDeviceGet(ctypes.byref(device), ordinal) == 0
+        assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
+        assert self.lib.cuCtxPushCurrent_v2(context) == 0
+        try:
+            assert fn(*args) == 0
+        finally:
+            assert self.lib.cuCtxPopCurrent_v2(ctypes.byref(context)) == 0
+            assert self.lib.cuDevicePrimaryCtxRelease_v2(device) == 0
+
+    def to_device(self, ordinal: int, pointer: int, data: np.ndarray) -> None:
+        fn = self.lib.cuMemcpyHtoD_v2
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
+        self._copy(ordinal, fn, pointer, data.ctypes.data, data.nbytes)
+
+    def from_device(self, ordinal: int, pointer: int, nbytes: int) -> bytes:
+        out = ctypes.create_string_buffer(nbytes)
+        fn = self.lib.cuMemcpyDtoH_v2
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        self._copy(ordinal, fn, out, pointer, nbytes)
+        return out.raw

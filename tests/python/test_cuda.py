@@ -1,0 +1,153 @@
+"""CUDA tensors from Python against the emulated driver (tests/fake_cuda): create on a device,
+put a CUDA tensor, get it zero-copy as kDLCUDA in another process, the DLPack stream rules, and
+host copies. Device memory is filled and read back only through driver calls."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tensorshm
+
+from conftest import ROOT, Daemon
+
+FAKE = os.environ.get("TSM_FAKE_CUDA_LIB", str(ROOT / "build" / "tests" / "libtsm_fake_cuda.so"))
+if not os.path.exists(FAKE):
+    pytest.fail(f"emulated CUDA driver not built at {FAKE} (make build, or set TSM_FAKE_CUDA_LIB)",
+                pytrace=False)
+
+# The machine has 2 devices; this process sees them swapped, the daemon in order. Set before
+# anything in this process loads the driver (tensorshm loads it on first CUDA use).
+os.environ.update({"TENSORSHM_LIBCUDA": FAKE, "TSM_FAKE_CUDA_DEVICES": "2",
+                   "TSM_FAKE_CUDA_VISIBLE": "1,0"})
+
+from fake_cuda import Driver  # noqa: E402 - after the environment is set
+
+KDLCPU, KDLCUDA = 1, 2
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon("cuda", host_pool="16Mi",
+               extra_args=("--cuda-pool", "cuda:0=16Mi", "--cuda-pool", "cuda:1=16Mi"),
+               env={"TENSORSHM_LIBCUDA": FAKE, "TSM_FAKE_CUDA_DEVICES": "2",
+                    "TSM_FAKE_CUDA_VISIBLE": "0,1"})
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def driver() -> Driver:
+    return Driver()
+
+
+PRODUCER = """
+import sys, ctypes, numpy as np, tensorshm
+sys.path.insert(0, sys.argv[2])
+from fake_cuda import Driver
+client = tensorshm.connect(sys.argv[1])
+w = client.create((64, 100), "float32", device="cuda:1")
+assert w.__dlpack_device__() == (2, 1), w.__dlpack_device__()
+data = np.arange(6400, dtype=np.float32).reshape(64, 100) * 0.5
+Driver().to_device(1, w._data_ptr, data)
+w.publish("gpu/a")
+print("published", flush=True)
+sys.stdin.read()   # stays until the test closes stdin: the ready event lives here
+"""
+
+
+def test_cuda_tensor_from_another_process(daemon, driver):
+    env = {**os.environ, "TSM_FAKE_CUDA_VISIBLE": "0,1"}  # the producer sees them in order
+    producer = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, daemon.socket, str(pathlib.Path(__file__).parent)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env)
+    try:
+        assert producer.stdout.readline().strip() == "published", producer.stdout.read()
+        client = tensorshm.connect(daemon.socket)
+        expected = np.arange(6400, dtype=np.float32).reshape(64, 100) * 0.5
+        before = driver.counters()
+        t = client.get("gpu/a")
+        # Physical device 1 is this process's cuda:0.
+        assert t.__dlpack_device__() == (KDLCUDA, 0)
+        assert t.device == "cuda:0" and t.read_only
+        raw = driver.from_device(0, t._data_ptr, expected.nbytes)
+        assert raw == expected.tobytes()
+        # __dlpack__ with the default stream waits on the ready event on that stream.
+        capsule = t.__dlpack__(max_version=(1, 3))
+        after = driver.counters()
+        assert after["stream_wait_event"] == before["stream_wait_event"] + 1
+        assert after["waits_on_recorded"] == before["waits_on_recorded"] + 1
+        assert after["ipc_open_mappings"] == before["ipc_open_mappings"] + 1
+        del capsule
+        # A second get from the same segment opens no handle.
+        t2 = client.get("gpu/a")
+        assert driver.counters()["ipc_open_calls"] == after["ipc_open_calls"]
+        # A host copy through DLPack: numpy asks for dl_device=(1, 0) with copy=True.
+        host = np.from_dlpack(t2, device="cpu", copy=True)
+        np.testing.assert_array_equal(host, expected)
+        assert driver.counters()["event_synchronize"] == before["event_synchronize"] + 1
+        del t, t2, host
+        client.flush()
+        assert client.stat()["leases"] == 1   # the producer's published WritableTensor's own
+    finally:
+        producer.stdin.close()
+        producer.wait(timeout=30)
+
+
+def test_dlpack_stream_rules(client, driver):
+    w = client.create((8,), "int32", device="cuda:0")
+    driver.to_device(0, w._data_ptr, np.arange(8, dtype=np.int32))
+    w.publish("gpu/streams", replace=True)
+    t = client.get("gpu/streams")
+    with pytest.raises(ValueError, match="stream = 0: ambiguous"):
+        t.__dlpack__(max_version=(1, 3), stream=0)
+    before = driver.counters()["stream_wait_event"]
+    t.__dlpack__(max_version=(1, 3), stream=-1)          # no synchronisation asked
+    assert driver.counters()["stream_wait_event"] == before
+    t.__dlpack__(max_version=(1, 3), stream=2)           # the per-thread default stream waits
+    t.__dlpack__(max_version=(1, 3))                     # None: the legacy default stream
+    assert driver.counters()["stream_wait_event"] == before + 2
+    with pytest.raises(BufferError, match="host copy only"):
+        t.__dlpack__(max_version=(1, 3), copy=True)
+    with pytest.raises(BufferError, match="copy=False forbids"):
+        t.__dlpack__(max_version=(1, 3), dl_device=(KDLCPU, 0), copy=False)
+    host = client.put("host/plain", np.zeros(3, np.float32), replace=True)
+    with pytest.raises(ValueError, match="CPU tensors take stream=None"):
+        host.__dlpack__(max_version=(1, 3), stream=1)
+    # Host memory views of device tensors are refused clearly.
+    with pytest.raises(BufferError, match="not in host memory"):
+        memoryview(t)
+
+
+def test_put_copies_a_cuda_tensor_on_the_device(client, driver):
+    data = np.linspace(0, 1, 1000, dtype=np.float64)
+    w = client.create((1000,), "float64", device="cuda:1")
+    driver.to_device(1, w._data_ptr, data)
+    w.publish("gpu/source", replace=True)
+    source = client.get("gpu/source")
+    before = driver.counters()
+    copy = client.put("gpu/copy", source, replace=True)   # through our own exchange API
+    after = driver.counters()
+    assert after["memcpy_dtod"] == before["memcpy_dtod"] + 1
+    assert after["memcpy_htod"] == before["memcpy_htod"] and after["memcpy_dtoh"] == \
+        before["memcpy_dtoh"]
+    assert after["event_record"] == before["event_record"] + 1   # its own ready event
+    assert copy.__dlpack_device__() == (KDLCUDA, 1)
+    assert copy._data_ptr != source._data_ptr
+    assert driver.from_device(1, copy._data_ptr, data.nbytes) == data.tobytes()
+    used = {p["device"]: p["used_bytes"] for p in client.stat()["pools"]}
+    # The daemon numbers the devices the other way round: this process's cuda:1 is its cuda:0.
+    assert used["cuda:0"] >= 2 * data.nbytes
+
+
+def test_bad_devices_are_refused_with_the_reason(client):
+    with pytest.raises(tensorshm.InvalidArgumentError, match="cuda:5"):
+        client.create((4,), "float32", device="cuda:5")
+    with pytest.raises(tensorshm.InvalidArgumentError, match='device = "gpu"'):
+        client.create((4,), "float32", device="gpu")
