@@ -523,8 +523,9 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& opt
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   // gRPC's own reconnect backoff grows to minutes; a restarted daemon should be found in seconds.
+  // (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS stays at its default: it is also the connect timeout, and
+  // a short one aborts handshakes with a busy daemon.)
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args);

@@ -55,6 +55,18 @@ absl::StatusOr<CUcontext> CudaState::Context(int ordinal) {
   return context;
 }
 
+template <typename Fn>
+auto CudaState::InContext(int ordinal, Fn&& fn) {
+  using Result = decltype(fn());
+  MutexLock lock(&mu_);
+  if (absl::Status s = Load(); !s.ok()) return Result(s);
+  absl::StatusOr<CUcontext> context = Context(ordinal);
+  if (!context.ok()) return Result(context.status());
+  ScopedContext scope(driver_, *context);
+  if (!scope.status().ok()) return Result(scope.status());
+  return fn();
+}
+
 absl::StatusOr<int> CudaState::OrdinalOf(const std::string& uuid) {
   MutexLock lock(&mu_);
   if (absl::Status s = Load(); !s.ok()) return s;
@@ -83,52 +95,44 @@ absl::StatusOr<std::string> CudaState::UuidOf(int ordinal) {
 }
 
 absl::StatusOr<CUdeviceptr> CudaState::OpenSegment(int ordinal, const std::string& handle) {
-  MutexLock lock(&mu_);
-  if (absl::Status s = Load(); !s.ok()) return s;
-  if (auto it = segments_.find({ordinal, handle}); it != segments_.end()) return it->second;
   CUipcMemHandle ipc;
   if (handle.size() != sizeof(ipc.reserved)) {
     return absl::InvalidArgumentError(absl::StrCat("ipc_handle: ", handle.size(), " bytes; a ",
                                                    "CUipcMemHandle has ", sizeof(ipc.reserved)));
   }
   std::memcpy(ipc.reserved, handle.data(), sizeof(ipc.reserved));
-  absl::StatusOr<CUcontext> context = Context(ordinal);
-  if (!context.ok()) return context.status();
-  ScopedContext scope(driver_, *context);
-  if (!scope.status().ok()) return scope.status();
-  CUdeviceptr base;
-  if (absl::Status s = TSM_CU(driver_, ordinal, cuIpcOpenMemHandle_v2, &base, ipc,
-                              CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-      !s.ok()) {
-    return s;
-  }
-  segments_.emplace(std::make_pair(ordinal, handle), base);
-  return base;
+  return InContext(ordinal, [&]() -> absl::StatusOr<CUdeviceptr> {
+    if (auto it = segments_.find({ordinal, handle}); it != segments_.end()) return it->second;
+    CUdeviceptr base;
+    if (absl::Status s = TSM_CU(driver_, ordinal, cuIpcOpenMemHandle_v2, &base, ipc,
+                                CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+        !s.ok()) {
+      return s;
+    }
+    segments_.emplace(std::make_pair(ordinal, handle), base);
+    return base;
+  });
 }
 
 absl::StatusOr<std::string> CudaState::RecordReadyEvent(int ordinal, CUstream stream) {
-  MutexLock lock(&mu_);
-  if (absl::Status s = Load(); !s.ok()) return s;
-  absl::StatusOr<CUcontext> context = Context(ordinal);
-  if (!context.ok()) return context.status();
-  ScopedContext scope(driver_, *context);
-  if (!scope.status().ok()) return scope.status();
-  CUevent event;
-  if (absl::Status s = TSM_CU(driver_, ordinal, cuEventCreate, &event,
-                              CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
-      !s.ok()) {
-    return s;
-  }
-  CUipcEventHandle ipc;
-  absl::Status status = TSM_CU(driver_, ordinal, cuEventRecord, event, stream);
-  if (status.ok()) status = TSM_CU(driver_, ordinal, cuIpcGetEventHandle, &ipc, event);
-  if (!status.ok()) {
-    driver_->cuEventDestroy_v2(event);
-    return status;
-  }
-  std::string handle(ipc.reserved, sizeof(ipc.reserved));
-  events_.emplace(handle, std::make_pair(ordinal, event));
-  return handle;
+  return InContext(ordinal, [&]() -> absl::StatusOr<std::string> {
+    CUevent event;
+    if (absl::Status s = TSM_CU(driver_, ordinal, cuEventCreate, &event,
+                                CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+        !s.ok()) {
+      return s;
+    }
+    CUipcEventHandle ipc;
+    absl::Status status = TSM_CU(driver_, ordinal, cuEventRecord, event, stream);
+    if (status.ok()) status = TSM_CU(driver_, ordinal, cuIpcGetEventHandle, &ipc, event);
+    if (!status.ok()) {
+      driver_->cuEventDestroy_v2(event);
+      return status;
+    }
+    std::string handle(ipc.reserved, sizeof(ipc.reserved));
+    events_.emplace(handle, std::make_pair(ordinal, event));
+    return handle;
+  });
 }
 
 absl::Status CudaState::WaitReady(int ordinal, const std::string& handle, bool host_wait,
@@ -173,23 +177,14 @@ absl::Status CudaState::WaitReady(int ordinal, const std::string& handle, bool h
 
 absl::Status CudaState::CopyDeviceToDevice(int ordinal, CUdeviceptr dst, CUdeviceptr src,
                                            size_t bytes, CUstream stream) {
-  MutexLock lock(&mu_);
-  if (absl::Status s = Load(); !s.ok()) return s;
-  absl::StatusOr<CUcontext> context = Context(ordinal);
-  if (!context.ok()) return context.status();
-  ScopedContext scope(driver_, *context);
-  if (!scope.status().ok()) return scope.status();
-  return TSM_CU(driver_, ordinal, cuMemcpyDtoDAsync_v2, dst, src, bytes, stream);
+  return InContext(ordinal, [&] {
+    return TSM_CU(driver_, ordinal, cuMemcpyDtoDAsync_v2, dst, src, bytes, stream);
+  });
 }
 
 absl::Status CudaState::CopyDeviceToHost(int ordinal, void* dst, CUdeviceptr src, size_t bytes) {
-  MutexLock lock(&mu_);
-  if (absl::Status s = Load(); !s.ok()) return s;
-  absl::StatusOr<CUcontext> context = Context(ordinal);
-  if (!context.ok()) return context.status();
-  ScopedContext scope(driver_, *context);
-  if (!scope.status().ok()) return scope.status();
-  return TSM_CU(driver_, ordinal, cuMemcpyDtoH_v2, dst, src, bytes);
+  return InContext(ordinal,
+                   [&] { return TSM_CU(driver_, ordinal, cuMemcpyDtoH_v2, dst, src, bytes); });
 }
 
 }  // namespace tensorshm

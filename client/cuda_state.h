@@ -58,6 +58,10 @@ class CudaState {
   absl::Status Load() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Device `ordinal`'s primary context, retained on first use.
   absl::StatusOr<CUcontext> Context(int ordinal) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Loads the driver and runs `fn()` (returning a Status or StatusOr) under mu_ with device
+  // `ordinal`'s primary context current.
+  template <typename Fn>
+  auto InContext(int ordinal, Fn&& fn) ABSL_LOCKS_EXCLUDED(mu_);
 
   Mutex mu_;
   const CudaDriver* driver_ ABSL_GUARDED_BY(mu_) = nullptr;

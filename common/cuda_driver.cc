@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -33,7 +34,7 @@ absl::StatusOr<const CudaDriver*> CudaDriver::Get() {
               absl::StrCat("no CUDA driver: cannot load ", library, origin, ": ",
                            error != nullptr ? error : "unknown dlopen error"));
         }
-        auto* driver = new CudaDriver();
+        std::unique_ptr<CudaDriver> driver(new CudaDriver());
         driver->library_ = library;
 #define TSM_CUDA_LOAD(name)                                                                     \
   driver->name = reinterpret_cast<decltype(&::name)>(dlsym(handle, #name));                     \
@@ -43,11 +44,11 @@ absl::StatusOr<const CudaDriver*> CudaDriver::Get() {
   }
         TSM_CUDA_FUNCTIONS(TSM_CUDA_LOAD)
 #undef TSM_CUDA_LOAD
-        if (absl::Status s = TSM_CU(driver, -1, cuInit, 0); !s.ok()) {
+        if (absl::Status s = TSM_CU(driver.get(), -1, cuInit, 0); !s.ok()) {
           return absl::FailedPreconditionError(
               absl::StrCat("CUDA driver ", library, origin, " did not start: ", s.message()));
         }
-        return driver;
+        return driver.release();  // the process's driver, never freed
       }());
   return *loaded;
 }

@@ -111,6 +111,31 @@ bool IsDeviceRange(State& s, CUdeviceptr ptr, size_t n) {
   return o != s.opened.begin() && inside(std::prev(o)->first, std::prev(o)->second.second.size);
 }
 
+// The errors this driver returns, with CUDA's names and texts.
+struct ErrorText {
+  CUresult code;
+  const char* name;
+  const char* text;
+};
+
+constexpr ErrorText kErrors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+};
+
+const ErrorText* FindError(CUresult code) {
+  for (const ErrorText& e : kErrors) {
+    if (e.code == code) return &e;
+  }
+  return nullptr;
+}
+
 bool ProcessAlive(pid_t pid) { return kill(pid, 0) == 0 || errno == EPERM; }
 
 #define REQUIRE_INIT(s) \
@@ -159,75 +184,15 @@ CUresult cuInit(unsigned int flags) {
 }
 
 CUresult cuGetErrorName(CUresult error, const char** name) {
-  switch (error) {
-    case CUDA_SUCCESS:
-      *name = "CUDA_SUCCESS";
-      break;
-    case CUDA_ERROR_INVALID_VALUE:
-      *name = "CUDA_ERROR_INVALID_VALUE";
-      break;
-    case CUDA_ERROR_OUT_OF_MEMORY:
-      *name = "CUDA_ERROR_OUT_OF_MEMORY";
-      break;
-    case CUDA_ERROR_NOT_INITIALIZED:
-      *name = "CUDA_ERROR_NOT_INITIALIZED";
-      break;
-    case CUDA_ERROR_NO_DEVICE:
-      *name = "CUDA_ERROR_NO_DEVICE";
-      break;
-    case CUDA_ERROR_INVALID_DEVICE:
-      *name = "CUDA_ERROR_INVALID_DEVICE";
-      break;
-    case CUDA_ERROR_INVALID_CONTEXT:
-      *name = "CUDA_ERROR_INVALID_CONTEXT";
-      break;
-    case CUDA_ERROR_INVALID_HANDLE:
-      *name = "CUDA_ERROR_INVALID_HANDLE";
-      break;
-    case CUDA_ERROR_ALREADY_MAPPED:
-      *name = "CUDA_ERROR_ALREADY_MAPPED";
-      break;
-    default:
-      *name = nullptr;
-      return CUDA_ERROR_INVALID_VALUE;
-  }
-  return CUDA_SUCCESS;
+  const ErrorText* e = FindError(error);
+  *name = e != nullptr ? e->name : nullptr;
+  return e != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult cuGetErrorString(CUresult error, const char** text) {
-  switch (error) {
-    case CUDA_SUCCESS:
-      *text = "no error";
-      break;
-    case CUDA_ERROR_INVALID_VALUE:
-      *text = "invalid argument";
-      break;
-    case CUDA_ERROR_OUT_OF_MEMORY:
-      *text = "out of memory";
-      break;
-    case CUDA_ERROR_NOT_INITIALIZED:
-      *text = "initialization error";
-      break;
-    case CUDA_ERROR_NO_DEVICE:
-      *text = "no CUDA-capable device is detected";
-      break;
-    case CUDA_ERROR_INVALID_DEVICE:
-      *text = "invalid device ordinal";
-      break;
-    case CUDA_ERROR_INVALID_CONTEXT:
-      *text = "invalid device context";
-      break;
-    case CUDA_ERROR_INVALID_HANDLE:
-      *text = "invalid resource handle";
-      break;
-    case CUDA_ERROR_ALREADY_MAPPED:
-      *text = "resource already mapped";
-      break;
-    default:
-      *text = nullptr;
-      return CUDA_ERROR_INVALID_VALUE;
-  }
-  return CUDA_SUCCESS;
+  const ErrorText* e = FindError(error);
+  *text = e != nullptr ? e->text : nullptr;
+  return e != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult cuDeviceGetCount(int* count) {
