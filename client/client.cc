@@ -182,8 +182,9 @@ absl::Status ClientCore::Open(bool reattach) {
       if (i >= answer.readopted_size() || !answer.readopted(i)) unpublished_.erase(sent[i]);
     }
   }
-  session_context_ = std::move(context);
+  // The old stream (finished) goes before the context it was made with.
   stream_ = std::move(stream);
+  session_context_ = std::move(context);
   connected_ = true;
   return absl::OkStatus();
 }

@@ -151,3 +151,47 @@ def test_bad_devices_are_refused_with_the_reason(client):
         client.create((4,), "float32", device="cuda:5")
     with pytest.raises(tensorshm.InvalidArgumentError, match='device = "gpu"'):
         client.create((4,), "float32", device="gpu")
+
+
+def _fnv1a(data: bytes) -> int:
+    """The storage hash tsm_peer prints (FNV-1a, 64 bit)."""
+    h = 0xcbf29ce484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+PEER = os.environ.get("TSM_PEER", str(pathlib.Path(FAKE).parent / "tsm_peer"))
+
+
+def test_cpp_and_python_processes_exchange_cuda_tensors(daemon, client, driver):
+    env = {**os.environ, "TSM_FAKE_CUDA_VISIBLE": "0,1"}   # the peer sees the devices in order
+    # C++ producer -> this Python process. The peer's cuda:1 is physical 1, our cuda:0.
+    producer = subprocess.Popen(
+        [PEER, "cuda-produce", daemon.socket, "gpu/from-cpp", "--device", "1", "--dtype", "int16",
+         "--shape", "50,60", "--seed", "9"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        while not lines or lines[-1] != "published":
+            line = producer.stdout.readline()
+            assert line, "tsm_peer exited: " + "\n".join(lines)
+            lines.append(line.strip())
+        storage_hash = int(next(l for l in lines if l.startswith("checksum")).split()[1])
+        t = client.get("gpu/from-cpp")
+        assert t.__dlpack_device__() == (KDLCUDA, 0) and t.shape == (50, 60) and t.dtype == "int16"
+        assert _fnv1a(np.from_dlpack(t, device="cpu", copy=True).tobytes()) == storage_hash
+        del t
+    finally:
+        producer.terminate()
+        producer.wait(timeout=30)
+    # This Python process -> a C++ consumer, which sees our cuda:0 as its cuda:1.
+    data = (np.arange(3000, dtype=np.int64) * 7919) % 1000003
+    w = client.create((3000,), "int64", device="cuda:0")
+    driver.to_device(0, w._data_ptr, data)
+    w.publish("gpu/from-python", replace=True)
+    consumer = subprocess.run([PEER, "cuda-consume", daemon.socket, "gpu/from-python"],
+                              capture_output=True, text=True, env=env, timeout=60)
+    assert consumer.returncode == 0, consumer.stdout + consumer.stderr
+    assert "device cuda:1 flags 1" in consumer.stdout, consumer.stdout
+    checksums = [l.split()[1] for l in consumer.stdout.splitlines() if l.startswith("checksum")]
+    assert checksums == [str(_fnv1a(data.tobytes()))] * 2, consumer.stdout
