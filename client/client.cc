@@ -394,6 +394,26 @@ void DeleteLegacy(DLManagedTensor* self) noexcept {
   if (self != nullptr) ReleaseLease(static_cast<Lease*>(self->manager_ctx));
 }
 
+// A CUDA location as this process sees it: its ordinal for the location's device (found by UUID)
+// and the buffer's device address (nullptr for an empty tensor), the segment opened once.
+struct CudaBuffer {
+  int ordinal = -1;
+  char* data = nullptr;
+};
+
+absl::StatusOr<CudaBuffer> OpenCudaLocation(ClientCore& core, const v1::Location& location) {
+  const v1::CudaLocation& cuda = location.cuda();
+  absl::StatusOr<int> ordinal = core.cuda().OrdinalOf(cuda.device_uuid());
+  if (!ordinal.ok()) return ordinal.status();
+  CudaBuffer buffer{*ordinal, nullptr};
+  if (location.length() > 0) {
+    absl::StatusOr<CUdeviceptr> base = core.cuda().OpenSegment(*ordinal, cuda.ipc_handle());
+    if (!base.ok()) return base.status();
+    buffer.data = reinterpret_cast<char*>(*base + location.offset());
+  }
+  return buffer;
+}
+
 // Builds the tensor for a lease the daemon granted. On failure the lease is given back.
 absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCore>& core,
                                                  const v1::AcquireResponse& response) {
@@ -413,18 +433,12 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
   const v1::Location& location = response.location();
   const char* data = kEmptyData;
   if (decoded->device.device_type == kDLCUDA && location.has_cuda()) {
-    const v1::CudaLocation& cuda = location.cuda();
-    absl::StatusOr<int> ordinal = core->cuda().OrdinalOf(cuda.device_uuid());
-    if (!ordinal.ok()) return give_back(ordinal.status());
-    decoded->device.device_id = *ordinal;
-    lease->cuda_ordinal = *ordinal;
-    lease->ready_event = cuda.ready_event();
-    data = nullptr;
-    if (location.length() > 0) {
-      absl::StatusOr<CUdeviceptr> base = core->cuda().OpenSegment(*ordinal, cuda.ipc_handle());
-      if (!base.ok()) return give_back(base.status());
-      data = reinterpret_cast<const char*>(*base + location.offset());
-    }
+    absl::StatusOr<CudaBuffer> buffer = OpenCudaLocation(*core, location);
+    if (!buffer.ok()) return give_back(buffer.status());
+    decoded->device.device_id = buffer->ordinal;
+    lease->cuda_ordinal = buffer->ordinal;
+    lease->ready_event = location.cuda().ready_event();
+    data = buffer->data;
   } else if (decoded->device.device_type != kDLCPU ||
              (!location.has_host() && location.length() > 0)) {
     return give_back(absl::UnimplementedError(
@@ -597,16 +611,10 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   const v1::Location& location = response.location();
   void* data = const_cast<char*>(kEmptyData);
   if (location.has_cuda()) {
-    const v1::CudaLocation& cuda = location.cuda();
-    absl::StatusOr<int> ordinal = core_->cuda().OrdinalOf(cuda.device_uuid());
-    if (!ordinal.ok()) return ordinal.status();
-    decoded->device.device_id = *ordinal;
-    data = nullptr;
-    if (location.length() > 0) {
-      absl::StatusOr<CUdeviceptr> base = core_->cuda().OpenSegment(*ordinal, cuda.ipc_handle());
-      if (!base.ok()) return base.status();
-      data = reinterpret_cast<void*>(*base + location.offset());
-    }
+    absl::StatusOr<CudaBuffer> buffer = OpenCudaLocation(*core_, location);
+    if (!buffer.ok()) return buffer.status();
+    decoded->device.device_id = buffer->ordinal;
+    data = buffer->data;
   } else if (location.length() > 0) {
     absl::StatusOr<void*> mapping =
         MapWritable(location.host().shm_name(), location.offset(), location.length());

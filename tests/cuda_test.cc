@@ -2,10 +2,9 @@
 // device pools, producer and consumer processes that see the devices in different orders, IPC
 // handles opened once per segment and closed after the last tensor, ready events waited on.
 #include <dlfcn.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
-
-#include <signal.h>
 
 #include <cerrno>
 #include <cstring>
@@ -42,13 +41,6 @@ std::map<std::string, int64_t> Counters(const std::string& output, const std::st
     }
   }
   return counters;
-}
-
-std::string Checksum(const std::string& output) {
-  for (absl::string_view line : absl::StrSplit(output, '\n')) {
-    if (absl::StartsWith(line, "checksum ")) return std::string(line);
-  }
-  return "";
 }
 
 class CudaTest : public ::testing::Test {
@@ -135,7 +127,7 @@ TEST_F(CudaTest, CrossProcessRoundTripUnderPermutedOrdinals) {
     if (on_stream) args.push_back("--stream");
     ChildProcess consumer = Peer(args, "1,2", on_stream ? "stream.log" : "host.log");
     const std::string output = Run(consumer);
-    EXPECT_EQ(Checksum(output), Checksum(producer.Output())) << output;
+    EXPECT_EQ(Line(output, "checksum"), Line(producer.Output(), "checksum")) << output;
     EXPECT_TRUE(absl::StrContains(output, "device cuda:1 flags 1")) << output;
     const auto first = Counters(output, "first");
     const auto second = Counters(output, "second");

@@ -35,14 +35,6 @@ struct PeerRun {
   bool exited_ok() const { return WIFEXITED(status) && WEXITSTATUS(status) == 0; }
 };
 
-// The rest of the first output line starting with `key` + " ", or "" if none.
-std::string Line(const std::string& output, const std::string& key) {
-  for (absl::string_view line : absl::StrSplit(output, '\n')) {
-    if (absl::StartsWith(line, key + " ")) return std::string(line.substr(key.size() + 1));
-  }
-  return "";
-}
-
 class IntegrationTest : public ::testing::Test {
  protected:
   void SetUp() override {

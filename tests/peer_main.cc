@@ -87,24 +87,33 @@ absl::Status DeviceCopy(int ordinal, void* host, CUdeviceptr device, size_t byte
   return status;
 }
 
-// The emulated driver's counters, read from the library TENSORSHM_LIBCUDA names.
-void PrintCounters(const char* label) {
+// The emulated driver's test functions, from the library TENSORSHM_LIBCUDA names (already
+// loaded by tensorshm); nullptr members with another driver.
+struct FakeCuda {
+  decltype(&tsm_fake_cuda_counters) counters = nullptr;
+  decltype(&tsm_fake_cuda_open_mappings) open_mappings = nullptr;
+};
+
+FakeCuda FindFakeCuda() {
   const char* library = std::getenv("TENSORSHM_LIBCUDA");
   void* handle = library != nullptr ? dlopen(library, RTLD_NOW | RTLD_NOLOAD) : nullptr;
-  auto* counters = handle != nullptr ? reinterpret_cast<decltype(&tsm_fake_cuda_counters)>(
-                                           dlsym(handle, "tsm_fake_cuda_counters"))
-                                     : nullptr;
-  auto* open = handle != nullptr ? reinterpret_cast<decltype(&tsm_fake_cuda_open_mappings)>(
-                                       dlsym(handle, "tsm_fake_cuda_open_mappings"))
-                                 : nullptr;
-  if (counters == nullptr || open == nullptr) {
+  if (handle == nullptr) return {};
+  return {
+      reinterpret_cast<decltype(&tsm_fake_cuda_counters)>(dlsym(handle, "tsm_fake_cuda_counters")),
+      reinterpret_cast<decltype(&tsm_fake_cuda_open_mappings)>(
+          dlsym(handle, "tsm_fake_cuda_open_mappings"))};
+}
+
+void PrintCounters(const char* label) {
+  const FakeCuda fake = FindFakeCuda();
+  if (fake.counters == nullptr || fake.open_mappings == nullptr) {
     std::cout << label << " no-counters" << std::endl;
     return;
   }
-  const TsmFakeCudaCounters* c = counters();
+  const TsmFakeCudaCounters* c = fake.counters();
   std::cout << label << " ipc_open_calls=" << c->ipc_open_calls
             << " ipc_open_mappings=" << c->ipc_open_mappings
-            << " ipc_unmappings=" << c->ipc_unmappings << " open_now=" << open()
+            << " ipc_unmappings=" << c->ipc_unmappings << " open_now=" << fake.open_mappings()
             << " ipc_open_event=" << c->ipc_open_event_handle
             << " stream_wait_event=" << c->stream_wait_event
             << " event_synchronize=" << c->event_synchronize
@@ -250,11 +259,8 @@ int Main(int argc, char** argv) {
     PrintCounters("released");
     client->reset();
     // The client's core goes with its sender thread; give it a moment to close the handles.
-    for (int i = 0; i < 200; ++i) {
-      auto* open = reinterpret_cast<decltype(&tsm_fake_cuda_open_mappings)>(
-          dlsym(dlopen(std::getenv("TENSORSHM_LIBCUDA"), RTLD_NOW | RTLD_NOLOAD),
-                "tsm_fake_cuda_open_mappings"));
-      if (open == nullptr || open() == 0) break;
+    const FakeCuda fake = FindFakeCuda();
+    for (int i = 0; i < 200 && fake.open_mappings != nullptr && fake.open_mappings() > 0; ++i) {
       usleep(10000);
     }
     PrintCounters("closed");

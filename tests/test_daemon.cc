@@ -19,6 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/sys_error.h"
 
@@ -27,6 +28,13 @@ extern char** environ;
 namespace tensorshm::testing {
 
 std::string TensorShmdPath() { return TENSORSHMD_PATH; }
+std::string Line(const std::string& output, const std::string& key) {
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    if (absl::StartsWith(line, key + " ")) return std::string(line.substr(key.size() + 1));
+  }
+  return "";
+}
+
 std::string PeerPath() { return TSM_PEER_PATH; }
 std::string CConsumerPath() { return TSM_C_CONSUMER_PATH; }
 std::string FakeCudaPath() { return TSM_FAKE_CUDA_PATH; }

@@ -67,6 +67,9 @@ class TestDaemon {
   std::unique_ptr<ChildProcess> process_;
 };
 
+// The rest of the first line of `output` starting with `key` + " ", or "" if none.
+std::string Line(const std::string& output, const std::string& key);
+
 // Path of a built test tool (the peer program, the C consumer, tensorshmd).
 std::string TensorShmdPath();
 std::string PeerPath();

@@ -133,8 +133,10 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
   }
   bool want_copy = false;
   if (!copy.is_none()) want_copy = nb::cast<bool>(copy);
+  int wanted_type = device.device_type;  // the device type the consumer asks for
   if (!dl_device.is_none()) {
     auto [type, id] = nb::cast<std::pair<int, int>>(dl_device);
+    wanted_type = type;
     const bool same = type == device.device_type && id == device.device_id;
     if (!same) {
       if (!copy.is_none() && !want_copy) {
@@ -149,8 +151,7 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
       want_copy = true;
     }
   }
-  if (cuda && want_copy &&
-      (dl_device.is_none() || nb::cast<std::pair<int, int>>(dl_device).first == kDLCUDA)) {
+  if (cuda && want_copy && wanted_type == kDLCUDA) {
     RaiseBufferError(absl::StrCat(Describe(self), " is on ", DeviceName(device),
                                   ": copy=True makes a host copy only, with dl_device=(1, 0)"));
   }
