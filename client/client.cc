@@ -3,16 +3,21 @@
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/cuda_state.h"
+#include "client/memory_channel.h"
 #include "client/segment_map.h"
 #include "common/grpc_status.h"
 #include "common/mutex.h"
@@ -44,6 +49,17 @@ absl::string_view View(std::string_view text) {
 // Data pointer of empty tensors: non-null and 256-byte aligned, never read.
 alignas(256) const char kEmptyData[256] = {};
 
+// Bumped in every child that fork() makes: a ClientCore made under another value belongs to an
+// ancestor process, whose connections, threads and leases the child must never touch.
+std::atomic<uint64_t> g_fork_generation{0};
+
+void CountFork() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+
+void WatchForks() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, CountFork); });
+}
+
 }  // namespace
 
 // Everything a Client and its tensors share: the channel, the session stream, the release queue
@@ -58,8 +74,18 @@ class ClientCore {
   ClientCore(std::string socket, std::shared_ptr<grpc::Channel> channel, std::string client_name)
       : socket_(std::move(socket)),
         client_name_(std::move(client_name)),
+        fork_generation_(g_fork_generation.load(std::memory_order_relaxed)),
+        pid_(getpid()),
         channel_(std::move(channel)),
-        stub_(v1::TensorShm::NewStub(channel_)) {}
+        stub_(v1::TensorShm::NewStub(channel_)),
+        memory_(socket_) {}
+
+  // True in a child process fork() made after this core: nothing of it may be used there.
+  bool forked() const {
+    return g_fork_generation.load(std::memory_order_relaxed) != fork_generation_;
+  }
+  // OK in the process that connected; FAILED_PRECONDITION naming both pids in a forked child.
+  absl::Status CheckProcess() const;
 
   // Opens the first session. A refusal keeps its code; no daemon is UNAVAILABLE.
   absl::Status OpenSession() { return Open(/*reattach=*/false); }
@@ -67,13 +93,27 @@ class ClientCore {
   // Registers a lease the daemon granted on `tensor_id`; returns the client-side key that
   // QueueRelease takes. Each lease is "outstanding" until released.
   uint64_t AddLease(uint64_t tensor_id, uint64_t lease_id) ABSL_LOCKS_EXCLUDED(mu_);
-  // Registers an unpublished writable tensor (outstanding until published or abandoned).
-  void AddUnpublished(uint64_t tensor_id) ABSL_LOCKS_EXCLUDED(mu_);
-  void Published(uint64_t tensor_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers an unpublished writable tensor (outstanding until published or abandoned); returns
+  // the client-side key that the other calls take.
+  uint64_t AddUnpublished(uint64_t tensor_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The daemon's id of unpublished tensor `key`; DATA_LOSS if a restarted daemon did not take it
+  // back (its id may name another tensor now).
+  absl::StatusOr<uint64_t> UnpublishedId(uint64_t key) const ABSL_LOCKS_EXCLUDED(mu_);
+  void Published(uint64_t key) ABSL_LOCKS_EXCLUDED(mu_);
   // Queue a lease release / an abandoned writable tensor for the sender thread. O(1), never
   // blocks on I/O.
   void QueueRelease(uint64_t key) noexcept ABSL_LOCKS_EXCLUDED(mu_);
-  void QueueAbandon(uint64_t tensor_id) noexcept ABSL_LOCKS_EXCLUDED(mu_);
+  void QueueAbandon(uint64_t key) noexcept ABSL_LOCKS_EXCLUDED(mu_);
+  // OK while the daemon holds lease `key` for this client; DATA_LOSS once a restarted daemon did
+  // not take it back.
+  absl::Status LeaseStatus(uint64_t key) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The read-only mapping of `location`'s host segment, made on first use from a descriptor
+  // the memory channel brings, and shared by every tensor in it.
+  absl::StatusOr<std::shared_ptr<const SegmentMapping>> MapHostSegment(
+      const v1::Location& location);
+  // A writable mapping of exactly `location`'s buffer (this session's own); the caller munmaps.
+  absl::StatusOr<void*> MapHostBuffer(const v1::Location& location);
 
   // The sender thread's body; returns once the Client is gone and no tensor is outstanding.
   void SendReleases(std::shared_ptr<ClientCore> self);
@@ -85,7 +125,9 @@ class ClientCore {
       ABSL_LOCKS_EXCLUDED(mu_);
   v1::TensorShm::Stub& stub() { return *stub_; }
   SegmentMap& segments() { return segments_; }
+  MemoryChannel& memory_channel() { return memory_; }
   CudaState& cuda() { return cuda_; }
+  uint64_t instance_id() const ABSL_LOCKS_EXCLUDED(mu_);
   std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket() const { return socket_; }
 
@@ -108,8 +150,11 @@ class ClientCore {
 
   const std::string socket_;
   const std::string client_name_;
+  const uint64_t fork_generation_;
+  const pid_t pid_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::TensorShm::Stub> stub_;
+  MemoryChannel memory_;
   // The session stream; replaced only by the thread that opens sessions (Connect, then sender).
   std::unique_ptr<grpc::ClientContext> session_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
@@ -120,11 +165,13 @@ class ClientCore {
   CondVar work_;   // the sender has something to do
   CondVar acked_;  // a batch was acknowledged, or the stream broke
   std::string session_id_ ABSL_GUARDED_BY(mu_);
+  uint64_t instance_id_ ABSL_GUARDED_BY(mu_) = 0;  // of the daemon the session is with
   std::unordered_map<uint64_t, HeldLease> held_ ABSL_GUARDED_BY(mu_);  // by client-side key
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
-  std::unordered_set<uint64_t> unpublished_ ABSL_GUARDED_BY(mu_);  // known to the daemon as ours
-  std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);      // keys
-  std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);    // tensor ids
+  // Unpublished tensors the daemon knows as ours: client-side key -> tensor id.
+  std::unordered_map<uint64_t, uint64_t> unpublished_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);    // keys
+  std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);  // keys
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t acked_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status rejection_ ABSL_GUARDED_BY(mu_);
@@ -140,6 +187,7 @@ absl::Status ClientCore::Open(bool reattach) {
   open.mutable_open()->set_pid(getpid());
   open.mutable_open()->set_client_name(client_name_);
   std::vector<uint64_t> keys;
+  std::vector<uint64_t> unpublished_keys;
   if (reattach) {
     // Wait for the channel to reach the daemon again, a bounded time so that a Client closing
     // meanwhile is not kept waiting long. (A deadline on the stream itself would end it.)
@@ -148,11 +196,15 @@ absl::Status ClientCore::Open(bool reattach) {
     }
     MutexLock lock(&mu_);
     for (const auto& [key, held] : held_) {
+      // A lease the last daemon already refused stays refused.
+      if (held.lease_id == 0) continue;
       keys.push_back(key);
       open.mutable_open()->add_held_tensor_ids(held.tensor_id);
     }
-    for (uint64_t tensor_id : unpublished_)
+    for (const auto& [key, tensor_id] : unpublished_) {
+      unpublished_keys.push_back(key);
       open.mutable_open()->add_unpublished_tensor_ids(tensor_id);
+    }
   }
   auto stream = stub_->Session(context.get());
   v1::SessionResponse opened;
@@ -168,18 +220,40 @@ absl::Status ClientCore::Open(bool reattach) {
                                            " did not open a session: ", status.message()));
   }
   const v1::SessionOpened& answer = opened.opened();
+  // Mappings of segments this daemon does not serve are not the same memory: they go (each
+  // once no tensor of ours uses it). A recovered daemon lists the segments it took back under
+  // the instance that made them, so those stay.
+  std::set<SegmentKey> live;
+  for (const v1::SegmentRef& segment : answer.segments()) {
+    live.emplace(segment.segment_instance(), segment.segment_id());
+  }
+  segments_.Retain(live);
   MutexLock lock(&mu_);
   session_id_ = answer.session_id();
+  instance_id_ = answer.instance_id();
   if (reattach) {
-    // Leases and tensors the daemon did not take back are gone: their releases are dropped.
+    // Leases and tensors the daemon did not take back are gone: their releases are dropped, and
+    // Flush reports the loss (the memory is no longer reserved for them).
+    std::vector<uint64_t> lost;
     for (size_t i = 0; i < keys.size(); ++i) {
       const uint64_t lease =
           static_cast<int>(i) < answer.lease_ids_size() ? answer.lease_ids(i) : 0;
-      held_.at(keys[i]).lease_id = lease;
+      HeldLease& held = held_.at(keys[i]);
+      held.lease_id = lease;
+      if (lease == 0) lost.push_back(held.tensor_id);
     }
-    const auto& sent = open.open().unpublished_tensor_ids();
-    for (int i = 0; i < sent.size(); ++i) {
-      if (i >= answer.readopted_size() || !answer.readopted(i)) unpublished_.erase(sent[i]);
+    for (size_t i = 0; i < unpublished_keys.size(); ++i) {
+      if (static_cast<int>(i) >= answer.readopted_size() || !answer.readopted(i)) {
+        lost.push_back(unpublished_.at(unpublished_keys[i]));
+        unpublished_.erase(unpublished_keys[i]);
+      }
+    }
+    if (!lost.empty() && rejection_.ok()) {
+      rejection_ = absl::DataLossError(absl::StrCat(
+          "tensorshmd at unix:", socket_, " restarted (instance ", answer.instance_id(),
+          ") and did not take back ", lost.size(), " tensors this client held (tensor ids ",
+          absl::StrJoin(lost, ", "),
+          "): their memory is no longer reserved for them; acquire or create them again"));
     }
   }
   // The old stream (finished) goes before the context it was made with.
@@ -197,7 +271,7 @@ bool ClientCore::Reconnect() {
       // What was queued for the dead session needs no sending: the daemon that held those
       // leases is gone, and they must not be re-registered.
       for (uint64_t key : pending_leases_) held_.erase(key);
-      for (uint64_t tensor_id : pending_abandons_) unpublished_.erase(tensor_id);
+      for (uint64_t key : pending_abandons_) unpublished_.erase(key);
       pending_leases_.clear();
       pending_abandons_.clear();
       if (SenderDone()) return false;
@@ -221,6 +295,45 @@ std::string ClientCore::session_id() const {
   return session_id_;
 }
 
+uint64_t ClientCore::instance_id() const {
+  MutexLock lock(&mu_);
+  return instance_id_;
+}
+
+absl::Status ClientCore::CheckProcess() const {
+  if (!forked()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "this tensorshm client was connected in process ", pid_, "; process ", getpid(),
+      " is a fork of it and may not use its connection, session or leases: connect again in "
+      "this process"));
+}
+
+absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment(
+    const v1::Location& location) {
+  const SegmentKey key{location.segment_instance(), location.segment_id()};
+  absl::StatusOr<std::shared_ptr<const SegmentMapping>> found =
+      segments_.Find(key, location.segment_size());
+  if (!found.ok() || *found != nullptr) return found;
+  uint64_t size = 0;
+  absl::StatusOr<int> fd =
+      memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/false, &size);
+  if (!fd.ok()) return fd.status();
+  return segments_.Insert(key, *fd, location.segment_size());
+}
+
+absl::StatusOr<void*> ClientCore::MapHostBuffer(const v1::Location& location) {
+  const SegmentKey key{location.segment_instance(), location.segment_id()};
+  absl::StatusOr<void*> mapping =
+      segments_.MapWritableRange(key, location.offset(), location.length());
+  if (!absl::IsNotFound(mapping.status())) return mapping;
+  uint64_t size = 0;
+  absl::StatusOr<int> fd =
+      memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/true, &size);
+  if (!fd.ok()) return fd.status();
+  segments_.InsertWritable(key, *fd);
+  return segments_.MapWritableRange(key, location.offset(), location.length());
+}
+
 uint64_t ClientCore::AddLease(uint64_t tensor_id, uint64_t lease_id) {
   MutexLock lock(&mu_);
   const uint64_t key = next_key_++;
@@ -229,17 +342,39 @@ uint64_t ClientCore::AddLease(uint64_t tensor_id, uint64_t lease_id) {
   return key;
 }
 
-void ClientCore::AddUnpublished(uint64_t tensor_id) {
+uint64_t ClientCore::AddUnpublished(uint64_t tensor_id) {
   MutexLock lock(&mu_);
-  unpublished_.insert(tensor_id);
+  const uint64_t key = next_key_++;
+  unpublished_.emplace(key, tensor_id);
   ++outstanding_;
+  return key;
 }
 
-void ClientCore::Published(uint64_t tensor_id) {
+absl::StatusOr<uint64_t> ClientCore::UnpublishedId(uint64_t key) const {
   MutexLock lock(&mu_);
-  unpublished_.erase(tensor_id);
+  auto it = unpublished_.find(key);
+  if (it == unpublished_.end()) {
+    return absl::DataLossError(
+        absl::StrCat("this writable tensor was lost when tensorshmd at unix:", socket_,
+                     " restarted (not taken back in its --recovery-grace); create it again"));
+  }
+  return it->second;
+}
+
+void ClientCore::Published(uint64_t key) {
+  MutexLock lock(&mu_);
+  unpublished_.erase(key);
   --outstanding_;
   work_.Signal();
+}
+
+absl::Status ClientCore::LeaseStatus(uint64_t key) const {
+  MutexLock lock(&mu_);
+  auto it = held_.find(key);
+  if (it != held_.end() && it->second.lease_id != 0) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      "tensor ", it == held_.end() ? 0 : it->second.tensor_id, ": tensorshmd at unix:", socket_,
+      " restarted and did not take this lease back; the memory is no longer reserved for it"));
 }
 
 void ClientCore::QueueRelease(uint64_t key) noexcept {
@@ -249,9 +384,9 @@ void ClientCore::QueueRelease(uint64_t key) noexcept {
   work_.Signal();
 }
 
-void ClientCore::QueueAbandon(uint64_t tensor_id) noexcept {
+void ClientCore::QueueAbandon(uint64_t key) noexcept {
   MutexLock lock(&mu_);
-  pending_abandons_.push_back(tensor_id);
+  pending_abandons_.push_back(key);
   --outstanding_;
   work_.Signal();
 }
@@ -290,9 +425,10 @@ bool ClientCore::TakeBatch(v1::ReleaseBatch* batch) {
   taken = 0;
   for (; taken < pending_abandons_.size() && batch->abandoned_tensor_ids_size() < kMaxBatch;
        ++taken) {
-    if (unpublished_.erase(pending_abandons_[taken]) > 0) {
-      batch->add_abandoned_tensor_ids(pending_abandons_[taken]);
-    }
+    auto it = unpublished_.find(pending_abandons_[taken]);
+    if (it == unpublished_.end()) continue;
+    batch->add_abandoned_tensor_ids(it->second);
+    unpublished_.erase(it);
   }
   pending_abandons_.erase(pending_abandons_.begin(), pending_abandons_.begin() + taken);
   return batch->lease_ids_size() > 0 || batch->abandoned_tensor_ids_size() > 0;
@@ -377,12 +513,34 @@ struct Lease {
   std::vector<int64_t> strides;
   uint64_t key = 0;  // ClientCore's key for the lease
   std::shared_ptr<ClientCore> core;
-  int cuda_ordinal = -1;    // CUDA tensors: this process's device ordinal
+  std::shared_ptr<const SegmentMapping> mapping;  // host tensors: the segment the data lies in
+  int cuda_ordinal = -1;                          // CUDA tensors: this process's device ordinal
   std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
 };
 
+// A forked child's references to its parent's cores: never released, so that nothing of the
+// parent's (connections, threads, session) is closed or destroyed from the child. Reachable from
+// here, so not reported as leaks.
+struct ForkLeftover {
+  std::shared_ptr<ClientCore> core;
+  std::thread* sender;
+  ForkLeftover* next;
+};
+std::atomic<ForkLeftover*> g_fork_leftovers{nullptr};
+
+void KeepForever(std::shared_ptr<ClientCore> core, std::thread* sender = nullptr) {
+  auto* node = new ForkLeftover{std::move(core), sender, g_fork_leftovers.load()};
+  while (!g_fork_leftovers.compare_exchange_weak(node->next, node)) {
+  }
+}
+
 void ReleaseLease(Lease* lease) noexcept {
-  lease->core->QueueRelease(lease->key);
+  if (lease->core->forked()) {
+    // The lease is the parent's: the child only lets go of its own copy of the tensor.
+    KeepForever(std::move(lease->core));
+  } else {
+    lease->core->QueueRelease(lease->key);
+  }
   delete lease;
 }
 
@@ -407,7 +565,9 @@ absl::StatusOr<CudaBuffer> OpenCudaLocation(ClientCore& core, const v1::Location
   if (!ordinal.ok()) return ordinal.status();
   CudaBuffer buffer{*ordinal, nullptr};
   if (location.length() > 0) {
-    absl::StatusOr<CUdeviceptr> base = core.cuda().OpenSegment(*ordinal, cuda.ipc_handle());
+    absl::StatusOr<CUdeviceptr> base = core.cuda().OpenSegment(
+        *ordinal, SegmentKey{location.segment_instance(), location.segment_id()},
+        cuda.ipc_handle());
     if (!base.ok()) return base.status();
     buffer.data = reinterpret_cast<char*>(*base + location.offset());
   }
@@ -444,10 +604,10 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     return give_back(absl::UnimplementedError(
         absl::StrCat("device = ", DeviceName(decoded->device), ": not supported by this client")));
   } else if (location.length() > 0) {
-    absl::StatusOr<const char*> base =
-        core->segments().MapReadOnly(location.host().shm_name(), location.segment_size());
-    if (!base.ok()) return give_back(base.status());
-    data = *base + location.offset();
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(location);
+    if (!mapping.ok()) return give_back(mapping.status());
+    lease->mapping = *std::move(mapping);
+    data = lease->mapping->address() + location.offset();
   }
   lease->shape = std::move(decoded->shape);
   lease->strides = std::move(decoded->strides);
@@ -479,6 +639,7 @@ absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync) {
 absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<ClientCore>& core,
                                                     std::string_view name, absl::Duration timeout,
                                                     ReadySync sync) {
+  if (absl::Status s = core->CheckProcess(); !s.ok()) return s;
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
   if (timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -524,6 +685,15 @@ absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src,
                                              reinterpret_cast<CUdeviceptr>(src), bytes);
 }
 
+absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
+    return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
+  }
+  const auto& lease = *static_cast<const Lease*>(tensor->manager_ctx);
+  if (absl::Status s = lease.core->CheckProcess(); !s.ok()) return s;
+  return lease.core->LeaseStatus(lease.key);
+}
+
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
   if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
     return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
@@ -534,9 +704,14 @@ absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
 // ---- Client ----
 
 absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  WatchForks();
   const std::string socket = options.socket.empty() ? DefaultSocketPath() : options.socket;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
+  // Each client owns its connection. Through gRPC's process-wide subchannel pool, a new client
+  // would share an old one's connection: one inherited across fork(), which the child would
+  // then write into, or one still broken after the daemon restarted.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   // gRPC's own reconnect backoff grows to minutes; a restarted daemon should be found in seconds.
   // (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS stays at its default: it is also the connect timeout, and
   // a short one aborts handshakes with a busy daemon.)
@@ -559,6 +734,11 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& opt
 }
 
 Client::~Client() {
+  if (core_->forked()) {
+    // The parent's: its sender thread does not exist here, and its connection must stay open.
+    KeepForever(std::move(core_), new std::thread(std::move(sender_)));
+    return;
+  }
   if (core_->CloseClient()) {
     sender_.join();  // nothing outstanding: the sender closes the session and exits
   } else {
@@ -569,16 +749,21 @@ Client::~Client() {
 
 std::string Client::session_id() const { return core_->session_id(); }
 
-absl::Status Client::Flush() { return core_->Flush(); }
+absl::Status Client::Flush() {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
+  return core_->Flush();
+}
 
 absl::Status Client::CopyOnDevice(int ordinal, void* dst, const void* src, size_t bytes,
                                   CudaStream stream) {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   return core_->cuda().CopyDeviceToDevice(ordinal, reinterpret_cast<CUdeviceptr>(dst),
                                           reinterpret_cast<CUdeviceptr>(src), bytes,
                                           static_cast<CUstream>(stream));
 }
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   v1::CreateRequest request;
   ToWire(spec.dtype, request.mutable_dtype());
   request.mutable_shape()->Assign(spec.shape.begin(), spec.shape.end());
@@ -601,7 +786,7 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   WritableTensor tensor;
   tensor.core_ = core_;
   tensor.tensor_id_ = response.tensor_id();
-  core_->AddUnpublished(tensor.tensor_id_);
+  tensor.key_ = core_->AddUnpublished(tensor.tensor_id_);
   // From here on `tensor`'s destructor gives the buffer back if anything fails.
   absl::StatusOr<DecodedTensor> decoded = DecodeDescriptor(response.desc(), response.location());
   if (!decoded.ok()) {
@@ -616,8 +801,7 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
     decoded->device.device_id = buffer->ordinal;
     data = buffer->data;
   } else if (location.length() > 0) {
-    absl::StatusOr<void*> mapping =
-        MapWritable(location.host().shm_name(), location.offset(), location.length());
+    absl::StatusOr<void*> mapping = core_->MapHostBuffer(location);
     if (!mapping.ok()) return mapping.status();
     tensor.mapping_ = *mapping;
     tensor.mapping_length_ = location.length();
@@ -659,6 +843,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
 
 absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, bool replace,
                                  CudaStream ready_stream, v1::AcquireResponse* acquired) {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   if (tensor.published_ || tensor.core_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("tensor ", tensor.tensor_id_, ": already published or moved from"));
@@ -668,6 +853,8 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
         absl::StrCat("tensor ", tensor.tensor_id_, ": created by another client"));
   }
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
+  // Refused if a restarted daemon did not take the tensor back: its id may name another now.
+  if (absl::Status s = core_->UnpublishedId(tensor.key_).status(); !s.ok()) return s;
   v1::PublishRequest request;
   request.set_tensor_id(tensor.tensor_id_);
   request.set_name(std::string(name));
@@ -689,7 +876,7 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   }
   tensor.Unmap();
   tensor.published_ = true;
-  core_->Published(tensor.tensor_id_);
+  core_->Published(tensor.key_);
   if (acquired != nullptr) *acquired = std::move(*response.mutable_acquired());
   return absl::OkStatus();
 }
@@ -713,6 +900,7 @@ absl::StatusOr<DLManagedTensor*> Client::AcquireLegacy(std::string_view name,
 }
 
 absl::Status Client::Delete(std::string_view name) {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
   v1::DeleteRequest request;
   request.set_name(std::string(name));
@@ -723,6 +911,7 @@ absl::Status Client::Delete(std::string_view name) {
 }
 
 absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   if (absl::Status s = ValidateNamePrefix(View(prefix)); !s.ok()) return s;
   v1::ListRequest request;
   request.set_prefix(std::string(prefix));
@@ -750,6 +939,7 @@ absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
 }
 
 absl::StatusOr<ServerStats> Client::Stat() {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::StatResponse response;
@@ -777,6 +967,7 @@ WritableTensor& WritableTensor::operator=(WritableTensor&& other) noexcept {
   Reset();
   core_ = std::move(other.core_);
   tensor_id_ = other.tensor_id_;
+  key_ = other.key_;
   tensor_ = other.tensor_;
   shape_ = std::move(other.shape_);
   strides_ = std::move(other.strides_);
@@ -798,7 +989,12 @@ WritableTensor::~WritableTensor() { Reset(); }
 
 void WritableTensor::Reset() {
   Unmap();
-  if (core_ != nullptr && !published_) core_->QueueAbandon(tensor_id_);
+  if (core_ != nullptr && core_->forked()) {
+    // The parent's tensor: the child drops its own mapping and nothing else.
+    KeepForever(std::move(core_));
+  } else if (core_ != nullptr && !published_) {
+    core_->QueueAbandon(key_);
+  }
   core_.reset();
 }
 

@@ -94,7 +94,8 @@ absl::StatusOr<std::string> CudaState::UuidOf(int ordinal) {
   return std::string(reinterpret_cast<const char*>(uuids_[ordinal].data()), uuids_[ordinal].size());
 }
 
-absl::StatusOr<CUdeviceptr> CudaState::OpenSegment(int ordinal, const std::string& handle) {
+absl::StatusOr<CUdeviceptr> CudaState::OpenSegment(int ordinal, const SegmentKey& key,
+                                                   const std::string& handle) {
   CUipcMemHandle ipc;
   if (handle.size() != sizeof(ipc.reserved)) {
     return absl::InvalidArgumentError(absl::StrCat("ipc_handle: ", handle.size(), " bytes; a ",
@@ -102,14 +103,14 @@ absl::StatusOr<CUdeviceptr> CudaState::OpenSegment(int ordinal, const std::strin
   }
   std::memcpy(ipc.reserved, handle.data(), sizeof(ipc.reserved));
   return InContext(ordinal, [&]() -> absl::StatusOr<CUdeviceptr> {
-    if (auto it = segments_.find({ordinal, handle}); it != segments_.end()) return it->second;
+    if (auto it = segments_.find({ordinal, key}); it != segments_.end()) return it->second;
     CUdeviceptr base;
     if (absl::Status s = TSM_CU(driver_, ordinal, cuIpcOpenMemHandle_v2, &base, ipc,
                                 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
         !s.ok()) {
       return s;
     }
-    segments_.emplace(std::make_pair(ordinal, handle), base);
+    segments_.emplace(std::make_pair(ordinal, key), base);
     return base;
   });
 }

@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "client/segment_map.h"
 #include "common/cuda_driver.h"
 #include "common/mutex.h"
 
@@ -32,10 +33,12 @@ class CudaState {
   // visible device has; FAILED_PRECONDITION without a driver.
   absl::StatusOr<std::string> UuidOf(int ordinal) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The base address of the segment exported as `handle` (a 64-byte CUipcMemHandle), opened in
-  // device `ordinal`'s primary context on first use and cached.
-  absl::StatusOr<CUdeviceptr> OpenSegment(int ordinal, const std::string& handle)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // The base address of segment `key` (segment_instance, segment_id), exported as `handle` (a
+  // 64-byte CUipcMemHandle), opened in device `ordinal`'s primary context on first use and
+  // cached under (ordinal, key): a restarted daemon's segment is another key, whatever its
+  // handle's bytes.
+  absl::StatusOr<CUdeviceptr> OpenSegment(int ordinal, const SegmentKey& key,
+                                          const std::string& handle) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Records a new interprocess event on `stream` of device `ordinal` and returns its 64-byte
   // CUipcEventHandle. The event lives as long as this state.
@@ -67,7 +70,7 @@ class CudaState {
   const CudaDriver* driver_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::vector<DeviceUuid> uuids_ ABSL_GUARDED_BY(mu_);      // by ordinal
   std::map<int, CUcontext> contexts_ ABSL_GUARDED_BY(mu_);  // retained primary contexts
-  std::map<std::pair<int, std::string>, CUdeviceptr> segments_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<int, SegmentKey>, CUdeviceptr> segments_ ABSL_GUARDED_BY(mu_);
   // Ready events this process recorded, by their IPC handle: waits in this process use them
   // directly, as CUDA does not open an IPC handle in the process that exported it.
   std::map<std::string, std::pair<int, CUevent>> events_ ABSL_GUARDED_BY(mu_);

@@ -5,7 +5,7 @@
 //
 // Layout of the segment:
 //   [0, kControlHeaderBytes)                       ControlHeader
-//   [kControlHeaderBytes, + kMaxSegments * 32)     SegmentRecord[kMaxSegments]
+//   [kControlHeaderBytes, + kMaxSegments * 64)     SegmentRecord[kMaxSegments]
 //   [RecordsOffset(), + record_count * 1024)       TensorRecord[record_count]
 #ifndef TENSORSHM_COMMON_CATALOG_LAYOUT_H_
 #define TENSORSHM_COMMON_CATALOG_LAYOUT_H_
@@ -18,7 +18,7 @@
 namespace tensorshm {
 
 inline constexpr uint64_t kControlMagic = 0x314c54434d534e54ull;  // "TNSMCTL1", little-endian
-inline constexpr uint32_t kControlLayoutVersion = 2;
+inline constexpr uint32_t kControlLayoutVersion = 3;
 inline constexpr uint32_t kControlHeaderBytes = 4096;
 inline constexpr uint32_t kMaxSegments = 1024;
 inline constexpr uint32_t kRecordMaxDims = 32;
@@ -57,9 +57,11 @@ struct SegmentRecord {
   std::atomic<uint32_t> state;  // SegmentState; written last
   int32_t device_type;          // DLDeviceType
   int32_t device_id;
-  uint32_t reserved0;
+  uint32_t owner_uid;  // the uid whose buffers the segment holds (the only one it is writable by)
   uint64_t segment_id;
   uint64_t size;
+  uint64_t instance;  // the daemon instance that created the object (Location.segment_instance)
+  uint8_t reserved[24];
 };
 
 struct TensorRecord {
@@ -99,9 +101,11 @@ static_assert(offsetof(ControlHeader, next_tensor_id) == 48);
 static_assert(offsetof(ControlHeader, shm_prefix) == 64);
 
 static_assert(std::is_standard_layout_v<SegmentRecord>);
-static_assert(sizeof(SegmentRecord) == 32);
+static_assert(sizeof(SegmentRecord) == 64);
+static_assert(offsetof(SegmentRecord, owner_uid) == 12);
 static_assert(offsetof(SegmentRecord, segment_id) == 16);
 static_assert(offsetof(SegmentRecord, size) == 24);
+static_assert(offsetof(SegmentRecord, instance) == 32);
 
 static_assert(std::is_standard_layout_v<TensorRecord>);
 static_assert(sizeof(TensorRecord) == 1024);

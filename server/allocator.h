@@ -47,13 +47,15 @@ class BestFitAllocator {
   std::set<std::pair<uint64_t, uint64_t>> by_size_;  // free blocks: (size, offset)
 };
 
-// Index of the segment (anything with a BestFitAllocator `allocator` member) with the smallest
-// free block that holds `length` bytes, the first among equals; -1 if none does.
-template <typename Segments>
-int BestFitSegment(const Segments& segments, uint64_t length) {
+// Index of the segment (anything with a BestFitAllocator `allocator` member) for which
+// `eligible(segment)` holds with the smallest free block that holds `length` bytes, the first
+// among equals; -1 if none does.
+template <typename Segments, typename Eligible>
+int BestFitSegment(const Segments& segments, uint64_t length, Eligible eligible) {
   int best = -1;
   uint64_t best_block = 0;
   for (size_t i = 0; i < segments.size(); ++i) {
+    if (!eligible(segments[i])) continue;
     std::optional<uint64_t> block = segments[i].allocator.BestFitBlock(length);
     if (block && (best < 0 || *block < best_block)) {
       best = static_cast<int>(i);
@@ -61,6 +63,11 @@ int BestFitSegment(const Segments& segments, uint64_t length) {
     }
   }
   return best;
+}
+
+template <typename Segments>
+int BestFitSegment(const Segments& segments, uint64_t length) {
+  return BestFitSegment(segments, length, [](const auto&) { return true; });
 }
 
 }  // namespace tensorshm

@@ -10,6 +10,14 @@
 #include "server/log.h"
 
 namespace tensorshm {
+namespace {
+
+HostPoolOptions PoolOptions(const CatalogOptions& options) {
+  return HostPoolOptions{options.shm_prefix, options.host_pool_bytes, options.host_segment_bytes,
+                         options.backing,    options.owner_uid,       options.instance_id};
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& options) {
   if (options.max_tensors == 0) {
@@ -17,19 +25,17 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& o
   }
   absl::StatusOr<ControlSegment> control =
       ControlSegment::Create(options.shm_prefix, options.max_tensors, options.host_pool_bytes,
-                             options.host_segment_bytes, 0600);
+                             options.host_segment_bytes, options.backing);
   if (!control.ok()) return control.status();
-  std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control)));
-  absl::StatusOr<HostPool> pool =
-      HostPool::Create(HostPoolOptions{options.shm_prefix, options.host_pool_bytes,
-                                       options.host_segment_bytes, options.mode, options.group},
-                       &catalog->control_);
+  std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control), options.instance_id));
+  absl::StatusOr<HostPool> pool = HostPool::Create(PoolOptions(options), &catalog->control_);
   if (!pool.ok()) return pool.status();
   catalog->pool_.emplace(*std::move(pool));
   return catalog;
 }
 
-Catalog::Catalog(ControlSegment control, bool all_slots_free) : control_(std::move(control)) {
+Catalog::Catalog(ControlSegment control, uint64_t instance_id, bool all_slots_free)
+    : control_(std::move(control)), instance_id_(instance_id) {
   if (!all_slots_free) return;
   const uint32_t count = control_.record_count();
   free_slots_.reserve(count);
@@ -37,13 +43,14 @@ Catalog::Catalog(ControlSegment control, bool all_slots_free) : control_(std::mo
 }
 
 absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& options) {
+  if (options.backing != SegmentBacking::kNamed) {
+    return absl::FailedPreconditionError("recovery needs named segments (--segments shm)");
+  }
   absl::StatusOr<ControlSegment> control = ControlSegment::Open(options.shm_prefix);
   if (!control.ok()) return control.status();
-  std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control), /*all_slots_free=*/false));
-  absl::StatusOr<HostPool> pool =
-      HostPool::Recover(HostPoolOptions{options.shm_prefix, options.host_pool_bytes,
-                                        options.host_segment_bytes, options.mode, options.group},
-                        &catalog->control_);
+  std::unique_ptr<Catalog> catalog(
+      new Catalog(*std::move(control), options.instance_id, /*all_slots_free=*/false));
+  absl::StatusOr<HostPool> pool = HostPool::Recover(PoolOptions(options), &catalog->control_);
   if (!pool.ok()) return pool.status();
   catalog->pool_.emplace(*std::move(pool));
 
@@ -267,7 +274,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   if (layout->nbytes > 0) {
     const uint64_t nbytes = static_cast<uint64_t>(layout->nbytes);
     absl::StatusOr<Buffer> allocated =
-        cuda != nullptr ? cuda->Allocate(nbytes) : pool_->Allocate(nbytes);
+        cuda != nullptr ? cuda->Allocate(nbytes) : pool_->Allocate(nbytes, owner_uid);
     if (!allocated.ok()) return allocated.status();
     buffer = *allocated;
   }

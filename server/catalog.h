@@ -46,8 +46,10 @@ struct CatalogOptions {
   uint64_t host_pool_bytes = 0;
   uint64_t host_segment_bytes = 0;
   uint32_t max_tensors = 0;
-  mode_t mode = 0600;                    // of pool segments; the control segment is always 0600
-  gid_t group = static_cast<gid_t>(-1);  // of pool segments, unless -1
+  // Named objects survive the daemon (recovery); memfds are not bound by /dev/shm's size.
+  SegmentBacking backing = SegmentBacking::kNamed;
+  uint32_t owner_uid = 0;    // the daemon's uid (see HostPoolOptions)
+  uint64_t instance_id = 0;  // this daemon start's, random and non-zero
 };
 
 // Thread-compatible: the service serialises all calls under its mutex. Tensor pointers returned
@@ -125,13 +127,15 @@ class Catalog {
   // Bound names starting with `prefix`, in name order.
   std::vector<const Tensor*> List(const std::string& prefix) const;
 
+  // This daemon start's id (SessionOpened.instance_id); CUDA segments belong to it.
+  uint64_t instance_id() const { return instance_id_; }
   int64_t tensor_count() const { return static_cast<int64_t>(tensors_.size()); }
   int64_t name_count() const { return static_cast<int64_t>(names_.size()); }
   const HostPool& host_pool() const { return *pool_; }
   const ControlSegment& control() const { return control_; }
 
  private:
-  explicit Catalog(ControlSegment control, bool all_slots_free = true);
+  Catalog(ControlSegment control, uint64_t instance_id, bool all_slots_free = true);
   // Turns the record in `slot` back into a Tensor (sealed unless `unpublished`), reserving its
   // buffer; false if it is invalid.
   bool Restore(uint32_t slot, bool unpublished);
@@ -141,6 +145,7 @@ class Catalog {
   void WriteRecordState(const Tensor& tensor, RecordState state);
 
   ControlSegment control_;
+  const uint64_t instance_id_;
   std::optional<HostPool> pool_;                         // set by Create; refers to control_
   std::map<int, std::unique_ptr<CudaPool>> cuda_pools_;  // by the daemon's device ordinal
   std::vector<uint32_t> free_slots_;

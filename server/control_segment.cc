@@ -11,14 +11,15 @@ namespace tensorshm {
 absl::StatusOr<ControlSegment> ControlSegment::Create(const std::string& prefix,
                                                       uint32_t record_count,
                                                       uint64_t host_pool_bytes,
-                                                      uint64_t host_segment_bytes, mode_t mode) {
+                                                      uint64_t host_segment_bytes,
+                                                      SegmentBacking backing) {
   if (prefix.size() >= sizeof(ControlHeader::shm_prefix)) {
     return absl::InvalidArgumentError(absl::StrCat("shm prefix = \"", prefix, "\": longer than ",
                                                    sizeof(ControlHeader::shm_prefix) - 1,
                                                    " bytes"));
   }
   absl::StatusOr<ShmSegment> shm = ShmSegment::Create(
-      absl::StrCat("/", prefix, ".ctl"), ControlSegmentBytes(record_count), mode, /*map=*/true);
+      absl::StrCat("/", prefix, ".ctl"), ControlSegmentBytes(record_count), /*map=*/true, backing);
   if (!shm.ok()) return shm.status();
   // A new shm object reads as zeros: every segment and record starts unused / free.
   auto* header = static_cast<ControlHeader*>(shm->address());

@@ -15,11 +15,12 @@ namespace tensorshm {
 // destroyed.
 class ControlSegment {
  public:
-  // Creates "/<prefix>.ctl" with room for `record_count` tensor records, mode `mode`, and writes
-  // a fresh header. Errors as ShmSegment::Create.
+  // Creates "/<prefix>.ctl" (a memfd with SegmentBacking::kMemfd) with room for `record_count`
+  // tensor records, mode 0600, and writes a fresh header. Errors as ShmSegment::Create.
   static absl::StatusOr<ControlSegment> Create(const std::string& prefix, uint32_t record_count,
                                                uint64_t host_pool_bytes,
-                                               uint64_t host_segment_bytes, mode_t mode);
+                                               uint64_t host_segment_bytes,
+                                               SegmentBacking backing = SegmentBacking::kNamed);
 
   // Re-opens "/<prefix>.ctl" left by a daemon that was killed (or stopped with
   // --keep-segments). FAILED_PRECONDITION naming the field if it is not a control segment of

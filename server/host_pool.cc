@@ -26,7 +26,8 @@ absl::StatusOr<HostPool> HostPool::Create(const HostPoolOptions& options, Contro
                      ": must be a positive multiple of the page size (", page, ")"));
   }
   HostPool pool(options, control);
-  if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes));
+  if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes),
+                                       options.owner_uid);
       !s.ok()) {
     return s;
   }
@@ -53,10 +54,13 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
       return absl::DataLossError(
           absl::StrCat(name, ": ", shm->size(), " bytes, the catalog recorded ", record.size));
     }
-    pool.segments_.push_back(Segment{*std::move(shm), BestFitAllocator(record.size)});
+    // The same object as before: clients keep the instance that created it as its key.
+    pool.segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(record.size),
+                                         record.owner_uid, record.instance});
   }
   if (pool.segments_.empty()) {
-    if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes));
+    if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes),
+                                         options.owner_uid);
         !s.ok()) {
       return s;
     }
@@ -70,30 +74,32 @@ bool HostPool::Reserve(const Buffer& buffer) {
 }
 
 void HostPool::KeepSegments() {
-  for (Segment& segment : segments_) segment.shm.Keep();
+  for (PoolSegment& segment : segments_) segment.shm.Keep();
 }
 
-absl::Status HostPool::AddSegment(uint64_t size) {
+absl::Status HostPool::AddSegment(uint64_t size, uint32_t uid) {
   if (segments_.size() >= kMaxSegments) {
     return absl::ResourceExhaustedError(
         absl::StrCat("host pool: all ", kMaxSegments, " segments in use; raise --segment-size"));
   }
   const uint64_t id = segments_.size() + 1;
   absl::StatusOr<ShmSegment> shm =
-      ShmSegment::Create(absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size, options_.mode,
-                         /*map=*/false, options_.group);
+      ShmSegment::Create(absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size,
+                         /*map=*/false, options_.backing);
   if (!shm.ok()) return shm.status();
-  segments_.push_back(Segment{*std::move(shm), BestFitAllocator(size)});
+  segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(size), uid, options_.instance});
   SegmentRecord& record = control_->segment(static_cast<uint32_t>(id - 1));
   record.device_type = kDLCPU;
   record.device_id = 0;
+  record.owner_uid = uid;
   record.segment_id = id;
   record.size = size;
+  record.instance = options_.instance;
   record.state.store(static_cast<uint32_t>(SegmentState::kLive), std::memory_order_release);
   return absl::OkStatus();
 }
 
-absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes) {
+absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid) {
   TSM_CHECK(nbytes > 0);
   const uint64_t page = PageSize();
   if (nbytes > options_.capacity_bytes) {
@@ -102,21 +108,28 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes) {
                      options_.capacity_bytes, " bytes, --host-pool)"));
   }
   const uint64_t length = (nbytes + page - 1) / page * page;
-  const int index = BestFitSegment(segments_, length);
-  Segment* best = index < 0 ? nullptr : &segments_[index];
+  const int index =
+      BestFitSegment(segments_, length, [uid](const PoolSegment& s) { return s.owner_uid == uid; });
+  PoolSegment* best = index < 0 ? nullptr : &segments_[index];
   if (best == nullptr) {
     const uint64_t remaining = options_.capacity_bytes - reserved_bytes();
     if (remaining < length) {
       uint64_t largest = 0;
-      for (const Segment& s : segments_)
+      uint64_t free_for_uid = remaining;
+      for (const PoolSegment& s : segments_) {
+        if (s.owner_uid != uid) continue;
         largest = std::max(largest, s.allocator.largest_free_block());
+        free_for_uid += s.allocator.free_bytes();
+      }
       largest = std::max(largest, remaining);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "host pool: cannot allocate ", nbytes, " bytes (", length,
-          " rounded to pages): ", options_.capacity_bytes - used_bytes(), " of ",
-          options_.capacity_bytes, " bytes free, largest free block ", largest, " bytes"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("host pool: cannot allocate ", nbytes, " bytes (", length,
+                       " rounded to pages) for uid ", uid, ": ", free_for_uid, " of ",
+                       options_.capacity_bytes, " bytes free to it, largest free block ", largest,
+                       " bytes (each uid's buffers take segments of their own)"));
     }
-    if (absl::Status s = AddSegment(std::min(std::max(options_.segment_bytes, length), remaining));
+    if (absl::Status s =
+            AddSegment(std::min(std::max(options_.segment_bytes, length), remaining), uid);
         !s.ok()) {
       return s;
     }
@@ -124,6 +137,13 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes) {
   }
   std::optional<uint64_t> offset = best->allocator.Allocate(length);
   TSM_CHECK(offset.has_value());
+  // Another uid's buffer: no byte of an earlier tensor of that segment may show through.
+  if (uid != options_.owner_uid) {
+    if (absl::Status s = best->shm.Zero(*offset, length); !s.ok()) {
+      best->allocator.Free(*offset, length);
+      return s;
+    }
+  }
   return Buffer{static_cast<uint64_t>(best - segments_.data()) + 1, *offset, length};
 }
 
@@ -132,25 +152,32 @@ void HostPool::Free(const Buffer& buffer) {
   segments_[buffer.segment_id - 1].allocator.Free(buffer.offset, buffer.length);
 }
 
-const std::string& HostPool::SegmentName(uint64_t segment_id) const {
-  TSM_CHECK(segment_id >= 1 && segment_id <= segments_.size());
-  return segments_[segment_id - 1].shm.name();
+const ShmSegment& HostPool::Segment(uint64_t segment_id) const {
+  TSM_CHECK(HasSegment(segment_id));
+  return segments_[segment_id - 1].shm;
 }
 
-uint64_t HostPool::SegmentSize(uint64_t segment_id) const {
-  TSM_CHECK(segment_id >= 1 && segment_id <= segments_.size());
-  return segments_[segment_id - 1].shm.size();
+uint32_t HostPool::SegmentOwner(uint64_t segment_id) const {
+  TSM_CHECK(HasSegment(segment_id));
+  return segments_[segment_id - 1].owner_uid;
+}
+
+uint64_t HostPool::SegmentInstance(uint64_t segment_id) const {
+  TSM_CHECK(HasSegment(segment_id));
+  return segments_[segment_id - 1].instance;
 }
 
 uint64_t HostPool::used_bytes() const {
   uint64_t used = 0;
-  for (const Segment& s : segments_) used += s.allocator.capacity() - s.allocator.free_bytes();
+  for (const PoolSegment& s : segments_) {
+    used += s.allocator.capacity() - s.allocator.free_bytes();
+  }
   return used;
 }
 
 uint64_t HostPool::reserved_bytes() const {
   uint64_t reserved = 0;
-  for (const Segment& s : segments_) reserved += s.shm.size();
+  for (const PoolSegment& s : segments_) reserved += s.shm.size();
   return reserved;
 }
 

@@ -1,5 +1,7 @@
-// The host pool: POSIX shm segments, grown one at a time up to the configured capacity, each
-// with a best-fit allocator.
+// The host pool: shm segments (named or memfd), grown one at a time up to the configured
+// capacity, each with a best-fit allocator. Every segment holds the buffers of one uid: the
+// daemon's own uid shares the first segments; each other admitted uid gets segments of its own,
+// so that a writable descriptor of a segment never exposes another uid's tensors.
 #ifndef TENSORSHM_SERVER_HOST_POOL_H_
 #define TENSORSHM_SERVER_HOST_POOL_H_
 
@@ -25,16 +27,17 @@ struct HostPoolOptions {
   std::string shm_prefix;
   uint64_t capacity_bytes = 0;
   uint64_t segment_bytes = 0;
-  mode_t mode = 0600;
-  gid_t group = static_cast<gid_t>(-1);  // segment group, unless -1
+  SegmentBacking backing = SegmentBacking::kNamed;
+  uint32_t owner_uid = 0;  // the daemon's uid; buffers of any other uid are zeroed when handed out
+  uint64_t instance = 0;   // this daemon start's id, recorded on the segments it creates
 };
 
 // Thread-compatible: the catalog serialises access.
 class HostPool {
  public:
-  // Creates the pool and its first segment (min(segment_bytes, capacity_bytes) bytes), recording
-  // segments in `control`, which must outlive the pool. Errors as ShmSegment::Create, or
-  // INVALID_ARGUMENT for sizes that are zero or not page multiples.
+  // Creates the pool and its first segment (min(segment_bytes, capacity_bytes) bytes, for the
+  // owner uid), recording segments in `control`, which must outlive the pool. Errors as
+  // ShmSegment::Create, or INVALID_ARGUMENT for sizes that are zero or not page multiples.
   static absl::StatusOr<HostPool> Create(const HostPoolOptions& options, ControlSegment* control);
 
   // Re-opens the segments `control` records as live (a restarted daemon), each with a fully free
@@ -48,37 +51,48 @@ class HostPool {
   // Leaves every segment in place when the pool is destroyed (--keep-segments).
   void KeepSegments();
 
-  // Returns a buffer of at least `nbytes` (rounded up to whole pages), taken best-fit from the
-  // existing segments or, failing that, from a new segment while the capacity allows.
-  // RESOURCE_EXHAUSTED naming the requested, free and largest-free sizes when nothing fits.
-  // REQUIRES: nbytes > 0.
-  absl::StatusOr<Buffer> Allocate(uint64_t nbytes);
+  // Returns a buffer of at least `nbytes` (rounded up to whole pages) for `uid`, taken best-fit
+  // from that uid's segments or, failing that, from a new segment of its own while the capacity
+  // allows. A buffer for a uid other than the owner's reads as zeros. RESOURCE_EXHAUSTED naming
+  // the requested, free and largest-free sizes when nothing fits. REQUIRES: nbytes > 0.
+  absl::StatusOr<Buffer> Allocate(uint64_t nbytes, uint32_t uid);
 
   // Returns `buffer` to its segment. REQUIRES: it came from Allocate and is not yet freed.
   void Free(const Buffer& buffer);
 
-  // The shm name and size of segment `segment_id`. REQUIRES: a live segment id.
-  const std::string& SegmentName(uint64_t segment_id) const;
-  uint64_t SegmentSize(uint64_t segment_id) const;
+  // Whether `segment_id` names a segment of the pool.
+  bool HasSegment(uint64_t segment_id) const {
+    return segment_id >= 1 && segment_id <= segments_.size();
+  }
+  // Segment `segment_id`: its object, the uid whose buffers it holds, and the daemon instance
+  // that created it. REQUIRES: HasSegment(segment_id).
+  const ShmSegment& Segment(uint64_t segment_id) const;
+  uint32_t SegmentOwner(uint64_t segment_id) const;
+  uint64_t SegmentInstance(uint64_t segment_id) const;
+  const std::string& SegmentName(uint64_t segment_id) const { return Segment(segment_id).name(); }
+  uint64_t SegmentSize(uint64_t segment_id) const { return Segment(segment_id).size(); }
 
   uint64_t capacity_bytes() const { return options_.capacity_bytes; }
+  SegmentBacking backing() const { return options_.backing; }
   uint64_t used_bytes() const;
   uint64_t reserved_bytes() const;  // bytes of all segments created so far
   size_t segment_count() const { return segments_.size(); }
   static uint64_t PageSize();
 
  private:
-  struct Segment {
+  struct PoolSegment {
     ShmSegment shm;
     BestFitAllocator allocator;
+    uint32_t owner_uid;
+    uint64_t instance;
   };
   HostPool(HostPoolOptions options, ControlSegment* control)
       : options_(std::move(options)), control_(control) {}
-  absl::Status AddSegment(uint64_t size);
+  absl::Status AddSegment(uint64_t size, uint32_t uid);
 
   HostPoolOptions options_;
   ControlSegment* control_;
-  std::vector<Segment> segments_;  // segments_[id - 1]
+  std::vector<PoolSegment> segments_;  // segments_[id - 1]
 };
 
 }  // namespace tensorshm

@@ -6,6 +6,7 @@
 #include <grpcpp/server_builder.h>
 #include <grpcpp/server_posix.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -16,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +30,7 @@
 #include "server/cuda_pool.h"
 #include "server/listener.h"
 #include "server/log.h"
+#include "server/memory_channel.h"
 #include "server/options.h"
 #include "server/service.h"
 
@@ -113,6 +116,26 @@ std::string FormatBytes(uint64_t bytes) {
   return absl::StrFormat("%.4g %s", value, kUnits[unit]);
 }
 
+// A random, non-zero id for this daemon start (SessionOpened.instance_id).
+uint64_t NewInstanceId() {
+  std::random_device random;
+  uint64_t id = 0;
+  while (id == 0) id = (uint64_t{random()} << 32) ^ random();
+  return id;
+}
+
+// Every segment is a descriptor held by the daemon, and every client two connections: the soft
+// limit of open files (often 1024) goes up to the hard one.
+void RaiseOpenFileLimit() {
+  rlimit limit;
+  if (getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &limit) != 0) {
+      TSM_LOG(kWarning) << "cannot raise the open file limit: " << std::strerror(errno);
+    }
+  }
+}
+
 int Run(int argc, char** argv) {
   absl::StatusOr<DaemonOptions> options = ParseOptions(argc, argv);
   if (!options.ok()) {
@@ -140,20 +163,25 @@ int Run(int argc, char** argv) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
   }
-  if (absl::Status s =
-          CheckShmCapacity(options->host_pool_bytes, ControlSegmentBytes(options->max_tensors));
+  // memfd segments live outside /dev/shm: its size does not matter to them.
+  if (absl::Status s = options->memfd_segments
+                           ? absl::OkStatus()
+                           : CheckShmCapacity(options->host_pool_bytes,
+                                              ControlSegmentBytes(options->max_tensors));
       !s.ok()) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
   }
+  RaiseOpenFileLimit();
+  // Segments are mode 0600 whoever is admitted: clients get descriptors over the memory channel.
   const CatalogOptions catalog_options{
-      options->shm_prefix, options->host_pool_bytes, options->segment_bytes, options->max_tensors,
-      // Admitted users must map the segments: a group when only gids are allowed; other
-      // uids need them world-readable until descriptors are passed over the socket.
-      !options->allow_uids.empty()   ? mode_t{0644}
-      : !options->allow_gids.empty() ? mode_t{0640}
-                                     : mode_t{0600},
-      options->allow_gids.empty() ? static_cast<gid_t>(-1) : *options->allow_gids.begin()};
+      options->shm_prefix,
+      options->host_pool_bytes,
+      options->segment_bytes,
+      options->max_tensors,
+      options->memfd_segments ? SegmentBacking::kMemfd : SegmentBacking::kNamed,
+      static_cast<uint32_t>(geteuid()),
+      NewInstanceId()};
   // Device pools first: a failure here must not touch the host segments (of a killed daemon,
   // when recovering).
   std::vector<std::unique_ptr<CudaPool>> cuda_pools;
@@ -181,6 +209,7 @@ int Run(int argc, char** argv) {
   }
   // The segments of a daemon that was killed (or kept them) are taken back, not replaced.
   const bool recovering =
+      !options->memfd_segments &&
       access(absl::StrCat("/dev/shm/", options->shm_prefix, ".ctl").c_str(), F_OK) == 0;
   absl::StatusOr<std::unique_ptr<Catalog>> catalog =
       recovering ? Catalog::Recover(catalog_options) : Catalog::Create(catalog_options);
@@ -220,14 +249,29 @@ int Run(int argc, char** argv) {
     std::cerr << "tensorshmd: " << listener.status().message() << "\n";
     return 1;
   }
-  (*listener)->Start([&](int fd, const PeerCredentials& peer) {
-    peers.Add(absl::StrCat("fd:", fd), peer);
-    TSM_LOG(kDebug) << "accepted fd " << fd << ": pid " << peer.pid << ", uid " << peer.uid;
-    grpc::AddInsecureChannelFromFd(server.get(), fd);
-  });
+  absl::StatusOr<std::unique_ptr<ChannelServer>> channels = ChannelServer::Start(
+      [&service](ChannelConnection& connection, const v1::ChannelRequest& request) {
+        return service.HandleChannel(connection, request);
+      });
+  if (!channels.ok()) {
+    std::cerr << "tensorshmd: " << channels.status().message() << "\n";
+    return 1;
+  }
+  (*listener)->Start(
+      [&](int fd, const PeerCredentials& peer) {
+        peers.Add(absl::StrCat("fd:", fd), peer);
+        TSM_LOG(kDebug) << "accepted fd " << fd << ": pid " << peer.pid << ", uid " << peer.uid;
+        grpc::AddInsecureChannelFromFd(server.get(), fd);
+      },
+      [&](int fd, const PeerCredentials& peer) {
+        TSM_LOG(kDebug) << "memory channel fd " << fd << ": pid " << peer.pid << ", uid "
+                        << peer.uid;
+        (*channels)->Add(fd, peer);
+      });
 
   std::cout << "tensorshmd " << TENSORSHM_VERSION << ": serving on unix:" << options->socket
-            << "; host pool " << FormatBytes(options->host_pool_bytes) << " in segments of "
+            << "; host pool " << FormatBytes(options->host_pool_bytes) << " in "
+            << (options->memfd_segments ? "memfd" : "shm") << " segments of "
             << FormatBytes(options->segment_bytes) << ", shm prefix /" << options->shm_prefix
             << std::endl;
 
@@ -248,6 +292,7 @@ int Run(int argc, char** argv) {
     TSM_LOG(kInfo) << "received " << strsignal(signal_number) << ", stopping";
     server->GetHealthCheckService()->SetServingStatus(false);
     (*listener)->Stop();
+    (*channels)->Stop();
     stopping.Notify();
     service.BeginShutdown();
     // In-flight calls get a moment to finish; session streams are then cancelled.

@@ -81,6 +81,9 @@ std::string Usage() {
       "  --host-pool SIZE     most host memory the pool may hold (default 1Gi)\n"
       "  --segment-size SIZE  size of each shm segment the pool grows by (default 256Mi);\n"
       "                       a larger tensor gets a segment of its own size\n"
+      "  --segments KIND      shm: named objects in /dev/shm, recovered after a crash\n"
+      "                       (default); memfd: anonymous memory, not bound by the size of\n"
+      "                       /dev/shm, lost when the daemon dies (no recovery)\n"
       "  --shm-prefix P       prefix of the shm object names (default: tsm-<random>)\n"
       "  --max-tensors N      tensor records in the catalog (default 4096)\n"
       "  --session-quota SIZE most bytes of unpublished buffers one session may hold at once\n"
@@ -92,8 +95,9 @@ std::string Usage() {
       "                       were unbound but leased this many seconds (default 10)\n"
       "  --allow-uid UID      also admit clients running as UID (repeatable); by default only\n"
       "                       the daemon's own uid is admitted, others get PERMISSION_DENIED\n"
-      "  --allow-gid GID      also admit clients whose primary gid is GID (repeatable); pool\n"
-      "                       segments then belong to the first such group, mode 0640\n"
+      "  --allow-gid GID      also admit clients whose primary gid is GID (repeatable)\n"
+      "                       (segments stay mode 0600 either way: clients receive their\n"
+      "                       descriptors over the socket, and each uid writes only its own)\n"
       "  --cuda-pool cuda:N=SIZE\n"
       "                       a pool of SIZE bytes of device memory on CUDA device N\n"
       "                       (repeatable, one per device); needs the CUDA driver\n"
@@ -130,11 +134,12 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       options.keep_segments = true;
       continue;
     }
-    const bool takes_value =
-        arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
-        arg == "--shm-prefix" || arg == "--max-tensors" || arg == "--log-level" ||
-        arg == "--session-quota" || arg == "--allow-uid" || arg == "--allow-gid" ||
-        arg == "--recovery-grace" || arg == "--cuda-pool" || arg == "--cuda-segment-size";
+    const bool takes_value = arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
+                             arg == "--shm-prefix" || arg == "--max-tensors" ||
+                             arg == "--log-level" || arg == "--session-quota" ||
+                             arg == "--allow-uid" || arg == "--allow-gid" ||
+                             arg == "--recovery-grace" || arg == "--cuda-pool" ||
+                             arg == "--cuda-segment-size" || arg == "--segments";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -160,6 +165,15 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
         }
       }
       options.cuda_pools.push_back(*pool);
+    } else if (arg == "--segments") {
+      if (value == "shm") {
+        options.memfd_segments = false;
+      } else if (value == "memfd") {
+        options.memfd_segments = true;
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--segments = \"", value, "\": expected shm or memfd"));
+      }
     } else if (arg == "--cuda-segment-size") {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();
@@ -205,6 +219,10 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       if (!level.ok()) return level.status();
       options.log_level = *level;
     }
+  }
+  if (options.memfd_segments && options.keep_segments) {
+    return absl::InvalidArgumentError(
+        "--keep-segments with --segments memfd: memfd segments cannot outlive the daemon");
   }
   if (options.shm_prefix.empty()) options.shm_prefix = RandomPrefix();
   // Both sizes round to whole pages, the unit of allocation.

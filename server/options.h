@@ -27,6 +27,7 @@ struct DaemonOptions {
   uint64_t host_pool_bytes = 1ull << 30;  // --host-pool
   uint64_t segment_bytes = 256ull << 20;  // --segment-size
   std::string shm_prefix;                 // default: "tsm-" + 64 random bits in hex
+  bool memfd_segments = false;            // --segments memfd (default shm)
   uint32_t max_tensors = 4096;            // --max-tensors
   uint64_t session_quota_bytes = 0;       // --session-quota; 0: unlimited
   bool keep_segments = false;             // --keep-segments

@@ -93,6 +93,8 @@ void TensorShmService::Describe(const Tensor& tensor, v1::TensorDesc* desc,
   location->set_segment_id(tensor.buffer.segment_id);
   location->set_offset(tensor.buffer.offset);
   location->set_length(tensor.buffer.length);
+  // CUDA segments are always this daemon's own (device memory does not survive it).
+  location->set_segment_instance(catalog_->instance_id());
   if (tensor.device.device_type == kDLCUDA) {
     const CudaPool* pool = catalog_->cuda_pool(tensor.device.device_id);
     v1::CudaLocation* cuda = location->mutable_cuda();
@@ -107,8 +109,94 @@ void TensorShmService::Describe(const Tensor& tensor, v1::TensorDesc* desc,
   } else if (tensor.buffer.length > 0) {
     const HostPool& pool = catalog_->host_pool();
     location->set_segment_size(pool.SegmentSize(tensor.buffer.segment_id));
-    location->mutable_host()->set_shm_name(pool.SegmentName(tensor.buffer.segment_id));
+    location->set_segment_instance(pool.SegmentInstance(tensor.buffer.segment_id));
+    location->mutable_host()->set_shm_name(
+        pool.backing() == SegmentBacking::kNamed ? pool.SegmentName(tensor.buffer.segment_id) : "");
   }
+}
+
+ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
+                                             const v1::ChannelRequest& request) {
+  ChannelReply reply;
+  reply.response.set_sequence(request.sequence());
+  absl::Status status = [&]() -> absl::Status {
+    if (policy_ != nullptr) {
+      if (absl::Status s = policy_->Admit(connection.peer); !s.ok()) return s;
+    }
+    MutexLock lock(&mu_);
+    if (request.has_bind()) {
+      if (!connection.session_token.empty()) {
+        return absl::FailedPreconditionError("bind: this channel is bound to a session already");
+      }
+      const tensorshm::Session* session = sessions_.Find(request.bind().session_id());
+      if (session == nullptr) {
+        return absl::FailedPreconditionError(
+            "bind.session_id: no open session has this id (its stream ended, or it never "
+            "existed)");
+      }
+      // Only the process that opened the session may bind to it: a token seen by another
+      // process (a forked child, a leaked log) is worth nothing on its own.
+      if (session->uid != connection.peer.uid || session->pid != connection.peer.pid) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "bind.session_id: the session belongs to pid ", session->pid, " (uid ", session->uid,
+            "); this connection is pid ", connection.peer.pid, " (uid ", connection.peer.uid, ")"));
+      }
+      connection.session_token = request.bind().session_id();
+      reply.response.mutable_bound()->set_instance_id(catalog_->instance_id());
+      return absl::OkStatus();
+    }
+    if (request.has_segment()) {
+      if (connection.session_token.empty()) {
+        return absl::FailedPreconditionError("segment: bind the channel to a session first");
+      }
+      const tensorshm::Session* session = sessions_.Find(connection.session_token);
+      if (session == nullptr) {
+        return absl::FailedPreconditionError(
+            "segment: the session this channel is bound to has ended; reconnect");
+      }
+      absl::StatusOr<int> fd =
+          GrantSegment(*session, request.segment(), reply.response.mutable_segment());
+      if (!fd.ok()) return fd.status();
+      reply.fd = *fd;
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError("kind: neither bind nor segment");
+  }();
+  if (!status.ok()) {
+    reply.response.clear_kind();
+    reply.response.set_code(static_cast<int32_t>(status.code()));
+    reply.response.set_message(std::string(status.message()));
+  }
+  return reply;
+}
+
+absl::StatusOr<int> TensorShmService::GrantSegment(const tensorshm::Session& session,
+                                                   const v1::SegmentRequest& request,
+                                                   v1::SegmentGrant* grant) {
+  const HostPool& pool = catalog_->host_pool();
+  const uint64_t id = request.segment_id();
+  if (!pool.HasSegment(id)) {
+    return absl::NotFoundError(absl::StrCat("segment.segment_id = ", id, ": no such host segment (",
+                                            pool.segment_count(), " segments)"));
+  }
+  if (pool.SegmentInstance(id) != request.segment_instance()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("segment.segment_instance = ", request.segment_instance(), ": segment ", id,
+                     " is another object now (made by instance ", pool.SegmentInstance(id),
+                     "); the daemon restarted since that location was issued"));
+  }
+  if (request.writable() && pool.SegmentOwner(id) != session.uid) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("segment.writable: segment ", id, " holds the buffers of uid ",
+                     pool.SegmentOwner(id), "; uid ", session.uid, " may only read it"));
+  }
+  absl::StatusOr<int> fd = pool.Segment(id).OpenForClient(request.writable());
+  if (!fd.ok()) return fd.status();
+  grant->set_segment_id(id);
+  grant->set_segment_instance(pool.SegmentInstance(id));
+  grant->set_size(pool.SegmentSize(id));
+  grant->set_writable(request.writable());
+  return *fd;
 }
 
 grpc::Status TensorShmService::Session(
@@ -137,6 +225,13 @@ grpc::Status TensorShmService::Session(
     session_id = session.id;
     token = session.token;
     Reattach(session, request.open(), opened.mutable_opened());
+    opened.mutable_opened()->set_instance_id(catalog_->instance_id());
+    const HostPool& pool = catalog_->host_pool();
+    for (uint64_t id = 1; id <= pool.segment_count(); ++id) {
+      v1::SegmentRef* segment = opened.mutable_opened()->add_segments();
+      segment->set_segment_instance(pool.SegmentInstance(id));
+      segment->set_segment_id(id);
+    }
   }
   TSM_LOG(kInfo) << "session " << session_id << " opened: pid " << request.open().pid() << ", uid "
                  << peer->uid << ", client \"" << request.open().client_name() << "\", "

@@ -9,6 +9,7 @@
 #include "common/mutex.h"
 #include "server/access.h"
 #include "server/catalog.h"
+#include "server/memory_channel.h"
 #include "server/session.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
@@ -32,6 +33,12 @@ class TensorShmService final : public v1::TensorShm::Service {
   int ExpireUnbound();
   // --keep-segments: leave the shm objects for the next daemon with this prefix.
   void KeepSegments();
+
+  // Answers one memory channel request (see ChannelRequest in the .proto): binds `connection`
+  // to a session opened by the same process, or grants one host segment's descriptor. Refusals
+  // are in the response's code and message.
+  ChannelReply HandleChannel(ChannelConnection& connection, const v1::ChannelRequest& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   grpc::Status Session(
       grpc::ServerContext* context,
@@ -75,6 +82,10 @@ class TensorShmService final : public v1::TensorShm::Service {
   absl::StatusOr<int> CudaOrdinalOf(const DLDevice& device, const std::string& uuid) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The descriptor of host segment `request.segment_id` for `session`, as the channel grants it.
+  absl::StatusOr<int> GrantSegment(const tensorshm::Session& session,
+                                   const v1::SegmentRequest& request, v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Mutex mu_;

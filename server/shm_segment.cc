@@ -16,45 +16,76 @@
 namespace tensorshm {
 namespace bip = boost::interprocess;
 
-absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size, mode_t mode,
-                                              bool map, gid_t group) {
+namespace {
+
+// Reserves every page of `fd` (see Create); RESOURCE_EXHAUSTED when there is no room.
+absl::Status Reserve(int fd, const std::string& name, uint64_t offset, uint64_t length,
+                     SegmentBacking backing) {
+  const int err = posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(length));
+  if (err == 0) return absl::OkStatus();
+  if (err == ENOSPC || err == ENOMEM) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "posix_fallocate(", name, ", ", length, " bytes): ",
+        backing == SegmentBacking::kMemfd
+            ? "out of memory for the segment (memory cgroup or RAM); lower --host-pool"
+            : "/dev/shm has no room for the segment; enlarge /dev/shm (docker --shm-size, "
+              "Kubernetes emptyDir medium Memory sizeLimit), use --segments memfd, or lower "
+              "--host-pool"));
+  }
+  return ErrnoError("posix_fallocate", name, err);
+}
+
+}  // namespace
+
+absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size, bool map,
+                                              SegmentBacking backing) {
   if (name.size() < 2 || name[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("shm name = \"", name, "\": must start with /"));
   }
-  bip::shared_memory_object object;
-  try {
-    // Boost.Interprocess creates with exactly `mode` (it applies fchmod after creation, so the
-    // umask does not widen or narrow it).
-    object = bip::shared_memory_object(bip::create_only, name.c_str() + 1, bip::read_write,
-                                       bip::permissions(mode));
-  } catch (const bip::interprocess_exception& e) {
-    return ErrnoError("shm_open", name, e.get_native_error());
-  }
-  // From here on the object exists; remove it again on any failure.
-  auto fail = [&](absl::Status status) {
-    bip::shared_memory_object::remove(name.c_str() + 1);
-    return status;
-  };
-  const int fd = object.get_mapping_handle().handle;
-  if (group != static_cast<gid_t>(-1) && fchown(fd, static_cast<uid_t>(-1), group) != 0) {
-    return fail(ErrnoError("fchown", name, errno));
-  }
-  if (int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
-    if (err == ENOSPC) {
-      return fail(absl::ResourceExhaustedError(absl::StrCat(
-          "posix_fallocate(", name, ", ", size,
-          " bytes): /dev/shm has no room for the segment; enlarge /dev/shm (docker --shm-size, "
-          "Kubernetes emptyDir medium Memory sizeLimit) or lower --host-pool")));
+  int fd = -1;
+  if (backing == SegmentBacking::kMemfd) {
+    // Sealed against resizing below: a client holding a writable descriptor cannot shrink the
+    // object under other processes' mappings (which would turn their reads into SIGBUS).
+    fd = memfd_create(name.c_str() + 1, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return ErrnoError("memfd_create", name, errno);
+    // A memfd starts as 0777: reopening a read-only descriptor through /proc must not give
+    // another uid write access.
+    if (fchmod(fd, 0600) != 0) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError("fchmod", name, err);
     }
-    return fail(ErrnoError("posix_fallocate", name, err));
+  } else {
+    bip::shared_memory_object object;
+    try {
+      // Boost.Interprocess creates with exactly `mode` (it applies fchmod after creation, so the
+      // umask does not widen or narrow it).
+      object = bip::shared_memory_object(bip::create_only, name.c_str() + 1, bip::read_write,
+                                         bip::permissions(0600));
+    } catch (const bip::interprocess_exception& e) {
+      return ErrnoError("shm_open", name, e.get_native_error());
+    }
+    // `object` closes its descriptor when it goes; the segment keeps one of its own.
+    fd = fcntl(object.get_mapping_handle().handle, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) {
+      const int err = errno;
+      bip::shared_memory_object::remove(name.c_str() + 1);
+      return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", name, err);
+    }
   }
-  void* address = nullptr;
+  // From here on `segment` owns the descriptor, and removes a named object on failure.
+  ShmSegment segment(name, size, fd, nullptr, backing);
+  if (absl::Status s = Reserve(fd, name, 0, size, backing); !s.ok()) return s;
+  if (backing == SegmentBacking::kMemfd &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return ErrnoError("fcntl(F_ADD_SEALS)", name, errno);
+  }
   if (map) {
-    address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (address == MAP_FAILED) return fail(ErrnoError("mmap", name, errno));
+    void* address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (address == MAP_FAILED) return ErrnoError("mmap", name, errno);
+    segment.address_ = address;
   }
-  // `object` closes its descriptor here; the mapping and the name stay.
-  return ShmSegment(name, size, address);
+  return segment;
 }
 
 absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
@@ -66,26 +97,48 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
     close(fd);
     return ErrnoError("fstat", name, err);
   }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  void* address = nullptr;
+  ShmSegment segment(name, static_cast<uint64_t>(st.st_size), fd, nullptr, SegmentBacking::kNamed);
   if (map) {
-    address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* address = mmap(nullptr, segment.size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (address == MAP_FAILED) {
-      const int err = errno;
-      close(fd);
-      return ErrnoError("mmap", name, err);
+      segment.keep_ = true;  // not ours to remove on a failed open
+      return ErrnoError("mmap", name, errno);
     }
+    segment.address_ = address;
   }
-  close(fd);
-  return ShmSegment(name, size, address);
+  return segment;
+}
+
+absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
+  if (writable) {
+    const int fd = fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", name_, errno);
+    return fd;
+  }
+  // A new open file description, read-only: a duplicate of fd_ would carry its write access.
+  const std::string path = absl::StrCat("/proc/self/fd/", fd_);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError("open(" + path + ", O_RDONLY)", name_, errno);
+  return fd;
+}
+
+absl::Status ShmSegment::Zero(uint64_t offset, uint64_t length) const {
+  if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                static_cast<off_t>(length)) != 0) {
+    return ErrnoError("fallocate(PUNCH_HOLE)", name_, errno);
+  }
+  return Reserve(fd_, name_, offset, length, backing_);
 }
 
 ShmSegment::ShmSegment(ShmSegment&& other) noexcept
     : name_(std::move(other.name_)),
       size_(other.size_),
+      fd_(other.fd_),
       address_(other.address_),
+      backing_(other.backing_),
       keep_(other.keep_) {
   other.name_.clear();
+  other.fd_ = -1;
   other.address_ = nullptr;
 }
 
@@ -94,9 +147,12 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     Reset();
     name_ = std::move(other.name_);
     size_ = other.size_;
+    fd_ = other.fd_;
     address_ = other.address_;
+    backing_ = other.backing_;
     keep_ = other.keep_;
     other.name_.clear();
+    other.fd_ = -1;
     other.address_ = nullptr;
   }
   return *this;
@@ -107,7 +163,11 @@ ShmSegment::~ShmSegment() { Reset(); }
 void ShmSegment::Reset() {
   if (address_ != nullptr) munmap(address_, size_);
   address_ = nullptr;
-  if (!name_.empty() && !keep_) bip::shared_memory_object::remove(name_.c_str() + 1);
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+  if (!name_.empty() && !keep_ && backing_ == SegmentBacking::kNamed) {
+    bip::shared_memory_object::remove(name_.c_str() + 1);
+  }
   name_.clear();
 }
 

@@ -1,5 +1,7 @@
-// A POSIX shared memory object created by tensorshmd: one host pool segment, or the control
-// segment. Move-only; the creator unlinks it when destroyed.
+// A shared memory object created by tensorshmd: one host pool segment, or the control segment.
+// Either a named POSIX shm object in /dev/shm (survives the daemon, so a restarted daemon can
+// recover it) or an anonymous memfd (not bound by the size of /dev/shm; dies with the daemon).
+// Move-only; the creator unlinks a named object when destroyed.
 #ifndef TENSORSHM_SERVER_SHM_SEGMENT_H_
 #define TENSORSHM_SERVER_SHM_SEGMENT_H_
 
@@ -13,19 +15,24 @@
 
 namespace tensorshm {
 
+enum class SegmentBacking {
+  kNamed,  // POSIX shm object "/<name>" in /dev/shm
+  kMemfd,  // memfd_create: anonymous, sealed against resizing
+};
+
 // Thread-compatible.
 class ShmSegment {
  public:
-  // Creates the shm object `name` ("/..."), `size` bytes, with `mode` permissions regardless of
-  // the umask, and reserves all its pages with posix_fallocate so that a full /dev/shm fails
-  // here rather than later as SIGBUS in a client. With `map` the daemon also maps it read-write.
-  // Returns ALREADY_EXISTS if the name is taken, RESOURCE_EXHAUSTED if /dev/shm cannot hold
-  // `size` bytes (the object is removed again), or another error naming the call and object.
-  // `group`, unless (gid_t)-1, becomes the object's group (for --allow-gid).
-  static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size, mode_t mode,
-                                           bool map, gid_t group = static_cast<gid_t>(-1));
+  // Creates the object `name` ("/..."; a memfd takes it as its debugging name), `size` bytes,
+  // mode 0600 regardless of the umask, and reserves all its pages with posix_fallocate so that
+  // a full /dev/shm (or memory cgroup) fails here rather than later as SIGBUS in a client. With
+  // `map` the daemon also maps it read-write. Returns ALREADY_EXISTS if the name is taken,
+  // RESOURCE_EXHAUSTED if `size` bytes cannot be reserved (the object is removed again), or
+  // another error naming the call and object.
+  static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size, bool map,
+                                           SegmentBacking backing = SegmentBacking::kNamed);
 
-  // Re-opens the existing shm object `name` (a restarted daemon taking its segments back); the
+  // Re-opens the existing named object `name` (a restarted daemon taking its segments back); the
   // result owns it like a created one. Its size is the object's. NOT_FOUND if it is gone.
   static absl::StatusOr<ShmSegment> Open(const std::string& name, bool map);
 
@@ -33,24 +40,37 @@ class ShmSegment {
   ShmSegment& operator=(ShmSegment&& other) noexcept;
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
-  ~ShmSegment();  // unmaps and unlinks
+  ~ShmSegment();  // unmaps, closes, and unlinks a named object
 
-  // Leaves the shm object in place when this is destroyed (--keep-segments).
+  // Leaves a named object in place when this is destroyed (--keep-segments).
   void Keep() { keep_ = true; }
+
+  // A new descriptor of the object for a client (close-on-exec; the caller closes it):
+  // read-only, or read-write. A read-only one cannot be mapped writable nor reopened writable by
+  // anyone but the daemon's uid (the object is mode 0600). Errors name the call and the object.
+  absl::StatusOr<int> OpenForClient(bool writable) const;
+
+  // Zeroes [offset, offset + length) and keeps its pages reserved: the pages are punched out and
+  // allocated again, so no old byte is left and nothing is written through a mapping.
+  // RESOURCE_EXHAUSTED if the pages cannot be reserved again.
+  absl::Status Zero(uint64_t offset, uint64_t length) const;
 
   const std::string& name() const { return name_; }
   uint64_t size() const { return size_; }
+  SegmentBacking backing() const { return backing_; }
   // The daemon's read-write mapping; nullptr unless created with `map`.
   void* address() const { return address_; }
 
  private:
-  ShmSegment(std::string name, uint64_t size, void* address)
-      : name_(std::move(name)), size_(size), address_(address) {}
+  ShmSegment(std::string name, uint64_t size, int fd, void* address, SegmentBacking backing)
+      : name_(std::move(name)), size_(size), fd_(fd), address_(address), backing_(backing) {}
   void Reset();
 
   std::string name_;
   uint64_t size_ = 0;
+  int fd_ = -1;  // read-write, kept for OpenForClient and Zero
   void* address_ = nullptr;
+  SegmentBacking backing_ = SegmentBacking::kNamed;
   bool keep_ = false;
 };
 

@@ -12,11 +12,11 @@ static_assert(sizeof(TensorRecord) == 1024, "TensorRecord is 1 KiB");
 static_assert(offsetof(TensorRecord, state) == 0, "state word first");
 static_assert(sizeof(TensorRecord::shape) == 32 * 8);
 static_assert(sizeof(TensorRecord::name) == 256);
-static_assert(sizeof(SegmentRecord) == 32);
+static_assert(sizeof(SegmentRecord) == 64);
 static_assert(sizeof(ControlHeader) == 4096);
 
 TEST(CatalogLayoutTest, SegmentSizeFollowsRecordCount) {
-  EXPECT_EQ(RecordsOffset(), 4096u + 1024u * 32u);
+  EXPECT_EQ(RecordsOffset(), 4096u + 1024u * 64u);
   EXPECT_EQ(ControlSegmentBytes(0), RecordsOffset());
   EXPECT_EQ(ControlSegmentBytes(4096), RecordsOffset() + 4096u * 1024u);
 }

@@ -21,7 +21,7 @@ class CatalogTest : public ::testing::Test {
       boost::interprocess::shared_memory_object::remove((prefix_ + suffix).c_str());
     }
     absl::StatusOr<std::unique_ptr<Catalog>> catalog =
-        Catalog::Create(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8, 0600});
+        Catalog::Create(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8});
     ASSERT_TRUE(catalog.ok()) << catalog.status();
     catalog_ = *std::move(catalog);
   }
@@ -147,7 +147,7 @@ TEST_F(CatalogTest, RecoveryGracePeriodKeepsWhatReconnectingClientsHold) {
   catalog_->KeepSegments();
   catalog_.reset();
   absl::StatusOr<std::unique_ptr<Catalog>> recovered =
-      Catalog::Recover(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8, 0600});
+      Catalog::Recover(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8});
   ASSERT_TRUE(recovered.ok()) << recovered.status();
   catalog_ = *std::move(recovered);
   ASSERT_TRUE(catalog_->in_grace());

@@ -37,6 +37,18 @@ TEST(ParseOptionsTest, DefaultsAndFlags) {
   EXPECT_EQ(options->shm_prefix, "abc");
   EXPECT_EQ(options->log_level, LogLevel::kDebug);
   EXPECT_EQ(options->session_quota_bytes, 1u << 20);
+  EXPECT_FALSE(options->memfd_segments);
+}
+
+TEST(ParseOptionsTest, SegmentsAreNamedShmOrMemfd) {
+  const char* memfd[] = {"tensorshmd", "--segments", "memfd"};
+  absl::StatusOr<DaemonOptions> options = ParseOptions(3, const_cast<char**>(memfd));
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_TRUE(options->memfd_segments);
+  const char* shm[] = {"tensorshmd", "--segments=shm"};
+  options = ParseOptions(2, const_cast<char**>(shm));
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_FALSE(options->memfd_segments);
 }
 
 TEST(ParseOptionsTest, RandomPrefixByDefaultAndBadFlagsRefused) {
@@ -54,6 +66,8 @@ TEST(ParseOptionsTest, RandomPrefixByDefaultAndBadFlagsRefused) {
            {"tensorshmd", "--log-level", "loud"},
            {"tensorshmd", "--host-pool"},
            {"tensorshmd", "--host-pool", "0"},
+           {"tensorshmd", "--segments", "tmpfs"},
+           {"tensorshmd", "--keep-segments", "--segments", "memfd"},
        }) {
     absl::StatusOr<DaemonOptions> options =
         ParseOptions(static_cast<int>(argv.size()), const_cast<char**>(argv.data()));

@@ -376,6 +376,7 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   absl::StatusOr<ServerStats> stats = (*consumer)->Stat();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->leases, 2);
+  EXPECT_TRUE(LeaseStatus(*kept).ok()) << LeaseStatus(*kept);
   EXPECT_EQ(StorageHash((*kept)->dl_tensor), sums["kept"]);
   EXPECT_EQ(StorageHash((*unbound)->dl_tensor), sums["deleted-before"]);
   // Deleting "kept" now does not free what the consumer still reads.
@@ -420,10 +421,13 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   for (const TensorInfo& info : *listed) live_bytes += (info.nbytes + 4095) / 4096 * 4096;
   EXPECT_EQ(stats->pools[0].used_bytes, live_bytes);
 
-  // A restart with no grace period: the lease cannot be re-registered, the tensor stays mapped,
-  // and releasing it is quietly dropped, not refused.
+  // A restart with no grace period: the lease cannot be re-registered. The tensor stays mapped
+  // (the recovered daemon says its segment is the same object), and the loss is reported: by
+  // LeaseStatus on the tensor and once by Flush, naming the tensor; releasing it is not refused.
   absl::StatusOr<DLManagedTensorVersioned*> late = (*consumer)->Acquire("draft");
   ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_TRUE(LeaseStatus(*late).ok());
+  const uint64_t late_id = (*consumer)->List("draft")->at(0).tensor_id;
   const std::string second_session = (*consumer)->session_id();
   daemon->Kill(SIGKILL);
   ASSERT_TRUE(daemon->Wait(absl::Seconds(10)).ok());
@@ -431,8 +435,12 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ASSERT_TRUE(WaitForReconnect(**consumer, second_session));
   EXPECT_EQ(StorageHash((*late)->dl_tensor), draft_sum);
+  EXPECT_EQ(LeaseStatus(*late).code(), absl::StatusCode::kDataLoss) << LeaseStatus(*late);
   (*late)->deleter(*late);
-  EXPECT_TRUE((*consumer)->Flush().ok());
+  absl::Status lost = (*consumer)->Flush();
+  EXPECT_EQ(lost.code(), absl::StatusCode::kDataLoss) << lost;
+  EXPECT_TRUE(absl::StrContains(lost.message(), absl::StrCat("tensor ids ", late_id))) << lost;
+  EXPECT_TRUE((*consumer)->Flush().ok());  // reported once
   stats = (*consumer)->Stat();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->leases, 0);

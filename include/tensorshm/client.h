@@ -95,6 +95,13 @@ struct ReadySync {
 // tensor that did not come from a tensorshm Client.
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync);
 
+// Whether an acquired tensor's lease still holds: OK while the daemon keeps the tensor's memory
+// for it. DATA_LOSS once the daemon restarted and did not take the lease back (a clean restart,
+// or a recovery whose grace period ended before this client reconnected): the tensor stays
+// mapped and readable, but its bytes are no longer guaranteed. FAILED_PRECONDITION in a forked
+// child, INVALID_ARGUMENT for a tensor that did not come from a tensorshm Client.
+absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor);
+
 // For bindings: copies `bytes` of an acquired CUDA tensor's device memory, starting at `src`
 // (inside the tensor), to host memory `dst`, after its ready event. INVALID_ARGUMENT for a
 // tensor that is not a CUDA tensor acquired from a tensorshm Client.
@@ -138,6 +145,7 @@ class WritableTensor {
 
   std::shared_ptr<ClientCore> core_;
   uint64_t tensor_id_ = 0;
+  uint64_t key_ = 0;  // the core's key for it while unpublished
   DLTensor tensor_{};
   std::vector<int64_t> shape_;
   std::vector<int64_t> strides_;
@@ -150,6 +158,10 @@ class WritableTensor {
 
 // A connection to tensorshmd: one session. Thread-safe. Tensors acquired through it stay valid
 // after the Client is destroyed, until their deleters run; the session stays open until then.
+//
+// A Client belongs to the process that connected. In a child made by fork(), every call on an
+// inherited Client answers FAILED_PRECONDITION (connect again there), and destroying it, or
+// deleting tensors or writable tensors inherited from it, does nothing to the parent's session.
 class Client {
  public:
   // Connects to tensorshmd and opens a session. UNAVAILABLE naming the socket if the daemon does
@@ -159,7 +171,14 @@ class Client {
   // from 50 ms to 2 s) and re-registers the leases and unpublished tensors it still holds; a
   // daemon restarted with the same --shm-prefix keeps them for its --recovery-grace. Tensors
   // stay mapped and readable throughout. Calls made while reconnecting fail with UNAVAILABLE
-  // (or FAILED_PRECONDITION naming the old session) and may be retried.
+  // (or FAILED_PRECONDITION naming the old session) and may be retried. What the restarted
+  // daemon did not take back is reported, never silently dropped: Flush() answers DATA_LOSS,
+  // LeaseStatus() does for each such tensor, and Publish() of such a writable tensor too.
+  //
+  // Segment memory is reached through descriptors the daemon passes over a second connection
+  // on the same socket (the memory channel); the client never opens shared memory by name, and
+  // keys every mapping by the daemon instance that made the segment, so a daemon restarted
+  // under the same names never serves old bytes from a stale mapping.
   static absl::StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options = {});
 
   ~Client();
@@ -174,8 +193,9 @@ class Client {
 
   // Seals `tensor` and binds it to `name`, dropping the writable mapping. ALREADY_EXISTS if
   // `name` is bound and !replace; with replace the old tensor lives on for its leases.
-  // INVALID_ARGUMENT for a bad name; FAILED_PRECONDITION if `tensor` is already published. On
-  // failure `tensor` is unchanged and may be published again.
+  // INVALID_ARGUMENT for a bad name; FAILED_PRECONDITION if `tensor` is already published;
+  // DATA_LOSS if a restarted daemon did not take the unpublished tensor back. On failure
+  // `tensor` is unchanged and may be published again.
   // CUDA tensors: an interprocess event is recorded on `ready_stream` (the stream the writes were
   // issued on) and handed to acquirers, who wait on it before reading.
   absl::Status Publish(WritableTensor& tensor, std::string_view name, bool replace = false,
@@ -215,8 +235,10 @@ class Client {
                             CudaStream stream);
 
   // Blocks until every release queued before the call has been applied by the daemon. Returns
-  // the first refusal the daemon reported for those releases, or UNAVAILABLE if the session
-  // ended (the client then reconnects on its own; see Connect).
+  // the first refusal the daemon reported for those releases, DATA_LOSS if since the last Flush
+  // a restarted daemon did not take back leases or unpublished tensors of this client (naming
+  // their tensor ids), or UNAVAILABLE if the session ended (the client then reconnects on its
+  // own; see Connect).
   absl::Status Flush();
 
   // The session id the daemon assigned (a new one after reconnecting to a restarted daemon).

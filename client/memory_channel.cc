@@ -1,0 +1,149 @@
+#include "client/memory_channel.h"
+
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/channel_frame.h"
+#include "common/sys_error.h"
+
+namespace tensorshm {
+namespace {
+
+// A daemon that neither answers nor closes the connection within this long is taken as gone.
+constexpr int kIoTimeoutSeconds = 30;
+
+}  // namespace
+
+MemoryChannel::~MemoryChannel() {
+  MutexLock lock(&mu_);
+  CloseConnection();
+}
+
+int MemoryChannel::connections() const {
+  MutexLock lock(&mu_);
+  return connections_;
+}
+
+void MemoryChannel::CloseConnection() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+  bound_token_.clear();
+}
+
+absl::Status MemoryChannel::Open(const std::string& session_token) {
+  const std::string where = absl::StrCat("unix:", socket_);
+  sockaddr_un address{};
+  if (socket_.size() >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket = \"", socket_, "\": too long"));
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoError("socket", where, errno);
+  timeval timeout{kIoTimeoutSeconds, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, socket_.data(), socket_.size());
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("memory channel: connect(", where, "): ", std::strerror(err)));
+  }
+  fd_ = fd;
+  ++connections_;
+  if (absl::Status s = SendWithFd(fd_, absl::string_view(kChannelHello, kChannelHelloBytes), -1,
+                                  /*nonblocking=*/false, where);
+      !s.ok()) {
+    CloseConnection();
+    return absl::UnavailableError(s.message());
+  }
+  v1::ChannelRequest bind;
+  bind.mutable_bind()->set_session_id(session_token);
+  int unexpected = -1;
+  absl::StatusOr<v1::ChannelResponse> response = Call(bind, &unexpected);
+  if (unexpected >= 0) close(unexpected);
+  if (!response.ok()) return response.status();
+  if (response->code() != 0 || !response->has_bound()) {
+    CloseConnection();
+    return absl::Status(
+        static_cast<absl::StatusCode>(response->code() != 0 ? response->code() : 13),
+        absl::StrCat("memory channel: ", response->message()));
+  }
+  bound_token_ = session_token;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& request, int* fd) {
+  const std::string where = absl::StrCat("unix:", socket_);
+  request.set_sequence(next_sequence_++);
+  std::string frame(kFrameHeaderBytes, '\0');
+  request.AppendToString(&frame);
+  EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
+  absl::Status status = SendWithFd(fd_, frame, -1, /*nonblocking=*/false, where);
+  std::string body;
+  if (status.ok()) status = ReceiveFrame(fd_, &body, fd, where);
+  v1::ChannelResponse response;
+  if (status.ok() &&
+      (!response.ParseFromString(body) || response.sequence() != request.sequence())) {
+    status = absl::InternalError(
+        absl::StrCat("memory channel ", where, ": the daemon sent a malformed response"));
+  }
+  if (!status.ok()) {
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+    CloseConnection();
+    // The daemon went away or broke the protocol: either way the channel is gone.
+    return absl::UnavailableError(status.message());
+  }
+  return response;
+}
+
+absl::StatusOr<int> MemoryChannel::RequestSegment(const std::string& session_token,
+                                                  uint64_t segment_instance, uint64_t segment_id,
+                                                  bool writable, uint64_t* size) {
+  MutexLock lock(&mu_);
+  // A connection that broke (the daemon restarted) is made again once, bound to the session
+  // the caller has now.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (fd_ >= 0 && bound_token_ != session_token) CloseConnection();
+    if (fd_ < 0) {
+      if (absl::Status s = Open(session_token); !s.ok()) return s;
+    }
+    v1::ChannelRequest request;
+    v1::SegmentRequest* want = request.mutable_segment();
+    want->set_segment_id(segment_id);
+    want->set_segment_instance(segment_instance);
+    want->set_writable(writable);
+    int fd = -1;
+    absl::StatusOr<v1::ChannelResponse> response = Call(request, &fd);
+    if (!response.ok()) {
+      if (attempt == 0) continue;
+      return response.status();
+    }
+    if (response->code() != 0) {
+      if (fd >= 0) close(fd);
+      return absl::Status(static_cast<absl::StatusCode>(response->code()),
+                          absl::StrCat("memory channel: ", response->message()));
+    }
+    if (fd < 0 || !response->has_segment() || response->segment().segment_id() != segment_id ||
+        response->segment().segment_instance() != segment_instance ||
+        response->segment().writable() != writable) {
+      if (fd >= 0) close(fd);
+      return absl::InternalError(
+          absl::StrCat("memory channel: the daemon granted something else "
+                       "than segment ",
+                       segment_id, " (", response->ShortDebugString(), ")"));
+    }
+    *size = response->segment().size();
+    return fd;
+  }
+  return absl::UnavailableError("memory channel: the daemon closed the connection twice");
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,54 @@
+// The client's end of the memory channel (see ChannelRequest in the .proto): a second
+// connection on the daemon's socket over which segment descriptors arrive.
+#ifndef TENSORSHM_CLIENT_MEMORY_CHANNEL_H_
+#define TENSORSHM_CLIENT_MEMORY_CHANNEL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "common/mutex.h"
+#include "tensorshm/v1/tensorshm.pb.h"
+
+namespace tensorshm {
+
+// Thread-safe; requests go one at a time. Connects lazily, and again (bound to the new session)
+// whenever the session it is asked for is not the one it is bound to.
+class MemoryChannel {
+ public:
+  explicit MemoryChannel(std::string socket) : socket_(std::move(socket)) {}
+  ~MemoryChannel();
+  MemoryChannel(const MemoryChannel&) = delete;
+  MemoryChannel& operator=(const MemoryChannel&) = delete;
+
+  // A descriptor of host segment `segment_id` made by instance `segment_instance`, as the
+  // daemon grants it to session `session_token` (its Session stream's id): read-only, or
+  // read-write. The caller owns it; `*size` gets the segment's size. The daemon's refusal keeps
+  // its code (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND ...); no daemon is UNAVAILABLE.
+  absl::StatusOr<int> RequestSegment(const std::string& session_token, uint64_t segment_instance,
+                                     uint64_t segment_id, bool writable, uint64_t* size)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Number of connections made so far (a reconnected client makes a new one).
+  int connections() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  // Connects and binds to `session_token`. REQUIRES: not connected.
+  absl::Status Open(const std::string& session_token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseConnection() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends `request` and reads its response; a transport failure closes the connection.
+  absl::StatusOr<v1::ChannelResponse> Call(v1::ChannelRequest& request, int* fd)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string socket_;
+  mutable Mutex mu_;
+  int fd_ ABSL_GUARDED_BY(mu_) = -1;
+  std::string bound_token_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  int connections_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_CLIENT_MEMORY_CHANNEL_H_
