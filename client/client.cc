@@ -1,13 +1,22 @@
 #include "tensorshm/client.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <grpc/grpc.h>
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -53,11 +62,82 @@ alignas(256) const char kEmptyData[256] = {};
 // ancestor process, whose connections, threads and leases the child must never touch.
 std::atomic<uint64_t> g_fork_generation{0};
 
-void CountFork() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+// The daemon sockets this process has connected to, for the fork handler, which runs in the
+// child and so must not take locks: entries are written once, before the count that covers them
+// is published.
+constexpr int kMaxDaemonSockets = 16;
+char g_daemon_sockets[kMaxDaemonSockets][sizeof(sockaddr_un::sun_path)];
+std::atomic<int> g_daemon_socket_count{0};
+Mutex g_daemon_sockets_mu;
 
-void WatchForks() {
+void RememberDaemonSocket(const std::string& path) {
+  MutexLock lock(&g_daemon_sockets_mu);
+  const int count = g_daemon_socket_count.load(std::memory_order_relaxed);
+  for (int i = 0; i < count; ++i) {
+    if (path == g_daemon_sockets[i]) return;
+  }
+  if (count == kMaxDaemonSockets || path.size() >= sizeof(g_daemon_sockets[0])) return;
+  std::memcpy(g_daemon_sockets[count], path.c_str(), path.size() + 1);
+  g_daemon_socket_count.store(count + 1, std::memory_order_release);
+}
+
+// In a new child: every inherited connection to a daemon socket (the parent's gRPC connections
+// and memory channels) is replaced, in this process only, by a socket whose peer is gone. The
+// child's copy of gRPC's state can then never write into the parent's HTTP/2 stream (a copied
+// timer firing, a copied call being cancelled): it reads end-of-stream and gives up. The
+// parent's connections are untouched.
+void CutInheritedConnections() {
+  const int count = g_daemon_socket_count.load(std::memory_order_acquire);
+  if (count == 0) return;
+  DIR* fds = opendir("/proc/self/fd");
+  if (fds == nullptr) return;
+  std::vector<int> cut;
+  while (dirent* entry = readdir(fds)) {
+    const int fd = atoi(entry->d_name);
+    if (entry->d_name[0] == '.' || fd == dirfd(fds)) continue;
+    struct stat st;
+    sockaddr_un peer{};
+    socklen_t length = sizeof(peer);
+    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode) ||
+        getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &length) != 0 ||
+        peer.sun_family != AF_UNIX || length <= offsetof(sockaddr_un, sun_path)) {
+      continue;
+    }
+    for (int i = 0; i < count; ++i) {
+      if (std::strncmp(peer.sun_path, g_daemon_sockets[i], sizeof(peer.sun_path)) == 0) {
+        cut.push_back(fd);
+        break;
+      }
+    }
+  }
+  closedir(fds);
+  for (int fd : cut) {
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) return;
+    close(pair[1]);
+    dup3(pair[0], fd, O_CLOEXEC);
+    close(pair[0]);
+  }
+}
+
+void OnForkChild() {
+  g_fork_generation.fetch_add(1, std::memory_order_relaxed);
+  CutInheritedConnections();
+}
+
+// Once per process, before its first client: the fork handler, and gRPC's "poll" polling
+// strategy unless the user chose one or gRPC already runs. gRPC's default (epoll1) keeps its
+// poll set in one kernel epoll instance, which a forked child shares with its parent: a child
+// that connects would register its sockets in the parent's set, and the parent's pollers would
+// receive events carrying the child's pointers. "poll" keeps that state in process memory.
+void PrepareProcess() {
   static std::once_flag once;
-  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, CountFork); });
+  std::call_once(once, [] {
+    pthread_atfork(nullptr, nullptr, OnForkChild);
+    if (!grpc_is_initialized() && getenv("GRPC_POLL_STRATEGY") == nullptr) {
+      setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
+    }
+  });
 }
 
 }  // namespace
@@ -704,8 +784,9 @@ absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
 // ---- Client ----
 
 absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  WatchForks();
+  PrepareProcess();
   const std::string socket = options.socket.empty() ? DefaultSocketPath() : options.socket;
+  RememberDaemonSocket(socket);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   // Each client owns its connection. Through gRPC's process-wide subchannel pool, a new client

@@ -663,6 +663,69 @@ TEST(AccessTest, AllowedUidReadsButMayNotDeleteOthersTensors) {
   (*still)->deleter(*still);
 }
 
+// With --allow-uid, segments stay private (0600): the other uid gets descriptors over the
+// memory channel, writable ones only for segments holding its own buffers. So it can produce,
+// its buffers come zeroed, and it cannot write the daemon uid's sealed tensors.
+TEST(AccessTest, AllowedUidProducesInItsOwnSegmentsAndEverySegmentIsPrivate) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+  absl::StatusOr<TestDaemon> daemon = TestDaemon::Start(
+      "access-own", {"--allow-uid", std::to_string(kNobody), "--segment-size", "4Mi"});
+  ASSERT_OK(daemon);
+  chmod(daemon->dir().c_str(), 0755);
+  absl::StatusOr<std::shared_ptr<Client>> own =
+      Client::Connect(ClientOptions{daemon->socket(), "owner"});
+  ASSERT_OK(own);
+  absl::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {8192}});
+  ASSERT_OK(w);
+  std::memset(w->data(), 0x33, 8192);
+  ASSERT_TRUE((*own)->Publish(*w, "owned").ok());
+
+  auto [produce_status, produced] =
+      RunPeerAs(*daemon, kNobody,
+                {"produce", "theirs", "--dtype", "uint8", "--shape", "65536", "--seed", "3"});
+  ASSERT_TRUE(WIFEXITED(produce_status) && WEXITSTATUS(produce_status) == 0) << produced;
+  auto [consume_status, consumed] = RunPeerAs(*daemon, kNobody, {"consume", "theirs"});
+  EXPECT_TRUE(WIFEXITED(consume_status) && WEXITSTATUS(consume_status) == 0) << consumed;
+  EXPECT_EQ(Line(consumed, "checksum"), Line(produced, "checksum"));
+  absl::StatusOr<DLManagedTensorVersioned*> theirs = (*own)->Acquire("theirs");
+  ASSERT_OK(theirs);
+  EXPECT_TRUE(absl::StartsWith(Line(produced, "checksum"),
+                               absl::StrCat(StorageHash((*theirs)->dl_tensor), " ")));
+  (*theirs)->deleter(*theirs);
+
+  // The daemon uid's sealed tensor: readable, never writable.
+  auto [read_status, read_output] = RunPeerAs(*daemon, kNobody, {"consume", "owned"});
+  EXPECT_TRUE(WIFEXITED(read_status) && WEXITSTATUS(read_status) == 0) << read_output;
+  auto [escalate_status, escalated] = RunPeerAs(*daemon, kNobody, {"escalate", "owned"});
+  EXPECT_TRUE(absl::StrContains(escalated, "mprotect EACCES")) << escalated;
+  auto [write_status, written] = RunPeerAs(*daemon, kNobody, {"write", "owned"});
+  EXPECT_TRUE(absl::StrContains(written, "acquired")) << written;
+  EXPECT_FALSE(absl::StrContains(written, "write succeeded")) << written;
+  absl::StatusOr<DLManagedTensorVersioned*> still = (*own)->Acquire("owned");
+  ASSERT_OK(still);
+  const auto* bytes = static_cast<const unsigned char*>((*still)->dl_tensor.data);
+  EXPECT_TRUE(std::all_of(bytes, bytes + 8192, [](unsigned char b) { return b == 0x33; }));
+  (*still)->deleter(*still);
+
+  // A buffer the other uid gets again after freeing it reads as zeros.
+  auto [reuse_status, reused] =
+      RunPeerAs(*daemon, kNobody, {"reuse", "scratch", "--shape", "1048576"});
+  EXPECT_TRUE(absl::StrContains(reused, "reused nonzero 0")) << reused;
+
+  // Every object the daemon made is its own and private, whoever is admitted; the other uid's
+  // buffers took a segment of their own.
+  int objects = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    if (!absl::StartsWith(entry.path().filename().string(), daemon->shm_prefix() + ".")) continue;
+    struct stat st;
+    ASSERT_EQ(stat(entry.path().c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << entry.path();
+    EXPECT_EQ(st.st_uid, 0u) << entry.path();
+    ++objects;
+  }
+  EXPECT_EQ(objects, 3);  // the catalog, the daemon uid's segment, uid 65534's segment
+}
+
 TEST(DaemonStartTest, RefusesASecondDaemonOnTheSameSocket) {
   absl::StatusOr<TestDaemon> first = TestDaemon::Start("second");
   ASSERT_OK(first);

@@ -5,6 +5,11 @@
 //   tsm_peer consume SOCKET NAME [--wait-ms N] [--legacy]
 //   tsm_peer hold SOCKET NAME...      acquire all, print "held", sleep until killed
 //   tsm_peer write SOCKET NAME        acquire, print "acquired", write into the tensor
+//   tsm_peer escalate SOCKET NAME     acquire, try to make the mapping writable; prints
+//                                     "mprotect <errno name>" or "mprotect succeeded"
+//   tsm_peer reuse SOCKET NAME --shape N   create N bytes, fill with 0xee, publish, delete, then
+//                                     create N bytes again (the freed buffer); prints
+//                                     "reused nonzero <count of non-zero bytes>"
 //   tsm_peer churn SOCKET NAME... [--seed N]         hold, create, drop at random until killed
 //   tsm_peer load SOCKET NAME... --ops N --seed S     N mixed operations, all must succeed
 //   tsm_peer cuda-produce SOCKET NAME --device N --shape S [--seed N]   fill through the driver
@@ -15,8 +20,10 @@
 // <byte_offset> <flags>", "error <code> <message>" (exit 3).
 #include <dlfcn.h>
 #include <grp.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -406,6 +413,36 @@ int Main(int argc, char** argv) {
     absl::StatusOr<tensorshm::ServerStats> stats = (*client)->Stat();
     if (!stats.ok()) return Fail(stats.status());
     std::cout << "sessions " << stats->sessions << std::endl;
+    return 0;
+  }
+  if (mode == "escalate") {
+    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0));
+    if (!t.ok()) return Fail(t.status());
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    void* start =
+        reinterpret_cast<void*>(reinterpret_cast<uintptr_t>((*t)->dl_tensor.data) & ~(page - 1));
+    if (mprotect(start, page, PROT_READ | PROT_WRITE) == 0) {
+      std::cout << "mprotect succeeded" << std::endl;
+    } else {
+      std::cout << "mprotect " << strerrorname_np(errno) << std::endl;
+    }
+    (*t)->deleter(*t);
+    return 0;
+  }
+  if (mode == "reuse") {
+    const int64_t n = ParseList(shape).at(0);
+    const tensorshm::TensorSpec spec{{kDLUInt, 8, 1}, {n}};
+    absl::StatusOr<tensorshm::WritableTensor> first = (*client)->Create(spec);
+    if (!first.ok()) return Fail(first.status());
+    std::memset(first->data(), 0xee, static_cast<size_t>(n));
+    if (absl::Status s = (*client)->Publish(*first, names.at(0)); !s.ok()) return Fail(s);
+    if (absl::Status s = (*client)->Delete(names.at(0)); !s.ok()) return Fail(s);
+    absl::StatusOr<tensorshm::WritableTensor> second = (*client)->Create(spec);
+    if (!second.ok()) return Fail(second.status());
+    const auto* bytes = static_cast<const unsigned char*>(second->data());
+    int64_t nonzero = 0;
+    for (int64_t i = 0; i < n; ++i) nonzero += bytes[i] != 0;
+    std::cout << "reused nonzero " << nonzero << std::endl;
     return 0;
   }
   if (mode == "write") {
