@@ -130,12 +130,16 @@ void OnForkChild() {
 // poll set in one kernel epoll instance, which a forked child shares with its parent: a child
 // that connects would register its sockets in the parent's set, and the parent's pollers would
 // receive events carrying the child's pointers. "poll" keeps that state in process memory.
+// gRPC reads the variable when it starts, so it is set only around that start: processes this
+// one spawns later do not inherit it.
 void PrepareProcess() {
   static std::once_flag once;
   std::call_once(once, [] {
     pthread_atfork(nullptr, nullptr, OnForkChild);
     if (!grpc_is_initialized() && getenv("GRPC_POLL_STRATEGY") == nullptr) {
       setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
+      grpc_init();  // held for the life of the process, so gRPC never restarts with epoll1
+      unsetenv("GRPC_POLL_STRATEGY");
     }
   });
 }
