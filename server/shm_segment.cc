@@ -116,6 +116,12 @@ absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
     return fd;
   }
   // A new open file description, read-only: a duplicate of fd_ would carry its write access.
+  if (backing_ == SegmentBacking::kNamed) {
+    const int fd = shm_open(name_.c_str(), O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return ErrnoError("shm_open(O_RDONLY)", name_, errno);
+    return fd;
+  }
+  // A memfd has no name to open: its /proc link is reopened instead.
   const std::string path = absl::StrCat("/proc/self/fd/", fd_);
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoError("open(" + path + ", O_RDONLY)", name_, errno);

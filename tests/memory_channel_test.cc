@@ -370,11 +370,21 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
   ASSERT_OK(draft);
   std::memset(draft->data(), 1, 100);
 
+  // The parent keeps calling the daemon while the child connects and works. The busy thread
+  // pauses for the fork() itself only: a thread allocating at that instant can leave an
+  // allocator lock held in the child under sanitizers whose allocator is not fork-safe.
   std::atomic<bool> stop{false};
+  std::atomic<bool> pause{false};
+  std::atomic<bool> paused{false};
   std::atomic<int> calls{0};
   std::atomic<int> failures{0};
   std::thread busy([&] {
     while (!stop.load()) {
+      if (pause.load()) {
+        paused = true;
+        while (pause.load()) absl::SleepFor(absl::Microseconds(50));
+        paused = false;
+      }
       absl::StatusOr<ServerStats> s = (*parent)->Stat();
       (s.ok() ? calls : failures).fetch_add(1);
     }
@@ -382,7 +392,10 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
   int pipe_fds[2];
   ASSERT_EQ(pipe(pipe_fds), 0);
   const pid_t parent_pid = getpid();
+  pause = true;
+  while (!paused.load()) absl::SleepFor(absl::Microseconds(50));
   const pid_t child = fork();
+  pause = false;
   if (child == 0) {
     close(pipe_fds[0]);
     int problems = 0;
