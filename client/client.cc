@@ -209,9 +209,7 @@ class ClientCore {
       ABSL_LOCKS_EXCLUDED(mu_);
   v1::TensorShm::Stub& stub() { return *stub_; }
   SegmentMap& segments() { return segments_; }
-  MemoryChannel& memory_channel() { return memory_; }
   CudaState& cuda() { return cuda_; }
-  uint64_t instance_id() const ABSL_LOCKS_EXCLUDED(mu_);
   std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket() const { return socket_; }
 
@@ -249,7 +247,6 @@ class ClientCore {
   CondVar work_;   // the sender has something to do
   CondVar acked_;  // a batch was acknowledged, or the stream broke
   std::string session_id_ ABSL_GUARDED_BY(mu_);
-  uint64_t instance_id_ ABSL_GUARDED_BY(mu_) = 0;  // of the daemon the session is with
   std::unordered_map<uint64_t, HeldLease> held_ ABSL_GUARDED_BY(mu_);  // by client-side key
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
   // Unpublished tensors the daemon knows as ours: client-side key -> tensor id.
@@ -314,7 +311,6 @@ absl::Status ClientCore::Open(bool reattach) {
   segments_.Retain(live);
   MutexLock lock(&mu_);
   session_id_ = answer.session_id();
-  instance_id_ = answer.instance_id();
   if (reattach) {
     // Leases and tensors the daemon did not take back are gone: their releases are dropped, and
     // Flush reports the loss (the memory is no longer reserved for them).
@@ -377,11 +373,6 @@ void ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration tim
 std::string ClientCore::session_id() const {
   MutexLock lock(&mu_);
   return session_id_;
-}
-
-uint64_t ClientCore::instance_id() const {
-  MutexLock lock(&mu_);
-  return instance_id_;
 }
 
 absl::Status ClientCore::CheckProcess() const {

@@ -25,11 +25,6 @@ MemoryChannel::~MemoryChannel() {
   CloseConnection();
 }
 
-int MemoryChannel::connections() const {
-  MutexLock lock(&mu_);
-  return connections_;
-}
-
 void MemoryChannel::CloseConnection() {
   if (fd_ >= 0) close(fd_);
   fd_ = -1;
@@ -56,7 +51,6 @@ absl::Status MemoryChannel::Open(const std::string& session_token) {
         absl::StrCat("memory channel: connect(", where, "): ", std::strerror(err)));
   }
   fd_ = fd;
-  ++connections_;
   if (absl::Status s = SendWithFd(fd_, absl::string_view(kChannelHello, kChannelHelloBytes), -1,
                                   /*nonblocking=*/false, where);
       !s.ok()) {

@@ -30,9 +30,6 @@ class MemoryChannel {
                                      uint64_t segment_id, bool writable, uint64_t* size)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Number of connections made so far (a reconnected client makes a new one).
-  int connections() const ABSL_LOCKS_EXCLUDED(mu_);
-
  private:
   // Connects and binds to `session_token`. REQUIRES: not connected.
   absl::Status Open(const std::string& session_token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -46,7 +43,6 @@ class MemoryChannel {
   int fd_ ABSL_GUARDED_BY(mu_) = -1;
   std::string bound_token_ ABSL_GUARDED_BY(mu_);
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
-  int connections_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace tensorshm
