@@ -1,12 +1,15 @@
 #include "tensorshm/client.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <fcntl.h>
+#include <grpc/fork.h>
 #include <grpc/grpc.h>
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
 #include <pthread.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -125,22 +128,42 @@ void OnForkChild() {
   CutInheritedConnections();
 }
 
-// Once per process, before its first client: the fork handler, and gRPC's "poll" polling
-// strategy unless the user chose one or gRPC already runs. gRPC's default (epoll1) keeps its
-// poll set in one kernel epoll instance, which a forked child shares with its parent: a child
-// that connects would register its sockets in the parent's set, and the parent's pollers would
-// receive events carrying the child's pointers. "poll" keeps that state in process memory.
-// gRPC reads the variable when it starts, so it is set only around that start: processes this
-// one spawns later do not inherit it.
+// gRPC's fork support: its handlers stop gRPC's threads before a fork and, in the child, reset
+// its locks, threads and poller and close the sockets it inherited, so that the child can use
+// gRPC afresh. Debian's gRPC registers no handlers, and decides whether the support is on when
+// the library loads (GRPC_ENABLE_FORK_SUPPORT), so it is switched on here, before gRPC starts,
+// through grpc_core::Fork::Enable, looked up at run time (without it, forks go unprepared).
+// Unless the user set GRPC_ENABLE_FORK_SUPPORT to false.
+void EnableGrpcForkSupport() {
+  const char* chosen = getenv("GRPC_ENABLE_FORK_SUPPORT");
+  if (chosen != nullptr && (std::strcmp(chosen, "0") == 0 || strcasecmp(chosen, "false") == 0)) {
+    return;
+  }
+  auto enable = reinterpret_cast<void (*)(bool)>(
+      dlsym(RTLD_DEFAULT, "_ZN9grpc_core4Fork6EnableEb"));  // grpc_core::Fork::Enable(bool)
+  if (enable == nullptr) return;
+  enable(true);
+  pthread_atfork(grpc_prefork, grpc_postfork_parent, grpc_postfork_child);
+}
+
+// Once per process, before its first client: the fork handlers, and, when this client is the
+// first to start gRPC, gRPC's fork support and its "poll" polling strategy (unless the user
+// chose one). gRPC's default (epoll1) keeps its poll set in one kernel epoll instance, which a
+// forked child shares with its parent: should gRPC's fork handler not run (it skips itself
+// while another thread is inside a gRPC call), a child that connects would register its
+// sockets in the parent's set, and the parent's pollers would receive events carrying the
+// child's pointers. "poll" keeps that state in process memory. gRPC reads the variable when it
+// starts, so it is set only around that start: processes this one spawns do not inherit it.
 void PrepareProcess() {
   static std::once_flag once;
   std::call_once(once, [] {
     pthread_atfork(nullptr, nullptr, OnForkChild);
-    if (!grpc_is_initialized() && getenv("GRPC_POLL_STRATEGY") == nullptr) {
-      setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
-      grpc_init();  // held for the life of the process, so gRPC never restarts with epoll1
-      unsetenv("GRPC_POLL_STRATEGY");
-    }
+    if (grpc_is_initialized()) return;
+    EnableGrpcForkSupport();
+    const bool choose_poll = getenv("GRPC_POLL_STRATEGY") == nullptr;
+    if (choose_poll) setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
+    grpc_init();  // held for the life of the process: gRPC never restarts with other settings
+    if (choose_poll) unsetenv("GRPC_POLL_STRATEGY");
   });
 }
 
@@ -312,6 +335,10 @@ absl::Status ClientCore::Open(bool reattach) {
   MutexLock lock(&mu_);
   session_id_ = answer.session_id();
   if (reattach) {
+    // Batches numbered before now went to the old session, which will never acknowledge them
+    // (one may have failed on the broken stream): Flush must not wait for them.
+    acked_sequence_ = next_sequence_ - 1;
+    acked_.SignalAll();
     // Leases and tensors the daemon did not take back are gone: their releases are dropped, and
     // Flush reports the loss (the memory is no longer reserved for them).
     std::vector<uint64_t> lost;
@@ -448,8 +475,10 @@ absl::Status ClientCore::LeaseStatus(uint64_t key) const {
   auto it = held_.find(key);
   if (it != held_.end() && it->second.lease_id != 0) return absl::OkStatus();
   return absl::DataLossError(absl::StrCat(
-      "tensor ", it == held_.end() ? 0 : it->second.tensor_id, ": tensorshmd at unix:", socket_,
-      " restarted and did not take this lease back; the memory is no longer reserved for it"));
+      it == held_.end() ? std::string("this tensor")
+                        : absl::StrCat("tensor ", it->second.tensor_id),
+      ": tensorshmd at unix:", socket_,
+      " restarted and did not take its lease back; the memory is no longer reserved for it"));
 }
 
 void ClientCore::QueueRelease(uint64_t key) noexcept {

@@ -1,6 +1,7 @@
 // The memory channel and what rests on it: segment descriptors passed over the daemon's socket,
 // caches keyed by (instance, segment) across daemon restarts, fork-safe clients, consumers
 // without a /dev/shm of their own, and memfd pools. Real daemons, real client processes.
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -13,6 +14,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -325,6 +327,12 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   ASSERT_NE((*a)->session_id(), old_session) << "client did not reconnect";
+  // Nothing is pending: Flush answers at once (no wait for batches the old daemon never
+  // acknowledged), with the loss of x's lease, which a clean stop ended.
+  std::future<absl::Status> flushed = std::async(std::launch::async, [&] { return (*a)->Flush(); });
+  ASSERT_EQ(flushed.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  const absl::Status lost = flushed.get();
+  EXPECT_EQ(lost.code(), absl::StatusCode::kDataLoss) << lost;
   absl::StatusOr<DLManagedTensorVersioned*> y = (*a)->Acquire("y");
   ASSERT_OK(y);
   const uint64_t y_sum = StorageHash((*y)->dl_tensor);
@@ -332,13 +340,12 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
   EXPECT_NE(y_sum, x_sum);
   (*y)->deleter(*y);
 
-  // x's lease was not taken back (a clean stop ends everything): reported, not silent. Its
-  // mapping of the old object stays, so what it reads is still x.
+  // x's lease was not taken back: reported per tensor too. Its mapping of the old object
+  // stays, so what it reads is still x.
   EXPECT_EQ(LeaseStatus(*x).code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(StorageHash((*x)->dl_tensor), x_sum);
-  EXPECT_EQ((*a)->Flush().code(), absl::StatusCode::kDataLoss);
   (*x)->deleter(*x);
-  EXPECT_TRUE((*a)->Flush().ok());
+  EXPECT_TRUE((*a)->Flush().ok());  // the loss was reported once
 
   // A process still holding a client reaches the restarted daemon with new clients, every time.
   for (int i = 0; i < 6; ++i) {
@@ -360,6 +367,11 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
   absl::StatusOr<std::shared_ptr<Client>> parent =
       Client::Connect(ClientOptions{daemon->socket(), "parent"});
   ASSERT_OK(parent);
+  // The client switched gRPC's fork support on (Debian's gRPC leaves it off).
+  auto fork_enabled = reinterpret_cast<bool (*)()>(
+      dlsym(RTLD_DEFAULT, "_ZN9grpc_core4Fork7EnabledEv"));  // grpc_core::Fork::Enabled()
+  ASSERT_NE(fork_enabled, nullptr);
+  EXPECT_TRUE(fork_enabled());
   absl::StatusOr<WritableTensor> w = (*parent)->Create({{kDLInt, 32, 1}, {1024}});
   ASSERT_OK(w);
   for (int i = 0; i < 1024; ++i) static_cast<int32_t*>(w->data())[i] = i * 3;
@@ -389,71 +401,75 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
       (s.ok() ? calls : failures).fetch_add(1);
     }
   });
-  int pipe_fds[2];
-  ASSERT_EQ(pipe(pipe_fds), 0);
+  // Several children one after another: a fork that leaves gRPC's inherited state half-held
+  // shows in a later child, rarely in the first.
   const pid_t parent_pid = getpid();
-  pause = true;
-  while (!paused.load()) absl::SleepFor(absl::Microseconds(50));
-  const pid_t child = fork();
-  pause = false;
-  if (child == 0) {
-    close(pipe_fds[0]);
-    int problems = 0;
-    auto expect = [&](bool ok, const std::string& what) {
-      if (ok) return;
-      ++problems;
-      const std::string line = what + "\n";
-      (void)!write(pipe_fds[1], line.data(), line.size());
-    };
-    auto refused = [&](const absl::Status& s, const std::string& call) {
-      expect(s.code() == absl::StatusCode::kFailedPrecondition &&
-                 absl::StrContains(s.message(), absl::StrCat("process ", parent_pid)) &&
-                 absl::StrContains(s.message(), "connect again"),
-             call + ": " + s.ToString());
-    };
-    refused((*parent)->Stat().status(), "Stat");
-    refused((*parent)->Acquire("f").status(), "Acquire");
-    refused((*parent)->Create({{kDLUInt, 8, 1}, {10}}).status(), "Create");
-    refused((*parent)->Publish(*draft, "from-child"), "Publish");
-    refused((*parent)->Delete("f"), "Delete");
-    refused(LeaseStatus(*held), "LeaseStatus");
-    // The parent's connections (gRPC and memory channel) were cut in this process at the fork.
-    expect(ConnectionsTo(daemon->socket()) == 0,
-           absl::StrCat(ConnectionsTo(daemon->socket()), " inherited connections to the daemon"));
-    // A client of its own works.
-    absl::StatusOr<std::shared_ptr<Client>> own =
-        Client::Connect(ClientOptions{daemon->socket(), "child"});
-    expect(own.ok(), "Connect: " + own.status().ToString());
-    if (own.ok()) {
-      absl::StatusOr<DLManagedTensorVersioned*> t = (*own)->Acquire("f");
-      expect(t.ok(), "child Acquire: " + t.status().ToString());
-      if (t.ok()) {
-        const auto* values = static_cast<const int32_t*>((*t)->dl_tensor.data);
-        bool same = true;
-        for (int i = 0; i < 1024; ++i) same = same && values[i] == i * 3;
-        expect(same, "child read other values");
-        (*t)->deleter(*t);
+  for (int round = 0; round < 6; ++round) {
+    int pipe_fds[2];
+    ASSERT_EQ(pipe(pipe_fds), 0);
+    pause = true;
+    while (!paused.load()) absl::SleepFor(absl::Microseconds(50));
+    const pid_t child = fork();
+    pause = false;
+    if (child == 0) {
+      close(pipe_fds[0]);
+      int problems = 0;
+      auto expect = [&](bool ok, const std::string& what) {
+        if (ok) return;
+        ++problems;
+        const std::string line = what + "\n";
+        (void)!write(pipe_fds[1], line.data(), line.size());
+      };
+      auto refused = [&](const absl::Status& s, const std::string& call) {
+        expect(s.code() == absl::StatusCode::kFailedPrecondition &&
+                   absl::StrContains(s.message(), absl::StrCat("process ", parent_pid)) &&
+                   absl::StrContains(s.message(), "connect again"),
+               call + ": " + s.ToString());
+      };
+      refused((*parent)->Stat().status(), "Stat");
+      refused((*parent)->Acquire("f").status(), "Acquire");
+      refused((*parent)->Create({{kDLUInt, 8, 1}, {10}}).status(), "Create");
+      refused((*parent)->Publish(*draft, "from-child"), "Publish");
+      refused((*parent)->Delete("f"), "Delete");
+      refused(LeaseStatus(*held), "LeaseStatus");
+      // The parent's connections (gRPC and memory channel) were cut in this process at the fork.
+      expect(ConnectionsTo(daemon->socket()) == 0,
+             absl::StrCat(ConnectionsTo(daemon->socket()), " inherited connections to the daemon"));
+      // A client of its own works.
+      absl::StatusOr<std::shared_ptr<Client>> own =
+          Client::Connect(ClientOptions{daemon->socket(), "child"});
+      expect(own.ok(), "Connect: " + own.status().ToString());
+      if (own.ok()) {
+        absl::StatusOr<DLManagedTensorVersioned*> t = (*own)->Acquire("f");
+        expect(t.ok(), "child Acquire: " + t.status().ToString());
+        if (t.ok()) {
+          const auto* values = static_cast<const int32_t*>((*t)->dl_tensor.data);
+          bool same = true;
+          for (int i = 0; i < 1024; ++i) same = same && values[i] == i * 3;
+          expect(same, "child read other values");
+          (*t)->deleter(*t);
+        }
+        expect((*own)->Flush().ok(), "child Flush");
+        expect(ConnectionsTo(daemon->socket()) >= 2, "the child's own connections");
       }
-      expect((*own)->Flush().ok(), "child Flush");
-      expect(ConnectionsTo(daemon->socket()) >= 2, "the child's own connections");
+      // Dropping what it inherited touches nothing of the parent's.
+      (*held)->deleter(*held);
+      { WritableTensor gone = *std::move(draft); }
+      parent->reset();
+      _exit(problems == 0 ? 0 : 1);
     }
-    // Dropping what it inherited touches nothing of the parent's.
-    (*held)->deleter(*held);
-    { WritableTensor gone = *std::move(draft); }
-    parent->reset();
-    _exit(problems == 0 ? 0 : 1);
+    close(pipe_fds[1]);
+    std::string report;
+    char buffer[4096];
+    for (ssize_t n; (n = read(pipe_fds[0], buffer, sizeof(buffer))) > 0;) report.append(buffer, n);
+    close(pipe_fds[0]);
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(ExitedOk(status)) << "child " << round << ": " << report;
+    EXPECT_TRUE(report.empty()) << report;
   }
-  close(pipe_fds[1]);
-  std::string report;
-  char buffer[4096];
-  for (ssize_t n; (n = read(pipe_fds[0], buffer, sizeof(buffer))) > 0;) report.append(buffer, n);
-  close(pipe_fds[0]);
-  int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
   stop = true;
   busy.join();
-  EXPECT_TRUE(ExitedOk(status)) << "child: " << report;
-  EXPECT_TRUE(report.empty()) << report;
   EXPECT_EQ(failures.load(), 0);
   EXPECT_GT(calls.load(), 0);
 

@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 
 #include <atomic>
+#include <new>
 #include <string>
 
 #include "common/mutex.h"
@@ -140,6 +141,12 @@ void SetAllocatorClient(const std::shared_ptr<Client>& client) {
 std::shared_ptr<Client> AllocatorClient() {
   MutexLock lock(&allocator_mu);
   return allocator_client.lock();
+}
+
+void ForgetAllocatorClientAfterFork() {
+  new (&allocator_mu) Mutex;  // the old one's state is the parent's: never unlocked here
+  MutexLock lock(&allocator_mu);
+  allocator_client.reset();
 }
 
 const DLPackExchangeAPI* ExchangeApi() {

@@ -640,6 +640,19 @@ NB_MODULE(_tensorshm, m) {
                    [](const PyTensor& t) {
                      return (t.storage->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
                    })
+      .def_prop_ro(
+          "alive", [](const PyTensor& t) { return t.storage->LeaseStatus().ok(); },
+          "Whether tensorshmd still reserves this tensor's memory for it. False once a restarted "
+          "daemon did not take the tensor's lease back (the memory stays mapped and readable, but "
+          "its bytes are no longer guaranteed), and in a process forked from the one that "
+          "acquired it (the lease is the parent's); check() raises saying which. True for "
+          "tensors that hold no lease: foreign tensors, and unpublished writable tensors (a "
+          "restarted daemon that did not take one back makes its publish() raise DataLossError).")
+      .def(
+          "check", [](const PyTensor& t) { Check(t.storage->LeaseStatus()); },
+          "Returns None while the tensor is alive; otherwise raises DataLossError (a restarted "
+          "daemon did not take its lease back) or FailedPreconditionError (in a forked child: "
+          "connect and get it again there).")
       .def_prop_ro("_data_ptr",
                    [](const PyTensor& t) {
                      return reinterpret_cast<uintptr_t>(t.storage->tensor.data) +
@@ -720,6 +733,8 @@ NB_MODULE(_tensorshm, m) {
            })
       .def_prop_ro("session_id", [](const PyClient& self) { return self.client->session_id(); });
 
+  m.def("_after_fork_in_child", &ForgetAllocatorClientAfterFork,
+        "Called in a child of os.fork(): forgets the parent's allocator client.");
   m.def("_exchange_api_calls", [] {
     const std::array<int64_t, 5> calls = ExchangeApiCalls();
     nb::dict out;

@@ -110,6 +110,15 @@ absl::StatusOr<Export*> MakeExport(const std::shared_ptr<Storage>& storage, bool
 
 }  // namespace
 
+absl::Status Storage::LeaseStatus() const {
+  if (lease) return tensorshm::LeaseStatus(versioned);
+  if (versioned != nullptr && versioned->deleter == DeleteVersioned) {
+    // One of our exports, back through the exchange API: its storage holds what keeps it.
+    return static_cast<const Export*>(versioned->manager_ctx)->storage->LeaseStatus();
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DLManagedTensorVersioned*> ExportVersioned(const std::shared_ptr<Storage>& storage,
                                                           bool copy) {
   absl::StatusOr<Export*> e = MakeExport(storage, copy);

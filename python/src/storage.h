@@ -36,6 +36,13 @@ struct Storage {
   std::vector<int64_t> strides;
   uint64_t flags = 0;  // DLPack flags exports carry: READ_ONLY, IS_SUBBYTE_TYPE_PADDED
   bool lease = false;  // `versioned` is a tensorshm lease (WaitReady / CopyToHost apply)
+
+  // Whether the memory is still reserved for this tensor, as tensorshm::LeaseStatus says of the
+  // lease behind it (its own, or, for an export of ours that came back through the exchange API,
+  // the exported storage's): OK while the daemon holds it, DATA_LOSS once a restarted daemon did
+  // not take it back, FAILED_PRECONDITION in a forked child. OK when no lease is behind it
+  // (unpublished buffers, foreign tensors). Takes no GIL and does no I/O.
+  absl::Status LeaseStatus() const;
 };
 
 // The storage span of `tensor`: the lowest byte any element occupies, and how many bytes from

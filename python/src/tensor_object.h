@@ -25,6 +25,9 @@ struct PyWritableTensor : PyTensor {
 // in this process that is still alive. Thread-safe.
 void SetAllocatorClient(const std::shared_ptr<Client>& client);
 std::shared_ptr<Client> AllocatorClient();
+// In a child of fork(), with no other thread running yet: forgets the parent's client (it cannot
+// allocate here) and re-creates the lock, which a parent thread may have held at the fork.
+void ForgetAllocatorClientAfterFork();
 
 }  // namespace tensorshm::python
 

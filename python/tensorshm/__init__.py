@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ from ._errors import (
     AlreadyExistsError,
     CancelledError,
     ConnectionError,
+    DataLossError,
     Error,
     FailedPreconditionError,
     InternalError,
@@ -35,6 +37,7 @@ __all__ = [
     "CancelledError",
     "Client",
     "ConnectionError",
+    "DataLossError",
     "Error",
     "FailedPreconditionError",
     "InternalError",
@@ -77,6 +80,16 @@ class Client:
 
     Tensors obtained through a client stay valid after it is closed or garbage collected, until
     they themselves are released.
+
+    If the daemon restarts, the client reconnects on its own (a new ``session_id``); calls made
+    meanwhile raise ConnectionError or FailedPreconditionError and may be retried. Tensors stay
+    mapped and readable throughout; what the restarted daemon did not take back is reported:
+    ``flush()`` raises DataLossError once, and such tensors' ``alive`` turns False.
+
+    A client belongs to the process that connected: in a child made by ``fork()`` (e.g.
+    multiprocessing's "fork" start method) its methods raise FailedPreconditionError, and
+    dropping it or its tensors there leaves the parent's session alone. Connect again in the
+    child.
     """
 
     def __init__(self, native: _tensorshm._Client) -> None:
@@ -178,7 +191,12 @@ class Client:
         return self._native.stat()
 
     def flush(self) -> None:
-        """Wait until every lease released so far has been given back to the daemon."""
+        """Wait until every lease released so far has been given back to the daemon.
+
+        Raises DataLossError, once, if since the last flush a restarted daemon did not take back
+        leases or unpublished tensors of this client (the message names their tensor ids), and
+        ConnectionError if the session ended (the client reconnects on its own).
+        """
         self._native.flush()
 
     def __repr__(self) -> str:
@@ -193,6 +211,11 @@ def _is_numpy_scalar(obj: Any) -> bool:
 def _is_numpy_array(obj: Any) -> bool:
     cls = type(obj)
     return cls.__module__ == "numpy" and cls.__name__ == "ndarray"
+
+
+# In a child of fork(), the client the DLPack exchange API's allocator creates tensors through is
+# the parent's (it cannot allocate there), and a parent thread may have held the lock around it.
+os.register_at_fork(after_in_child=_tensorshm._after_fork_in_child)
 
 
 def connect(socket: str | None = None, *, client_name: str | None = None,

@@ -69,6 +69,13 @@ class ConnectionError(Error, builtins.ConnectionError):
     code = 14
 
 
+class DataLossError(Error):
+    """A restarted daemon did not take back a lease or an unpublished tensor (DATA_LOSS): the
+    memory stays mapped and readable, but is no longer reserved for it; get or create it again."""
+
+    code = 15
+
+
 _BY_CODE: dict[int, type[Error]] = {
     cls.code: cls
     for cls in (
@@ -83,6 +90,7 @@ _BY_CODE: dict[int, type[Error]] = {
         UnimplementedError,
         InternalError,
         ConnectionError,
+        DataLossError,
     )
 }
 

@@ -24,15 +24,21 @@ def _tensorshmd() -> str:
 
 
 class Daemon:
-    """A tensorshmd on its own socket and shm prefix, stopped with SIGTERM."""
+    """A tensorshmd on its own socket and shm prefix, stopped with SIGTERM.
+
+    A restart passes the stopped daemon's ``socket`` and ``prefix``; a given prefix is reused as
+    it is (its segments are not cleaned up first).
+    """
 
     def __init__(self, name: str, host_pool: str = "256Mi", extra_args: tuple = (),
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, socket: str | None = None,
+                 prefix: str | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix=f"tsm-py-{name}-")
-        self.socket = os.path.join(self.dir, "tensorshm.sock")
-        self.prefix = f"tsmpy-{name}-{os.getpid()}"
-        for leftover in pathlib.Path("/dev/shm").glob(self.prefix + ".*"):
-            leftover.unlink()
+        self.socket = socket or os.path.join(self.dir, "tensorshm.sock")
+        self.prefix = prefix or f"tsmpy-{name}-{os.getpid()}"
+        if prefix is None:
+            for leftover in pathlib.Path("/dev/shm").glob(self.prefix + ".*"):
+                leftover.unlink()
         self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
         self.process = subprocess.Popen(
             [_tensorshmd(), "--socket", self.socket, "--shm-prefix", self.prefix,
