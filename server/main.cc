@@ -264,6 +264,13 @@ int Run(int argc, char** argv) {
         grpc::AddInsecureChannelFromFd(server.get(), fd);
       },
       [&](int fd, const PeerCredentials& peer) {
+        // gRPC calls of a refused peer are answered PERMISSION_DENIED one by one; its memory
+        // channel is not kept open at all.
+        if (absl::Status s = policy.Admit(peer); !s.ok()) {
+          TSM_LOG(kWarning) << "memory channel refused: " << s.message();
+          close(fd);
+          return;
+        }
         TSM_LOG(kDebug) << "memory channel fd " << fd << ": pid " << peer.pid << ", uid "
                         << peer.uid;
         (*channels)->Add(fd, peer);

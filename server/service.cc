@@ -135,11 +135,15 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
             "existed)");
       }
       // Only the process that opened the session may bind to it: a token seen by another
-      // process (a forked child, a leaked log) is worth nothing on its own.
-      if (session->uid != connection.peer.uid || session->pid != connection.peer.pid) {
+      // process (a forked child, a leaked log) is worth nothing on its own. Both pids are the
+      // kernel's; a client whose pid namespace the daemon cannot see has pid 0 on both
+      // connections, and is then known by its uid and gid alone.
+      if (session->uid != connection.peer.uid || session->gid != connection.peer.gid ||
+          session->peer_pid != connection.peer.pid) {
         return absl::PermissionDeniedError(absl::StrCat(
-            "bind.session_id: the session belongs to pid ", session->pid, " (uid ", session->uid,
-            "); this connection is pid ", connection.peer.pid, " (uid ", connection.peer.uid, ")"));
+            "bind.session_id: the session belongs to pid ", session->peer_pid, " (uid ",
+            session->uid, ", gid ", session->gid, "); this connection is pid ", connection.peer.pid,
+            " (uid ", connection.peer.uid, ", gid ", connection.peer.gid, ")"));
       }
       connection.session_token = request.bind().session_id();
       reply.response.mutable_bound()->set_instance_id(catalog_->instance_id());
@@ -222,6 +226,7 @@ grpc::Status TensorShmService::Session(
     session.uid = peer->uid;
     session.gid = peer->gid;
     if (peer->pid != 0) session.pid = peer->pid;  // the kernel's word over the client's
+    session.peer_pid = peer->pid;
     session_id = session.id;
     token = session.token;
     Reattach(session, request.open(), opened.mutable_opened());

@@ -14,9 +14,10 @@ namespace tensorshm {
 
 struct Session {
   uint64_t id = 0;
-  std::string token;  // what clients send as "tensorshm-session" metadata; unguessable
-  int64_t pid = 0;
-  uint32_t uid = 0;  // from SO_PEERCRED
+  std::string token;     // what clients send as "tensorshm-session" metadata; unguessable
+  int64_t pid = 0;       // the kernel's word (SO_PEERCRED), else what the client said
+  int64_t peer_pid = 0;  // SO_PEERCRED's alone: 0 when the client's pid namespace is not visible
+  uint32_t uid = 0;      // from SO_PEERCRED
   uint32_t gid = 0;
   std::string client_name;
   std::string peer;

@@ -526,6 +526,52 @@ TEST(NamespaceTest, ConsumerWithAnEmptyPrivateDevShmReads) {
       << consumer->Output();
 }
 
+// A daemon in a pid namespace of its own (a container) sees its clients' pids as 0: their memory
+// channels still bind, by uid and gid, and they map tensors.
+TEST(NamespaceTest, DaemonInItsOwnPidNamespaceServesClientsItCannotSee) {
+  if (std::string why = NamespacesUnavailable(); !why.empty()) GTEST_SKIP() << why;
+  const std::string prefix = absl::StrCat("tsmtest-pidns-", getpid());
+  const std::string dir = std::filesystem::temp_directory_path().string() + "/" + prefix;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string socket = dir + "/s.sock";
+  absl::StatusOr<ChildProcess> daemon =
+      ChildProcess::Start({kUnshare, "--pid", "--fork", "--mount-proc", "--kill-child",
+                           TensorShmdPath(), "--socket", socket, "--shm-prefix", prefix,
+                           "--segments", "memfd", "--host-pool", "64Mi", "--log-level", "debug"},
+                          dir + "/daemon.log");
+  ASSERT_OK(daemon);
+  ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(20))) << daemon->Output();
+  {
+    absl::StatusOr<std::shared_ptr<Client>> client =
+        Client::Connect(ClientOptions{socket, "outside"});
+    ASSERT_OK(client);
+    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {8192}});
+    ASSERT_OK(w);
+    std::memset(w->data(), 0x77, 8192);
+    const uint64_t sum = StorageHash(w->dl_tensor());
+    ASSERT_TRUE((*client)->Publish(*w, "pidns").ok());
+    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("pidns");
+    ASSERT_OK(t);
+    EXPECT_EQ(StorageHash((*t)->dl_tensor), sum);
+    (*t)->deleter(*t);
+    absl::StatusOr<ChildProcess> consumer =
+        ChildProcess::Start({PeerPath(), "consume", socket, "pidns"}, dir + "/consumer.log");
+    ASSERT_OK(consumer);
+    absl::StatusOr<int> status = consumer->Wait(absl::Seconds(60));
+    ASSERT_OK(status);
+    EXPECT_TRUE(ExitedOk(*status)) << consumer->Output();
+    EXPECT_TRUE(absl::StartsWith(Line(consumer->Output(), "checksum"), absl::StrCat(sum, " ")))
+        << consumer->Output();
+  }
+  // The daemon did see pid 0: the case the bind rule falls back to uid and gid for.
+  EXPECT_TRUE(absl::StrContains(daemon->Output(), "memory channel fd")) << daemon->Output();
+  EXPECT_TRUE(absl::StrContains(daemon->Output(), ": pid 0, uid ")) << daemon->Output();
+  daemon->Kill(SIGKILL);
+  daemon->Wait(absl::Seconds(15)).IgnoreError();
+  std::filesystem::remove_all(dir);
+}
+
 // --segments memfd: a daemon whose /dev/shm is Docker's default 64 MiB serves a 1 GiB pool; the
 // same daemon with named segments is refused at start with the fix.
 TEST(MemfdTest, DaemonInA64MiBDevShmServesA1GiBPool) {
