@@ -26,7 +26,8 @@ inline constexpr uint32_t kRecordNameBytes = 256;
 
 enum class SegmentState : uint32_t {
   kUnused = 0,
-  kLive = 1,  // the shm object exists with `size` bytes reserved
+  kLive = 1,       // the named shm object exists with `size` bytes reserved
+  kEphemeral = 2,  // a memfd: it ends with the daemon that made it; a hole after recovery
 };
 
 enum class RecordState : uint32_t {

@@ -39,9 +39,15 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
   HostPool pool(options, control);
   for (uint32_t index = 0; index < kMaxSegments; ++index) {
     const SegmentRecord& record = control->segment(index);
-    if (record.state.load(std::memory_order_acquire) !=
-        static_cast<uint32_t>(SegmentState::kLive)) {
+    const auto state = static_cast<SegmentState>(record.state.load(std::memory_order_acquire));
+    if (state != SegmentState::kLive && state != SegmentState::kEphemeral) {
       break;  // segments are added in order; the first unused one ends the list
+    }
+    if (state == SegmentState::kEphemeral) {
+      // A memfd ended with the old daemon: its id stays taken, its tensors are dropped.
+      pool.segments_.push_back(
+          PoolSegment{std::nullopt, BestFitAllocator(0), record.owner_uid, record.instance});
+      continue;
     }
     const std::string name = absl::StrCat("/", options.shm_prefix, ".cpu.", index + 1);
     if (record.segment_id != index + 1) {
@@ -69,12 +75,14 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
 }
 
 bool HostPool::Reserve(const Buffer& buffer) {
-  if (buffer.segment_id < 1 || buffer.segment_id > segments_.size()) return false;
+  if (!HasSegment(buffer.segment_id)) return false;
   return segments_[buffer.segment_id - 1].allocator.Reserve(buffer.offset, buffer.length);
 }
 
 void HostPool::KeepSegments() {
-  for (PoolSegment& segment : segments_) segment.shm.Keep();
+  for (PoolSegment& segment : segments_) {
+    if (segment.shm) segment.shm->Keep();
+  }
 }
 
 absl::Status HostPool::AddSegment(uint64_t size, uint32_t uid) {
@@ -83,9 +91,10 @@ absl::Status HostPool::AddSegment(uint64_t size, uint32_t uid) {
         absl::StrCat("host pool: all ", kMaxSegments, " segments in use; raise --segment-size"));
   }
   const uint64_t id = segments_.size() + 1;
-  absl::StatusOr<ShmSegment> shm =
-      ShmSegment::Create(absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size,
-                         /*map=*/false, options_.backing);
+  const SegmentBacking backing =
+      uid == options_.owner_uid ? options_.backing : SegmentBacking::kMemfd;
+  absl::StatusOr<ShmSegment> shm = ShmSegment::Create(
+      absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size, /*map=*/false, backing);
   if (!shm.ok()) return shm.status();
   segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(size), uid, options_.instance});
   SegmentRecord& record = control_->segment(static_cast<uint32_t>(id - 1));
@@ -95,7 +104,10 @@ absl::Status HostPool::AddSegment(uint64_t size, uint32_t uid) {
   record.segment_id = id;
   record.size = size;
   record.instance = options_.instance;
-  record.state.store(static_cast<uint32_t>(SegmentState::kLive), std::memory_order_release);
+  record.state.store(
+      static_cast<uint32_t>(backing == SegmentBacking::kNamed ? SegmentState::kLive
+                                                              : SegmentState::kEphemeral),
+      std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -108,8 +120,8 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid) {
                      options_.capacity_bytes, " bytes, --host-pool)"));
   }
   const uint64_t length = (nbytes + page - 1) / page * page;
-  const int index =
-      BestFitSegment(segments_, length, [uid](const PoolSegment& s) { return s.owner_uid == uid; });
+  const int index = BestFitSegment(
+      segments_, length, [uid](const PoolSegment& s) { return s.shm && s.owner_uid == uid; });
   PoolSegment* best = index < 0 ? nullptr : &segments_[index];
   if (best == nullptr) {
     const uint64_t remaining = options_.capacity_bytes - reserved_bytes();
@@ -139,7 +151,7 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid) {
   TSM_CHECK(offset.has_value());
   // Another uid's buffer: no byte of an earlier tensor of that segment may show through.
   if (uid != options_.owner_uid) {
-    if (absl::Status s = best->shm.Zero(*offset, length); !s.ok()) {
+    if (absl::Status s = best->shm->Zero(*offset, length); !s.ok()) {
       best->allocator.Free(*offset, length);
       return s;
     }
@@ -154,7 +166,7 @@ void HostPool::Free(const Buffer& buffer) {
 
 const ShmSegment& HostPool::Segment(uint64_t segment_id) const {
   TSM_CHECK(HasSegment(segment_id));
-  return segments_[segment_id - 1].shm;
+  return *segments_[segment_id - 1].shm;
 }
 
 uint32_t HostPool::SegmentOwner(uint64_t segment_id) const {
@@ -177,7 +189,7 @@ uint64_t HostPool::used_bytes() const {
 
 uint64_t HostPool::reserved_bytes() const {
   uint64_t reserved = 0;
-  for (const PoolSegment& s : segments_) reserved += s.shm.size();
+  for (const PoolSegment& s : segments_) reserved += s.shm ? s.shm->size() : 0;
   return reserved;
 }
 

@@ -1,11 +1,15 @@
 // The host pool: shm segments (named or memfd), grown one at a time up to the configured
 // capacity, each with a best-fit allocator. Every segment holds the buffers of one uid: the
 // daemon's own uid shares the first segments; each other admitted uid gets segments of its own,
-// so that a writable descriptor of a segment never exposes another uid's tensors.
+// so that a writable descriptor of a segment never exposes another uid's tensors. Another uid's
+// segments are always memfds sealed against resizing, whatever the pool's backing: a descriptor
+// it can write through must not let it shrink or grow an object others map (or that a restarted
+// daemon checks); the price is that its tensors do not survive the daemon.
 #ifndef TENSORSHM_SERVER_HOST_POOL_H_
 #define TENSORSHM_SERVER_HOST_POOL_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,9 +64,10 @@ class HostPool {
   // Returns `buffer` to its segment. REQUIRES: it came from Allocate and is not yet freed.
   void Free(const Buffer& buffer);
 
-  // Whether `segment_id` names a segment of the pool.
+  // Whether `segment_id` names a live segment of the pool (not one a restart lost).
   bool HasSegment(uint64_t segment_id) const {
-    return segment_id >= 1 && segment_id <= segments_.size();
+    return segment_id >= 1 && segment_id <= segments_.size() &&
+           segments_[segment_id - 1].shm.has_value();
   }
   // Segment `segment_id`: its object, the uid whose buffers it holds, and the daemon instance
   // that created it. REQUIRES: HasSegment(segment_id).
@@ -76,12 +81,13 @@ class HostPool {
   SegmentBacking backing() const { return options_.backing; }
   uint64_t used_bytes() const;
   uint64_t reserved_bytes() const;  // bytes of all segments created so far
+  // Segment ids run from 1 to segment_count(); a restart's holes among them are not HasSegment.
   size_t segment_count() const { return segments_.size(); }
   static uint64_t PageSize();
 
  private:
   struct PoolSegment {
-    ShmSegment shm;
+    std::optional<ShmSegment> shm;  // empty: a memfd segment of the daemon before a restart
     BestFitAllocator allocator;
     uint32_t owner_uid;
     uint64_t instance;

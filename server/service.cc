@@ -233,6 +233,7 @@ grpc::Status TensorShmService::Session(
     opened.mutable_opened()->set_instance_id(catalog_->instance_id());
     const HostPool& pool = catalog_->host_pool();
     for (uint64_t id = 1; id <= pool.segment_count(); ++id) {
+      if (!pool.HasSegment(id)) continue;  // lost in a restart
       v1::SegmentRef* segment = opened.mutable_opened()->add_segments();
       segment->set_segment_instance(pool.SegmentInstance(id));
       segment->set_segment_id(id);

@@ -128,7 +128,12 @@ TEST_F(CatalogTest, EmptyTensorsTakeNoBuffer) {
 // back only to their creator's uid, leases on sealed tensors are counted again, and nothing
 // recovered is freed before the period ends; afterwards nothing can be re-registered.
 TEST_F(CatalogTest, RecoveryGracePeriodKeepsWhatReconnectingClientsHold) {
-  constexpr uint32_t kUid = 1000;
+  constexpr uint32_t kUid = 1000;  // the daemon's uid here: its segments are named, recoverable
+  const CatalogOptions options{prefix_, 16 << 20, 4 << 20, 8, SegmentBacking::kNamed, kUid, 1};
+  catalog_.reset();
+  absl::StatusOr<std::unique_ptr<Catalog>> created = Catalog::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  catalog_ = *std::move(created);
   absl::StatusOr<const Tensor*> published = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
   absl::StatusOr<const Tensor*> draft = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
   absl::StatusOr<const Tensor*> leased = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
@@ -146,8 +151,7 @@ TEST_F(CatalogTest, RecoveryGracePeriodKeepsWhatReconnectingClientsHold) {
   // The daemon dies; a new one recovers.
   catalog_->KeepSegments();
   catalog_.reset();
-  absl::StatusOr<std::unique_ptr<Catalog>> recovered =
-      Catalog::Recover(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8});
+  absl::StatusOr<std::unique_ptr<Catalog>> recovered = Catalog::Recover(options);
   ASSERT_TRUE(recovered.ok()) << recovered.status();
   catalog_ = *std::move(recovered);
   ASSERT_TRUE(catalog_->in_grace());
@@ -178,6 +182,40 @@ TEST_F(CatalogTest, RecoveryGracePeriodKeepsWhatReconnectingClientsHold) {
   EXPECT_EQ(catalog_->ReattachLease(leased_id).code(), absl::StatusCode::kFailedPrecondition);
   // The taken-back draft is its new session's to publish.
   ASSERT_TRUE(catalog_->Publish(7, draft_id, "c", false).ok());
+}
+
+// Another uid's buffers live in a segment of its own, a sealed memfd (its writable descriptor
+// cannot resize what others map). A restart loses it: its tensors are dropped, its id stays a
+// hole, and the rest of the pool is recovered as usual.
+TEST_F(CatalogTest, AnotherUidsSegmentIsAMemfdThatRecoveryLeavesAsAHole) {
+  absl::StatusOr<const Tensor*> own = catalog_->Create(1, kF32, {8}, {}, kCpu, false, 0);
+  absl::StatusOr<const Tensor*> other = catalog_->Create(2, kF32, {8}, {}, kCpu, false, 1000);
+  ASSERT_TRUE(own.ok() && other.ok());
+  const uint64_t own_id = (*own)->id;
+  const uint64_t other_id = (*other)->id;
+  ASSERT_EQ((*own)->buffer.segment_id, 1u);
+  ASSERT_EQ((*other)->buffer.segment_id, 2u);
+  EXPECT_EQ(catalog_->host_pool().Segment(1).backing(), SegmentBacking::kNamed);
+  EXPECT_EQ(catalog_->host_pool().Segment(2).backing(), SegmentBacking::kMemfd);
+  EXPECT_EQ(catalog_->control().segment(1).owner_uid, 1000u);
+  ASSERT_TRUE(catalog_->Publish(1, own_id, "own", false).ok());
+  ASSERT_TRUE(catalog_->Publish(2, other_id, "other", false).ok());
+
+  catalog_->KeepSegments();
+  catalog_.reset();
+  absl::StatusOr<std::unique_ptr<Catalog>> recovered =
+      Catalog::Recover(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8});
+  ASSERT_TRUE(recovered.ok()) << recovered.status();
+  catalog_ = *std::move(recovered);
+  EXPECT_NE(catalog_->Find("own"), nullptr);
+  EXPECT_EQ(catalog_->Find("other"), nullptr);
+  EXPECT_TRUE(catalog_->host_pool().HasSegment(1));
+  EXPECT_FALSE(catalog_->host_pool().HasSegment(2));
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 4096u);
+  // uid 1000 produces again, in a new segment of its own.
+  absl::StatusOr<const Tensor*> again = catalog_->Create(3, kF32, {8}, {}, kCpu, false, 1000);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->buffer.segment_id, 3u);
 }
 
 }  // namespace

@@ -712,8 +712,18 @@ TEST(AccessTest, AllowedUidProducesInItsOwnSegmentsAndEverySegmentIsPrivate) {
       RunPeerAs(*daemon, kNobody, {"reuse", "scratch", "--shape", "1048576"});
   EXPECT_TRUE(absl::StrContains(reused, "reused nonzero 0")) << reused;
 
-  // Every object the daemon made is its own and private, whoever is admitted; the other uid's
-  // buffers took a segment of their own.
+  // Every object the daemon made is its own and private, whoever is admitted. The other uid's
+  // buffers took a segment of their own, a memfd (sealed against resizing): not in /dev/shm.
+  int memfds = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(
+           absl::StrCat("/proc/", daemon->process().pid(), "/fd"))) {
+    std::error_code error;
+    const std::string target = std::filesystem::read_symlink(entry.path(), error).string();
+    if (absl::StartsWith(target, absl::StrCat("/memfd:", daemon->shm_prefix(), ".cpu."))) {
+      ++memfds;
+    }
+  }
+  EXPECT_EQ(memfds, 1);
   int objects = 0;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
     if (!absl::StartsWith(entry.path().filename().string(), daemon->shm_prefix() + ".")) continue;
@@ -723,7 +733,7 @@ TEST(AccessTest, AllowedUidProducesInItsOwnSegmentsAndEverySegmentIsPrivate) {
     EXPECT_EQ(st.st_uid, 0u) << entry.path();
     ++objects;
   }
-  EXPECT_EQ(objects, 3);  // the catalog, the daemon uid's segment, uid 65534's segment
+  EXPECT_EQ(objects, 2);  // the catalog and the daemon uid's segment
 }
 
 TEST(DaemonStartTest, RefusesASecondDaemonOnTheSameSocket) {
