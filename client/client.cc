@@ -1,26 +1,11 @@
 #include "tensorshm/client.h"
 
-#include <dirent.h>
-#include <dlfcn.h>
-#include <fcntl.h>
-#include <grpc/fork.h>
-#include <grpc/grpc.h>
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
-#include <pthread.h>
-#include <strings.h>
 #include <sys/mman.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <cstddef>
-#include <cstdlib>
-#include <cstring>
-#include <mutex>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -29,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/cuda_state.h"
+#include "client/fork.h"
 #include "client/memory_channel.h"
 #include "client/segment_map.h"
 #include "common/grpc_status.h"
@@ -61,112 +47,6 @@ absl::string_view View(std::string_view text) {
 // Data pointer of empty tensors: non-null and 256-byte aligned, never read.
 alignas(256) const char kEmptyData[256] = {};
 
-// Bumped in every child that fork() makes: a ClientCore made under another value belongs to an
-// ancestor process, whose connections, threads and leases the child must never touch.
-std::atomic<uint64_t> g_fork_generation{0};
-
-// The daemon sockets this process has connected to, for the fork handler, which runs in the
-// child and so must not take locks: entries are written once, before the count that covers them
-// is published.
-constexpr int kMaxDaemonSockets = 16;
-char g_daemon_sockets[kMaxDaemonSockets][sizeof(sockaddr_un::sun_path)];
-std::atomic<int> g_daemon_socket_count{0};
-Mutex g_daemon_sockets_mu;
-
-void RememberDaemonSocket(const std::string& path) {
-  MutexLock lock(&g_daemon_sockets_mu);
-  const int count = g_daemon_socket_count.load(std::memory_order_relaxed);
-  for (int i = 0; i < count; ++i) {
-    if (path == g_daemon_sockets[i]) return;
-  }
-  if (count == kMaxDaemonSockets || path.size() >= sizeof(g_daemon_sockets[0])) return;
-  std::memcpy(g_daemon_sockets[count], path.c_str(), path.size() + 1);
-  g_daemon_socket_count.store(count + 1, std::memory_order_release);
-}
-
-// In a new child: every inherited connection to a daemon socket (the parent's gRPC connections
-// and memory channels) is replaced, in this process only, by a socket whose peer is gone. The
-// child's copy of gRPC's state can then never write into the parent's HTTP/2 stream (a copied
-// timer firing, a copied call being cancelled): it reads end-of-stream and gives up. The
-// parent's connections are untouched.
-void CutInheritedConnections() {
-  const int count = g_daemon_socket_count.load(std::memory_order_acquire);
-  if (count == 0) return;
-  DIR* fds = opendir("/proc/self/fd");
-  if (fds == nullptr) return;
-  std::vector<int> cut;
-  while (dirent* entry = readdir(fds)) {
-    const int fd = atoi(entry->d_name);
-    if (entry->d_name[0] == '.' || fd == dirfd(fds)) continue;
-    struct stat st;
-    sockaddr_un peer{};
-    socklen_t length = sizeof(peer);
-    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode) ||
-        getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &length) != 0 ||
-        peer.sun_family != AF_UNIX || length <= offsetof(sockaddr_un, sun_path)) {
-      continue;
-    }
-    for (int i = 0; i < count; ++i) {
-      if (std::strncmp(peer.sun_path, g_daemon_sockets[i], sizeof(peer.sun_path)) == 0) {
-        cut.push_back(fd);
-        break;
-      }
-    }
-  }
-  closedir(fds);
-  for (int fd : cut) {
-    int pair[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) return;
-    close(pair[1]);
-    dup3(pair[0], fd, O_CLOEXEC);
-    close(pair[0]);
-  }
-}
-
-void OnForkChild() {
-  g_fork_generation.fetch_add(1, std::memory_order_relaxed);
-  CutInheritedConnections();
-}
-
-// gRPC's fork support: its handlers stop gRPC's threads before a fork and, in the child, reset
-// its locks, threads and poller and close the sockets it inherited, so that the child can use
-// gRPC afresh. Debian's gRPC registers no handlers, and decides whether the support is on when
-// the library loads (GRPC_ENABLE_FORK_SUPPORT), so it is switched on here, before gRPC starts,
-// through grpc_core::Fork::Enable, looked up at run time (without it, forks go unprepared).
-// Unless the user set GRPC_ENABLE_FORK_SUPPORT to false.
-void EnableGrpcForkSupport() {
-  const char* chosen = getenv("GRPC_ENABLE_FORK_SUPPORT");
-  if (chosen != nullptr && (std::strcmp(chosen, "0") == 0 || strcasecmp(chosen, "false") == 0)) {
-    return;
-  }
-  auto enable = reinterpret_cast<void (*)(bool)>(
-      dlsym(RTLD_DEFAULT, "_ZN9grpc_core4Fork6EnableEb"));  // grpc_core::Fork::Enable(bool)
-  if (enable == nullptr) return;
-  enable(true);
-  pthread_atfork(grpc_prefork, grpc_postfork_parent, grpc_postfork_child);
-}
-
-// Once per process, before its first client: the fork handlers, and, when this client is the
-// first to start gRPC, gRPC's fork support and its "poll" polling strategy (unless the user
-// chose one). gRPC's default (epoll1) keeps its poll set in one kernel epoll instance, which a
-// forked child shares with its parent: should gRPC's fork handler not run (it skips itself
-// while another thread is inside a gRPC call), a child that connects would register its
-// sockets in the parent's set, and the parent's pollers would receive events carrying the
-// child's pointers. "poll" keeps that state in process memory. gRPC reads the variable when it
-// starts, so it is set only around that start: processes this one spawns do not inherit it.
-void PrepareProcess() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    pthread_atfork(nullptr, nullptr, OnForkChild);
-    if (grpc_is_initialized()) return;
-    EnableGrpcForkSupport();
-    const bool choose_poll = getenv("GRPC_POLL_STRATEGY") == nullptr;
-    if (choose_poll) setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
-    grpc_init();  // held for the life of the process: gRPC never restarts with other settings
-    if (choose_poll) unsetenv("GRPC_POLL_STRATEGY");
-  });
-}
-
 }  // namespace
 
 // Everything a Client and its tensors share: the channel, the session stream, the release queue
@@ -181,16 +61,14 @@ class ClientCore {
   ClientCore(std::string socket, std::shared_ptr<grpc::Channel> channel, std::string client_name)
       : socket_(std::move(socket)),
         client_name_(std::move(client_name)),
-        fork_generation_(g_fork_generation.load(std::memory_order_relaxed)),
+        fork_generation_(ForkGeneration()),
         pid_(getpid()),
         channel_(std::move(channel)),
         stub_(v1::TensorShm::NewStub(channel_)),
         memory_(socket_) {}
 
   // True in a child process fork() made after this core: nothing of it may be used there.
-  bool forked() const {
-    return g_fork_generation.load(std::memory_order_relaxed) != fork_generation_;
-  }
+  bool forked() const { return ForkGeneration() != fork_generation_; }
   // OK in the process that connected; FAILED_PRECONDITION naming both pids in a forked child.
   absl::Status CheckProcess() const;
 
@@ -622,22 +500,6 @@ struct Lease {
   std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
 };
 
-// A forked child's references to its parent's cores: never released, so that nothing of the
-// parent's (connections, threads, session) is closed or destroyed from the child. Reachable from
-// here, so not reported as leaks.
-struct ForkLeftover {
-  std::shared_ptr<ClientCore> core;
-  std::thread* sender;
-  ForkLeftover* next;
-};
-std::atomic<ForkLeftover*> g_fork_leftovers{nullptr};
-
-void KeepForever(std::shared_ptr<ClientCore> core, std::thread* sender = nullptr) {
-  auto* node = new ForkLeftover{std::move(core), sender, g_fork_leftovers.load()};
-  while (!g_fork_leftovers.compare_exchange_weak(node->next, node)) {
-  }
-}
-
 void ReleaseLease(Lease* lease) noexcept {
   if (lease->core->forked()) {
     // The lease is the parent's: the child only lets go of its own copy of the tensor.
@@ -808,7 +670,7 @@ absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
 // ---- Client ----
 
 absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  PrepareProcess();
+  PrepareProcessForClients();
   const std::string socket = options.socket.empty() ? DefaultSocketPath() : options.socket;
   RememberDaemonSocket(socket);
   grpc::ChannelArguments args;

@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "client/fork.h"
 #include "common/channel_frame.h"
 #include "common/sys_error.h"
 
@@ -49,6 +51,14 @@ absl::Status MemoryChannel::Open(const std::string& session_token) {
     close(fd);
     return absl::UnavailableError(
         absl::StrCat("memory channel: connect(", where, "): ", std::strerror(err)));
+  }
+  // The daemon's end as the kernel names it (a relative, linked or bind-mounted path given to
+  // the client may differ): what a fork child recognises the parent's connections by.
+  sockaddr_un peer{};
+  socklen_t peer_length = sizeof(peer);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_length) == 0 &&
+      peer.sun_family == AF_UNIX && peer_length > offsetof(sockaddr_un, sun_path)) {
+    RememberDaemonSocket(std::string(peer.sun_path, strnlen(peer.sun_path, sizeof(peer.sun_path))));
   }
   fd_ = fd;
   if (absl::Status s = SendWithFd(fd_, absl::string_view(kChannelHello, kChannelHelloBytes), -1,
