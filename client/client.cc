@@ -233,7 +233,8 @@ absl::Status ClientCore::Open(bool reattach) {
         unpublished_.erase(unpublished_keys[i]);
       }
     }
-    if (!lost.empty() && rejection_.ok()) {
+    // A loss outranks a refused release: it is what the caller must not miss.
+    if (!lost.empty() && !absl::IsDataLoss(rejection_)) {
       rejection_ = absl::DataLossError(absl::StrCat(
           "tensorshmd at unix:", socket_, " restarted (instance ", answer.instance_id(),
           ") and did not take back ", lost.size(), " tensors this client held (tensor ids ",
@@ -298,6 +299,11 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
   absl::StatusOr<int> fd =
       memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/false, &size);
   if (!fd.ok()) return fd.status();
+  if (size < location.segment_size()) {
+    close(*fd);
+    return absl::InternalError(absl::StrCat("tensorshmd granted ", SegmentLabel(key), " as ", size,
+                                            " bytes; its location said ", location.segment_size()));
+  }
   return segments_.Insert(key, *fd, location.segment_size());
 }
 

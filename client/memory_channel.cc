@@ -42,8 +42,12 @@ absl::Status MemoryChannel::Open(const std::string& session_token) {
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return ErrnoError("socket", where, errno);
   timeval timeout{kIoTimeoutSeconds, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0 ||
+      setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout)) != 0) {
+    const int err = errno;
+    close(fd);
+    return ErrnoError("setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", where, err);
+  }
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, socket_.data(), socket_.size());
   if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {

@@ -58,8 +58,10 @@ absl::Status SendWithFd(int socket, absl::string_view bytes, int fd, bool nonblo
 
 namespace {
 
-// Reads exactly `length` bytes into `buffer`; the first read may bring a descriptor.
-absl::Status ReadExactly(int socket, char* buffer, size_t length, int* fd, absl::string_view peer) {
+// Reads exactly `length` bytes into `buffer`. Descriptors that arrive meanwhile are counted in
+// `*received` (across calls for one frame); the first is kept in `*fd`, others are closed.
+absl::Status ReadExactly(int socket, char* buffer, size_t length, int* fd, int* received,
+                         absl::string_view peer) {
   size_t got = 0;
   while (got < length) {
     iovec iov{buffer + got, length - got};
@@ -79,7 +81,6 @@ absl::Status ReadExactly(int socket, char* buffer, size_t length, int* fd, absl:
     if (n == 0) {
       return absl::UnavailableError(absl::StrCat("memory channel ", peer, ": closed by the peer"));
     }
-    int received = 0;
     for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr;
          header = CMSG_NXTHDR(&message, header)) {
       if (header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS) continue;
@@ -87,16 +88,16 @@ absl::Status ReadExactly(int socket, char* buffer, size_t length, int* fd, absl:
       for (size_t i = 0; i < count; ++i) {
         int descriptor;
         std::memcpy(&descriptor, CMSG_DATA(header) + i * sizeof(int), sizeof(int));
-        if (*fd < 0 && received == 0) {
+        if (*fd < 0 && *received == 0) {
           *fd = descriptor;
         } else {
           close(descriptor);
         }
-        ++received;
+        ++*received;
       }
     }
-    if (received > 1 || (message.msg_flags & MSG_CTRUNC) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("memory channel ", peer, ": ", received,
+    if (*received > 1 || (message.msg_flags & MSG_CTRUNC) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("memory channel ", peer, ": ", *received,
                                                      " descriptors with one frame; expected <= 1"));
     }
     got += static_cast<size_t>(n);
@@ -108,8 +109,9 @@ absl::Status ReadExactly(int socket, char* buffer, size_t length, int* fd, absl:
 
 absl::Status ReceiveFrame(int socket, std::string* body, int* fd, absl::string_view peer) {
   *fd = -1;
+  int received = 0;
   char header[kFrameHeaderBytes];
-  absl::Status status = ReadExactly(socket, header, sizeof(header), fd, peer);
+  absl::Status status = ReadExactly(socket, header, sizeof(header), fd, &received, peer);
   uint32_t length = 0;
   if (status.ok()) {
     length = DecodeFrameHeader(header);
@@ -120,7 +122,7 @@ absl::Status ReceiveFrame(int socket, std::string* body, int* fd, absl::string_v
   }
   if (status.ok()) {
     body->resize(length);
-    status = ReadExactly(socket, body->data(), length, fd, peer);
+    status = ReadExactly(socket, body->data(), length, fd, &received, peer);
   }
   if (!status.ok() && *fd >= 0) {
     close(*fd);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 
@@ -91,9 +92,14 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
   epoll_event event{};
   event.events = EPOLLIN;
   event.data.fd = fd_;
-  epoll_ctl(epoll, EPOLL_CTL_ADD, fd_, &event);
+  int added = epoll_ctl(epoll, EPOLL_CTL_ADD, fd_, &event);
   event.data.fd = wake_fd_;
-  epoll_ctl(epoll, EPOLL_CTL_ADD, wake_fd_, &event);
+  if (added == 0) added = epoll_ctl(epoll, EPOLL_CTL_ADD, wake_fd_, &event);
+  if (added != 0) {
+    // Nothing could ever be accepted: a daemon that cannot serve anyone stops here.
+    TSM_LOG(kError) << "epoll_ctl for " << path_ << ": " << std::strerror(errno);
+    std::abort();
+  }
   struct Pending {
     PeerCredentials peer;
     absl::Time deadline;

@@ -27,7 +27,12 @@ absl::StatusOr<std::unique_ptr<ChannelServer>> ChannelServer::Start(Handler hand
   epoll_event event{};
   event.events = EPOLLIN;
   event.data.fd = wake;
-  epoll_ctl(epoll, EPOLL_CTL_ADD, wake, &event);
+  if (epoll_ctl(epoll, EPOLL_CTL_ADD, wake, &event) != 0) {
+    const int err = errno;
+    close(wake);
+    close(epoll);
+    return ErrnoError("epoll_ctl", "memory channel", err);
+  }
   std::unique_ptr<ChannelServer> server(new ChannelServer(std::move(handler), epoll, wake));
   server->thread_ = std::thread(&ChannelServer::Run, server.get());
   return server;

@@ -119,6 +119,17 @@ absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
   if (backing_ == SegmentBacking::kNamed) {
     const int fd = shm_open(name_.c_str(), O_RDONLY | O_CLOEXEC, 0);
     if (fd < 0) return ErrnoError("shm_open(O_RDONLY)", name_, errno);
+    // The name must still be this object: never hand out another under it.
+    struct stat ours;
+    struct stat opened;
+    if (fstat(fd_, &ours) != 0 || fstat(fd, &opened) != 0 || ours.st_dev != opened.st_dev ||
+        ours.st_ino != opened.st_ino) {
+      close(fd);
+      return absl::DataLossError(
+          absl::StrCat(name_,
+                       ": the name belongs to another object now (removed or replaced behind the "
+                       "daemon's back)"));
+    }
     return fd;
   }
   // A memfd has no name to open: its /proc link is reopened instead.

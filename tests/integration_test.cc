@@ -707,6 +707,14 @@ TEST(AccessTest, AllowedUidProducesInItsOwnSegmentsAndEverySegmentIsPrivate) {
   EXPECT_TRUE(std::all_of(bytes, bytes + 8192, [](unsigned char b) { return b == 0x33; }));
   (*still)->deleter(*still);
 
+  // On a raw channel of its own session it gets no writable descriptor of the daemon uid's
+  // segment, and its read-only one cannot be reopened for writing.
+  auto [probe_status, probed] = RunPeerAs(*daemon, kNobody, {"probe-channel"});
+  EXPECT_TRUE(absl::StrContains(probed, "bind: code 0")) << probed;
+  EXPECT_TRUE(absl::StrContains(probed, "writable 1: code 7 segment.writable")) << probed;
+  EXPECT_TRUE(absl::StrContains(probed, "readable 1: code 0")) << probed;
+  EXPECT_TRUE(absl::StrContains(probed, "reopen rw: EACCES")) << probed;
+
   // A buffer the other uid gets again after freeing it reads as zeros.
   auto [reuse_status, reused] =
       RunPeerAs(*daemon, kNobody, {"reuse", "scratch", "--shape", "1048576"});

@@ -269,6 +269,16 @@ TEST(ChannelTest, HostileConnectionsAreDroppedAndTheDaemonKeepsServing) {
   EXPECT_EQ(r->code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_TRUE(absl::StrContains(r->message(), "kind")) << r->message();
   // Descriptors sent to the daemon are dropped, not kept open there.
+  auto daemon_fds = [&] {
+    int count = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(
+             absl::StrCat("/proc/", daemon->process().pid(), "/fd"))) {
+      (void)entry;
+      ++count;
+    }
+    return count;
+  };
+  const int fds_before = daemon_fds();
   const int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
   std::string frame(kFrameHeaderBytes, '\0');
   const std::string body = Bind("x").SerializeAsString();
@@ -278,6 +288,7 @@ TEST(ChannelTest, HostileConnectionsAreDroppedAndTheDaemonKeepsServing) {
   std::string answer;
   ASSERT_TRUE(ReceiveFrame(empty.fd(), &answer, &fd, "test").ok());
   EXPECT_EQ(fd, -1);
+  EXPECT_EQ(daemon_fds(), fds_before);
 
   // Everything else goes on: a new client reads the tensor, byte for byte.
   absl::StatusOr<std::shared_ptr<Client>> other =
@@ -632,7 +643,14 @@ TEST(MemfdTest, DaemonInA64MiBDevShmServesA1GiBPool) {
           << consumer->Output();
     }
   }
-  // Nothing of it is in this namespace's /dev/shm either.
+  // Nothing of it is in the daemon's own (64 MiB) /dev/shm, nor in this one.
+  int in_daemon_shm = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(
+           absl::StrCat("/proc/", daemon->pid(), "/root/dev/shm"))) {
+    ADD_FAILURE() << "in the daemon's /dev/shm: " << entry.path();
+    ++in_daemon_shm;
+  }
+  EXPECT_EQ(in_daemon_shm, 0);
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
     EXPECT_FALSE(absl::StartsWith(entry.path().filename().string(), prefix)) << entry.path();
   }

@@ -7,6 +7,10 @@
 //   tsm_peer write SOCKET NAME        acquire, print "acquired", write into the tensor
 //   tsm_peer escalate SOCKET NAME     acquire, try to make the mapping writable; prints
 //                                     "mprotect <errno name>" or "mprotect succeeded"
+//   tsm_peer probe-channel SOCKET     on a raw memory channel bound to its own session, asks
+//                                     for segment 1 writable ("writable 1: code C") and read-only,
+//                                     then tries to reopen that descriptor read-write through
+//                                     /proc ("reopen rw: <errno name>" or "reopen rw: succeeded")
 //   tsm_peer reuse SOCKET NAME --shape N   create N bytes, fill with 0xee, publish, delete, then
 //                                     create N bytes again (the freed buffer); prints
 //                                     "reused nonzero <count of non-zero bytes>"
@@ -19,8 +23,11 @@
 // Output lines: "checksum <storage hash> <logical hash>", "meta <dtype> <shape> <strides>
 // <byte_offset> <flags>", "error <code> <message>" (exit 3).
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -33,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/channel_frame.h"
 #include "common/cuda_driver.h"
 #include "common/dtype.h"
 #include "common/layout.h"
@@ -427,6 +435,47 @@ int Main(int argc, char** argv) {
       std::cout << "mprotect " << strerrorname_np(errno) << std::endl;
     }
     (*t)->deleter(*t);
+    return 0;
+  }
+  if (mode == "probe-channel") {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, options.socket.data(), options.socket.size());
+    if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) return 5;
+    auto call = [&](const tensorshm::v1::ChannelRequest& request, int* received) {
+      std::string frame(tensorshm::kFrameHeaderBytes, '\0');
+      request.AppendToString(&frame);
+      tensorshm::EncodeFrameHeader(static_cast<uint32_t>(frame.size() - 4), frame.data());
+      tensorshm::v1::ChannelResponse response;
+      std::string body;
+      if (!tensorshm::SendWithFd(fd, frame, -1, false, "probe").ok() ||
+          !tensorshm::ReceiveFrame(fd, &body, received, "probe").ok() ||
+          !response.ParseFromString(body)) {
+        response.set_code(-1);
+      }
+      return response;
+    };
+    if (write(fd, tensorshm::kChannelHello, tensorshm::kChannelHelloBytes) != 8) return 5;
+    int received = -1;
+    tensorshm::v1::ChannelRequest bind;
+    bind.mutable_bind()->set_session_id((*client)->session_id());
+    const tensorshm::v1::ChannelResponse bound = call(bind, &received);
+    std::cout << "bind: code " << bound.code() << std::endl;
+    tensorshm::v1::ChannelRequest want;
+    want.mutable_segment()->set_segment_id(1);
+    want.mutable_segment()->set_segment_instance(bound.bound().instance_id());
+    want.mutable_segment()->set_writable(true);
+    const tensorshm::v1::ChannelResponse writable = call(want, &received);
+    std::cout << "writable 1: code " << writable.code() << " " << writable.message() << std::endl;
+    if (received >= 0) close(received);
+    want.mutable_segment()->set_writable(false);
+    const tensorshm::v1::ChannelResponse readable = call(want, &received);
+    std::cout << "readable 1: code " << readable.code() << std::endl;
+    if (received < 0) return 6;
+    const int reopened = open(absl::StrCat("/proc/self/fd/", received).c_str(), O_RDWR | O_CLOEXEC);
+    std::cout << "reopen rw: " << (reopened >= 0 ? "succeeded" : strerrorname_np(errno))
+              << std::endl;
     return 0;
   }
   if (mode == "reuse") {
