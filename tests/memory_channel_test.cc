@@ -290,6 +290,31 @@ TEST(ChannelTest, HostileConnectionsAreDroppedAndTheDaemonKeepsServing) {
   EXPECT_EQ(fd, -1);
   EXPECT_EQ(daemon_fds(), fds_before);
 
+  // A hello that arrives a byte at a time is still recognised.
+  RawChannel trickled(daemon->socket(), "");
+  for (size_t i = 0; i < kChannelHelloBytes; ++i) {
+    ASSERT_EQ(write(trickled.fd(), kChannelHello + i, 1), 1);
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  r = trickled.Call(v1::ChannelRequest(), &fd);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  // A client that sends requests and never reads the answers is dropped once its answers back
+  // up, instead of blocking the daemon's channel thread.
+  RawChannel flood(daemon->socket());
+  std::string request(kFrameHeaderBytes, '\0');
+  v1::ChannelRequest().AppendToString(&request);
+  EncodeFrameHeader(static_cast<uint32_t>(request.size() - kFrameHeaderBytes), request.data());
+  std::string burst;
+  for (int i = 0; i < 1024; ++i) burst += request;
+  bool dropped = false;
+  for (int i = 0; i < 2000 && !dropped; ++i) {
+    dropped = send(flood.fd(), burst.data(), burst.size(), MSG_NOSIGNAL | MSG_DONTWAIT) < 0 &&
+              (errno == EPIPE || errno == ECONNRESET);
+    if (!dropped) absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_TRUE(dropped) << "the daemon kept a connection that reads no answers";
+
   // Everything else goes on: a new client reads the tensor, byte for byte.
   absl::StatusOr<std::shared_ptr<Client>> other =
       Client::Connect(ClientOptions{daemon->socket(), "after"});
