@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/cuda_state.h"
+#include "client/fast_path.h"
 #include "client/fork.h"
 #include "client/memory_channel.h"
 #include "client/segment_map.h"
@@ -43,6 +44,10 @@ constexpr absl::Duration kIdleCheck = absl::Milliseconds(100);
 absl::string_view View(std::string_view text) {
   return absl::string_view(text.data(), text.size());
 }
+
+// The lease id a page lease carries in held_ after a restart turned it into a reattached one,
+// until the new daemon answers with the real id.
+constexpr uint64_t kPageLeaseId = ~uint64_t{0};
 
 // Data pointer of empty tensors: non-null and 256-byte aligned, never read.
 alignas(256) const char kEmptyData[256] = {};
@@ -93,10 +98,27 @@ class ClientCore {
   // not take it back.
   absl::Status LeaseStatus(uint64_t key) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The read-only mapping of `location`'s host segment, made on first use from a descriptor
-  // the memory channel brings, and shared by every tensor in it.
-  absl::StatusOr<std::shared_ptr<const SegmentMapping>> MapHostSegment(
-      const v1::Location& location);
+  // The session's fast path, or nullptr (not set up, or the daemon does not offer one).
+  std::shared_ptr<FastPath> fast_path() const ABSL_LOCKS_EXCLUDED(mu_);
+  // A lease slot of `fast` was taken / is given back (its tensor's deleter). The slot is
+  // cleared with one store; once `fast` was retired, the lease it was turned into is released.
+  void PageLeaseTaken() { page_leases_.fetch_add(1, std::memory_order_relaxed); }
+  void ReleasePageLease(FastPath& fast, uint32_t page_slot) noexcept ABSL_LOCKS_EXCLUDED(mu_);
+  // LeaseStatus of a page lease.
+  absl::Status PageLeaseStatus(const FastPath& fast, uint32_t page_slot) const;
+  // A memory channel request for the current session (Create, Publish); UNAVAILABLE when the
+  // channel cannot be had (the caller then uses the RPC), else the daemon's answer.
+  absl::StatusOr<v1::ChannelResponse> Exchange(v1::ChannelRequest& request) {
+    int fd = -1;
+    absl::StatusOr<v1::ChannelResponse> response = memory_.Exchange(session_id(), request, &fd);
+    if (fd >= 0) close(fd);
+    return response;
+  }
+
+  // The read-only mapping of host segment `key` (`size` bytes as the daemon says), made on
+  // first use from a descriptor the memory channel brings, and shared by every tensor in it.
+  absl::StatusOr<std::shared_ptr<const SegmentMapping>> MapHostSegment(const SegmentKey& key,
+                                                                       uint64_t size);
   // A writable mapping of exactly `location`'s buffer (this session's own); the caller munmaps.
   absl::StatusOr<void*> MapHostBuffer(const v1::Location& location);
 
@@ -122,8 +144,13 @@ class ClientCore {
 
   bool SenderDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return client_closed_ && outstanding_ == 0 && pending_leases_.empty() &&
-           pending_abandons_.empty();
+           pending_abandons_.empty() && page_leases_.load(std::memory_order_acquire) == 0;
   }
+  // After a session opened: maps its fast path (without one, acquires use the RPC).
+  void SetUpFastPath() ABSL_LOCKS_EXCLUDED(mu_);
+  // Before re-registering with a restarted daemon: the old session's page leases become
+  // leases in held_, re-registered like the others.
+  void RetireFastPath() ABSL_LOCKS_EXCLUDED(mu_);
   // Opens a session stream; with `reattach`, asks the daemon to take back what this client holds.
   absl::Status Open(bool reattach) ABSL_LOCKS_EXCLUDED(mu_);
   // After the stream broke: reopens a session, with backoff. False if the sender should exit.
@@ -159,7 +186,12 @@ class ClientCore {
   absl::Status rejection_ ABSL_GUARDED_BY(mu_);
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   bool client_closed_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
+  bool flush_requested_ ABSL_GUARDED_BY(mu_) = false;  // send a batch even if empty
+  int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;       // leases in held_ and unpublished tensors
+  std::shared_ptr<FastPath> fast_ ABSL_GUARDED_BY(mu_);
+  // Leases held in lease page slots: counted without the mutex (a release is one store).
+  std::atomic<int64_t> page_leases_{0};
+  std::atomic<bool> closing_{false};  // client_closed_, for releases that do not lock
 };
 
 absl::Status ClientCore::Open(bool reattach) {
@@ -176,6 +208,7 @@ absl::Status ClientCore::Open(bool reattach) {
     if (!channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + kReconnectWait))) {
       return absl::UnavailableError(absl::StrCat("tensorshmd at unix:", socket_, " not reachable"));
     }
+    RetireFastPath();
     MutexLock lock(&mu_);
     for (const auto& [key, held] : held_) {
       // A lease the last daemon already refused stays refused.
@@ -210,42 +243,95 @@ absl::Status ClientCore::Open(bool reattach) {
     live.emplace(segment.segment_instance(), segment.segment_id());
   }
   segments_.Retain(live);
-  MutexLock lock(&mu_);
-  session_id_ = answer.session_id();
-  if (reattach) {
-    // Batches numbered before now went to the old session, which will never acknowledge them
-    // (one may have failed on the broken stream): Flush must not wait for them.
-    acked_sequence_ = next_sequence_ - 1;
-    acked_.SignalAll();
-    // Leases and tensors the daemon did not take back are gone: their releases are dropped, and
-    // Flush reports the loss (the memory is no longer reserved for them).
-    std::vector<uint64_t> lost;
-    for (size_t i = 0; i < keys.size(); ++i) {
-      const uint64_t lease =
-          static_cast<int>(i) < answer.lease_ids_size() ? answer.lease_ids(i) : 0;
-      HeldLease& held = held_.at(keys[i]);
-      held.lease_id = lease;
-      if (lease == 0) lost.push_back(held.tensor_id);
-    }
-    for (size_t i = 0; i < unpublished_keys.size(); ++i) {
-      if (static_cast<int>(i) >= answer.readopted_size() || !answer.readopted(i)) {
-        lost.push_back(unpublished_.at(unpublished_keys[i]));
-        unpublished_.erase(unpublished_keys[i]);
+  {
+    MutexLock lock(&mu_);
+    session_id_ = answer.session_id();
+    if (reattach) {
+      // Batches numbered before now went to the old session, which will never acknowledge them
+      // (one may have failed on the broken stream): Flush must not wait for them.
+      acked_sequence_ = next_sequence_ - 1;
+      acked_.SignalAll();
+      // Leases and tensors the daemon did not take back are gone: their releases are dropped, and
+      // Flush reports the loss (the memory is no longer reserved for them).
+      std::vector<uint64_t> lost;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const uint64_t lease =
+            static_cast<int>(i) < answer.lease_ids_size() ? answer.lease_ids(i) : 0;
+        HeldLease& held = held_.at(keys[i]);
+        held.lease_id = lease;
+        if (lease == 0) lost.push_back(held.tensor_id);
+      }
+      for (size_t i = 0; i < unpublished_keys.size(); ++i) {
+        if (static_cast<int>(i) >= answer.readopted_size() || !answer.readopted(i)) {
+          lost.push_back(unpublished_.at(unpublished_keys[i]));
+          unpublished_.erase(unpublished_keys[i]);
+        }
+      }
+      // A loss outranks a refused release: it is what the caller must not miss.
+      if (!lost.empty() && !absl::IsDataLoss(rejection_)) {
+        rejection_ = absl::DataLossError(absl::StrCat(
+            "tensorshmd at unix:", socket_, " restarted (instance ", answer.instance_id(),
+            ") and did not take back ", lost.size(), " tensors this client held (tensor ids ",
+            absl::StrJoin(lost, ", "),
+            "): their memory is no longer reserved for them; acquire or create them again"));
       }
     }
-    // A loss outranks a refused release: it is what the caller must not miss.
-    if (!lost.empty() && !absl::IsDataLoss(rejection_)) {
-      rejection_ = absl::DataLossError(absl::StrCat(
-          "tensorshmd at unix:", socket_, " restarted (instance ", answer.instance_id(),
-          ") and did not take back ", lost.size(), " tensors this client held (tensor ids ",
-          absl::StrJoin(lost, ", "),
-          "): their memory is no longer reserved for them; acquire or create them again"));
-    }
+    // The old stream (finished) goes before the context it was made with.
+    stream_ = std::move(stream);
+    session_context_ = std::move(context);
+    connected_ = true;
   }
-  // The old stream (finished) goes before the context it was made with.
-  stream_ = std::move(stream);
-  session_context_ = std::move(context);
-  connected_ = true;
+  SetUpFastPath();
+  return absl::OkStatus();
+}
+
+void ClientCore::SetUpFastPath() {
+  const std::string token = session_id();
+  absl::StatusOr<std::shared_ptr<FastPath>> fast = FastPath::Open(memory_, token);
+  MutexLock lock(&mu_);
+  // A session that ended meanwhile gets no fast path: the next one will.
+  if (fast.ok() && session_id_ == token) fast_ = *std::move(fast);
+}
+
+void ClientCore::RetireFastPath() {
+  std::shared_ptr<FastPath> old;
+  {
+    MutexLock lock(&mu_);
+    old = std::move(fast_);
+  }
+  if (old == nullptr) return;
+  const int converted = old->Retire([this](uint64_t tensor_id) {
+    MutexLock lock(&mu_);
+    const uint64_t key = next_key_++;
+    held_.emplace(key, HeldLease{tensor_id, kPageLeaseId});
+    ++outstanding_;
+    return key;
+  });
+  page_leases_.fetch_sub(converted, std::memory_order_acq_rel);
+}
+
+std::shared_ptr<FastPath> ClientCore::fast_path() const {
+  MutexLock lock(&mu_);
+  return fast_;
+}
+
+void ClientCore::ReleasePageLease(FastPath& fast, uint32_t page_slot) noexcept {
+  uint64_t key = 0;
+  if (!fast.Release(page_slot, &key)) {
+    QueueRelease(key);
+    return;
+  }
+  // The sender waits for the last lease of a closed client; only then is it worth a wake-up.
+  if (page_leases_.fetch_sub(1, std::memory_order_acq_rel) == 1 &&
+      closing_.load(std::memory_order_acquire)) {
+    MutexLock lock(&mu_);
+    work_.Signal();
+  }
+}
+
+absl::Status ClientCore::PageLeaseStatus(const FastPath& fast, uint32_t page_slot) const {
+  uint64_t key = 0;
+  if (fast.ConvertedKey(page_slot, &key)) return LeaseStatus(key);
   return absl::OkStatus();
 }
 
@@ -290,21 +376,19 @@ absl::Status ClientCore::CheckProcess() const {
 }
 
 absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment(
-    const v1::Location& location) {
-  const SegmentKey key{location.segment_instance(), location.segment_id()};
-  absl::StatusOr<std::shared_ptr<const SegmentMapping>> found =
-      segments_.Find(key, location.segment_size());
+    const SegmentKey& key, uint64_t segment_size) {
+  absl::StatusOr<std::shared_ptr<const SegmentMapping>> found = segments_.Find(key, segment_size);
   if (!found.ok() || *found != nullptr) return found;
   uint64_t size = 0;
   absl::StatusOr<int> fd =
       memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/false, &size);
   if (!fd.ok()) return fd.status();
-  if (size < location.segment_size()) {
+  if (size < segment_size) {
     close(*fd);
     return absl::InternalError(absl::StrCat("tensorshmd granted ", SegmentLabel(key), " as ", size,
-                                            " bytes; its location said ", location.segment_size()));
+                                            " bytes; its location said ", segment_size));
   }
-  return segments_.Insert(key, *fd, location.segment_size());
+  return segments_.Insert(key, *fd, segment_size);
 }
 
 absl::StatusOr<void*> ClientCore::MapHostBuffer(const v1::Location& location) {
@@ -382,14 +466,17 @@ void ClientCore::QueueAbandon(uint64_t key) noexcept {
 bool ClientCore::CloseClient() {
   MutexLock lock(&mu_);
   client_closed_ = true;
+  closing_.store(true, std::memory_order_release);
   work_.Signal();
-  return outstanding_ == 0;
+  return outstanding_ == 0 && page_leases_.load(std::memory_order_acquire) == 0;
 }
 
 absl::Status ClientCore::Flush() {
   MutexLock lock(&mu_);
-  const uint64_t target =
-      (pending_leases_.empty() && pending_abandons_.empty()) ? next_sequence_ - 1 : next_sequence_;
+  // Always a round trip: page leases were given back by a store the daemon has not seen yet,
+  // and an empty batch makes it look (and free what they held).
+  const uint64_t target = next_sequence_;
+  flush_requested_ = true;
   work_.Signal();
   while (acked_sequence_ < target && connected_) acked_.Wait(&mu_);
   if (acked_sequence_ < target) {
@@ -429,11 +516,15 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
     {
       MutexLock lock(&mu_);
       bool probe = false;
-      while (connected_ && pending_leases_.empty() && pending_abandons_.empty() && !SenderDone()) {
+      while (connected_ && pending_leases_.empty() && pending_abandons_.empty() &&
+             !flush_requested_ && !SenderDone()) {
         // The sync stream says nothing until used, so a daemon gone while this client is idle
-        // shows as the channel leaving READY: an empty batch then tells whether the stream lives.
+        // shows as the channel leaving READY, or sooner as the index's heartbeat going stale (a
+        // connection nobody polls may look READY for seconds): an empty batch then tells
+        // whether the stream lives.
         if (work_.WaitWithTimeout(&mu_, kIdleCheck) &&
-            channel_->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY) {
+            (channel_->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY ||
+             (fast_ != nullptr && !fast_->DaemonServing()))) {
           probe = true;
           break;
         }
@@ -442,7 +533,9 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
       if (connected_) {
         sequence = next_sequence_++;
         request.mutable_release()->set_sequence(sequence);
-        if (!TakeBatch(request.mutable_release()) && !probe) {
+        const bool flush = flush_requested_;
+        flush_requested_ = false;
+        if (!TakeBatch(request.mutable_release()) && !probe && !flush) {
           // Only ids the daemon no longer knows: nothing to send.
           acked_sequence_ = sequence;
           acked_.SignalAll();
@@ -499,8 +592,10 @@ struct Lease {
   DLManagedTensor legacy{};
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;
-  uint64_t key = 0;  // ClientCore's key for the lease
+  uint64_t key = 0;  // ClientCore's key for the lease (an RPC lease)
   std::shared_ptr<ClientCore> core;
+  std::shared_ptr<FastPath> fast;  // a page lease: the fast path whose page holds it
+  uint32_t page_slot = 0;
   std::shared_ptr<const SegmentMapping> mapping;  // host tensors: the segment the data lies in
   int cuda_ordinal = -1;                          // CUDA tensors: this process's device ordinal
   std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
@@ -510,6 +605,8 @@ void ReleaseLease(Lease* lease) noexcept {
   if (lease->core->forked()) {
     // The lease is the parent's: the child only lets go of its own copy of the tensor.
     KeepForever(std::move(lease->core));
+  } else if (lease->fast != nullptr) {
+    lease->core->ReleasePageLease(*lease->fast, lease->page_slot);
   } else {
     lease->core->QueueRelease(lease->key);
   }
@@ -546,6 +643,25 @@ absl::StatusOr<CudaBuffer> OpenCudaLocation(ClientCore& core, const v1::Location
   return buffer;
 }
 
+// Points `lease`'s DLPack structs at `data` with its shape and strides.
+void FillTensor(Lease& lease, const char* data, DLDevice device, DLDataType dtype,
+                uint64_t byte_offset, uint64_t flags) {
+  DLTensor tensor{};
+  tensor.data = const_cast<char*>(data);
+  tensor.device = device;
+  tensor.ndim = static_cast<int32_t>(lease.shape.size());
+  tensor.dtype = dtype;
+  tensor.shape = lease.shape.data();
+  tensor.strides = lease.strides.data();
+  tensor.byte_offset = byte_offset;
+  lease.versioned.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
+  lease.versioned.manager_ctx = &lease;
+  lease.versioned.flags = DLPACK_FLAG_BITMASK_READ_ONLY | flags;
+  lease.versioned.dl_tensor = tensor;
+  lease.legacy.manager_ctx = &lease;
+  lease.legacy.dl_tensor = tensor;
+}
+
 // Builds the tensor for a lease the daemon granted. On failure the lease is given back.
 absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCore>& core,
                                                  const v1::AcquireResponse& response) {
@@ -576,27 +692,44 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     return give_back(absl::UnimplementedError(
         absl::StrCat("device = ", DeviceName(decoded->device), ": not supported by this client")));
   } else if (location.length() > 0) {
-    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(location);
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(
+        SegmentKey{location.segment_instance(), location.segment_id()}, location.segment_size());
     if (!mapping.ok()) return give_back(mapping.status());
     lease->mapping = *std::move(mapping);
     data = lease->mapping->address() + location.offset();
   }
   lease->shape = std::move(decoded->shape);
   lease->strides = std::move(decoded->strides);
-  DLTensor tensor{};
-  tensor.data = const_cast<char*>(data);
-  tensor.device = decoded->device;
-  tensor.ndim = static_cast<int32_t>(lease->shape.size());
-  tensor.dtype = decoded->dtype;
-  tensor.shape = lease->shape.data();
-  tensor.strides = lease->strides.data();
-  tensor.byte_offset = decoded->byte_offset;
-  lease->versioned.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
-  lease->versioned.manager_ctx = lease.get();
-  lease->versioned.flags = DLPACK_FLAG_BITMASK_READ_ONLY | decoded->flags;
-  lease->versioned.dl_tensor = tensor;
-  lease->legacy.manager_ctx = lease.get();
-  lease->legacy.dl_tensor = tensor;
+  FillTensor(*lease, data, decoded->device, decoded->dtype, decoded->byte_offset, decoded->flags);
+  return lease;
+}
+
+// Builds the tensor for a lease slot the fast path took. On failure the slot is given back.
+absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<ClientCore>& core,
+                                                     std::shared_ptr<FastPath> fast,
+                                                     const FastPath::Leased& leased) {
+  auto lease = std::make_unique<Lease>();
+  lease->core = core;
+  lease->fast = std::move(fast);
+  lease->page_slot = leased.page_slot;
+  core->PageLeaseTaken();
+  const TensorRecord& record = *leased.record;
+  const char* data = kEmptyData;
+  if (record.length > 0) {
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(
+        SegmentKey{leased.segment_instance, record.segment_id}, leased.segment_size);
+    if (!mapping.ok()) {
+      core->ReleasePageLease(*lease->fast, lease->page_slot);
+      return mapping.status();
+    }
+    lease->mapping = *std::move(mapping);
+    data = lease->mapping->address() + record.offset;
+  }
+  lease->shape.assign(record.shape, record.shape + record.ndim);
+  lease->strides.assign(record.strides, record.strides + record.ndim);
+  FillTensor(*lease, data, DLDevice{kDLCPU, 0},
+             DLDataType{record.dtype_code, record.dtype_bits, record.dtype_lanes},
+             record.byte_offset, record.dlpack_flags);
   return lease;
 }
 
@@ -616,6 +749,32 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
   if (timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout = ", absl::FormatDuration(timeout), ": must be >= 0"));
+  }
+  // The fast path answers from shared memory, and waits on the index's futex word; whatever it
+  // cannot answer goes to the daemon with the time that is left.
+  if (std::shared_ptr<FastPath> fast = core->fast_path(); fast != nullptr) {
+    const absl::Time deadline =
+        timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+    while (true) {
+      const uint32_t seen = fast->publishes();
+      FastPath::Leased leased;
+      const FastPath::Outcome outcome = fast->TryAcquire(name, &leased);
+      if (outcome == FastPath::Outcome::kLeased) return MakePageLease(core, fast, leased);
+      if (outcome == FastPath::Outcome::kFallback) break;
+      if (timeout == absl::ZeroDuration()) {
+        return absl::NotFoundError(absl::StrCat("name = \"", View(name), "\": not published"));
+      }
+      const absl::Time now = absl::Now();
+      if (now >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "name = \"", View(name), "\": not published within ", absl::FormatDuration(timeout)));
+      }
+      if (absl::Status s = core->CheckProcess(); !s.ok()) return s;
+      fast->WaitForPublish(seen, deadline - now);
+    }
+    if (timeout != absl::InfiniteDuration()) {
+      timeout = std::max(absl::ZeroDuration(), deadline - absl::Now());
+    }
   }
   v1::AcquireRequest request;
   request.set_name(std::string(name));
@@ -663,6 +822,7 @@ absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
   }
   const auto& lease = *static_cast<const Lease*>(tensor->manager_ctx);
   if (absl::Status s = lease.core->CheckProcess(); !s.ok()) return s;
+  if (lease.fast != nullptr) return lease.core->PageLeaseStatus(*lease.fast, lease.page_slot);
   return lease.core->LeaseStatus(lease.key);
 }
 
@@ -737,7 +897,8 @@ absl::Status Client::CopyOnDevice(int ordinal, void* dst, const void* src, size_
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
-  v1::CreateRequest request;
+  v1::ChannelRequest call;
+  v1::CreateRequest& request = *call.mutable_create();
   ToWire(spec.dtype, request.mutable_dtype());
   request.mutable_shape()->Assign(spec.shape.begin(), spec.shape.end());
   request.mutable_strides()->Assign(spec.strides.begin(), spec.strides.end());
@@ -749,12 +910,19 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
     if (!uuid.ok()) return uuid.status();
     request.set_device_uuid(*std::move(uuid));
   }
-  grpc::ClientContext context;
-  core_->PrepareContext(context, kCallTimeout);
   v1::CreateResponse response;
-  if (absl::Status s = FromGrpcStatus(core_->stub().Create(&context, request, &response));
-      !s.ok()) {
-    return s;
+  absl::StatusOr<v1::ChannelResponse> answer = core_->Exchange(call);
+  if (answer.ok()) {
+    response = std::move(*answer->mutable_created());
+  } else if (!absl::IsUnavailable(answer.status())) {
+    return answer.status();
+  } else {
+    grpc::ClientContext context;
+    core_->PrepareContext(context, kCallTimeout);
+    if (absl::Status s = FromGrpcStatus(core_->stub().Create(&context, request, &response));
+        !s.ok()) {
+      return s;
+    }
   }
   WritableTensor tensor;
   tensor.core_ = core_;
@@ -828,7 +996,8 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
   // Refused if a restarted daemon did not take the tensor back: its id may name another now.
   if (absl::Status s = core_->UnpublishedId(tensor.key_).status(); !s.ok()) return s;
-  v1::PublishRequest request;
+  v1::ChannelRequest call;
+  v1::PublishRequest& request = *call.mutable_publish();
   request.set_tensor_id(tensor.tensor_id_);
   request.set_name(std::string(name));
   request.set_replace(replace);
@@ -840,12 +1009,19 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
     if (!event.ok()) return event.status();
     request.set_ready_event(*std::move(event));
   }
-  grpc::ClientContext context;
-  core_->PrepareContext(context, kCallTimeout);
   v1::PublishResponse response;
-  if (absl::Status s = FromGrpcStatus(core_->stub().Publish(&context, request, &response));
-      !s.ok()) {
-    return s;
+  absl::StatusOr<v1::ChannelResponse> answer = core_->Exchange(call);
+  if (answer.ok()) {
+    response = std::move(*answer->mutable_published());
+  } else if (!absl::IsUnavailable(answer.status())) {
+    return answer.status();
+  } else {
+    grpc::ClientContext context;
+    core_->PrepareContext(context, kCallTimeout);
+    if (absl::Status s = FromGrpcStatus(core_->stub().Publish(&context, request, &response));
+        !s.ok()) {
+      return s;
+    }
   }
   tensor.Unmap();
   tensor.published_ = true;

@@ -112,9 +112,9 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& requ
   return response;
 }
 
-absl::StatusOr<int> MemoryChannel::RequestSegment(const std::string& session_token,
-                                                  uint64_t segment_instance, uint64_t segment_id,
-                                                  bool writable, uint64_t* size) {
+absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& session_token,
+                                                            v1::ChannelRequest& request, int* fd) {
+  *fd = -1;
   MutexLock lock(&mu_);
   // A connection that broke (the daemon restarted) is made again once, bound to the session
   // the caller has now.
@@ -123,35 +123,45 @@ absl::StatusOr<int> MemoryChannel::RequestSegment(const std::string& session_tok
     if (fd_ < 0) {
       if (absl::Status s = Open(session_token); !s.ok()) return s;
     }
-    v1::ChannelRequest request;
-    v1::SegmentRequest* want = request.mutable_segment();
-    want->set_segment_id(segment_id);
-    want->set_segment_instance(segment_instance);
-    want->set_writable(writable);
-    int fd = -1;
-    absl::StatusOr<v1::ChannelResponse> response = Call(request, &fd);
+    absl::StatusOr<v1::ChannelResponse> response = Call(request, fd);
     if (!response.ok()) {
       if (attempt == 0) continue;
       return response.status();
     }
     if (response->code() != 0) {
-      if (fd >= 0) close(fd);
-      return absl::Status(static_cast<absl::StatusCode>(response->code()),
-                          absl::StrCat("memory channel: ", response->message()));
+      if (*fd >= 0) close(*fd);
+      *fd = -1;
+      return absl::Status(static_cast<absl::StatusCode>(response->code()), response->message());
     }
-    if (fd < 0 || !response->has_segment() || response->segment().segment_id() != segment_id ||
-        response->segment().segment_instance() != segment_instance ||
-        response->segment().writable() != writable) {
-      if (fd >= 0) close(fd);
-      return absl::InternalError(
-          absl::StrCat("memory channel: the daemon granted something else "
-                       "than segment ",
-                       segment_id, " (", response->ShortDebugString(), ")"));
-    }
-    *size = response->segment().size();
-    return fd;
+    return response;
   }
   return absl::UnavailableError("memory channel: the daemon closed the connection twice");
+}
+
+absl::StatusOr<int> MemoryChannel::RequestSegment(const std::string& session_token,
+                                                  uint64_t segment_instance, uint64_t segment_id,
+                                                  bool writable, uint64_t* size) {
+  v1::ChannelRequest request;
+  v1::SegmentRequest* want = request.mutable_segment();
+  want->set_segment_id(segment_id);
+  want->set_segment_instance(segment_instance);
+  want->set_writable(writable);
+  int fd = -1;
+  absl::StatusOr<v1::ChannelResponse> response = Exchange(session_token, request, &fd);
+  if (!response.ok()) {
+    return absl::Status(response.status().code(),
+                        absl::StrCat("memory channel: ", response.status().message()));
+  }
+  if (fd < 0 || !response->has_segment() || response->segment().segment_id() != segment_id ||
+      response->segment().segment_instance() != segment_instance ||
+      response->segment().writable() != writable) {
+    if (fd >= 0) close(fd);
+    return absl::InternalError(
+        absl::StrCat("memory channel: the daemon granted something else than segment ", segment_id,
+                     " (", response->ShortDebugString(), ")"));
+  }
+  *size = response->segment().size();
+  return fd;
 }
 
 }  // namespace tensorshm

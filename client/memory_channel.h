@@ -26,6 +26,14 @@ class MemoryChannel {
   // daemon grants it to session `session_token` (its Session stream's id): read-only, or
   // read-write. The caller owns it; `*size` gets the segment's size. The daemon's refusal keeps
   // its code (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND ...); no daemon is UNAVAILABLE.
+  // Sends `request` for session `session_token` and returns the daemon's response, with the
+  // descriptor that came with it in `*fd` (the caller owns it) or -1. A response whose code is
+  // not OK becomes that status, with the daemon's message, and its descriptor is closed. A broken
+  // connection is made again once; no daemon is UNAVAILABLE.
+  absl::StatusOr<v1::ChannelResponse> Exchange(const std::string& session_token,
+                                               v1::ChannelRequest& request, int* fd)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   absl::StatusOr<int> RequestSegment(const std::string& session_token, uint64_t segment_instance,
                                      uint64_t segment_id, bool writable, uint64_t* size)
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/dtype.h"
+#include "common/fast_path_layout.h"
 #include "common/layout.h"
 #include "common/name.h"
 #include "server/log.h"
@@ -27,15 +28,20 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& o
       ControlSegment::Create(options.shm_prefix, options.max_tensors, options.host_pool_bytes,
                              options.host_segment_bytes, options.backing);
   if (!control.ok()) return control.status();
-  std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control), options.instance_id));
+  absl::StatusOr<CatalogIndex> index =
+      CatalogIndex::Create(options.max_tensors, options.instance_id);
+  if (!index.ok()) return index.status();
+  std::unique_ptr<Catalog> catalog(
+      new Catalog(*std::move(control), *std::move(index), options.instance_id));
   absl::StatusOr<HostPool> pool = HostPool::Create(PoolOptions(options), &catalog->control_);
   if (!pool.ok()) return pool.status();
   catalog->pool_.emplace(*std::move(pool));
   return catalog;
 }
 
-Catalog::Catalog(ControlSegment control, uint64_t instance_id, bool all_slots_free)
-    : control_(std::move(control)), instance_id_(instance_id) {
+Catalog::Catalog(ControlSegment control, CatalogIndex index, uint64_t instance_id,
+                 bool all_slots_free)
+    : control_(std::move(control)), index_(std::move(index)), instance_id_(instance_id) {
   if (!all_slots_free) return;
   const uint32_t count = control_.record_count();
   free_slots_.reserve(count);
@@ -48,8 +54,11 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& 
   }
   absl::StatusOr<ControlSegment> control = ControlSegment::Open(options.shm_prefix);
   if (!control.ok()) return control.status();
-  std::unique_ptr<Catalog> catalog(
-      new Catalog(*std::move(control), options.instance_id, /*all_slots_free=*/false));
+  absl::StatusOr<CatalogIndex> index =
+      CatalogIndex::Create(control->record_count(), options.instance_id);
+  if (!index.ok()) return index.status();
+  std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control), *std::move(index),
+                                               options.instance_id, /*all_slots_free=*/false));
   absl::StatusOr<HostPool> pool = HostPool::Recover(PoolOptions(options), &catalog->control_);
   if (!pool.ok()) return pool.status();
   catalog->pool_.emplace(*std::move(pool));
@@ -95,6 +104,7 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& 
         it != winners.end() && it->second == tensor.slot) {
       tensor.name = name;
       catalog->names_.emplace(name, id);
+      catalog->index_.Bind(NameHash(name.data(), name.size()), tensor.slot, id, std::nullopt);
     }
   }
   catalog->in_grace_ = true;
@@ -174,10 +184,13 @@ int Catalog::ExpireUnbound() {
     Tensor& tensor = it->second;
     tensor.recovered = false;
     const bool orphaned = !tensor.sealed && tensor.owner_session == 0;
-    const bool unheld = tensor.sealed && tensor.name.empty() && tensor.leases == 0;
-    if (orphaned || unheld) {
+    if (orphaned) {
       Free(it);
       ++freed;
+    } else if (tensor.sealed && tensor.name.empty()) {
+      const size_t before = tensors_.size();
+      FreeIfUnheld(it);
+      freed += static_cast<int>(before - tensors_.size());
     }
     it = next;
   }
@@ -222,11 +235,48 @@ absl::Status Catalog::Readopt(uint64_t session, uint32_t uid, uint64_t tensor_id
 
 void Catalog::Unbind(std::map<uint64_t, Tensor>::iterator it) {
   it->second.name.clear();
-  if (it->second.leases == 0 && !it->second.recovered) {
-    Free(it);
-  } else {
-    WriteRecordState(it->second, RecordState::kUnbound);
+  WriteRecordState(it->second, RecordState::kUnbound);
+  FreeIfUnheld(it);
+}
+
+void Catalog::FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it) {
+  const Tensor& tensor = it->second;
+  if (!tensor.name.empty() || tensor.leases > 0 || tensor.recovered) return;
+  if (lease_board_.Holds(tensor.id)) {
+    retired_.insert(tensor.id);
+    return;
   }
+  Free(it);
+}
+
+int Catalog::Reclaim() {
+  if (retired_.empty()) return 0;
+  const std::unordered_map<uint64_t, int64_t> held = lease_board_.Held();
+  int freed = 0;
+  for (auto id = retired_.begin(); id != retired_.end();) {
+    const uint64_t tensor_id = *id++;
+    auto it = tensors_.find(tensor_id);
+    if (it == tensors_.end()) {
+      retired_.erase(tensor_id);
+      continue;
+    }
+    if (held.count(tensor_id) > 0 || it->second.leases > 0 || it->second.recovered) continue;
+    Free(it);  // erases it from retired_
+    ++freed;
+  }
+  return freed;
+}
+
+int64_t Catalog::LeaseCount(const Tensor& tensor) const {
+  const std::unordered_map<uint64_t, int64_t> held = lease_board_.Held();
+  auto it = held.find(tensor.id);
+  return tensor.leases + (it == held.end() ? 0 : it->second);
+}
+
+int64_t Catalog::PageLeaseCount() const {
+  int64_t count = 0;
+  for (const auto& [id, slots] : lease_board_.Held()) count += slots;
+  return count;
 }
 
 void Catalog::KeepSegments() {
@@ -358,14 +408,20 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   // publish_seq wins if the old record below is still marked published).
   WriteRecordState(tensor, RecordState::kPublished);
 
+  // The index entry follows the committed record; a replaced tensor leaves the index in the same
+  // step, before its lease pages are scanned.
+  const uint64_t hash = NameHash(name.data(), name.size());
   if (bound != names_.end()) {
     auto old = tensors_.find(bound->second);
     TSM_CHECK(old != tensors_.end());
     bound->second = tensor_id;
+    index_.Bind(hash, tensor.slot, tensor_id, old->second.slot);
     Unbind(old);
   } else {
     names_.emplace(name, tensor_id);
+    index_.Bind(hash, tensor.slot, tensor_id, std::nullopt);
   }
+  index_.NotifyPublished();
   return absl::OkStatus();
 }
 
@@ -389,7 +445,7 @@ void Catalog::AddLease(uint64_t tensor_id) {
 void Catalog::DropLease(uint64_t tensor_id) {
   auto it = tensors_.find(tensor_id);
   TSM_CHECK(it != tensors_.end() && it->second.leases > 0);
-  if (--it->second.leases == 0 && it->second.name.empty() && !it->second.recovered) Free(it);
+  if (--it->second.leases == 0) FreeIfUnheld(it);
 }
 
 absl::Status Catalog::Delete(const std::string& name) {
@@ -399,6 +455,7 @@ absl::Status Catalog::Delete(const std::string& name) {
   }
   auto it = tensors_.find(bound->second);
   TSM_CHECK(it != tensors_.end());
+  index_.Unbind(NameHash(name.data(), name.size()), it->second.slot);
   names_.erase(bound);
   Unbind(it);
   return absl::OkStatus();
@@ -443,6 +500,7 @@ void Catalog::Free(std::map<uint64_t, Tensor>::iterator it) {
     }
   }
   free_slots_.push_back(it->second.slot);
+  retired_.erase(it->first);
   tensors_.erase(it);
 }
 

@@ -9,15 +9,18 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "server/catalog_index.h"
 #include "server/control_segment.h"
 #include "server/cuda_pool.h"
 #include "server/host_pool.h"
+#include "server/lease_board.h"
 
 namespace tensorshm {
 
@@ -54,6 +57,11 @@ struct CatalogOptions {
 
 // Thread-compatible: the service serialises all calls under its mutex. Tensor pointers returned
 // stay valid until the tensor is freed (by Release, Delete, Abandon or a replace).
+//
+// Two kinds of lease keep a tensor's memory: counted ones (AddLease, the RPC path) and the slots
+// of lease pages (the fast path, see LeaseBoard). A tensor whose name went and whose counted
+// leases ended is freed at once unless a lease page holds it; then it is "retired" and freed by a
+// later Reclaim that finds no page holding it.
 class Catalog {
  public:
   // Creates the control segment and the host pool. Errors from either.
@@ -116,6 +124,22 @@ class Catalog {
   void AddLease(uint64_t tensor_id);
   void DropLease(uint64_t tensor_id);
 
+  // Lease pages: the page of `session` (read-write descriptor for its client, made on first
+  // use), dropped whole when the session ends (then Reclaim). Errors from making the page.
+  absl::StatusOr<int> OpenLeasePage(uint64_t session) { return lease_board_.Open(session); }
+  void DropLeasePage(uint64_t session) { lease_board_.Drop(session); }
+  // Frees every retired tensor that no lease page holds now. Returns how many.
+  int Reclaim();
+  // Number of retired tensors waiting for lease pages to let go.
+  size_t retired_count() const { return retired_.size(); }
+  // Leases of `tensor` of both kinds; all leases of both kinds.
+  int64_t LeaseCount(const Tensor& tensor) const;
+  int64_t PageLeaseCount() const;
+
+  // The index clients read (descriptor through the memory channel).
+  const CatalogIndex& index() const { return index_; }
+  CatalogIndex& mutable_index() { return index_; }
+
   // Unbinds `name`; memory is freed now if unleased, else at the last DropLease. NOT_FOUND if
   // unbound.
   absl::Status Delete(const std::string& name);
@@ -135,22 +159,30 @@ class Catalog {
   const ControlSegment& control() const { return control_; }
 
  private:
-  Catalog(ControlSegment control, uint64_t instance_id, bool all_slots_free = true);
+  Catalog(ControlSegment control, CatalogIndex index, uint64_t instance_id,
+          bool all_slots_free = true);
   // Turns the record in `slot` back into a Tensor (sealed unless `unpublished`), reserving its
   // buffer; false if it is invalid.
   bool Restore(uint32_t slot, bool unpublished);
-  // After its name went: frees the tensor unless leases or the grace period keep it.
+  // After its name went (unlinked from the index already): frees the tensor unless leases or
+  // the grace period keep it.
   void Unbind(std::map<uint64_t, Tensor>::iterator it);
+  // Frees an unbound tensor that no counted lease holds, unless the grace period keeps it or a
+  // lease page holds it (then it is retired).
+  void FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it);
   void Free(std::map<uint64_t, Tensor>::iterator it);
   void WriteRecordState(const Tensor& tensor, RecordState state);
 
   ControlSegment control_;
+  CatalogIndex index_;
+  LeaseBoard lease_board_;
   const uint64_t instance_id_;
   std::optional<HostPool> pool_;                         // set by Create; refers to control_
   std::map<int, std::unique_ptr<CudaPool>> cuda_pools_;  // by the daemon's device ordinal
   std::vector<uint32_t> free_slots_;
   std::map<uint64_t, Tensor> tensors_;               // by id
   std::unordered_map<std::string, uint64_t> names_;  // bound name -> tensor id
+  std::set<uint64_t> retired_;                       // ids: unbound, held by lease pages only
   bool in_grace_ = false;
 };
 

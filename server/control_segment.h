@@ -29,6 +29,10 @@ class ControlSegment {
 
   void Keep() { shm_.Keep(); }
 
+  // A read-only descriptor of the whole segment for a client's fast path (the caller closes it).
+  absl::StatusOr<int> OpenForClient() const { return shm_.OpenForClient(/*writable=*/false); }
+  uint64_t size() const { return shm_.size(); }
+
   ControlHeader& header() const { return *static_cast<ControlHeader*>(shm_.address()); }
   SegmentRecord& segment(uint32_t index) const;
   TensorRecord& record(uint32_t slot) const;

@@ -293,6 +293,8 @@ int Run(int argc, char** argv) {
     }
   });
 
+  std::thread housekeeper([&] { service.Housekeep(); });
+
   std::thread stopper([&] {
     int signal_number = 0;
     sigwait(&stop_signals, &signal_number);
@@ -308,6 +310,7 @@ int Run(int argc, char** argv) {
   server->Wait();
   stopper.join();
   grace.join();
+  housekeeper.join();
   if (options->keep_segments) service.KeepSegments();
   server.reset();
   listener->reset();  // removes the socket file

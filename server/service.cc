@@ -21,7 +21,8 @@ constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
 
 TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
                                    const AccessPolicy* policy, const PeerTable* peers)
-    : catalog_(std::move(catalog)),
+    : index_(catalog->mutable_index()),
+      catalog_(std::move(catalog)),
       session_quota_bytes_(session_quota_bytes),
       policy_(policy),
       peers_(peers) {}
@@ -60,7 +61,22 @@ absl::StatusOr<PeerCredentials> TensorShmService::Admit(const grpc::ServerContex
 void TensorShmService::BeginShutdown() {
   MutexLock lock(&mu_);
   shutting_down_ = true;
+  catalog_->mutable_index().StopServing();
   published_.SignalAll();
+  stopping_.SignalAll();
+}
+
+void TensorShmService::Housekeep() {
+  while (true) {
+    // The heartbeat does not wait for the mutex: a long call (a segment growing) must not make
+    // clients take the daemon for dead.
+    index_.Heartbeat();
+    MutexLock lock(&mu_);
+    if (shutting_down_) return;
+    catalog_->Reclaim();
+    stopping_.WaitWithTimeout(&mu_, absl::Nanoseconds(kHeartbeatIntervalNs));
+    if (shutting_down_) return;
+  }
 }
 
 absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerContext& context) {
@@ -149,22 +165,36 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
       reply.response.mutable_bound()->set_instance_id(catalog_->instance_id());
       return absl::OkStatus();
     }
-    if (request.has_segment()) {
-      if (connection.session_token.empty()) {
-        return absl::FailedPreconditionError("segment: bind the channel to a session first");
-      }
-      const tensorshm::Session* session = sessions_.Find(connection.session_token);
-      if (session == nullptr) {
-        return absl::FailedPreconditionError(
-            "segment: the session this channel is bound to has ended; reconnect");
-      }
-      absl::StatusOr<int> fd =
-          GrantSegment(*session, request.segment(), reply.response.mutable_segment());
-      if (!fd.ok()) return fd.status();
-      reply.fd = *fd;
-      return absl::OkStatus();
+    if (request.kind_case() == v1::ChannelRequest::KIND_NOT_SET) {
+      return absl::InvalidArgumentError(
+          "kind: not set (bind, segment, fast_path, create or publish)");
     }
-    return absl::InvalidArgumentError("kind: neither bind nor segment");
+    if (connection.session_token.empty()) {
+      return absl::FailedPreconditionError("kind: bind the channel to a session first");
+    }
+    tensorshm::Session* session = sessions_.Find(connection.session_token);
+    if (session == nullptr) {
+      return absl::FailedPreconditionError(
+          "kind: the session this channel is bound to has ended; reconnect");
+    }
+    absl::StatusOr<int> fd = -1;
+    switch (request.kind_case()) {
+      case v1::ChannelRequest::kSegment:
+        fd = GrantSegment(*session, request.segment(), reply.response.mutable_segment());
+        break;
+      case v1::ChannelRequest::kFastPath:
+        fd = GrantFastPath(*session, request.fast_path(), reply.response.mutable_fast_path());
+        break;
+      case v1::ChannelRequest::kCreate:
+        return CreateFor(*session, request.create(), reply.response.mutable_created());
+      case v1::ChannelRequest::kPublish:
+        return PublishFor(*session, request.publish(), reply.response.mutable_published());
+      default:
+        return absl::InvalidArgumentError("kind: not a request this daemon knows");
+    }
+    if (!fd.ok()) return fd.status();
+    reply.fd = *fd;
+    return absl::OkStatus();
   }();
   if (!status.ok()) {
     reply.response.clear_kind();
@@ -172,6 +202,34 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
     reply.response.set_message(std::string(status.message()));
   }
   return reply;
+}
+
+absl::StatusOr<int> TensorShmService::GrantFastPath(const tensorshm::Session& session,
+                                                    const v1::FastPathRequest& request,
+                                                    v1::FastPathGrant* grant) {
+  absl::StatusOr<int> fd = -1;
+  switch (request.part()) {
+    case v1::FastPathRequest::INDEX:
+      fd = catalog_->index().OpenForClient();
+      grant->set_size(catalog_->index().size());
+      break;
+    case v1::FastPathRequest::RECORDS:
+      fd = catalog_->control().OpenForClient();
+      grant->set_size(catalog_->control().size());
+      break;
+    case v1::FastPathRequest::LEASE_PAGE:
+      fd = catalog_->OpenLeasePage(session.id);
+      grant->set_size(kLeasePageBytes);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("fast_path.part = ", static_cast<int>(request.part()),
+                       ": expected INDEX (1), RECORDS (2) or LEASE_PAGE (3)"));
+  }
+  if (!fd.ok()) return fd.status();
+  grant->set_part(request.part());
+  grant->set_instance_id(catalog_->instance_id());
+  return *fd;
 }
 
 absl::StatusOr<int> TensorShmService::GrantSegment(const tensorshm::Session& session,
@@ -326,6 +384,9 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
     rejection->set_code(static_cast<int32_t>(status.code()));
     rejection->set_message(std::string(status.message()));
   }
+  // What the session's lease page let go of is freed by the time the batch is acknowledged
+  // (Client::Flush relies on it).
+  catalog_->Reclaim();
 }
 
 uint64_t TensorShmService::AddLease(tensorshm::Session& session, const Tensor& tensor) {
@@ -351,6 +412,9 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
       TSM_CHECK(s.ok());
     }
     session->unpublished.clear();
+    // Its lease page goes whole: what only it held is freed now.
+    catalog_->DropLeasePage(session_id);
+    catalog_->Reclaim();
     sessions_.Close(session_id);
   }
   TSM_LOG(kInfo) << "session " << session_id << " closed: released " << leases << " leases, freed "
@@ -381,36 +445,47 @@ grpc::Status TensorShmService::Create(grpc::ServerContext* context,
                                       v1::CreateResponse* response) {
   absl::StatusOr<PeerCredentials> peer = Admit(*context);
   if (!peer.ok()) return ToGrpcStatus(peer.status());
-  absl::StatusOr<DLDataType> dtype = FromWire(request->dtype());
-  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-  DLDevice device = request->has_device() ? FromWire(request->device()) : DLDevice{kDLCPU, 0};
-  const std::vector<int64_t> shape(request->shape().begin(), request->shape().end());
-  const std::vector<int64_t> strides(request->strides().begin(), request->strides().end());
   MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
-  if (!request->device_uuid().empty()) {
-    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, request->device_uuid());
-    if (!ordinal.ok()) return ToGrpcStatus(ordinal.status());
+  return ToGrpcStatus(CreateFor(**session, *request, response));
+}
+
+absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
+                                         const v1::CreateRequest& request,
+                                         v1::CreateResponse* response) {
+  absl::StatusOr<DLDataType> dtype = FromWire(request.dtype());
+  if (!dtype.ok()) return dtype.status();
+  DLDevice device = request.has_device() ? FromWire(request.device()) : DLDevice{kDLCPU, 0};
+  const std::vector<int64_t> shape(request.shape().begin(), request.shape().end());
+  const std::vector<int64_t> strides(request.strides().begin(), request.strides().end());
+  if (!request.device_uuid().empty()) {
+    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, request.device_uuid());
+    if (!ordinal.ok()) return ordinal.status();
     device.device_id = *ordinal;
   }
   absl::StatusOr<const Tensor*> tensor = catalog_->Create(
-      (*session)->id, *dtype, shape, strides, device, request->subbyte_padded(), (*session)->uid);
-  if (!tensor.ok()) return ToGrpcStatus(tensor.status());
+      session.id, *dtype, shape, strides, device, request.subbyte_padded(), session.uid);
+  if (absl::IsResourceExhausted(tensor.status()) && catalog_->retired_count() > 0 &&
+      catalog_->Reclaim() > 0) {
+    // Memory that lease pages let go of since the last housekeeping round is free now.
+    tensor = catalog_->Create(session.id, *dtype, shape, strides, device, request.subbyte_padded(),
+                              session.uid);
+  }
+  if (!tensor.ok()) return tensor.status();
   const uint64_t length = (*tensor)->buffer.length;
-  if (session_quota_bytes_ > 0 && (*session)->unpublished_bytes + length > session_quota_bytes_) {
+  if (session_quota_bytes_ > 0 && session.unpublished_bytes + length > session_quota_bytes_) {
     const uint64_t tensor_id = (*tensor)->id;
-    TSM_CHECK(catalog_->Abandon((*session)->id, tensor_id).ok());
-    return grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
+    TSM_CHECK(catalog_->Abandon(session.id, tensor_id).ok());
+    return absl::ResourceExhaustedError(
         absl::StrCat("session quota: ", length, " more bytes requested, ",
-                     (*session)->unpublished_bytes, " bytes of unpublished tensors held, quota ",
+                     session.unpublished_bytes, " bytes of unpublished tensors held, quota ",
                      session_quota_bytes_, " bytes (--session-quota); publish or drop some first"));
   }
-  (*session)->AddUnpublished((*tensor)->id, length);
+  session.AddUnpublished((*tensor)->id, length);
   response->set_tensor_id((*tensor)->id);
   Describe(**tensor, response->mutable_desc(), response->mutable_location());
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
@@ -418,42 +493,46 @@ grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
                                        v1::PublishResponse* response) {
   absl::StatusOr<PeerCredentials> peer = Admit(*context);
   if (!peer.ok()) return ToGrpcStatus(peer.status());
-  if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
   MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
-  if (const Tensor* bound = catalog_->Find(request->name());
-      bound != nullptr && request->replace()) {
-    if (absl::Status s = MayChange(**session, *bound, "replace"); !s.ok()) return ToGrpcStatus(s);
+  return ToGrpcStatus(PublishFor(**session, *request, response));
+}
+
+absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
+                                          const v1::PublishRequest& request,
+                                          v1::PublishResponse* response) {
+  if (absl::Status s = ValidateName(request.name()); !s.ok()) return s;
+  if (const Tensor* bound = catalog_->Find(request.name()); bound != nullptr && request.replace()) {
+    if (absl::Status s = MayChange(session, *bound, "replace"); !s.ok()) return s;
   }
-  if (!request->ready_event().empty()) {
-    const Tensor* tensor = catalog_->FindId(request->tensor_id());
-    if (request->ready_event().size() != sizeof(CUipcEventHandle)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("ready_event: ", request->ready_event().size(),
-                                       " bytes; must be empty or a ", sizeof(CUipcEventHandle),
-                                       "-byte CUipcEventHandle"));
+  if (!request.ready_event().empty()) {
+    const Tensor* tensor = catalog_->FindId(request.tensor_id());
+    if (request.ready_event().size() != sizeof(CUipcEventHandle)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ready_event: ", request.ready_event().size(), " bytes; must be empty or a ",
+                       sizeof(CUipcEventHandle), "-byte CUipcEventHandle"));
     }
     if (tensor != nullptr && tensor->device.device_type != kDLCUDA) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("ready_event: set for tensor ", tensor->id, " on ",
-                                       DeviceName(tensor->device), "; only CUDA tensors take one"));
+      return absl::InvalidArgumentError(absl::StrCat("ready_event: set for tensor ", tensor->id,
+                                                     " on ", DeviceName(tensor->device),
+                                                     "; only CUDA tensors take one"));
     }
   }
-  absl::Status s = catalog_->Publish((*session)->id, request->tensor_id(), request->name(),
-                                     request->replace(), request->ready_event());
-  if (!s.ok()) return ToGrpcStatus(s);
-  (*session)->ForgetUnpublished(request->tensor_id());
-  if (request->acquire()) {
-    const Tensor* tensor = catalog_->FindId(request->tensor_id());
+  absl::Status s = catalog_->Publish(session.id, request.tensor_id(), request.name(),
+                                     request.replace(), request.ready_event());
+  if (!s.ok()) return s;
+  session.ForgetUnpublished(request.tensor_id());
+  if (request.acquire()) {
+    const Tensor* tensor = catalog_->FindId(request.tensor_id());
     TSM_CHECK(tensor != nullptr);
     v1::AcquireResponse* acquired = response->mutable_acquired();
-    acquired->set_lease_id(AddLease(**session, *tensor));
+    acquired->set_lease_id(AddLease(session, *tensor));
     acquired->set_tensor_id(tensor->id);
     Describe(*tensor, acquired->mutable_desc(), acquired->mutable_location());
   }
   published_.SignalAll();
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
@@ -528,7 +607,7 @@ grpc::Status TensorShmService::List(grpc::ServerContext* context, const v1::List
     v1::TensorInfo* info = response->add_tensors();
     info->set_name(tensor->name);
     info->set_tensor_id(tensor->id);
-    info->set_leases(tensor->leases);
+    info->set_leases(catalog_->LeaseCount(*tensor));
     Describe(*tensor, info->mutable_desc(), nullptr);
   }
   return grpc::Status::OK;
@@ -540,7 +619,7 @@ grpc::Status TensorShmService::Stat(grpc::ServerContext* context, const v1::Stat
   MutexLock lock(&mu_);
   response->set_tensors(catalog_->tensor_count());
   response->set_names(catalog_->name_count());
-  response->set_leases(sessions_.lease_count());
+  response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
   response->set_sessions(sessions_.size());
   const HostPool& pool = catalog_->host_pool();
   v1::PoolStats* stats = response->add_pools();

@@ -31,12 +31,17 @@ class TensorShmService final : public v1::TensorShm::Service {
 
   // After a restart's grace period: frees unbound tensors nobody came back for.
   int ExpireUnbound();
+
+  // Runs the fast path's housekeeping until BeginShutdown: every kHeartbeatIntervalNs, stores
+  // the heartbeat in the index and frees retired tensors whose lease page slots were cleared.
+  void Housekeep() ABSL_LOCKS_EXCLUDED(mu_);
   // --keep-segments: leave the shm objects for the next daemon with this prefix.
   void KeepSegments();
 
   // Answers one memory channel request (see ChannelRequest in the .proto): binds `connection`
-  // to a session opened by the same process, or grants one host segment's descriptor. Refusals
-  // are in the response's code and message.
+  // to a session opened by the same process, grants one host segment's descriptor or a fast
+  // path part, or creates / publishes for the bound session. Refusals are in the response's
+  // code and message.
   ChannelReply HandleChannel(ChannelConnection& connection, const v1::ChannelRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -83,13 +88,25 @@ class TensorShmService final : public v1::TensorShm::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Create and Publish for `session`, whichever transport asked.
+  absl::Status CreateFor(tensorshm::Session& session, const v1::CreateRequest& request,
+                         v1::CreateResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
+                          v1::PublishResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The descriptor of fast path part `request.part()` for `session`.
+  absl::StatusOr<int> GrantFastPath(const tensorshm::Session& session,
+                                    const v1::FastPathRequest& request, v1::FastPathGrant* grant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The descriptor of host segment `request.segment_id` for `session`, as the channel grants it.
   absl::StatusOr<int> GrantSegment(const tensorshm::Session& session,
                                    const v1::SegmentRequest& request, v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // The catalog's index, for the heartbeat, which needs no lock (header atomics only).
+  CatalogIndex& index_;
   Mutex mu_;
   CondVar published_;  // signalled on every publish and on shutdown
+  CondVar stopping_;   // signalled on shutdown (wakes Housekeep)
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
   const uint64_t session_quota_bytes_;

@@ -1,0 +1,259 @@
+#include "client/fast_path.h"
+
+#include <dlpack/dlpack.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+
+#include "absl/strings/str_cat.h"
+#include "common/sys_error.h"
+
+namespace tensorshm {
+namespace {
+
+// Attempts at a consistent snapshot of a bucket before giving the question to the daemon.
+constexpr int kSnapshotAttempts = 8;
+// Pause loops before sleeping on the futex word.
+constexpr int kSpinRounds = 256;
+// The longest futex sleep: waiters look at the daemon's heartbeat at least this often.
+constexpr absl::Duration kLongestSleep = absl::Milliseconds(100);
+
+int64_t MonotonicNow() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);  // the vDSO: no system call
+  return int64_t{now.tv_sec} * 1'000'000'000 + now.tv_nsec;
+}
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Asks for one part and maps it: read-only, or read-write for the lease page.
+absl::StatusOr<std::pair<char*, size_t>> MapPart(MemoryChannel& channel,
+                                                 const std::string& session_token,
+                                                 v1::FastPathRequest::Part part) {
+  v1::ChannelRequest request;
+  request.mutable_fast_path()->set_part(part);
+  int fd = -1;
+  absl::StatusOr<v1::ChannelResponse> response = channel.Exchange(session_token, request, &fd);
+  if (!response.ok()) return response.status();
+  const std::string label = absl::StrCat("fast path part ", v1::FastPathRequest::Part_Name(part));
+  if (fd < 0 || !response->has_fast_path() || response->fast_path().part() != part ||
+      response->fast_path().size() == 0) {
+    if (fd >= 0) close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        label, ": the daemon granted something else (", response->ShortDebugString(), ")"));
+  }
+  const size_t size = response->fast_path().size();
+  const bool writable = part == v1::FastPathRequest::LEASE_PAGE;
+  void* address =
+      mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (address == MAP_FAILED) return ErrnoError("mmap", label, err);
+  return std::make_pair(static_cast<char*>(address), size);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
+                                                         const std::string& session_token) {
+  std::shared_ptr<FastPath> fast(new FastPath());
+  absl::StatusOr<std::pair<char*, size_t>> index =
+      MapPart(channel, session_token, v1::FastPathRequest::INDEX);
+  if (!index.ok()) return index.status();
+  fast->index_ = index->first;
+  fast->index_size_ = index->second;
+  absl::StatusOr<std::pair<char*, size_t>> records =
+      MapPart(channel, session_token, v1::FastPathRequest::RECORDS);
+  if (!records.ok()) return records.status();
+  fast->records_ = records->first;
+  fast->records_size_ = records->second;
+  absl::StatusOr<std::pair<char*, size_t>> page =
+      MapPart(channel, session_token, v1::FastPathRequest::LEASE_PAGE);
+  if (!page.ok()) return page.status();
+  fast->page_ = page->first;
+
+  // The daemon is trusted, but its layout version may not be this client's.
+  const IndexHeader& header = fast->index_header();
+  const auto* control = reinterpret_cast<const ControlHeader*>(fast->records_);
+  const uint32_t buckets = header.bucket_count;
+  if (fast->index_size_ < sizeof(IndexHeader) || header.magic != kIndexMagic ||
+      header.layout_version != kIndexLayoutVersion || buckets == 0 ||
+      (buckets & (buckets - 1)) != 0 ||
+      fast->index_size_ < IndexBytes(buckets, header.record_count) ||
+      page->second < kLeasePageBytes || fast->records_size_ < sizeof(ControlHeader) ||
+      control->magic != kControlMagic || control->layout_version != kControlLayoutVersion ||
+      control->record_count != header.record_count ||
+      fast->records_size_ < ControlSegmentBytes(control->record_count)) {
+    return absl::FailedPreconditionError(
+        "fast path: the daemon's index or control segment is not of this client's layout");
+  }
+  // A client in another time namespace reads another monotonic clock: it cannot judge the
+  // daemon's heartbeat, and stays on the RPCs.
+  const int64_t skew = MonotonicNow() - header.heartbeat_ns.load(std::memory_order_acquire);
+  if (skew > 10 * kHeartbeatStaleNs || skew < -10 * kHeartbeatStaleNs) {
+    return absl::FailedPreconditionError(absl::StrCat("fast path: the daemon's monotonic clock is ",
+                                                      skew, " ns off this process's"));
+  }
+  fast->bucket_count_ = buckets;
+  fast->record_count_ = header.record_count;
+  fast->buckets_ = reinterpret_cast<const IndexBucket*>(fast->index_ + IndexBucketsOffset());
+  fast->entries_ = reinterpret_cast<const IndexEntry*>(fast->index_ + IndexEntriesOffset(buckets));
+  MutexLock lock(&fast->mu_);
+  fast->free_slots_.reserve(kLeaseSlots - 1);
+  for (uint32_t slot = kLeaseSlots - 1; slot >= 1; --slot) fast->free_slots_.push_back(slot);
+  return fast;
+}
+
+FastPath::~FastPath() {
+  if (index_ != nullptr) munmap(const_cast<char*>(index_), index_size_);
+  if (records_ != nullptr) munmap(const_cast<char*>(records_), records_size_);
+  if (page_ != nullptr) munmap(page_, kLeasePageBytes);
+}
+
+bool FastPath::DaemonServing() const {
+  const IndexHeader& header = index_header();
+  if (header.serving.load(std::memory_order_acquire) == 0) return false;
+  return MonotonicNow() - header.heartbeat_ns.load(std::memory_order_acquire) < kHeartbeatStaleNs;
+}
+
+FastPath::Outcome FastPath::TryAcquire(std::string_view name, Leased* leased) {
+  if (!DaemonServing()) return Outcome::kFallback;
+  const uint64_t hash = NameHash(name.data(), name.size());
+  const IndexBucket& bucket = buckets_[hash & (bucket_count_ - 1)];
+  MutexLock lock(&mu_);
+  if (retired_ || free_slots_.empty()) return Outcome::kFallback;
+  LeasePage& lease_page = page();
+  if (lease_page.slots[0].load(std::memory_order_acquire) == kLeasePageDropped) {
+    return Outcome::kFallback;
+  }
+  for (int attempt = 0; attempt < kSnapshotAttempts; ++attempt) {
+    // A consistent snapshot of the bucket's chain: the entry hashing like `name`, if any.
+    const uint32_t sequence = bucket.sequence.load(std::memory_order_acquire);
+    if (sequence & 1) {
+      CpuRelax();
+      continue;
+    }
+    uint32_t found = 0;  // record slot + 1
+    uint64_t tensor_id = 0;
+    uint32_t link = bucket.head.load(std::memory_order_relaxed);
+    for (uint32_t steps = 0; link != 0 && link <= record_count_ && steps < record_count_; ++steps) {
+      const IndexEntry& entry = entries_[link - 1];
+      if (entry.name_hash.load(std::memory_order_relaxed) == hash) {
+        found = link;
+        tensor_id = entry.tensor_id.load(std::memory_order_relaxed);
+        break;
+      }
+      link = entry.next.load(std::memory_order_relaxed);
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (bucket.sequence.load(std::memory_order_relaxed) != sequence) continue;
+    if (found == 0) return Outcome::kNotFound;
+
+    // Hazard: the slot first, then the bucket again. Unchanged, the daemon (which unlinks
+    // before it scans lease pages) sees the slot before it could free the tensor.
+    const uint32_t page_slot = free_slots_.back();
+    lease_page.slots[page_slot].store(tensor_id, std::memory_order_seq_cst);
+    if (bucket.sequence.load(std::memory_order_seq_cst) != sequence) {
+      lease_page.slots[page_slot].store(0, std::memory_order_release);
+      continue;
+    }
+    const auto* record = reinterpret_cast<const TensorRecord*>(
+        records_ + RecordsOffset() + uint64_t{found - 1} * sizeof(TensorRecord));
+    const auto state = static_cast<RecordState>(record->state.load(std::memory_order_acquire));
+    // The record is stable from here while the slot holds the tensor. A hash shared by two
+    // names, or a CUDA tensor (its IPC handle and ready event are the daemon's to describe),
+    // goes to the daemon.
+    const bool usable = (state == RecordState::kPublished || state == RecordState::kUnbound) &&
+                        record->tensor_id == tensor_id && record->name_length == name.size() &&
+                        std::memcmp(record->name, name.data(), name.size()) == 0 &&
+                        record->device_type == kDLCPU && record->ndim >= 0 &&
+                        record->ndim <= static_cast<int32_t>(kRecordMaxDims);
+    uint64_t segment_instance = 0;
+    uint64_t segment_size = 0;
+    bool located = record->length == 0;
+    if (usable && !located && record->segment_id >= 1 && record->segment_id <= kMaxSegments) {
+      const auto* segment = reinterpret_cast<const SegmentRecord*>(
+          records_ + kControlHeaderBytes + (record->segment_id - 1) * sizeof(SegmentRecord));
+      segment_instance = segment->instance;
+      segment_size = segment->size;
+      located = segment->state.load(std::memory_order_acquire) !=
+                    static_cast<uint32_t>(SegmentState::kUnused) &&
+                segment->segment_id == record->segment_id &&
+                record->offset + record->length <= segment_size &&
+                record->offset + record->length >= record->offset;
+    }
+    if (!usable || !located) {
+      lease_page.slots[page_slot].store(0, std::memory_order_release);
+      return Outcome::kFallback;
+    }
+    free_slots_.pop_back();
+    leased->page_slot = page_slot;
+    leased->tensor_id = tensor_id;
+    leased->record = record;
+    leased->segment_instance = segment_instance;
+    leased->segment_size = segment_size;
+    return Outcome::kLeased;
+  }
+  return Outcome::kFallback;
+}
+
+bool FastPath::Release(uint32_t page_slot, uint64_t* key) {
+  MutexLock lock(&mu_);
+  if (retired_) {
+    *key = converted_keys_[page_slot];
+    return false;
+  }
+  page().slots[page_slot].store(0, std::memory_order_release);
+  free_slots_.push_back(page_slot);
+  return true;
+}
+
+bool FastPath::ConvertedKey(uint32_t page_slot, uint64_t* key) const {
+  MutexLock lock(&mu_);
+  if (!retired_) return false;
+  *key = converted_keys_[page_slot];
+  return true;
+}
+
+int FastPath::Retire(const std::function<uint64_t(uint64_t tensor_id)>& convert) {
+  MutexLock lock(&mu_);
+  if (retired_) return 0;
+  retired_ = true;
+  converted_keys_.assign(kLeaseSlots, 0);
+  std::vector<bool> free(kLeaseSlots, false);
+  for (uint32_t slot : free_slots_) free[slot] = true;
+  int converted = 0;
+  for (uint32_t slot = 1; slot < kLeaseSlots; ++slot) {
+    if (free[slot]) continue;
+    converted_keys_[slot] = convert(page().slots[slot].load(std::memory_order_relaxed));
+    ++converted;
+  }
+  return converted;
+}
+
+void FastPath::WaitForPublish(uint32_t seen, absl::Duration timeout) const {
+  const std::atomic<uint32_t>& word = index_header().publishes;
+  for (int i = 0; i < kSpinRounds; ++i) {
+    if (word.load(std::memory_order_acquire) != seen) return;
+    CpuRelax();
+  }
+  const absl::Duration sleep = std::min(timeout, kLongestSleep);
+  if (sleep <= absl::ZeroDuration()) return;
+  const timespec relative = absl::ToTimespec(sleep);
+  // A shared futex (no FUTEX_PRIVATE_FLAG): the daemon wakes it from its own mapping. EAGAIN
+  // (the word moved on), EINTR and ETIMEDOUT all mean: look again.
+  syscall(SYS_futex, &word, FUTEX_WAIT, seen, &relative, nullptr, 0);
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,99 @@
+// The client's fast path (DESIGN.md, "Fast path"): acquire and release through shared memory,
+// without a system call. It maps the daemon's catalog index and control segment read-only and
+// the session's lease page read-write, all three from descriptors the memory channel brings.
+#ifndef TENSORSHM_CLIENT_FAST_PATH_H_
+#define TENSORSHM_CLIENT_FAST_PATH_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/memory_channel.h"
+#include "common/catalog_layout.h"
+#include "common/fast_path_layout.h"
+#include "common/mutex.h"
+
+namespace tensorshm {
+
+// One session's fast path. Thread-safe. Lives as long as any tensor leased through it: its
+// mappings go with the last holder.
+class FastPath {
+ public:
+  // Asks the daemon (over `channel`, bound to `session_token`) for the three parts and maps
+  // them. The daemon's refusal keeps its code; a part that does not look like what this client
+  // expects is FAILED_PRECONDITION (the caller then uses the RPCs alone).
+  static absl::StatusOr<std::shared_ptr<FastPath>> Open(MemoryChannel& channel,
+                                                        const std::string& session_token);
+  ~FastPath();
+  FastPath(const FastPath&) = delete;
+  FastPath& operator=(const FastPath&) = delete;
+
+  enum class Outcome {
+    kLeased,    // `Leased` describes the tensor; its id is in a slot of the lease page
+    kNotFound,  // no tensor is bound to the name now
+    kFallback,  // the fast path cannot answer (daemon gone or stopping, page full, a CUDA tensor,
+                // a busy index): ask the daemon over RPC
+  };
+  struct Leased {
+    uint32_t page_slot = 0;
+    uint64_t tensor_id = 0;
+    const TensorRecord* record = nullptr;  // stable while the slot holds the tensor
+    uint64_t segment_instance = 0;         // of the record's segment (host tensors of length > 0)
+    uint64_t segment_size = 0;
+  };
+  // Looks `name` up in the index and, if bound, takes a lease slot on it. Never a system call.
+  Outcome TryAcquire(std::string_view name, Leased* leased) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Gives lease slot `page_slot` back: true, with one atomic store, while this fast path is the
+  // session's. After Retire, false with `*key` set to the client-side key the slot's lease was
+  // turned into.
+  bool Release(uint32_t page_slot, uint64_t* key) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // After Retire: true, with the key slot `page_slot`'s lease was turned into. False before.
+  bool ConvertedKey(uint32_t page_slot, uint64_t* key) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The session ended (the daemon restarted): no new leases; `convert(tensor_id)` is called for
+  // every slot still held, under this fast path's lock, and returns the key the slot's lease
+  // lives on as (see Release). Returns how many slots were converted.
+  int Retire(const std::function<uint64_t(uint64_t tensor_id)>& convert) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Whether the daemon is serving and alive (its heartbeat is fresh).
+  bool DaemonServing() const;
+  // The futex word the daemon bumps after every publish.
+  uint32_t publishes() const { return index_header().publishes.load(std::memory_order_acquire); }
+  // Sleeps until the daemon bumps the word from `seen`, or `timeout` passes (at most), or a
+  // signal interrupts; spins briefly first.
+  void WaitForPublish(uint32_t seen, absl::Duration timeout) const;
+  uint64_t instance_id() const { return index_header().instance_id; }
+
+ private:
+  FastPath() = default;
+  const IndexHeader& index_header() const { return *reinterpret_cast<const IndexHeader*>(index_); }
+  LeasePage& page() const { return *reinterpret_cast<LeasePage*>(page_); }
+
+  const char* index_ = nullptr;  // read-only mappings
+  size_t index_size_ = 0;
+  const char* records_ = nullptr;
+  size_t records_size_ = 0;
+  char* page_ = nullptr;  // read-write
+  const IndexBucket* buckets_ = nullptr;
+  const IndexEntry* entries_ = nullptr;
+  uint32_t bucket_count_ = 0;
+  uint32_t record_count_ = 0;
+
+  mutable Mutex mu_;  // slot ownership: taken for a few loads and stores, never across a call
+  std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> converted_keys_ ABSL_GUARDED_BY(mu_);  // by slot, after Retire
+  bool retired_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_CLIENT_FAST_PATH_H_

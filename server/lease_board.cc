@@ -1,0 +1,62 @@
+#include "server/lease_board.h"
+
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+
+namespace tensorshm {
+namespace {
+
+const LeasePage& PageOf(const ShmSegment& shm) {
+  return *static_cast<const LeasePage*>(shm.address());
+}
+
+}  // namespace
+
+absl::StatusOr<int> LeaseBoard::Open(uint64_t session_id) {
+  auto it = pages_.find(session_id);
+  if (it == pages_.end()) {
+    absl::StatusOr<ShmSegment> page =
+        ShmSegment::Create(absl::StrCat("/tensorshm-leases-", session_id), kLeasePageBytes,
+                           /*map=*/true, SegmentBacking::kMemfd);
+    if (!page.ok()) return page.status();
+    it = pages_.emplace(session_id, *std::move(page)).first;
+  }
+  return it->second.OpenForClient(/*writable=*/true);
+}
+
+void LeaseBoard::Drop(uint64_t session_id) {
+  auto it = pages_.find(session_id);
+  if (it == pages_.end()) return;
+  // A client that has not noticed yet stops leasing through the page.
+  static_cast<LeasePage*>(it->second.address())
+      ->slots[0]
+      .store(kLeasePageDropped, std::memory_order_seq_cst);
+  pages_.erase(it);
+}
+
+bool LeaseBoard::Holds(uint64_t tensor_id) const {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (const auto& [session, shm] : pages_) {
+    const LeasePage& page = PageOf(shm);
+    for (uint32_t i = 1; i < kLeaseSlots; ++i) {
+      if (page.slots[i].load(std::memory_order_relaxed) == tensor_id) return true;
+    }
+  }
+  return false;
+}
+
+std::unordered_map<uint64_t, int64_t> LeaseBoard::Held() const {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  std::unordered_map<uint64_t, int64_t> held;
+  for (const auto& [session, shm] : pages_) {
+    const LeasePage& page = PageOf(shm);
+    for (uint32_t i = 1; i < kLeaseSlots; ++i) {
+      const uint64_t id = page.slots[i].load(std::memory_order_relaxed);
+      if (id != 0) ++held[id];
+    }
+  }
+  return held;
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,40 @@
+// Lease pages (common/fast_path_layout.h): one per session, written by its client, read here to
+// learn which tensors clients still read before their memory is freed.
+#ifndef TENSORSHM_SERVER_LEASE_BOARD_H_
+#define TENSORSHM_SERVER_LEASE_BOARD_H_
+
+#include <cstdint>
+#include <map>
+#include <unordered_map>
+
+#include "absl/status/statusor.h"
+#include "common/fast_path_layout.h"
+#include "server/shm_segment.h"
+
+namespace tensorshm {
+
+// Thread-compatible: the catalog serialises calls.
+class LeaseBoard {
+ public:
+  // A read-write descriptor of session `session_id`'s lease page for its client (the caller
+  // closes it); the page is made (all slots free) on the first call. Errors as
+  // ShmSegment::Create.
+  absl::StatusOr<int> Open(uint64_t session_id);
+  // Forgets the page of a session that ended, whatever its slots hold.
+  void Drop(uint64_t session_id);
+
+  // Whether any page holds `tensor_id`. Begins with a sequentially consistent fence: called
+  // after the tensor was unlinked from the index, it sees every slot a reader validated.
+  bool Holds(uint64_t tensor_id) const;
+  // Every tensor id some page holds, with the number of slots holding it (fenced as Holds).
+  std::unordered_map<uint64_t, int64_t> Held() const;
+
+  size_t page_count() const { return pages_.size(); }
+
+ private:
+  std::map<uint64_t, ShmSegment> pages_;  // by session id
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_LEASE_BOARD_H_
