@@ -6,6 +6,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <map>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -19,6 +22,7 @@
 #include "client/memory_channel.h"
 #include "client/segment_map.h"
 #include "common/grpc_status.h"
+#include "common/layout.h"
 #include "common/mutex.h"
 #include "common/name.h"
 #include "common/socket_path.h"
@@ -37,6 +41,17 @@ constexpr int kMaxBatch = 4096;
 constexpr absl::Duration kReconnectWait = absl::Seconds(1);
 constexpr absl::Duration kMinBackoff = absl::Milliseconds(50);
 constexpr absl::Duration kMaxBackoff = absl::Seconds(2);
+// Stocked buffers (CreateRequest.stock): per buffer length, the client asks for enough to hold
+// kStockTargetBytes (between 1 and kMaxStockPerLength buffers), for lengths up to
+// kMaxStockedLength, and holds at most kMaxStockBytes in all.
+// A length is stocked once this client created kStockAfterCreates tensors of it: a
+// producer in a loop, not a one-off.
+constexpr uint64_t kStockAfterCreates = 8;
+constexpr uint64_t kStockTargetBytes = 2 << 20;
+constexpr uint64_t kMaxStockPerLength = 16;
+constexpr uint64_t kMaxStockedLength = 4 << 20;
+constexpr uint64_t kMaxStockBytes = 16 << 20;
+
 // How often an idle sender looks at the channel's state.
 constexpr absl::Duration kIdleCheck = absl::Milliseconds(100);
 
@@ -71,6 +86,7 @@ class ClientCore {
         channel_(std::move(channel)),
         stub_(v1::TensorShm::NewStub(channel_)),
         memory_(socket_) {}
+  ~ClientCore() { DropStock(); }
 
   // True in a child process fork() made after this core: nothing of it may be used there.
   bool forked() const { return ForkGeneration() != fork_generation_; }
@@ -121,6 +137,29 @@ class ClientCore {
                                                                        uint64_t size);
   // A writable mapping of exactly `location`'s buffer (this session's own); the caller munmaps.
   absl::StatusOr<void*> MapHostBuffer(const v1::Location& location);
+
+  // Stock: buffers the daemon made ahead of need, mapped writable, by buffer length.
+  struct StockedBuffer {
+    uint64_t tensor_id = 0;
+    void* mapping = nullptr;  // `length` bytes
+    v1::Location location;
+  };
+  // A stocked buffer of `length` bytes, taken out of the stock; nullopt if there is none.
+  std::optional<StockedBuffer> TakeStock(uint64_t length) ABSL_LOCKS_EXCLUDED(stock_mu_);
+  // How many buffers of `length` bytes to ask for now (0: enough in stock, not stockable, or
+  // not created often enough yet).
+  uint32_t StockWanted(uint64_t length) const ABSL_LOCKS_EXCLUDED(stock_mu_);
+  // Counts a create of a tensor with a buffer of `length` bytes.
+  void NoteCreate(uint64_t length) ABSL_LOCKS_EXCLUDED(stock_mu_) {
+    MutexLock lock(&stock_mu_);
+    ++creates_[length];
+  }
+  // Maps and keeps what the daemon stocked for the current session; what cannot be mapped is
+  // left to the session's end.
+  void AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked)
+      ABSL_LOCKS_EXCLUDED(stock_mu_);
+  // Forgets the stock (the session it belonged to ended, and the daemon frees it).
+  void DropStock() ABSL_LOCKS_EXCLUDED(stock_mu_);
 
   // The sender thread's body; returns once the Client is gone and no tensor is outstanding.
   void SendReleases(std::shared_ptr<ClientCore> self);
@@ -189,6 +228,10 @@ class ClientCore {
   bool flush_requested_ ABSL_GUARDED_BY(mu_) = false;  // send a batch even if empty
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;       // leases in held_ and unpublished tensors
   std::shared_ptr<FastPath> fast_ ABSL_GUARDED_BY(mu_);
+  mutable Mutex stock_mu_;
+  std::map<uint64_t, std::vector<StockedBuffer>> stock_ ABSL_GUARDED_BY(stock_mu_);
+  uint64_t stock_bytes_ ABSL_GUARDED_BY(stock_mu_) = 0;
+  std::map<uint64_t, uint64_t> creates_ ABSL_GUARDED_BY(stock_mu_);  // by buffer length
   // Leases held in lease page slots: counted without the mutex (a release is one store).
   std::atomic<int64_t> page_leases_{0};
   std::atomic<bool> closing_{false};  // client_closed_, for releases that do not lock
@@ -209,6 +252,7 @@ absl::Status ClientCore::Open(bool reattach) {
       return absl::UnavailableError(absl::StrCat("tensorshmd at unix:", socket_, " not reachable"));
     }
     RetireFastPath();
+    DropStock();
     MutexLock lock(&mu_);
     for (const auto& [key, held] : held_) {
       // A lease the last daemon already refused stays refused.
@@ -283,6 +327,49 @@ absl::Status ClientCore::Open(bool reattach) {
   }
   SetUpFastPath();
   return absl::OkStatus();
+}
+
+std::optional<ClientCore::StockedBuffer> ClientCore::TakeStock(uint64_t length) {
+  MutexLock lock(&stock_mu_);
+  auto it = stock_.find(length);
+  if (it == stock_.end() || it->second.empty()) return std::nullopt;
+  StockedBuffer buffer = it->second.back();
+  it->second.pop_back();
+  stock_bytes_ -= length;
+  return buffer;
+}
+
+uint32_t ClientCore::StockWanted(uint64_t length) const {
+  if (length == 0 || length > kMaxStockedLength) return 0;
+  const uint64_t target = std::clamp<uint64_t>(kStockTargetBytes / length, 1, kMaxStockPerLength);
+  MutexLock lock(&stock_mu_);
+  auto created = creates_.find(length);
+  if (created == creates_.end() || created->second < kStockAfterCreates) return 0;
+  auto it = stock_.find(length);
+  const uint64_t have = it == stock_.end() ? 0 : it->second.size();
+  // Refilled ahead of need: when half is gone.
+  if (have * 2 > target || stock_bytes_ + (target - have) * length > kMaxStockBytes) return 0;
+  return static_cast<uint32_t>(target - have);
+}
+
+void ClientCore::AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked) {
+  for (const v1::StockedBuffer& buffer : stocked) {
+    absl::StatusOr<void*> mapping = MapHostBuffer(buffer.location());
+    if (!mapping.ok()) continue;
+    MutexLock lock(&stock_mu_);
+    stock_[buffer.location().length()].push_back(
+        StockedBuffer{buffer.tensor_id(), *mapping, buffer.location()});
+    stock_bytes_ += buffer.location().length();
+  }
+}
+
+void ClientCore::DropStock() {
+  MutexLock lock(&stock_mu_);
+  for (auto& [length, buffers] : stock_) {
+    for (const StockedBuffer& buffer : buffers) munmap(buffer.mapping, length);
+  }
+  stock_.clear();
+  stock_bytes_ = 0;
 }
 
 void ClientCore::SetUpFastPath() {
@@ -897,8 +984,45 @@ absl::Status Client::CopyOnDevice(int ordinal, void* dst, const void* src, size_
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
+  // A host tensor whose buffer length is in stock is made here, without asking the daemon.
+  uint64_t stock_length = 0;
+  if (spec.device.device_type == kDLCPU && spec.device.device_id == 0) {
+    absl::StatusOr<TensorLayout> layout =
+        ComputeLayout(spec.dtype, spec.shape, spec.strides, spec.subbyte_padded);
+    if (layout.ok() && layout->nbytes > 0) {
+      const uint64_t page = static_cast<uint64_t>(getpagesize());
+      stock_length = (layout->byte_offset + layout->nbytes + page - 1) / page * page;
+      core_->NoteCreate(stock_length);
+      if (std::optional<ClientCore::StockedBuffer> stocked = core_->TakeStock(stock_length)) {
+        WritableTensor tensor;
+        tensor.core_ = core_;
+        tensor.tensor_id_ = stocked->tensor_id;
+        tensor.key_ = core_->AddUnpublished(stocked->tensor_id);
+        tensor.stocked_ = true;
+        tensor.mapping_ = stocked->mapping;
+        tensor.mapping_length_ = stock_length;
+        tensor.shape_ = spec.shape;
+        tensor.strides_ = std::move(layout->strides);
+        tensor.nbytes_ = layout->nbytes;
+        tensor.flags_ = spec.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
+        tensor.tensor_.data = stocked->mapping;
+        tensor.tensor_.device = spec.device;
+        tensor.tensor_.ndim = static_cast<int32_t>(tensor.shape_.size());
+        tensor.tensor_.dtype = spec.dtype;
+        tensor.tensor_.shape = tensor.shape_.data();
+        tensor.tensor_.strides = tensor.strides_.data();
+        tensor.tensor_.byte_offset = layout->byte_offset;
+        tensor.segment_instance_ = stocked->location.segment_instance();
+        tensor.segment_id_ = stocked->location.segment_id();
+        tensor.segment_size_ = stocked->location.segment_size();
+        tensor.buffer_offset_ = stocked->location.offset();
+        return tensor;
+      }
+    }
+  }
   v1::ChannelRequest call;
   v1::CreateRequest& request = *call.mutable_create();
+  request.set_stock(core_->StockWanted(stock_length));
   ToWire(spec.dtype, request.mutable_dtype());
   request.mutable_shape()->Assign(spec.shape.begin(), spec.shape.end());
   request.mutable_strides()->Assign(spec.strides.begin(), spec.strides.end());
@@ -914,6 +1038,7 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
   absl::StatusOr<v1::ChannelResponse> answer = core_->Exchange(call);
   if (answer.ok()) {
     response = std::move(*answer->mutable_created());
+    core_->AddStock(response.stocked());
   } else if (!absl::IsUnavailable(answer.status())) {
     return answer.status();
   } else {
@@ -946,6 +1071,10 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
     if (!mapping.ok()) return mapping.status();
     tensor.mapping_ = *mapping;
     tensor.mapping_length_ = location.length();
+    tensor.segment_instance_ = location.segment_instance();
+    tensor.segment_id_ = location.segment_id();
+    tensor.segment_size_ = location.segment_size();
+    tensor.buffer_offset_ = location.offset();
     data = *mapping;
   }
   tensor.shape_ = std::move(decoded->shape);
@@ -971,6 +1100,41 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
                                                                     std::string_view name,
                                                                     bool replace,
                                                                     CudaStream ready_stream) {
+  // A host tensor is leased through the lease page: the slot is taken before the publish, so
+  // that nothing can free the tensor between its publish and the lease, and no RPC lease is
+  // needed. (A CUDA tensor, or no free slot: the daemon takes the lease in the publish.)
+  std::shared_ptr<FastPath> fast = core_->fast_path();
+  uint32_t page_slot = 0;
+  if (fast != nullptr && tensor.core_ == core_ && !tensor.published_ &&
+      tensor.tensor_.device.device_type == kDLCPU && fast->Pin(tensor.tensor_id_, &page_slot)) {
+    core_->PageLeaseTaken();
+    auto lease = std::make_unique<Lease>();
+    lease->core = core_;
+    lease->fast = fast;
+    lease->page_slot = page_slot;
+    const char* data = kEmptyData;
+    if (tensor.mapping_length_ > 0) {
+      absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core_->MapHostSegment(
+          SegmentKey{tensor.segment_instance_, tensor.segment_id_}, tensor.segment_size_);
+      if (!mapping.ok()) {
+        core_->ReleasePageLease(*fast, page_slot);
+        return mapping.status();
+      }
+      lease->mapping = *std::move(mapping);
+      data = lease->mapping->address() + tensor.buffer_offset_;
+    }
+    lease->shape = tensor.shape_;
+    lease->strides = tensor.strides_;
+    FillTensor(*lease, data, tensor.tensor_.device, tensor.tensor_.dtype,
+               tensor.tensor_.byte_offset, tensor.flags_);
+    if (absl::Status s = PublishImpl(tensor, name, replace, ready_stream, nullptr); !s.ok()) {
+      core_->ReleasePageLease(*fast, page_slot);
+      return s;
+    }
+    Lease* raw = lease.release();
+    raw->versioned.deleter = DeleteVersioned;
+    return &raw->versioned;
+  }
   v1::AcquireResponse acquired;
   if (absl::Status s = PublishImpl(tensor, name, replace, ready_stream, &acquired); !s.ok()) {
     return s;
@@ -1002,6 +1166,17 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   request.set_name(std::string(name));
   request.set_replace(replace);
   request.set_acquire(acquired != nullptr);
+  if (tensor.stocked_) {
+    v1::TensorDesc* desc = request.mutable_desc();
+    ToWire(tensor.tensor_.dtype, desc->mutable_dtype());
+    desc->mutable_shape()->Assign(tensor.shape_.begin(), tensor.shape_.end());
+    desc->mutable_strides()->Assign(tensor.strides_.begin(), tensor.strides_.end());
+    desc->set_flags(tensor.flags_);
+  }
+  if (tensor.tensor_.device.device_type == kDLCPU) {
+    request.set_stock(core_->StockWanted(tensor.mapping_length_));
+    request.set_stock_bytes(tensor.mapping_length_);
+  }
   if (tensor.tensor_.device.device_type == kDLCUDA) {
     // Acquirers wait for what was issued on the producer's stream up to here.
     absl::StatusOr<std::string> event = core_->cuda().RecordReadyEvent(
@@ -1013,6 +1188,7 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   absl::StatusOr<v1::ChannelResponse> answer = core_->Exchange(call);
   if (answer.ok()) {
     response = std::move(*answer->mutable_published());
+    core_->AddStock(response.stocked());
   } else if (!absl::IsUnavailable(answer.status())) {
     return answer.status();
   } else {
@@ -1127,6 +1303,11 @@ WritableTensor& WritableTensor::operator=(WritableTensor&& other) noexcept {
   nbytes_ = other.nbytes_;
   flags_ = other.flags_;
   published_ = other.published_;
+  stocked_ = other.stocked_;
+  segment_instance_ = other.segment_instance_;
+  segment_id_ = other.segment_id_;
+  segment_size_ = other.segment_size_;
+  buffer_offset_ = other.buffer_offset_;
   other.mapping_ = nullptr;
   other.mapping_length_ = 0;
   other.tensor_ = DLTensor{};

@@ -208,6 +208,18 @@ FastPath::Outcome FastPath::TryAcquire(std::string_view name, Leased* leased) {
   return Outcome::kFallback;
 }
 
+bool FastPath::Pin(uint64_t tensor_id, uint32_t* page_slot) {
+  MutexLock lock(&mu_);
+  if (retired_ || free_slots_.empty() ||
+      page().slots[0].load(std::memory_order_acquire) == kLeasePageDropped) {
+    return false;
+  }
+  *page_slot = free_slots_.back();
+  free_slots_.pop_back();
+  page().slots[*page_slot].store(tensor_id, std::memory_order_seq_cst);
+  return true;
+}
+
 bool FastPath::Release(uint32_t page_slot, uint64_t* key) {
   MutexLock lock(&mu_);
   if (retired_) {

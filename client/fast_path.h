@@ -51,6 +51,11 @@ class FastPath {
   // Looks `name` up in the index and, if bound, takes a lease slot on it. Never a system call.
   Outcome TryAcquire(std::string_view name, Leased* leased) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Takes a lease slot on `tensor_id`, a tensor of this session not yet published: from its
+  // publish on the slot keeps it as a lease found through the index would. False when there is
+  // no free slot (or the fast path is retired).
+  bool Pin(uint64_t tensor_id, uint32_t* page_slot) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Gives lease slot `page_slot` back: true, with one atomic store, while this fast path is the
   // session's. After Retire, false with `*key` set to the client-side key the slot's lease was
   // turned into.

@@ -8,6 +8,7 @@
 #include "common/fast_path_layout.h"
 #include "common/layout.h"
 #include "common/name.h"
+#include "common/wire.h"
 #include "server/log.h"
 
 namespace tensorshm {
@@ -422,6 +423,53 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
     index_.Bind(hash, tensor.slot, tensor_id, std::nullopt);
   }
   index_.NotifyPublished();
+  return absl::OkStatus();
+}
+
+absl::Status Catalog::Reshape(uint64_t session, uint64_t tensor_id, const DLDataType& dtype,
+                              absl::Span<const int64_t> shape, absl::Span<const int64_t> strides,
+                              bool subbyte_padded) {
+  auto it = tensors_.find(tensor_id);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
+  }
+  Tensor& tensor = it->second;
+  if (tensor.sealed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor_id = ", tensor_id, ": already published"));
+  }
+  if (tensor.owner_session != session) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("tensor_id = ", tensor_id, ": created by another session"));
+  }
+  if (tensor.device.device_type != kDLCPU) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "desc: tensor ", tensor_id, " is on ", DeviceName(tensor.device), "; only host tensors"));
+  }
+  absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides, subbyte_padded);
+  if (!layout.ok()) return layout.status();
+  const uint64_t extent = layout->byte_offset + static_cast<uint64_t>(layout->nbytes);
+  if (extent > tensor.buffer.length || (layout->nbytes > 0 && tensor.buffer.length == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("desc: ", extent, " bytes do not fit tensor ",
+                                                   tensor_id, "'s buffer of ", tensor.buffer.length,
+                                                   " bytes"));
+  }
+  tensor.dtype = dtype;
+  tensor.shape.assign(shape.begin(), shape.end());
+  tensor.strides = std::move(layout->strides);
+  tensor.byte_offset = layout->byte_offset;
+  tensor.nbytes = layout->nbytes;
+  tensor.subbyte_padded = subbyte_padded;
+  TensorRecord& record = control_.record(tensor.slot);
+  record.dtype_code = dtype.code;
+  record.dtype_bits = dtype.bits;
+  record.dtype_lanes = dtype.lanes;
+  record.ndim = static_cast<int32_t>(tensor.shape.size());
+  record.byte_offset = tensor.byte_offset;
+  record.nbytes = tensor.nbytes;
+  record.dlpack_flags = subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
+  std::copy(tensor.shape.begin(), tensor.shape.end(), record.shape);
+  std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
   return absl::OkStatus();
 }
 

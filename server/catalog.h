@@ -116,6 +116,14 @@ class Catalog {
   absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace,
                        std::string ready_event = "");
 
+  // Gives the unpublished host tensor `tensor_id` of `session` a new dtype, shape and strides
+  // (empty: C-contiguous) over the same buffer: how a stocked buffer becomes the tensor its
+  // client made. NOT_FOUND / PERMISSION_DENIED / FAILED_PRECONDITION as Publish;
+  // INVALID_ARGUMENT for a bad layout, or one that does not fit the buffer.
+  absl::Status Reshape(uint64_t session, uint64_t tensor_id, const DLDataType& dtype,
+                       absl::Span<const int64_t> shape, absl::Span<const int64_t> strides,
+                       bool subbyte_padded);
+
   // The sealed tensor bound to `name`, or nullptr.
   const Tensor* Find(const std::string& name) const;
   const Tensor* FindId(uint64_t tensor_id) const;

@@ -14,6 +14,10 @@
 namespace tensorshm {
 namespace {
 
+// Stocked buffers (CreateRequest.stock): at most this many per request, of at most this size.
+constexpr uint32_t kMaxStock = 64;
+constexpr uint64_t kMaxStockedBytes = 4 << 20;
+
 // How often an acquire waiter looks at its call for cancellation.
 constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
 
@@ -485,7 +489,34 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
   session.AddUnpublished((*tensor)->id, length);
   response->set_tensor_id((*tensor)->id);
   Describe(**tensor, response->mutable_desc(), response->mutable_location());
+  if (request.stock() > 0 && device.device_type == kDLCPU && length > 0) {
+    Stock(session, length, request.stock(), response->mutable_stocked());
+  }
   return absl::OkStatus();
+}
+
+void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
+                             google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked) {
+  // Stock is memory nobody uses yet: it never takes the last eighth of the pool, and a session
+  // with a quota gets none (its quota is for what it creates).
+  const HostPool& pool = catalog_->host_pool();
+  count = std::min(count, kMaxStock);
+  if (session_quota_bytes_ > 0 || length == 0 || length > kMaxStockedBytes ||
+      pool.used_bytes() + (count + 0ull) * length > pool.capacity_bytes() / 8 * 7) {
+    return;
+  }
+  const int64_t elements = static_cast<int64_t>(length);
+  for (uint32_t i = 0; i < count; ++i) {
+    absl::StatusOr<const Tensor*> tensor =
+        catalog_->Create(session.id, DLDataType{kDLUInt, 8, 1}, absl::MakeConstSpan(&elements, 1),
+                         {}, DLDevice{kDLCPU, 0}, false, session.uid);
+    if (!tensor.ok()) return;
+    session.AddUnpublished((*tensor)->id, (*tensor)->buffer.length);
+    v1::StockedBuffer* buffer = stocked->Add();
+    buffer->set_tensor_id((*tensor)->id);
+    v1::TensorDesc desc;
+    Describe(**tensor, &desc, buffer->mutable_location());
+  }
 }
 
 grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
@@ -519,6 +550,19 @@ absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
                                                      "; only CUDA tensors take one"));
     }
   }
+  if (request.has_desc()) {
+    const v1::TensorDesc& desc = request.desc();
+    absl::StatusOr<DLDataType> dtype = FromWire(desc.dtype());
+    if (!dtype.ok()) return dtype.status();
+    const std::vector<int64_t> shape(desc.shape().begin(), desc.shape().end());
+    const std::vector<int64_t> strides(desc.strides().begin(), desc.strides().end());
+    if (absl::Status s =
+            catalog_->Reshape(session.id, request.tensor_id(), *dtype, shape, strides,
+                              (desc.flags() & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0);
+        !s.ok()) {
+      return s;
+    }
+  }
   absl::Status s = catalog_->Publish(session.id, request.tensor_id(), request.name(),
                                      request.replace(), request.ready_event());
   if (!s.ok()) return s;
@@ -532,6 +576,9 @@ absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
     Describe(*tensor, acquired->mutable_desc(), acquired->mutable_location());
   }
   published_.SignalAll();
+  if (request.stock() > 0) {
+    Stock(session, request.stock_bytes(), request.stock(), response->mutable_stocked());
+  }
   return absl::OkStatus();
 }
 

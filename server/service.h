@@ -93,6 +93,11 @@ class TensorShmService final : public v1::TensorShm::Service {
                          v1::CreateResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
                           v1::PublishResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
+  // need (CreateRequest.stock), fewer when the pool is short; none under a session quota.
+  void Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
+             google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The descriptor of fast path part `request.part()` for `session`.
   absl::StatusOr<int> GrantFastPath(const tensorshm::Session& session,
                                     const v1::FastPathRequest& request, v1::FastPathGrant* grant)

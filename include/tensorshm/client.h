@@ -154,6 +154,12 @@ class WritableTensor {
   int64_t nbytes_ = 0;
   uint64_t flags_ = 0;
   bool published_ = false;
+  bool stocked_ = false;  // made from a buffer the daemon stocked: Publish sends the descriptor
+  // Host tensors: where the buffer lies, for a lease on it after publish.
+  uint64_t segment_instance_ = 0;
+  uint64_t segment_id_ = 0;
+  uint64_t segment_size_ = 0;
+  uint64_t buffer_offset_ = 0;
 };
 
 // A connection to tensorshmd: one session. Thread-safe. Tensors acquired through it stay valid
