@@ -19,12 +19,27 @@
 //   tsm_peer cuda-produce SOCKET NAME --device N --shape S [--seed N]   fill through the driver
 //   tsm_peer cuda-consume SOCKET NAME [--stream]   acquire twice, copy to host, release; prints
 //                                                  the emulated driver's counters as it goes
+//   tsm_peer replace-loop SOCKET NAME --count N --bytes B [--max-bytes M] [--seed S]
+//                                     N times: create a uint32 tensor of B bytes (with M: a
+//                                     random multiple of 4 in [B, M]), fill every element with
+//                                     the version number (1..N), publish with replace; prints
+//                                     "published N"
+//   tsm_peer verify-loop SOCKET NAME (--until-version N | --forever) [--keep K] [--wait-ms W]
+//                                     acquire (waiting up to W ms for a publish), check that
+//                                     every element equals one version v, v >= the last one
+//                                     seen (and <= N), yield, check again; keep the last K
+//                                     acquired, re-check them all, release the oldest; until it
+//                                     acquired version N (or killed). Prints "verifying" after
+//                                     the first check, then "verified <count> wrong 0 last <v>";
+//                                     wrong bytes: "wrong <bytes> ..." and exit 1; no version N
+//                                     within 100 s: "timeout ..." and exit 5
 //
 // Output lines: "checksum <storage hash> <logical hash>", "meta <dtype> <shape> <strides>
 // <byte_offset> <flags>", "error <code> <message>" (exit 3).
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -33,6 +48,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <iostream>
 #include <random>
 
@@ -40,6 +56,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "common/channel_frame.h"
 #include "common/cuda_driver.h"
 #include "common/dtype.h"
@@ -136,6 +153,37 @@ void PrintCounters(const char* label) {
             << std::endl;
 }
 
+// verify-loop: one acquired tensor and the version its elements all held when first checked.
+struct Verified {
+  DLManagedTensorVersioned* tensor = nullptr;
+  uint32_t version = 0;
+};
+
+// Counts the bytes of `t` (a 1-d uint32 tensor) that differ from `version` in every element.
+// Reports the first wrong element on stdout, with `phase`.
+int64_t WrongBytes(const DLTensor& t, uint32_t version, const char* phase) {
+  const auto* elements =
+      reinterpret_cast<const volatile uint32_t*>(static_cast<const char*>(t.data) + t.byte_offset);
+  const int64_t n = t.shape[0];
+  int64_t wrong = 0;
+  int64_t first = -1;
+  uint32_t first_value = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t value = elements[i];
+    if (value == version) continue;
+    for (int b = 0; b < 4; ++b) wrong += ((value ^ version) >> (8 * b) & 0xff) != 0;
+    if (first < 0) {
+      first = i;
+      first_value = value;
+    }
+  }
+  if (wrong > 0) {
+    std::cout << "wrong " << wrong << " bytes " << phase << ": version " << version << ", " << n
+              << " elements, first wrong element " << first << " = " << first_value << std::endl;
+  }
+  return wrong;
+}
+
 int Main(int argc, char** argv) {
   if (argc < 4) {
     std::cerr << "usage: tsm_peer produce|consume|hold|write SOCKET NAME ...\n";
@@ -155,6 +203,9 @@ int Main(int argc, char** argv) {
   int as_uid = -1;  // drop to this uid (and gid) before connecting
   int device = 0;   // cuda-produce: this process's CUDA ordinal
   bool replace = false, hang = false, legacy = false, on_stream = false;
+  int64_t count = 0, bytes_min = 0, bytes_max = 0;  // replace-loop
+  int64_t until_version = 0, keep = 1;              // verify-loop
+  bool forever = false;                             // verify-loop
   for (int i = 3; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -182,6 +233,18 @@ int Main(int argc, char** argv) {
       device = std::stoi(value());
     else if (arg == "--stream")
       on_stream = true;
+    else if (arg == "--count")
+      count = std::stoll(value());
+    else if (arg == "--bytes")
+      bytes_min = std::stoll(value());
+    else if (arg == "--max-bytes")
+      bytes_max = std::stoll(value());
+    else if (arg == "--until-version")
+      until_version = std::stoll(value());
+    else if (arg == "--keep")
+      keep = std::stoll(value());
+    else if (arg == "--forever")
+      forever = true;
     else
       names.push_back(arg);
   }
@@ -410,6 +473,80 @@ int Main(int argc, char** argv) {
       std::cout << "published " << name << std::endl;
     }
     std::cout << "daemon gone" << std::endl;
+    return 0;
+  }
+  if (mode == "replace-loop") {
+    std::mt19937_64 random(seed);
+    bytes_max = std::max(bytes_max, bytes_min);
+    for (int64_t version = 1; version <= count; ++version) {
+      const int64_t bytes =
+          bytes_min + 4 * static_cast<int64_t>(
+                              random() % static_cast<uint64_t>((bytes_max - bytes_min) / 4 + 1));
+      absl::StatusOr<tensorshm::WritableTensor> w =
+          (*client)->Create({{kDLUInt, 32, 1}, {bytes / 4}});
+      if (!w.ok()) return Fail(w.status());
+      std::fill_n(static_cast<uint32_t*>(w->data()), bytes / 4, static_cast<uint32_t>(version));
+      if (absl::Status s = (*client)->Publish(*w, names.at(0), /*replace=*/true); !s.ok()) {
+        return Fail(s);
+      }
+    }
+    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    std::cout << "published " << count << std::endl;
+    return 0;
+  }
+  if (mode == "verify-loop") {
+    std::mt19937_64 random(seed);
+    std::deque<Verified> held;
+    uint32_t last = 0;
+    int64_t verified = 0;
+    const absl::Time deadline = absl::Now() + absl::Seconds(100);
+    auto release_all = [&] {
+      for (Verified& v : held) v.tensor->deleter(v.tensor);
+      held.clear();
+    };
+    while (forever || last < until_version) {
+      if (absl::Now() > deadline) {
+        std::cout << "timeout verified " << verified << " last " << last << std::endl;
+        return 5;
+      }
+      absl::StatusOr<DLManagedTensorVersioned*> t =
+          (*client)->Acquire(names.at(0), absl::Milliseconds(wait_ms));
+      if (!t.ok()) return Fail(t.status());
+      const DLTensor& dl = (*t)->dl_tensor;
+      if (dl.dtype.code != kDLUInt || dl.dtype.bits != 32 || dl.dtype.lanes != 1 || dl.ndim != 1 ||
+          dl.shape[0] < 1 || (dl.strides != nullptr && dl.strides[0] != 1)) {
+        std::cout << "wrong meta: " << tensorshm::DataTypeName(dl.dtype) << " ndim " << dl.ndim
+                  << std::endl;
+        return 1;
+      }
+      const uint32_t version =
+          *reinterpret_cast<const uint32_t*>(static_cast<const char*>(dl.data) + dl.byte_offset);
+      int64_t wrong = WrongBytes(dl, version, "at acquire");
+      if (version < last || version == 0 || (!forever && version > until_version)) {
+        std::cout << "wrong version " << version << " after " << last << std::endl;
+        wrong += 4;
+      }
+      // A premature free and reuse of the buffer would show now, or while it is kept.
+      sched_yield();
+      if (random() % 16 == 0) usleep(static_cast<useconds_t>(random() % 300));
+      wrong += WrongBytes(dl, version, "re-checked");
+      held.push_back({*t, version});
+      while (static_cast<int64_t>(held.size()) > std::max<int64_t>(keep, 1)) {
+        held.front().tensor->deleter(held.front().tensor);
+        held.pop_front();
+      }
+      for (const Verified& v : held) wrong += WrongBytes(v.tensor->dl_tensor, v.version, "kept");
+      if (wrong > 0) {
+        std::cout << "verified " << verified << " wrong " << wrong << " last " << version
+                  << std::endl;
+        return 1;
+      }
+      if (verified++ == 0) std::cout << "verifying" << std::endl;
+      last = version;
+    }
+    release_all();
+    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    std::cout << "verified " << verified << " wrong 0 last " << last << std::endl;
     return 0;
   }
   if (mode == "delete") {
