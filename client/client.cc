@@ -522,7 +522,9 @@ void ClientCore::Published(uint64_t key) {
   MutexLock lock(&mu_);
   unpublished_.erase(key);
   --outstanding_;
-  work_.Signal();
+  // Nothing to send: only a closed client's sender waits for this (a wake-up per publish would
+  // cost a context switch on the hot path).
+  if (client_closed_) work_.Signal();
 }
 
 absl::Status ClientCore::LeaseStatus(uint64_t key) const {
@@ -1227,8 +1229,11 @@ absl::StatusOr<DLManagedTensor*> Client::AcquireLegacy(std::string_view name,
 absl::Status Client::Delete(std::string_view name) {
   if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
-  v1::DeleteRequest request;
+  v1::ChannelRequest call;
+  v1::DeleteRequest& request = *call.mutable_delete_();
   request.set_name(std::string(name));
+  absl::StatusOr<v1::ChannelResponse> answer = core_->Exchange(call);
+  if (!absl::IsUnavailable(answer.status())) return answer.status();
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::DeleteResponse response;

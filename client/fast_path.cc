@@ -18,7 +18,8 @@ namespace {
 
 // Attempts at a consistent snapshot of a bucket before giving the question to the daemon.
 constexpr int kSnapshotAttempts = 8;
-// Pause loops before sleeping on the futex word.
+// Pause loops before sleeping on the futex word. Short: on a machine with few cores a longer
+// spin (50 us was tried) takes the CPU the producer and the daemon need to publish.
 constexpr int kSpinRounds = 256;
 // The longest futex sleep: waiters look at the daemon's heartbeat at least this often.
 constexpr absl::Duration kLongestSleep = absl::Milliseconds(100);

@@ -193,6 +193,9 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
         return CreateFor(*session, request.create(), reply.response.mutable_created());
       case v1::ChannelRequest::kPublish:
         return PublishFor(*session, request.publish(), reply.response.mutable_published());
+      case v1::ChannelRequest::kDelete:
+        reply.response.mutable_deleted();
+        return DeleteFor(*session, request.delete_());
       default:
         return absl::InvalidArgumentError("kind: not a request this daemon knows");
     }
@@ -639,10 +642,16 @@ grpc::Status TensorShmService::Delete(grpc::ServerContext* context,
   MutexLock lock(&mu_);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
   if (!session.ok()) return ToGrpcStatus(session.status());
-  if (const Tensor* bound = catalog_->Find(request->name()); bound != nullptr) {
-    if (absl::Status s = MayChange(**session, *bound, "delete"); !s.ok()) return ToGrpcStatus(s);
+  return ToGrpcStatus(DeleteFor(**session, *request));
+}
+
+absl::Status TensorShmService::DeleteFor(const tensorshm::Session& session,
+                                         const v1::DeleteRequest& request) {
+  if (absl::Status s = ValidateName(request.name()); !s.ok()) return s;
+  if (const Tensor* bound = catalog_->Find(request.name()); bound != nullptr) {
+    if (absl::Status s = MayChange(session, *bound, "delete"); !s.ok()) return s;
   }
-  return ToGrpcStatus(catalog_->Delete(request->name()));
+  return catalog_->Delete(request.name());
 }
 
 grpc::Status TensorShmService::List(grpc::ServerContext* context, const v1::ListRequest* request,

@@ -98,6 +98,8 @@ class TensorShmService final : public v1::TensorShm::Service {
   void Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
              google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status DeleteFor(const tensorshm::Session& session, const v1::DeleteRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The descriptor of fast path part `request.part()` for `session`.
   absl::StatusOr<int> GrantFastPath(const tensorshm::Session& session,
                                     const v1::FastPathRequest& request, v1::FastPathGrant* grant)
