@@ -76,7 +76,7 @@ test-tsan: setup
 	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 suppressions=$(CURDIR)/tests/tsan.supp" \
 	  ctest -j1 --output-on-failure --no-tests=error -R '$(TSAN_TESTS)'
 
-TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes|Reconnect|Cuda|Channel|Restart|Fork
+TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes|Reconnect|Cuda|Channel|Restart|Fork|FastPath
 
 # libFuzzer over request validation and descriptor decoding (clang, ASan+UBSan), from a seed
 # corpus generated from the proto; FUZZ_SECONDS bounds the run, and any crash fails it.

@@ -1,5 +1,6 @@
 #include "server/catalog.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <boost/interprocess/shared_memory_object.hpp>
@@ -216,6 +217,134 @@ TEST_F(CatalogTest, AnotherUidsSegmentIsAMemfdThatRecoveryLeavesAsAHole) {
   absl::StatusOr<const Tensor*> again = catalog_->Create(3, kF32, {8}, {}, kCpu, false, 1000);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ((*again)->buffer.segment_id, 3u);
+}
+
+}  // namespace
+}  // namespace tensorshm
+
+namespace tensorshm {
+namespace {
+
+// The index as a client sees it: the record slot + 1 bound to `name`, or 0.
+uint32_t IndexLookup(const CatalogIndex& index, const std::string& name) {
+  const auto* base = reinterpret_cast<const char*>(&index.header());
+  const uint32_t buckets = index.header().bucket_count;
+  const uint64_t hash = NameHash(name.data(), name.size());
+  const auto* bucket =
+      reinterpret_cast<const IndexBucket*>(base + IndexBucketsOffset()) + (hash & (buckets - 1));
+  const auto* entries = reinterpret_cast<const IndexEntry*>(base + IndexEntriesOffset(buckets));
+  EXPECT_EQ(bucket->sequence.load() % 2, 0u);
+  for (uint32_t link = bucket->head.load(); link != 0; link = entries[link - 1].next.load()) {
+    if (entries[link - 1].name_hash.load() == hash) return link;
+  }
+  return 0;
+}
+
+// A lease page as its client maps it.
+struct MappedPage {
+  explicit MappedPage(int fd) {
+    address = mmap(nullptr, kLeasePageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+  }
+  ~MappedPage() { munmap(address, kLeasePageBytes); }
+  LeasePage& page() { return *static_cast<LeasePage*>(address); }
+  void* address;
+};
+
+TEST_F(CatalogTest, IndexFollowsPublishReplaceAndDelete) {
+  const CatalogIndex& index = catalog_->index();
+  EXPECT_EQ(index.header().magic, kIndexMagic);
+  EXPECT_EQ(index.header().record_count, 8u);
+  EXPECT_EQ(index.header().bucket_count, 16u);
+  EXPECT_EQ(index.header().serving.load(), 1u);
+  const uint32_t before = index.header().publishes.load();
+
+  absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
+  ASSERT_TRUE(a.ok());
+  const uint32_t a_slot = (*a)->slot;
+  const uint64_t a_id = (*a)->id;
+  EXPECT_EQ(IndexLookup(index, "x"), 0u) << "unpublished tensors are not in the index";
+  ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
+  EXPECT_EQ(IndexLookup(index, "x"), a_slot + 1);
+  EXPECT_EQ(index.header().publishes.load(), before + 1);
+
+  absl::StatusOr<const Tensor*> b = catalog_->Create(1, kF32, {4}, {}, kCpu);
+  ASSERT_TRUE(b.ok());
+  const uint32_t b_slot = (*b)->slot;
+  ASSERT_TRUE(catalog_->Publish(1, (*b)->id, "x", true).ok());
+  EXPECT_EQ(IndexLookup(index, "x"), b_slot + 1);
+  EXPECT_EQ(catalog_->FindId(a_id), nullptr) << "unleased: freed at once";
+
+  ASSERT_TRUE(catalog_->Delete("x").ok());
+  EXPECT_EQ(IndexLookup(index, "x"), 0u);
+}
+
+TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  MappedPage mapped(*fd);
+  absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {1024}, {}, kCpu);
+  ASSERT_TRUE(a.ok());
+  const uint64_t a_id = (*a)->id;
+  const uint64_t used = catalog_->host_pool().used_bytes();
+  ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
+  mapped.page().slots[5].store(a_id);
+  EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(a_id)), 1);
+  EXPECT_EQ(catalog_->PageLeaseCount(), 1);
+
+  ASSERT_TRUE(catalog_->Delete("x").ok());
+  ASSERT_NE(catalog_->FindId(a_id), nullptr) << "a lease page slot holds it";
+  EXPECT_EQ(catalog_->retired_count(), 1u);
+  EXPECT_EQ(State(catalog_->FindId(a_id)), RecordState::kUnbound);
+  EXPECT_EQ(catalog_->Reclaim(), 0);
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), used);
+
+  mapped.page().slots[5].store(0);
+  EXPECT_EQ(catalog_->Reclaim(), 1);
+  EXPECT_EQ(catalog_->FindId(a_id), nullptr);
+  EXPECT_EQ(catalog_->retired_count(), 0u);
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 0u);
+}
+
+TEST_F(CatalogTest, DroppedLeasePageFreesWhatOnlyItHeldAndTellsItsClient) {
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  ASSERT_TRUE(fd.ok());
+  MappedPage mapped(*fd);
+  absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
+  ASSERT_TRUE(a.ok());
+  const uint64_t a_id = (*a)->id;
+  ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
+  mapped.page().slots[1].store(a_id);
+  ASSERT_TRUE(catalog_->Delete("x").ok());
+  ASSERT_NE(catalog_->FindId(a_id), nullptr);
+  catalog_->DropLeasePage(7);
+  EXPECT_EQ(mapped.page().slots[0].load(), kLeasePageDropped);
+  EXPECT_EQ(catalog_->Reclaim(), 1);
+  EXPECT_EQ(catalog_->FindId(a_id), nullptr);
+}
+
+TEST_F(CatalogTest, ReshapeGivesAStockedBufferItsDescriptorOnlyIfItFits) {
+  absl::StatusOr<const Tensor*> t =
+      catalog_->Create(1, DLDataType{kDLUInt, 8, 1}, {4096}, {}, kCpu);
+  ASSERT_TRUE(t.ok());
+  const uint64_t id = (*t)->id;
+  EXPECT_EQ(catalog_->Reshape(2, id, kF32, {8}, {}, false).code(),
+            absl::StatusCode::kPermissionDenied);
+  absl::Status too_big = catalog_->Reshape(1, id, kF32, {2048}, {}, false);
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kInvalidArgument) << too_big;
+  EXPECT_NE(too_big.message().find("do not fit"), std::string::npos) << too_big;
+  EXPECT_EQ(catalog_->Reshape(1, id, kF32, {-1}, {}, false).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(catalog_->Reshape(1, id, kF32, {4, 256}, {}, false).ok());
+  const TensorRecord& record = catalog_->control().record((*t)->slot);
+  EXPECT_EQ(record.dtype_code, kDLFloat);
+  EXPECT_EQ(record.ndim, 2);
+  EXPECT_EQ(record.shape[1], 256);
+  EXPECT_EQ(record.strides[0], 256);
+  EXPECT_EQ(record.nbytes, 4096);
+  ASSERT_TRUE(catalog_->Publish(1, id, "y", false).ok());
+  EXPECT_EQ(catalog_->Reshape(1, id, kF32, {8}, {}, false).code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace
