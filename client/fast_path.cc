@@ -147,17 +147,18 @@ FastPath::Outcome FastPath::TryAcquire(std::string_view name, Leased* leased) {
     }
     uint32_t found = 0;  // record slot + 1
     uint64_t tensor_id = 0;
-    uint32_t link = bucket.head.load(std::memory_order_relaxed);
+    // Acquire loads keep the sequence's second load after them (rather than a fence, which
+    // ThreadSanitizer does not model).
+    uint32_t link = bucket.head.load(std::memory_order_acquire);
     for (uint32_t steps = 0; link != 0 && link <= record_count_ && steps < record_count_; ++steps) {
       const IndexEntry& entry = entries_[link - 1];
-      if (entry.name_hash.load(std::memory_order_relaxed) == hash) {
+      if (entry.name_hash.load(std::memory_order_acquire) == hash) {
         found = link;
-        tensor_id = entry.tensor_id.load(std::memory_order_relaxed);
+        tensor_id = entry.tensor_id.load(std::memory_order_acquire);
         break;
       }
-      link = entry.next.load(std::memory_order_relaxed);
+      link = entry.next.load(std::memory_order_acquire);
     }
-    std::atomic_thread_fence(std::memory_order_acquire);
     if (bucket.sequence.load(std::memory_order_relaxed) != sequence) continue;
     if (found == 0) return Outcome::kNotFound;
 

@@ -33,8 +33,7 @@ absl::StatusOr<CatalogIndex> CatalogIndex::Create(uint32_t record_count, uint64_
   header.instance_id = instance_id;
   header.heartbeat_ns.store(MonotonicNanos(), std::memory_order_relaxed);
   header.serving.store(1, std::memory_order_relaxed);
-  header.magic = kIndexMagic;
-  std::atomic_thread_fence(std::memory_order_release);
+  header.magic = kIndexMagic;  // clients get the index through a socket, which orders it
   return index;
 }
 
@@ -57,7 +56,7 @@ void CatalogIndex::Unlink(IndexBucket& bucket, uint32_t slot) {
     const uint32_t current = link->load(std::memory_order_relaxed);
     if (current == 0) return;
     if (current == slot + 1) {
-      link->store(entry(slot).next.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      link->store(entry(slot).next.load(std::memory_order_relaxed), std::memory_order_release);
       return;
     }
     link = &entry(current - 1).next;
@@ -69,14 +68,15 @@ void CatalogIndex::Bind(uint64_t name_hash, uint32_t slot, uint64_t tensor_id,
                         std::optional<uint32_t> replaced_slot) {
   IndexBucket& chain = bucket(name_hash);
   const uint32_t sequence = chain.sequence.load(std::memory_order_relaxed);
+  // Odd first. The stores of the change are releases, so a reader that sees any of them sees
+  // the odd sequence after it too (rather than a fence, which ThreadSanitizer does not model).
   chain.sequence.store(sequence + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
   if (replaced_slot.has_value()) Unlink(chain, *replaced_slot);
   IndexEntry& added = entry(slot);
-  added.name_hash.store(name_hash, std::memory_order_relaxed);
-  added.tensor_id.store(tensor_id, std::memory_order_relaxed);
-  added.next.store(chain.head.load(std::memory_order_relaxed), std::memory_order_relaxed);
-  chain.head.store(slot + 1, std::memory_order_relaxed);
+  added.name_hash.store(name_hash, std::memory_order_release);
+  added.tensor_id.store(tensor_id, std::memory_order_release);
+  added.next.store(chain.head.load(std::memory_order_relaxed), std::memory_order_release);
+  chain.head.store(slot + 1, std::memory_order_release);
   // Sequentially consistent: ordered before the lease page scan that follows an unlink.
   chain.sequence.store(sequence + 2, std::memory_order_seq_cst);
 }
@@ -85,7 +85,6 @@ void CatalogIndex::Unbind(uint64_t name_hash, uint32_t slot) {
   IndexBucket& chain = bucket(name_hash);
   const uint32_t sequence = chain.sequence.load(std::memory_order_relaxed);
   chain.sequence.store(sequence + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
   Unlink(chain, slot);
   chain.sequence.store(sequence + 2, std::memory_order_seq_cst);
 }

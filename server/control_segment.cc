@@ -35,8 +35,7 @@ absl::StatusOr<ControlSegment> ControlSegment::Create(const std::string& prefix,
   header->next_publish_seq.store(1, std::memory_order_relaxed);
   std::memcpy(header->shm_prefix, prefix.data(), prefix.size());
   // The magic goes last: a header with it is complete.
-  std::atomic_thread_fence(std::memory_order_release);
-  header->magic = kControlMagic;
+  __atomic_store_n(&header->magic, kControlMagic, __ATOMIC_RELEASE);
   return ControlSegment(*std::move(shm));
 }
 

@@ -36,23 +36,21 @@ void LeaseBoard::Drop(uint64_t session_id) {
 }
 
 bool LeaseBoard::Holds(uint64_t tensor_id) const {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
   for (const auto& [session, shm] : pages_) {
     const LeasePage& page = PageOf(shm);
     for (uint32_t i = 1; i < kLeaseSlots; ++i) {
-      if (page.slots[i].load(std::memory_order_relaxed) == tensor_id) return true;
+      if (page.slots[i].load(std::memory_order_seq_cst) == tensor_id) return true;
     }
   }
   return false;
 }
 
 std::unordered_map<uint64_t, int64_t> LeaseBoard::Held() const {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
   std::unordered_map<uint64_t, int64_t> held;
   for (const auto& [session, shm] : pages_) {
     const LeasePage& page = PageOf(shm);
     for (uint32_t i = 1; i < kLeaseSlots; ++i) {
-      const uint64_t id = page.slots[i].load(std::memory_order_relaxed);
+      const uint64_t id = page.slots[i].load(std::memory_order_seq_cst);
       if (id != 0) ++held[id];
     }
   }

@@ -23,10 +23,11 @@ class LeaseBoard {
   // Forgets the page of a session that ended, whatever its slots hold.
   void Drop(uint64_t session_id);
 
-  // Whether any page holds `tensor_id`. Begins with a sequentially consistent fence: called
-  // after the tensor was unlinked from the index, it sees every slot a reader validated.
+  // Whether any page holds `tensor_id`. Its loads are sequentially consistent: called after
+  // the tensor was unlinked from the index (a sequentially consistent store), it sees every slot
+  // a reader validated.
   bool Holds(uint64_t tensor_id) const;
-  // Every tensor id some page holds, with the number of slots holding it (fenced as Holds).
+  // Every tensor id some page holds, with the number of slots holding it (loaded as Holds).
   std::unordered_map<uint64_t, int64_t> Held() const;
 
   size_t page_count() const { return pages_.size(); }
