@@ -15,6 +15,9 @@ a numpy array of it and has read one byte per page. Both ends stamp time.monoton
   Pipe pickle:     conn.send(array) -> conn.recv()
   torch.mp:        torch.from_numpy(array).share_memory_() over a torch.multiprocessing queue
                    (only when torch is installed)
+
+Then, in one process: a warm client.get + np.from_dlpack + release of a published 4 KiB tensor,
+and 60,000 puts of an 8-byte tensor in a row (replace), each a median.
 """
 
 from __future__ import annotations
@@ -226,10 +229,40 @@ def drive(sizes, max_iterations) -> int:
             line = f"{fmt_size(size):>8} {iterations:>6}" + "".join(f" {fmt_ns(m):>15}" for m in medians)
             line += "".join(f" {m / medians[0]:>17.2f}x" for m in medians[1:])
             print(line, flush=True)
+        micro(socket)
     finally:
         daemon.terminate()
         daemon.wait()
     return 0
+
+
+def micro(socket, gets=20000, puts=60000) -> None:
+    """In this process: a warm get + np.from_dlpack + release, and puts of a tiny tensor."""
+    import numpy as np
+    import tensorshm
+
+    client = tensorshm.connect(socket)
+    client.put("micro/warm", np.arange(1024, dtype=np.float32))
+    samples = []
+    for _ in range(gets):
+        start = time.perf_counter_ns()
+        t = client.get("micro/warm")
+        view = np.from_dlpack(t)
+        del view, t
+        samples.append(time.perf_counter_ns() - start)
+    print(f"get + np.from_dlpack + release (warm, 4 KiB): median {fmt_ns(statistics.median(samples))}"
+          f" over {gets}")
+    tiny = np.zeros(2, dtype=np.float32)
+    samples = []
+    start_all = time.perf_counter_ns()
+    for i in range(puts):
+        tiny[0] = i
+        start = time.perf_counter_ns()
+        client.put("micro/tiny", tiny, replace=True)
+        samples.append(time.perf_counter_ns() - start)
+    rate = puts / ((time.perf_counter_ns() - start_all) / 1e9)
+    print(f"put of a tiny tensor (8 bytes, replace), {puts} in a row: median "
+          f"{fmt_ns(statistics.median(samples))} each, {rate:,.0f} puts/s")
 
 
 def handoff(ctx, producer, consumer, base_args, channel_kind, size, iterations) -> float:
