@@ -924,6 +924,29 @@ absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
 
 // ---- Client ----
 
+namespace {
+
+// Sends `call` (holding `request`) over the memory channel, and the answer's field to
+// `*response`; only when the channel cannot be had, makes the unary RPC `rpc` instead.
+template <typename Request, typename Response>
+absl::Status ChannelOrRpc(ClientCore& core, v1::ChannelRequest& call,
+                          Response* (v1::ChannelResponse::*field)(),
+                          grpc::Status (v1::TensorShm::Stub::*rpc)(grpc::ClientContext*,
+                                                                   const Request&, Response*),
+                          const Request& request, Response* response) {
+  absl::StatusOr<v1::ChannelResponse> answer = core.Exchange(call);
+  if (answer.ok()) {
+    *response = std::move(*((*answer).*field)());
+    return absl::OkStatus();
+  }
+  if (!absl::IsUnavailable(answer.status())) return answer.status();
+  grpc::ClientContext context;
+  core.PrepareContext(context, kCallTimeout);
+  return FromGrpcStatus((core.stub().*rpc)(&context, request, response));
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options) {
   PrepareProcessForClients();
   const std::string socket = options.socket.empty() ? DefaultSocketPath() : options.socket;
@@ -1037,20 +1060,12 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
     request.set_device_uuid(*std::move(uuid));
   }
   v1::CreateResponse response;
-  absl::StatusOr<v1::ChannelResponse> answer = core_->Exchange(call);
-  if (answer.ok()) {
-    response = std::move(*answer->mutable_created());
-    core_->AddStock(response.stocked());
-  } else if (!absl::IsUnavailable(answer.status())) {
-    return answer.status();
-  } else {
-    grpc::ClientContext context;
-    core_->PrepareContext(context, kCallTimeout);
-    if (absl::Status s = FromGrpcStatus(core_->stub().Create(&context, request, &response));
-        !s.ok()) {
-      return s;
-    }
+  if (absl::Status s = ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_created,
+                                    &v1::TensorShm::Stub::Create, request, &response);
+      !s.ok()) {
+    return s;
   }
+  core_->AddStock(response.stocked());
   WritableTensor tensor;
   tensor.core_ = core_;
   tensor.tensor_id_ = response.tensor_id();
@@ -1187,20 +1202,12 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
     request.set_ready_event(*std::move(event));
   }
   v1::PublishResponse response;
-  absl::StatusOr<v1::ChannelResponse> answer = core_->Exchange(call);
-  if (answer.ok()) {
-    response = std::move(*answer->mutable_published());
-    core_->AddStock(response.stocked());
-  } else if (!absl::IsUnavailable(answer.status())) {
-    return answer.status();
-  } else {
-    grpc::ClientContext context;
-    core_->PrepareContext(context, kCallTimeout);
-    if (absl::Status s = FromGrpcStatus(core_->stub().Publish(&context, request, &response));
-        !s.ok()) {
-      return s;
-    }
+  if (absl::Status s = ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_published,
+                                    &v1::TensorShm::Stub::Publish, request, &response);
+      !s.ok()) {
+    return s;
   }
+  core_->AddStock(response.stocked());
   tensor.Unmap();
   tensor.published_ = true;
   core_->Published(tensor.key_);
@@ -1232,12 +1239,9 @@ absl::Status Client::Delete(std::string_view name) {
   v1::ChannelRequest call;
   v1::DeleteRequest& request = *call.mutable_delete_();
   request.set_name(std::string(name));
-  absl::StatusOr<v1::ChannelResponse> answer = core_->Exchange(call);
-  if (!absl::IsUnavailable(answer.status())) return answer.status();
-  grpc::ClientContext context;
-  core_->PrepareContext(context, kCallTimeout);
   v1::DeleteResponse response;
-  return FromGrpcStatus(core_->stub().Delete(&context, request, &response));
+  return ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_deleted,
+                      &v1::TensorShm::Stub::Delete, request, &response);
 }
 
 absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {

@@ -285,6 +285,18 @@ void Catalog::KeepSegments() {
   pool_->KeepSegments();
 }
 
+void Catalog::WriteRecordLayout(const Tensor& tensor, TensorRecord& record) {
+  record.dtype_code = tensor.dtype.code;
+  record.dtype_bits = tensor.dtype.bits;
+  record.dtype_lanes = tensor.dtype.lanes;
+  record.ndim = static_cast<int32_t>(tensor.shape.size());
+  record.byte_offset = tensor.byte_offset;
+  record.nbytes = tensor.nbytes;
+  record.dlpack_flags = tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
+  std::copy(tensor.shape.begin(), tensor.shape.end(), record.shape);
+  std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
+}
+
 void Catalog::WriteRecordState(const Tensor& tensor, RecordState state) {
   control_.record(tensor.slot).state.store(static_cast<uint32_t>(state), std::memory_order_release);
 }
@@ -358,16 +370,8 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   record.length = buffer.length;
   record.device_type = device.device_type;
   record.device_id = device.device_id;
-  record.dtype_code = dtype.code;
-  record.dtype_bits = dtype.bits;
-  record.dtype_lanes = dtype.lanes;
-  record.ndim = static_cast<int32_t>(tensor.shape.size());
-  record.byte_offset = tensor.byte_offset;
-  record.nbytes = tensor.nbytes;
-  record.dlpack_flags = subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
   record.owner_uid = owner_uid;
-  std::copy(tensor.shape.begin(), tensor.shape.end(), record.shape);
-  std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
+  WriteRecordLayout(tensor, record);
   WriteRecordState(tensor, RecordState::kWriting);
 
   auto [it, inserted] = tensors_.emplace(tensor.id, std::move(tensor));
@@ -377,19 +381,9 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
 
 absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::string& name,
                               bool replace, std::string ready_event) {
-  auto it = tensors_.find(tensor_id);
-  if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
-  }
-  Tensor& tensor = it->second;
-  if (tensor.sealed) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("tensor_id = ", tensor_id, ": already published"));
-  }
-  if (tensor.owner_session != session) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("tensor_id = ", tensor_id, ": created by another session"));
-  }
+  absl::StatusOr<std::map<uint64_t, Tensor>::iterator> it = FindUnpublished(session, tensor_id);
+  if (!it.ok()) return it.status();
+  Tensor& tensor = (*it)->second;
   auto bound = names_.find(name);
   if (bound != names_.end() && !replace) {
     return absl::AlreadyExistsError(absl::StrCat("name = \"", name,
@@ -429,19 +423,9 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
 absl::Status Catalog::Reshape(uint64_t session, uint64_t tensor_id, const DLDataType& dtype,
                               absl::Span<const int64_t> shape, absl::Span<const int64_t> strides,
                               bool subbyte_padded) {
-  auto it = tensors_.find(tensor_id);
-  if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
-  }
-  Tensor& tensor = it->second;
-  if (tensor.sealed) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("tensor_id = ", tensor_id, ": already published"));
-  }
-  if (tensor.owner_session != session) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("tensor_id = ", tensor_id, ": created by another session"));
-  }
+  absl::StatusOr<std::map<uint64_t, Tensor>::iterator> it = FindUnpublished(session, tensor_id);
+  if (!it.ok()) return it.status();
+  Tensor& tensor = (*it)->second;
   if (tensor.device.device_type != kDLCPU) {
     return absl::InvalidArgumentError(absl::StrCat(
         "desc: tensor ", tensor_id, " is on ", DeviceName(tensor.device), "; only host tensors"));
@@ -460,16 +444,7 @@ absl::Status Catalog::Reshape(uint64_t session, uint64_t tensor_id, const DLData
   tensor.byte_offset = layout->byte_offset;
   tensor.nbytes = layout->nbytes;
   tensor.subbyte_padded = subbyte_padded;
-  TensorRecord& record = control_.record(tensor.slot);
-  record.dtype_code = dtype.code;
-  record.dtype_bits = dtype.bits;
-  record.dtype_lanes = dtype.lanes;
-  record.ndim = static_cast<int32_t>(tensor.shape.size());
-  record.byte_offset = tensor.byte_offset;
-  record.nbytes = tensor.nbytes;
-  record.dlpack_flags = subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
-  std::copy(tensor.shape.begin(), tensor.shape.end(), record.shape);
-  std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
+  WriteRecordLayout(tensor, control_.record(tensor.slot));
   return absl::OkStatus();
 }
 
@@ -510,6 +485,14 @@ absl::Status Catalog::Delete(const std::string& name) {
 }
 
 absl::Status Catalog::Abandon(uint64_t session, uint64_t tensor_id) {
+  absl::StatusOr<std::map<uint64_t, Tensor>::iterator> it = FindUnpublished(session, tensor_id);
+  if (!it.ok()) return it.status();
+  Free(*it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::map<uint64_t, Tensor>::iterator> Catalog::FindUnpublished(uint64_t session,
+                                                                              uint64_t tensor_id) {
   auto it = tensors_.find(tensor_id);
   if (it == tensors_.end()) {
     return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
@@ -522,8 +505,7 @@ absl::Status Catalog::Abandon(uint64_t session, uint64_t tensor_id) {
     return absl::PermissionDeniedError(
         absl::StrCat("tensor_id = ", tensor_id, ": created by another session"));
   }
-  Free(it);
-  return absl::OkStatus();
+  return it;
 }
 
 std::vector<const Tensor*> Catalog::List(const std::string& prefix) const {

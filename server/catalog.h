@@ -179,7 +179,13 @@ class Catalog {
   // lease page holds it (then it is retired).
   void FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it);
   void Free(std::map<uint64_t, Tensor>::iterator it);
+  // The unpublished tensor `tensor_id` of `session`: NOT_FOUND, FAILED_PRECONDITION (published)
+  // or PERMISSION_DENIED (another session's) otherwise.
+  absl::StatusOr<std::map<uint64_t, Tensor>::iterator> FindUnpublished(uint64_t session,
+                                                                       uint64_t tensor_id);
   void WriteRecordState(const Tensor& tensor, RecordState state);
+  // Writes `tensor`'s dtype, shape, strides, offset, size and flags into `record`.
+  static void WriteRecordLayout(const Tensor& tensor, TensorRecord& record);
 
   ControlSegment control_;
   CatalogIndex index_;
