@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 apt_packages=(build-essential cmake pkg-config python3 python3-venv python3-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libboost-dev libabsl-dev libgtest-dev libgmock-dev clang libclang-rt-dev)
+  libboost-dev libabsl-dev libgtest-dev libgmock-dev clang libclang-rt-dev spin)
 
 missing=()
 for p in "${apt_packages[@]}"; do
