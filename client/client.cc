@@ -1120,6 +1120,8 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
   // A host tensor is leased through the lease page: the slot is taken before the publish, so
   // that nothing can free the tensor between its publish and the lease, and no RPC lease is
   // needed. (A CUDA tensor, or no free slot: the daemon takes the lease in the publish.)
+  // Before the slot: a fork child must not write into its parent's lease page.
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   std::shared_ptr<FastPath> fast = core_->fast_path();
   uint32_t page_slot = 0;
   if (fast != nullptr && tensor.core_ == core_ && !tensor.published_ &&

@@ -466,6 +466,7 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
       refused((*parent)->Acquire("f").status(), "Acquire");
       refused((*parent)->Create({{kDLUInt, 8, 1}, {10}}).status(), "Create");
       refused((*parent)->Publish(*draft, "from-child"), "Publish");
+      refused((*parent)->PublishAndAcquire(*draft, "from-child").status(), "PublishAndAcquire");
       refused((*parent)->Delete("f"), "Delete");
       refused(LeaseStatus(*held), "LeaseStatus");
       // The parent's connections (gRPC and memory channel) were cut in this process at the fork.
