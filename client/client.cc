@@ -658,6 +658,12 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
     acked_sequence_ = sequence;
     acked_.SignalAll();
   }
+  // Tensors released while the process exits (Python's finalization) end a detached sender in
+  // the middle of exit(): gRPC must then be left alone (see BeginSenderTeardown).
+  if (!BeginSenderTeardown()) {
+    KeepForever(std::move(self));
+    return;
+  }
   bool connected;
   {
     MutexLock lock(&mu_);
@@ -669,6 +675,7 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
   }
   // `self` kept the core alive while tensors outlived the Client; it goes here, possibly last.
   self.reset();
+  EndSenderTeardown();
 }
 
 // ---- Acquired tensors ----

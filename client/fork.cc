@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -116,6 +118,27 @@ struct ForkLeftover {
 };
 std::atomic<ForkLeftover*> g_fork_leftovers{nullptr};
 
+// Senders tearing their channel down, and whether exit() has begun. Never destroyed: exit runs
+// destructors of statics, and this must outlive them all.
+struct ExitState {
+  std::mutex mu;
+  std::condition_variable idle;
+  bool exiting = false;
+  int teardowns = 0;
+};
+
+ExitState& Exit() {
+  static ExitState* state = new ExitState;
+  return *state;
+}
+
+void OnProcessExit() {
+  ExitState& state = Exit();
+  std::unique_lock<std::mutex> lock(state.mu);
+  state.exiting = true;
+  state.idle.wait_for(lock, std::chrono::seconds(5), [&] { return state.teardowns == 0; });
+}
+
 }  // namespace
 
 uint64_t ForkGeneration() { return g_fork_generation.load(std::memory_order_relaxed); }
@@ -136,10 +159,27 @@ void RememberDaemonSocket(const std::string& path) {
 // sockets in the parent's set, and the parent's pollers would receive events carrying the
 // child's pointers. "poll" keeps that state in process memory. gRPC reads the variable when it
 // starts, so it is set only around that start: processes this one spawns do not inherit it.
+bool BeginSenderTeardown() {
+  ExitState& state = Exit();
+  std::lock_guard<std::mutex> lock(state.mu);
+  if (state.exiting) return false;
+  ++state.teardowns;
+  return true;
+}
+
+void EndSenderTeardown() {
+  ExitState& state = Exit();
+  std::lock_guard<std::mutex> lock(state.mu);
+  if (--state.teardowns == 0) state.idle.notify_all();
+}
+
 void PrepareProcessForClients() {
   static std::once_flag once;
   std::call_once(once, [] {
     pthread_atfork(nullptr, nullptr, OnForkChild);
+    // Registered after gRPC's statics (gRPC is loaded before this runs), so it runs before them.
+    Exit();
+    std::atexit(OnProcessExit);
     if (grpc_is_initialized()) return;
     EnableGrpcForkSupport();
     const bool choose_poll = getenv("GRPC_POLL_STRATEGY") == nullptr;

@@ -27,10 +27,19 @@ uint64_t ForkGeneration();
 // may happen at any moment); at most a few distinct paths are kept.
 void RememberDaemonSocket(const std::string& path);
 
-// In a forked child: keeps a reference to the parent's `core` (and its `sender` thread object)
-// for the rest of the process, so that nothing of the parent's is ever closed or destroyed from
-// the child. The references stay reachable, so leak checkers do not report them.
+// In a forked child (or while the process exits): keeps a reference to the parent's `core` (and
+// its `sender` thread object) for the rest of the process, so that nothing of the parent's is
+// ever closed or destroyed from the child (nor torn down under exit()). The references stay
+// reachable, so leak checkers do not report them.
 void KeepForever(std::shared_ptr<ClientCore> core, std::thread* sender = nullptr);
+
+// Process exit: a client's sender thread (detached while tensors outlived the Client) that ends
+// while exit() runs would tear its gRPC channel down concurrently with gRPC's own static
+// destructors. A sender brackets its teardown with these: BeginSenderTeardown is false once the
+// process is exiting (the sender then keeps its core with KeepForever and touches nothing), and
+// exit waits (up to a few seconds) for teardowns already under way. Thread-safe.
+bool BeginSenderTeardown();
+void EndSenderTeardown();
 
 }  // namespace tensorshm
 
