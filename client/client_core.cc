@@ -1,0 +1,483 @@
+#include "client/client_core.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/grpc_status.h"
+
+namespace tensorshm {
+namespace {
+
+constexpr char kSessionMetadataKey[] = "tensorshm-session";
+// Largest number of ids sent in one release batch.
+constexpr int kMaxBatch = 4096;
+// Reconnecting: how long one attempt waits for the daemon, and the pause between attempts.
+constexpr absl::Duration kReconnectWait = absl::Seconds(1);
+constexpr absl::Duration kMinBackoff = absl::Milliseconds(50);
+constexpr absl::Duration kMaxBackoff = absl::Seconds(2);
+
+// Stocked buffers (CreateRequest.stock): per buffer length, the client asks for enough to hold
+// kStockTargetBytes (between 1 and kMaxStockPerLength buffers), for lengths up to
+// kMaxStockedLength, and holds at most kMaxStockBytes in all.
+// A length is stocked once this client created kStockAfterCreates tensors of it: a
+// producer in a loop, not a one-off.
+constexpr uint64_t kStockAfterCreates = 8;
+constexpr uint64_t kStockTargetBytes = 2 << 20;
+constexpr uint64_t kMaxStockPerLength = 16;
+constexpr uint64_t kMaxStockedLength = 4 << 20;
+constexpr uint64_t kMaxStockBytes = 16 << 20;
+
+// How often an idle sender looks at the channel's state.
+constexpr absl::Duration kIdleCheck = absl::Milliseconds(100);
+
+// The lease id a page lease carries in held_ after a restart turned it into a reattached one,
+// until the new daemon answers with the real id.
+constexpr uint64_t kPageLeaseId = ~uint64_t{0};
+
+}  // namespace
+
+absl::Status ClientCore::Open(bool reattach) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  v1::SessionRequest open;
+  open.mutable_open()->set_client_version(TENSORSHM_VERSION);
+  open.mutable_open()->set_pid(getpid());
+  open.mutable_open()->set_client_name(client_name_);
+  std::vector<uint64_t> keys;
+  std::vector<uint64_t> unpublished_keys;
+  if (reattach) {
+    // Wait for the channel to reach the daemon again, a bounded time so that a Client closing
+    // meanwhile is not kept waiting long. (A deadline on the stream itself would end it.)
+    if (!channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + kReconnectWait))) {
+      return absl::UnavailableError(absl::StrCat("tensorshmd at unix:", socket_, " not reachable"));
+    }
+    RetireFastPath();
+    DropStock();
+    MutexLock lock(&mu_);
+    for (const auto& [key, held] : held_) {
+      // A lease the last daemon already refused stays refused.
+      if (held.lease_id == 0) continue;
+      keys.push_back(key);
+      open.mutable_open()->add_held_tensor_ids(held.tensor_id);
+    }
+    for (const auto& [key, tensor_id] : unpublished_) {
+      unpublished_keys.push_back(key);
+      open.mutable_open()->add_unpublished_tensor_ids(tensor_id);
+    }
+  }
+  auto stream = stub_->Session(context.get());
+  v1::SessionResponse opened;
+  if (!stream->Write(open) || !stream->Read(&opened) || !opened.has_opened()) {
+    stream->WritesDone();
+    absl::Status status = FromGrpcStatus(stream->Finish());
+    // A refusal (PERMISSION_DENIED, ...) keeps its code; a broken connection is UNAVAILABLE.
+    const absl::StatusCode code = status.ok() || status.code() == absl::StatusCode::kCancelled ||
+                                          status.code() == absl::StatusCode::kDeadlineExceeded
+                                      ? absl::StatusCode::kUnavailable
+                                      : status.code();
+    return absl::Status(code, absl::StrCat("tensorshmd at unix:", socket_,
+                                           " did not open a session: ", status.message()));
+  }
+  const v1::SessionOpened& answer = opened.opened();
+  // Mappings of segments this daemon does not serve are not the same memory: they go (each
+  // once no tensor of ours uses it). A recovered daemon lists the segments it took back under
+  // the instance that made them, so those stay.
+  std::set<SegmentKey> live;
+  for (const v1::SegmentRef& segment : answer.segments()) {
+    live.emplace(segment.segment_instance(), segment.segment_id());
+  }
+  segments_.Retain(live);
+  {
+    MutexLock lock(&mu_);
+    session_id_ = answer.session_id();
+    if (reattach) {
+      // Batches numbered before now went to the old session, which will never acknowledge them
+      // (one may have failed on the broken stream): Flush must not wait for them.
+      acked_sequence_ = next_sequence_ - 1;
+      acked_.SignalAll();
+      // Leases and tensors the daemon did not take back are gone: their releases are dropped, and
+      // Flush reports the loss (the memory is no longer reserved for them).
+      std::vector<uint64_t> lost;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const uint64_t lease =
+            static_cast<int>(i) < answer.lease_ids_size() ? answer.lease_ids(i) : 0;
+        HeldLease& held = held_.at(keys[i]);
+        held.lease_id = lease;
+        if (lease == 0) lost.push_back(held.tensor_id);
+      }
+      for (size_t i = 0; i < unpublished_keys.size(); ++i) {
+        if (static_cast<int>(i) >= answer.readopted_size() || !answer.readopted(i)) {
+          lost.push_back(unpublished_.at(unpublished_keys[i]));
+          unpublished_.erase(unpublished_keys[i]);
+        }
+      }
+      // A loss outranks a refused release: it is what the caller must not miss.
+      if (!lost.empty() && !absl::IsDataLoss(rejection_)) {
+        rejection_ = absl::DataLossError(absl::StrCat(
+            "tensorshmd at unix:", socket_, " restarted (instance ", answer.instance_id(),
+            ") and did not take back ", lost.size(), " tensors this client held (tensor ids ",
+            absl::StrJoin(lost, ", "),
+            "): their memory is no longer reserved for them; acquire or create them again"));
+      }
+    }
+    // The old stream (finished) goes before the context it was made with.
+    stream_ = std::move(stream);
+    session_context_ = std::move(context);
+    connected_ = true;
+  }
+  SetUpFastPath();
+  return absl::OkStatus();
+}
+
+std::optional<ClientCore::StockedBuffer> ClientCore::TakeStock(uint64_t length) {
+  MutexLock lock(&stock_mu_);
+  auto it = stock_.find(length);
+  if (it == stock_.end() || it->second.empty()) return std::nullopt;
+  StockedBuffer buffer = it->second.back();
+  it->second.pop_back();
+  stock_bytes_ -= length;
+  return buffer;
+}
+
+uint32_t ClientCore::StockWanted(uint64_t length) const {
+  if (length == 0 || length > kMaxStockedLength) return 0;
+  const uint64_t target = std::clamp<uint64_t>(kStockTargetBytes / length, 1, kMaxStockPerLength);
+  MutexLock lock(&stock_mu_);
+  auto created = creates_.find(length);
+  if (created == creates_.end() || created->second < kStockAfterCreates) return 0;
+  auto it = stock_.find(length);
+  const uint64_t have = it == stock_.end() ? 0 : it->second.size();
+  // Refilled ahead of need: when half is gone.
+  if (have * 2 > target || stock_bytes_ + (target - have) * length > kMaxStockBytes) return 0;
+  return static_cast<uint32_t>(target - have);
+}
+
+void ClientCore::AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked) {
+  for (const v1::StockedBuffer& buffer : stocked) {
+    absl::StatusOr<void*> mapping = MapHostBuffer(buffer.location());
+    if (!mapping.ok()) continue;
+    MutexLock lock(&stock_mu_);
+    stock_[buffer.location().length()].push_back(
+        StockedBuffer{buffer.tensor_id(), *mapping, buffer.location()});
+    stock_bytes_ += buffer.location().length();
+  }
+}
+
+void ClientCore::DropStock() {
+  MutexLock lock(&stock_mu_);
+  for (auto& [length, buffers] : stock_) {
+    for (const StockedBuffer& buffer : buffers) munmap(buffer.mapping, length);
+  }
+  stock_.clear();
+  stock_bytes_ = 0;
+}
+
+void ClientCore::SetUpFastPath() {
+  const std::string token = session_id();
+  absl::StatusOr<std::shared_ptr<FastPath>> fast = FastPath::Open(memory_, token);
+  MutexLock lock(&mu_);
+  // A session that ended meanwhile gets no fast path: the next one will.
+  if (fast.ok() && session_id_ == token) fast_ = *std::move(fast);
+}
+
+void ClientCore::RetireFastPath() {
+  std::shared_ptr<FastPath> old;
+  {
+    MutexLock lock(&mu_);
+    old = std::move(fast_);
+  }
+  if (old == nullptr) return;
+  const int converted = old->Retire([this](uint64_t tensor_id) {
+    MutexLock lock(&mu_);
+    const uint64_t key = next_key_++;
+    held_.emplace(key, HeldLease{tensor_id, kPageLeaseId});
+    ++outstanding_;
+    return key;
+  });
+  page_leases_.fetch_sub(converted, std::memory_order_acq_rel);
+}
+
+std::shared_ptr<FastPath> ClientCore::fast_path() const {
+  MutexLock lock(&mu_);
+  return fast_;
+}
+
+void ClientCore::ReleasePageLease(FastPath& fast, uint32_t page_slot) noexcept {
+  uint64_t key = 0;
+  if (!fast.Release(page_slot, &key)) {
+    QueueRelease(key);
+    return;
+  }
+  // The sender waits for the last lease of a closed client; only then is it worth a wake-up.
+  if (page_leases_.fetch_sub(1, std::memory_order_acq_rel) == 1 &&
+      closing_.load(std::memory_order_acquire)) {
+    MutexLock lock(&mu_);
+    work_.Signal();
+  }
+}
+
+absl::Status ClientCore::PageLeaseStatus(const FastPath& fast, uint32_t page_slot) const {
+  uint64_t key = 0;
+  if (fast.ConvertedKey(page_slot, &key)) return LeaseStatus(key);
+  return absl::OkStatus();
+}
+
+bool ClientCore::Reconnect() {
+  absl::Duration backoff = kMinBackoff;
+  while (true) {
+    {
+      MutexLock lock(&mu_);
+      // What was queued for the dead session needs no sending: the daemon that held those
+      // leases is gone, and they must not be re-registered.
+      for (uint64_t key : pending_leases_) held_.erase(key);
+      for (uint64_t key : pending_abandons_) unpublished_.erase(key);
+      pending_leases_.clear();
+      pending_abandons_.clear();
+      if (SenderDone()) return false;
+    }
+    if (Open(/*reattach=*/true).ok()) return true;
+    MutexLock lock(&mu_);
+    if (!SenderDone()) work_.WaitWithTimeout(&mu_, backoff);
+    backoff = std::min(backoff * 2, kMaxBackoff);
+  }
+}
+
+void ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
+  context.AddMetadata(kSessionMetadataKey, session_id());
+  if (timeout != absl::InfiniteDuration()) {
+    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+}
+
+std::string ClientCore::session_id() const {
+  MutexLock lock(&mu_);
+  return session_id_;
+}
+
+absl::Status ClientCore::CheckProcess() const {
+  if (!forked()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "this tensorshm client was connected in process ", pid_, "; process ", getpid(),
+      " is a fork of it and may not use its connection, session or leases: connect again in "
+      "this process"));
+}
+
+absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment(
+    const SegmentKey& key, uint64_t segment_size) {
+  absl::StatusOr<std::shared_ptr<const SegmentMapping>> found = segments_.Find(key, segment_size);
+  if (!found.ok() || *found != nullptr) return found;
+  uint64_t size = 0;
+  absl::StatusOr<int> fd =
+      memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/false, &size);
+  if (!fd.ok()) return fd.status();
+  if (size < segment_size) {
+    close(*fd);
+    return absl::InternalError(absl::StrCat("tensorshmd granted ", SegmentLabel(key), " as ", size,
+                                            " bytes; its location said ", segment_size));
+  }
+  return segments_.Insert(key, *fd, segment_size);
+}
+
+absl::StatusOr<void*> ClientCore::MapHostBuffer(const v1::Location& location) {
+  const SegmentKey key{location.segment_instance(), location.segment_id()};
+  absl::StatusOr<void*> mapping =
+      segments_.MapWritableRange(key, location.offset(), location.length());
+  if (!absl::IsNotFound(mapping.status())) return mapping;
+  uint64_t size = 0;
+  absl::StatusOr<int> fd =
+      memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/true, &size);
+  if (!fd.ok()) return fd.status();
+  segments_.InsertWritable(key, *fd);
+  return segments_.MapWritableRange(key, location.offset(), location.length());
+}
+
+uint64_t ClientCore::AddLease(uint64_t tensor_id, uint64_t lease_id) {
+  MutexLock lock(&mu_);
+  const uint64_t key = next_key_++;
+  held_.emplace(key, HeldLease{tensor_id, lease_id});
+  ++outstanding_;
+  return key;
+}
+
+uint64_t ClientCore::AddUnpublished(uint64_t tensor_id) {
+  MutexLock lock(&mu_);
+  const uint64_t key = next_key_++;
+  unpublished_.emplace(key, tensor_id);
+  ++outstanding_;
+  return key;
+}
+
+absl::StatusOr<uint64_t> ClientCore::UnpublishedId(uint64_t key) const {
+  MutexLock lock(&mu_);
+  auto it = unpublished_.find(key);
+  if (it == unpublished_.end()) {
+    return absl::DataLossError(
+        absl::StrCat("this writable tensor was lost when tensorshmd at unix:", socket_,
+                     " restarted (not taken back in its --recovery-grace); create it again"));
+  }
+  return it->second;
+}
+
+void ClientCore::Published(uint64_t key) {
+  MutexLock lock(&mu_);
+  unpublished_.erase(key);
+  --outstanding_;
+  // Nothing to send: only a closed client's sender waits for this (a wake-up per publish would
+  // cost a context switch on the hot path).
+  if (client_closed_) work_.Signal();
+}
+
+absl::Status ClientCore::LeaseStatus(uint64_t key) const {
+  MutexLock lock(&mu_);
+  auto it = held_.find(key);
+  if (it != held_.end() && it->second.lease_id != 0) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      it == held_.end() ? std::string("this tensor")
+                        : absl::StrCat("tensor ", it->second.tensor_id),
+      ": tensorshmd at unix:", socket_,
+      " restarted and did not take its lease back; the memory is no longer reserved for it"));
+}
+
+void ClientCore::QueueRelease(uint64_t key) noexcept {
+  MutexLock lock(&mu_);
+  pending_leases_.push_back(key);
+  --outstanding_;
+  work_.Signal();
+}
+
+void ClientCore::QueueAbandon(uint64_t key) noexcept {
+  MutexLock lock(&mu_);
+  pending_abandons_.push_back(key);
+  --outstanding_;
+  work_.Signal();
+}
+
+bool ClientCore::CloseClient() {
+  MutexLock lock(&mu_);
+  client_closed_ = true;
+  closing_.store(true, std::memory_order_release);
+  work_.Signal();
+  return outstanding_ == 0 && page_leases_.load(std::memory_order_acquire) == 0;
+}
+
+absl::Status ClientCore::Flush() {
+  MutexLock lock(&mu_);
+  // Always a round trip: page leases were given back by a store the daemon has not seen yet,
+  // and an empty batch makes it look (and free what they held).
+  const uint64_t target = next_sequence_;
+  flush_requested_ = true;
+  work_.Signal();
+  while (acked_sequence_ < target && connected_) acked_.Wait(&mu_);
+  if (acked_sequence_ < target) {
+    return absl::UnavailableError(
+        absl::StrCat("session with tensorshmd at unix:", socket_, " ended; reconnecting"));
+  }
+  absl::Status result = rejection_;
+  rejection_ = absl::OkStatus();
+  return result;
+}
+
+bool ClientCore::TakeBatch(v1::ReleaseBatch* batch) {
+  size_t taken = 0;
+  for (; taken < pending_leases_.size() && batch->lease_ids_size() < kMaxBatch; ++taken) {
+    auto it = held_.find(pending_leases_[taken]);
+    if (it == held_.end()) continue;
+    if (it->second.lease_id != 0) batch->add_lease_ids(it->second.lease_id);
+    held_.erase(it);
+  }
+  pending_leases_.erase(pending_leases_.begin(), pending_leases_.begin() + taken);
+  taken = 0;
+  for (; taken < pending_abandons_.size() && batch->abandoned_tensor_ids_size() < kMaxBatch;
+       ++taken) {
+    auto it = unpublished_.find(pending_abandons_[taken]);
+    if (it == unpublished_.end()) continue;
+    batch->add_abandoned_tensor_ids(it->second);
+    unpublished_.erase(it);
+  }
+  pending_abandons_.erase(pending_abandons_.begin(), pending_abandons_.begin() + taken);
+  return batch->lease_ids_size() > 0 || batch->abandoned_tensor_ids_size() > 0;
+}
+
+void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
+  while (true) {
+    v1::SessionRequest request;
+    uint64_t sequence = 0;
+    {
+      MutexLock lock(&mu_);
+      bool probe = false;
+      while (connected_ && pending_leases_.empty() && pending_abandons_.empty() &&
+             !flush_requested_ && !SenderDone()) {
+        // The sync stream says nothing until used, so a daemon gone while this client is idle
+        // shows as the channel leaving READY, or sooner as the index's heartbeat going stale (a
+        // connection nobody polls may look READY for seconds): an empty batch then tells
+        // whether the stream lives.
+        if (work_.WaitWithTimeout(&mu_, kIdleCheck) &&
+            (channel_->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY ||
+             (fast_ != nullptr && !fast_->DaemonServing()))) {
+          probe = true;
+          break;
+        }
+      }
+      if (SenderDone()) break;
+      if (connected_) {
+        sequence = next_sequence_++;
+        request.mutable_release()->set_sequence(sequence);
+        const bool flush = flush_requested_;
+        flush_requested_ = false;
+        if (!TakeBatch(request.mutable_release()) && !probe && !flush) {
+          // Only ids the daemon no longer knows: nothing to send.
+          acked_sequence_ = sequence;
+          acked_.SignalAll();
+          continue;
+        }
+      }
+    }
+    if (!request.has_release()) {
+      if (!Reconnect()) break;
+      continue;
+    }
+    v1::SessionResponse response;
+    const bool ok = stream_->Write(request) && stream_->Read(&response) && response.has_ack();
+    if (!ok) {
+      stream_->WritesDone();
+      stream_->Finish().ok();
+    }
+    MutexLock lock(&mu_);
+    if (!ok) {
+      // The daemon is gone and with it every lease this batch released; Flush callers learn
+      // that the session ended.
+      connected_ = false;
+      acked_.SignalAll();
+      continue;
+    }
+    for (const v1::Rejection& r : response.ack().rejected()) {
+      if (rejection_.ok()) {
+        rejection_ = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
+      }
+    }
+    acked_sequence_ = sequence;
+    acked_.SignalAll();
+  }
+  // Tensors released while the process exits (Python's finalization) end a detached sender in
+  // the middle of exit(): gRPC must then be left alone (see BeginSenderTeardown).
+  if (!BeginSenderTeardown()) {
+    KeepForever(std::move(self));
+    return;
+  }
+  bool connected;
+  {
+    MutexLock lock(&mu_);
+    connected = connected_;
+  }
+  if (connected) {
+    stream_->WritesDone();
+    stream_->Finish().ok();
+  }
+  // `self` kept the core alive while tensors outlived the Client; it goes here, possibly last.
+  self.reset();
+  EndSenderTeardown();
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,206 @@
+// ClientCore: what a Client and the tensors it handed out share (the session, the release queue,
+// the fast path, stock and segment mappings). Private to the client library.
+#ifndef TENSORSHM_CLIENT_CLIENT_CORE_H_
+#define TENSORSHM_CLIENT_CLIENT_CORE_H_
+
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/cuda_state.h"
+#include "client/fast_path.h"
+#include "client/fork.h"
+#include "client/memory_channel.h"
+#include "client/segment_map.h"
+#include "common/mutex.h"
+#include "tensorshm/v1/tensorshm.grpc.pb.h"
+
+namespace tensorshm {
+
+// Deadline of unary calls that do not wait for anything.
+inline constexpr absl::Duration kCallTimeout = absl::Seconds(60);
+
+// Everything a Client and its tensors share: the channel, the session stream, the release queue,
+// the fast path, the stock and the segment mappings. Lives as long as the Client or any tensor from
+// it. Thread-safe.
+//
+// When the session stream breaks (the daemon died or restarted), the sender thread reconnects
+// with backoff and re-registers what the client still holds: the tensors of its live leases and
+// its unpublished writable tensors. A restarted daemon honours that within its grace period and
+// answers with new lease ids, which replace the old ones behind the client-side lease keys.
+class ClientCore {
+ public:
+  ClientCore(std::string socket, std::shared_ptr<grpc::Channel> channel, std::string client_name)
+      : socket_(std::move(socket)),
+        client_name_(std::move(client_name)),
+        fork_generation_(ForkGeneration()),
+        pid_(getpid()),
+        channel_(std::move(channel)),
+        stub_(v1::TensorShm::NewStub(channel_)),
+        memory_(socket_) {}
+  ~ClientCore() { DropStock(); }
+
+  // True in a child process fork() made after this core: nothing of it may be used there.
+  bool forked() const { return ForkGeneration() != fork_generation_; }
+  // OK in the process that connected; FAILED_PRECONDITION naming both pids in a forked child.
+  absl::Status CheckProcess() const;
+
+  // Opens the first session. A refusal keeps its code; no daemon is UNAVAILABLE.
+  absl::Status OpenSession() { return Open(/*reattach=*/false); }
+
+  // Registers a lease the daemon granted on `tensor_id`; returns the client-side key that
+  // QueueRelease takes. Each lease is "outstanding" until released.
+  uint64_t AddLease(uint64_t tensor_id, uint64_t lease_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers an unpublished writable tensor (outstanding until published or abandoned); returns
+  // the client-side key that the other calls take.
+  uint64_t AddUnpublished(uint64_t tensor_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The daemon's id of unpublished tensor `key`; DATA_LOSS if a restarted daemon did not take it
+  // back (its id may name another tensor now).
+  absl::StatusOr<uint64_t> UnpublishedId(uint64_t key) const ABSL_LOCKS_EXCLUDED(mu_);
+  void Published(uint64_t key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Queue a lease release / an abandoned writable tensor for the sender thread. O(1), never
+  // blocks on I/O.
+  void QueueRelease(uint64_t key) noexcept ABSL_LOCKS_EXCLUDED(mu_);
+  void QueueAbandon(uint64_t key) noexcept ABSL_LOCKS_EXCLUDED(mu_);
+  // OK while the daemon holds lease `key` for this client; DATA_LOSS once a restarted daemon did
+  // not take it back.
+  absl::Status LeaseStatus(uint64_t key) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The session's fast path, or nullptr (not set up, or the daemon does not offer one).
+  std::shared_ptr<FastPath> fast_path() const ABSL_LOCKS_EXCLUDED(mu_);
+  // A lease slot of `fast` was taken / is given back (its tensor's deleter). The slot is
+  // cleared with one store; once `fast` was retired, the lease it was turned into is released.
+  void PageLeaseTaken() { page_leases_.fetch_add(1, std::memory_order_relaxed); }
+  void ReleasePageLease(FastPath& fast, uint32_t page_slot) noexcept ABSL_LOCKS_EXCLUDED(mu_);
+  // LeaseStatus of a page lease.
+  absl::Status PageLeaseStatus(const FastPath& fast, uint32_t page_slot) const;
+  // A memory channel request for the current session (Create, Publish); UNAVAILABLE when the
+  // channel cannot be had (the caller then uses the RPC), else the daemon's answer.
+  absl::StatusOr<v1::ChannelResponse> Exchange(v1::ChannelRequest& request) {
+    int fd = -1;
+    absl::StatusOr<v1::ChannelResponse> response = memory_.Exchange(session_id(), request, &fd);
+    if (fd >= 0) close(fd);
+    return response;
+  }
+
+  // The read-only mapping of host segment `key` (`size` bytes as the daemon says), made on
+  // first use from a descriptor the memory channel brings, and shared by every tensor in it.
+  absl::StatusOr<std::shared_ptr<const SegmentMapping>> MapHostSegment(const SegmentKey& key,
+                                                                       uint64_t size);
+  // A writable mapping of exactly `location`'s buffer (this session's own); the caller munmaps.
+  absl::StatusOr<void*> MapHostBuffer(const v1::Location& location);
+
+  // Stock: buffers the daemon made ahead of need, mapped writable, by buffer length.
+  struct StockedBuffer {
+    uint64_t tensor_id = 0;
+    void* mapping = nullptr;  // `length` bytes
+    v1::Location location;
+  };
+  // A stocked buffer of `length` bytes, taken out of the stock; nullopt if there is none.
+  std::optional<StockedBuffer> TakeStock(uint64_t length) ABSL_LOCKS_EXCLUDED(stock_mu_);
+  // How many buffers of `length` bytes to ask for now (0: enough in stock, not stockable, or
+  // not created often enough yet).
+  uint32_t StockWanted(uint64_t length) const ABSL_LOCKS_EXCLUDED(stock_mu_);
+  // Counts a create of a tensor with a buffer of `length` bytes.
+  void NoteCreate(uint64_t length) ABSL_LOCKS_EXCLUDED(stock_mu_) {
+    MutexLock lock(&stock_mu_);
+    ++creates_[length];
+  }
+  // Maps and keeps what the daemon stocked for the current session; what cannot be mapped is
+  // left to the session's end.
+  void AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked)
+      ABSL_LOCKS_EXCLUDED(stock_mu_);
+  // Forgets the stock (the session it belonged to ended, and the daemon frees it).
+  void DropStock() ABSL_LOCKS_EXCLUDED(stock_mu_);
+
+  // The sender thread's body; returns once the Client is gone and no tensor is outstanding.
+  void SendReleases(std::shared_ptr<ClientCore> self);
+  // Tells the sender the Client is gone; true if nothing is outstanding (it will exit soon).
+  bool CloseClient() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Flush() ABSL_LOCKS_EXCLUDED(mu_);
+
+  void PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  v1::TensorShm::Stub& stub() { return *stub_; }
+  SegmentMap& segments() { return segments_; }
+  CudaState& cuda() { return cuda_; }
+  std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
+  const std::string& socket() const { return socket_; }
+
+ private:
+  struct HeldLease {
+    uint64_t tensor_id;
+    uint64_t lease_id;  // in the current session; 0: the daemon no longer knows it
+  };
+
+  bool SenderDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return client_closed_ && outstanding_ == 0 && pending_leases_.empty() &&
+           pending_abandons_.empty() && page_leases_.load(std::memory_order_acquire) == 0;
+  }
+  // After a session opened: maps its fast path (without one, acquires use the RPC).
+  void SetUpFastPath() ABSL_LOCKS_EXCLUDED(mu_);
+  // Before re-registering with a restarted daemon: the old session's page leases become
+  // leases in held_, re-registered like the others.
+  void RetireFastPath() ABSL_LOCKS_EXCLUDED(mu_);
+  // Opens a session stream; with `reattach`, asks the daemon to take back what this client holds.
+  absl::Status Open(bool reattach) ABSL_LOCKS_EXCLUDED(mu_);
+  // After the stream broke: reopens a session, with backoff. False if the sender should exit.
+  bool Reconnect() ABSL_LOCKS_EXCLUDED(mu_);
+  // Fills `batch` from the queues (ids the daemon no longer knows are dropped); false if empty.
+  bool TakeBatch(v1::ReleaseBatch* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string socket_;
+  const std::string client_name_;
+  const uint64_t fork_generation_;
+  const pid_t pid_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::TensorShm::Stub> stub_;
+  MemoryChannel memory_;
+  // The session stream; replaced only by the thread that opens sessions (Connect, then sender).
+  std::unique_ptr<grpc::ClientContext> session_context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
+  SegmentMap segments_;
+  CudaState cuda_;
+
+  mutable Mutex mu_;
+  CondVar work_;   // the sender has something to do
+  CondVar acked_;  // a batch was acknowledged, or the stream broke
+  std::string session_id_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, HeldLease> held_ ABSL_GUARDED_BY(mu_);  // by client-side key
+  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
+  // Unpublished tensors the daemon knows as ours: client-side key -> tensor id.
+  std::unordered_map<uint64_t, uint64_t> unpublished_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);    // keys
+  std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);  // keys
+  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t acked_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status rejection_ ABSL_GUARDED_BY(mu_);
+  bool connected_ ABSL_GUARDED_BY(mu_) = false;
+  bool client_closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool flush_requested_ ABSL_GUARDED_BY(mu_) = false;  // send a batch even if empty
+  int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;       // leases in held_ and unpublished tensors
+  std::shared_ptr<FastPath> fast_ ABSL_GUARDED_BY(mu_);
+  mutable Mutex stock_mu_;
+  std::map<uint64_t, std::vector<StockedBuffer>> stock_ ABSL_GUARDED_BY(stock_mu_);
+  uint64_t stock_bytes_ ABSL_GUARDED_BY(stock_mu_) = 0;
+  std::map<uint64_t, uint64_t> creates_ ABSL_GUARDED_BY(stock_mu_);  // by buffer length
+  // Leases held in lease page slots: counted without the mutex (a release is one store).
+  std::atomic<int64_t> page_leases_{0};
+  std::atomic<bool> closing_{false};  // client_closed_, for releases that do not lock
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_CLIENT_CLIENT_CORE_H_
