@@ -10,6 +10,7 @@
 //   and reading one byte per page (segment mapping cached, as in a long-running consumer).
 // gRPC bytes: producer fills a buffer and sends it in a unary call to the consumer's server,
 //   whose handler reads one byte per page; measured from the fill's start to that last read.
+// Both handoff rows leave the same 2 ms idle gap before each handoff (the consumer waiting).
 // empty RPC: round trip of an empty unary call on the same socket: the floor of any RPC.
 //
 // The CUDA row (device memory on cuda:0, where a driver and a device are present; skipped with
@@ -401,6 +402,8 @@ Row Measure(const std::string& self, const std::string& dir, const std::string& 
     Child producer = Child::Spawn({self, "--role", "grpc-producer", socket, size_arg, iter_arg});
     std::vector<int64_t> bytes;
     for (int i = 0; i < iterations; ++i) {
+      // The same idle gap before each handoff as the tensorshm row has: both consumers wait.
+      absl::SleepFor(absl::Milliseconds(2));
       producer.Send("go");
       const int64_t start = std::stoll(producer.Expect("start").at(0));
       bytes.push_back(std::stoll(consumer.Expect("end").at(0)) - start);
