@@ -285,6 +285,16 @@ void Catalog::KeepSegments() {
   pool_->KeepSegments();
 }
 
+void Catalog::SetLayout(Tensor& tensor, const DLDataType& dtype, absl::Span<const int64_t> shape,
+                        TensorLayout layout, bool subbyte_padded) {
+  tensor.dtype = dtype;
+  tensor.shape.assign(shape.begin(), shape.end());
+  tensor.strides = std::move(layout.strides);
+  tensor.byte_offset = layout.byte_offset;
+  tensor.nbytes = layout.nbytes;
+  tensor.subbyte_padded = subbyte_padded;
+}
+
 void Catalog::WriteRecordLayout(const Tensor& tensor, TensorRecord& record) {
   record.dtype_code = tensor.dtype.code;
   record.dtype_bits = tensor.dtype.bits;
@@ -348,13 +358,8 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   Tensor tensor;
   tensor.id = header.next_tensor_id.fetch_add(1, std::memory_order_relaxed);
   tensor.slot = slot;
-  tensor.dtype = dtype;
   tensor.device = device;
-  tensor.shape.assign(shape.begin(), shape.end());
-  tensor.strides = std::move(layout->strides);
-  tensor.byte_offset = layout->byte_offset;
-  tensor.nbytes = layout->nbytes;
-  tensor.subbyte_padded = subbyte_padded;
+  SetLayout(tensor, dtype, shape, *std::move(layout), subbyte_padded);
   tensor.buffer = buffer;
   tensor.owner_session = session;
   tensor.owner_uid = owner_uid;
@@ -438,12 +443,7 @@ absl::Status Catalog::Reshape(uint64_t session, uint64_t tensor_id, const DLData
                                                    tensor_id, "'s buffer of ", tensor.buffer.length,
                                                    " bytes"));
   }
-  tensor.dtype = dtype;
-  tensor.shape.assign(shape.begin(), shape.end());
-  tensor.strides = std::move(layout->strides);
-  tensor.byte_offset = layout->byte_offset;
-  tensor.nbytes = layout->nbytes;
-  tensor.subbyte_padded = subbyte_padded;
+  SetLayout(tensor, dtype, shape, *std::move(layout), subbyte_padded);
   WriteRecordLayout(tensor, control_.record(tensor.slot));
   return absl::OkStatus();
 }

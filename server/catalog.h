@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/layout.h"
 #include "server/catalog_index.h"
 #include "server/control_segment.h"
 #include "server/cuda_pool.h"
@@ -184,6 +185,9 @@ class Catalog {
   absl::StatusOr<std::map<uint64_t, Tensor>::iterator> FindUnpublished(uint64_t session,
                                                                        uint64_t tensor_id);
   void WriteRecordState(const Tensor& tensor, RecordState state);
+  // Gives `tensor` the dtype, shape and `layout` (from ComputeLayout) it describes.
+  static void SetLayout(Tensor& tensor, const DLDataType& dtype, absl::Span<const int64_t> shape,
+                        TensorLayout layout, bool subbyte_padded);
   // Writes `tensor`'s dtype, shape, strides, offset, size and flags into `record`.
   static void WriteRecordLayout(const Tensor& tensor, TensorRecord& record);
 
