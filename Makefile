@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-torch test-gpu test-asan test-tsan fuzz bench install format clean
+.PHONY: all setup configure build run test test-cpp test-python python test-torch test-gpu test-asan test-tsan check-thread-safety fuzz bench install format clean
 
 VENV_PY = .venv/bin/python
 
@@ -77,6 +77,21 @@ test-tsan: setup
 	  ctest -j1 --output-on-failure --no-tests=error -R '$(TSAN_TESTS)'
 
 TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes|Reconnect|Cuda|Channel|Restart|Fork|FastPath
+
+# Everything built with clang, -Wthread-safety and -Werror: the locking annotations
+# (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED, ...) are checked at compile time. CI runs it.
+check-thread-safety: setup
+	@CC=clang CXX=clang++ cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Debug -DTENSORSHM_WERROR=ON \
+	  $(CMAKE_FLAGS) >/dev/null
+	@cmake --build build-clang -j$(JOBS)
+	@# The analysis must be on: a file with two lock violations has to be refused, each named.
+	@if clang++ -std=c++20 -fsyntax-only -Wthread-safety -Werror -I. \
+	    tests/thread_safety/violation.cc 2>build-clang/violation.log; then \
+	  echo "check-thread-safety: tests/thread_safety/violation.cc compiled; the analysis is off" >&2; \
+	  exit 1; fi
+	@grep -q "reading variable 'value_' requires holding mutex 'mu_'" build-clang/violation.log
+	@grep -q "calling function 'Wait' requires holding mutex 'mu_'" build-clang/violation.log
+	@echo "check-thread-safety: clang -Wthread-safety -Werror build passed; violation.cc refused"
 
 # libFuzzer over request validation and descriptor decoding (clang, ASan+UBSan), from a seed
 # corpus generated from the proto; FUZZ_SECONDS bounds the run, and any crash fails it.

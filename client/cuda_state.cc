@@ -102,38 +102,42 @@ absl::StatusOr<CUdeviceptr> CudaState::OpenSegment(int ordinal, const SegmentKey
                                                    "CUipcMemHandle has ", sizeof(ipc.reserved)));
   }
   std::memcpy(ipc.reserved, handle.data(), sizeof(ipc.reserved));
-  return InContext(ordinal, [&]() -> absl::StatusOr<CUdeviceptr> {
-    if (auto it = segments_.find({ordinal, key}); it != segments_.end()) return it->second;
-    CUdeviceptr base;
-    if (absl::Status s = TSM_CU(driver_, ordinal, cuIpcOpenMemHandle_v2, &base, ipc,
-                                CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-        !s.ok()) {
-      return s;
-    }
-    segments_.emplace(std::make_pair(ordinal, key), base);
-    return base;
-  });
+  return InContext(ordinal,
+                   [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<CUdeviceptr> {
+                     if (auto it = segments_.find({ordinal, key}); it != segments_.end())
+                       return it->second;
+                     CUdeviceptr base;
+                     if (absl::Status s = TSM_CU(driver_, ordinal, cuIpcOpenMemHandle_v2, &base,
+                                                 ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+                         !s.ok()) {
+                       return s;
+                     }
+                     segments_.emplace(std::make_pair(ordinal, key), base);
+                     return base;
+                   });
 }
 
 absl::StatusOr<std::string> CudaState::RecordReadyEvent(int ordinal, CUstream stream) {
-  return InContext(ordinal, [&]() -> absl::StatusOr<std::string> {
-    CUevent event;
-    if (absl::Status s = TSM_CU(driver_, ordinal, cuEventCreate, &event,
-                                CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
-        !s.ok()) {
-      return s;
-    }
-    CUipcEventHandle ipc;
-    absl::Status status = TSM_CU(driver_, ordinal, cuEventRecord, event, stream);
-    if (status.ok()) status = TSM_CU(driver_, ordinal, cuIpcGetEventHandle, &ipc, event);
-    if (!status.ok()) {
-      driver_->cuEventDestroy_v2(event);
-      return status;
-    }
-    std::string handle(ipc.reserved, sizeof(ipc.reserved));
-    events_.emplace(handle, std::make_pair(ordinal, event));
-    return handle;
-  });
+  return InContext(ordinal,
+                   [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<std::string> {
+                     CUevent event;
+                     if (absl::Status s = TSM_CU(driver_, ordinal, cuEventCreate, &event,
+                                                 CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+                         !s.ok()) {
+                       return s;
+                     }
+                     CUipcEventHandle ipc;
+                     absl::Status status = TSM_CU(driver_, ordinal, cuEventRecord, event, stream);
+                     if (status.ok())
+                       status = TSM_CU(driver_, ordinal, cuIpcGetEventHandle, &ipc, event);
+                     if (!status.ok()) {
+                       driver_->cuEventDestroy_v2(event);
+                       return status;
+                     }
+                     std::string handle(ipc.reserved, sizeof(ipc.reserved));
+                     events_.emplace(handle, std::make_pair(ordinal, event));
+                     return handle;
+                   });
 }
 
 absl::Status CudaState::WaitReady(int ordinal, const std::string& handle, bool host_wait,
@@ -178,14 +182,15 @@ absl::Status CudaState::WaitReady(int ordinal, const std::string& handle, bool h
 
 absl::Status CudaState::CopyDeviceToDevice(int ordinal, CUdeviceptr dst, CUdeviceptr src,
                                            size_t bytes, CUstream stream) {
-  return InContext(ordinal, [&] {
+  return InContext(ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return TSM_CU(driver_, ordinal, cuMemcpyDtoDAsync_v2, dst, src, bytes, stream);
   });
 }
 
 absl::Status CudaState::CopyDeviceToHost(int ordinal, void* dst, CUdeviceptr src, size_t bytes) {
-  return InContext(ordinal,
-                   [&] { return TSM_CU(driver_, ordinal, cuMemcpyDtoH_v2, dst, src, bytes); });
+  return InContext(ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return TSM_CU(driver_, ordinal, cuMemcpyDtoH_v2, dst, src, bytes);
+  });
 }
 
 }  // namespace tensorshm

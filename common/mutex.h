@@ -34,12 +34,13 @@ class ABSL_SCOPED_LOCKABLE MutexLock {
   Mutex* mu_;
 };
 
-// A condition variable over Mutex. REQUIRES: the caller holds `mu` in Wait*.
+// A condition variable over Mutex. The caller holds `mu` in Wait*, which releases it while
+// waiting and holds it again on return.
 class CondVar {
  public:
-  void Wait(Mutex* mu) { cv_.wait(*mu); }
+  void Wait(Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { cv_.wait(*mu); }
   // Returns true if it timed out.
-  bool WaitWithTimeout(Mutex* mu, absl::Duration timeout) {
+  bool WaitWithTimeout(Mutex* mu, absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return cv_.wait_for(*mu, absl::ToChronoNanoseconds(timeout)) == std::cv_status::timeout;
   }
   void Signal() { cv_.notify_one(); }
