@@ -228,7 +228,8 @@ int Run(int argc, char** argv) {
   for (std::unique_ptr<CudaPool>& pool : cuda_pools) (*catalog)->AddCudaPool(std::move(pool));
   const AccessPolicy policy(geteuid(), options->allow_uids, options->allow_gids);
   PeerTable peers;
-  TensorShmService service(*std::move(catalog), options->session_quota_bytes, &policy, &peers);
+  TensorShmService service(*std::move(catalog), options->session_quota_bytes, &policy, &peers,
+                           options->uid_limits);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -21,7 +21,46 @@ std::string RandomPrefix() {
   return absl::StrFormat("tsm-%08x%08x", device(), device());
 }
 
+// A per-uid count: a whole number, 0 meaning no limit.
+absl::StatusOr<uint64_t> ParseCount(absl::string_view text, absl::string_view flag) {
+  uint64_t value;
+  if (text.empty() || !absl::ascii_isdigit(text[0]) || !absl::SimpleAtoi(text, &value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " = \"", text, "\": expected a whole number >= 0 (0: no limit)"));
+  }
+  return value;
+}
+
 }  // namespace
+
+// Each limit is far above what one user's programs hold, and low enough that one uid among
+// several admitted ones cannot take the daemon's memory or threads from the others:
+//
+// - sessions 1024: a session is a client process (or a Client in one), with a stream, a lease
+//   page (4 KiB of shared memory), a memory channel connection and, until the service uses the
+//   callback API, a gRPC thread. A training job with a few hundred data loader processes stays
+//   far below; 1024 caps one uid's threads, descriptors and lease pages.
+// - leases 262144 (2^18): an RPC lease costs the daemon about 64 bytes (a map entry in its
+//   session), so a uid at the limit holds about 16 MiB. Most acquires of host tensors take a
+//   lease page slot instead (511 per session, bounded by the session limit); RPC leases are
+//   CUDA tensors and the fallback, and a program holding a quarter of a million of them at once
+//   is not a plausible single user. A reconnecting client's held_tensor_ids list is bounded by
+//   the same number.
+// - waiters 32768: a waiting Acquire is a pending call in the daemon (a thread under the sync
+//   API, a few KiB once waiters are callbacks). The load test runs 20,000 at once; 32768 leaves
+//   room above it and still bounds one uid's waiting calls.
+// - unpublished bytes (--uid-quota) 0, no limit beyond the pool: the pool (--host-pool,
+//   --cuda-pool) already bounds the memory, and a single user must be able to create one tensor
+//   as large as the pool. A daemon shared between uids should set --uid-quota (for example the
+//   pool divided by the number of uids), as the pool is otherwise first come, first served.
+UidLimitsConfig DefaultUidLimits() {
+  UidLimitsConfig limits;
+  limits.sessions = 1024;
+  limits.leases = 1u << 18;
+  limits.waiters = 32768;
+  limits.unpublished_bytes = 0;
+  return limits;
+}
 
 absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text) {
   auto bad = [&](absl::string_view why) {
@@ -88,6 +127,15 @@ std::string Usage() {
       "  --max-tensors N      tensor records in the catalog (default 4096)\n"
       "  --session-quota SIZE most bytes of unpublished buffers one session may hold at once\n"
       "                       (default 0: no limit beyond the pool)\n"
+      "  --uid-sessions N     most sessions (client connections) one uid may have open at\n"
+      "                       once, over all its processes (default 1024; 0: no limit)\n"
+      "  --uid-leases N       most leases one uid may hold at once through the daemon (not\n"
+      "                       counting fast path lease slots) (default 262144; 0: no limit)\n"
+      "  --uid-waiters N      most Acquire calls of one uid waiting in the daemon for a\n"
+      "                       publish at once (default 32768; 0: no limit)\n"
+      "  --uid-quota SIZE     most bytes of unpublished buffers one uid may hold at once, over\n"
+      "                       all its sessions; with a quota no buffers are stocked ahead\n"
+      "                       (default 0: no limit beyond the pool)\n"
       "  --log-level LEVEL    debug, info, warning or error (default info)\n"
       "  --keep-segments      on SIGTERM/SIGINT, leave the shm segments (and the catalog) for\n"
       "                       a later tensorshmd started with the same --shm-prefix\n"
@@ -134,12 +182,13 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       options.keep_segments = true;
       continue;
     }
-    const bool takes_value = arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
-                             arg == "--shm-prefix" || arg == "--max-tensors" ||
-                             arg == "--log-level" || arg == "--session-quota" ||
-                             arg == "--allow-uid" || arg == "--allow-gid" ||
-                             arg == "--recovery-grace" || arg == "--cuda-pool" ||
-                             arg == "--cuda-segment-size" || arg == "--segments";
+    const bool takes_value =
+        arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
+        arg == "--shm-prefix" || arg == "--max-tensors" || arg == "--log-level" ||
+        arg == "--session-quota" || arg == "--allow-uid" || arg == "--allow-gid" ||
+        arg == "--recovery-grace" || arg == "--cuda-pool" || arg == "--cuda-segment-size" ||
+        arg == "--segments" || arg == "--uid-sessions" || arg == "--uid-leases" ||
+        arg == "--uid-waiters" || arg == "--uid-quota";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -197,6 +246,16 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();
       options.session_quota_bytes = *size;
+    } else if (arg == "--uid-sessions" || arg == "--uid-leases" || arg == "--uid-waiters") {
+      absl::StatusOr<uint64_t> count = ParseCount(value, arg);
+      if (!count.ok()) return count.status();
+      (arg == "--uid-sessions" ? options.uid_limits.sessions
+       : arg == "--uid-leases" ? options.uid_limits.leases
+                               : options.uid_limits.waiters) = *count;
+    } else if (arg == "--uid-quota") {
+      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+      if (!size.ok()) return size.status();
+      options.uid_limits.unpublished_bytes = *size;
     } else if (arg == "--segment-size") {
       absl::StatusOr<uint64_t> size = ParseSize(value, arg);
       if (!size.ok()) return size.status();

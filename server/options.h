@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "server/log.h"
+#include "server/uid_limits.h"
 
 namespace tensorshm {
 
@@ -21,6 +22,9 @@ struct CudaPoolSpec {
   int ordinal = 0;
   uint64_t bytes = 0;
 };
+
+// The per-uid limits tensorshmd applies unless told otherwise (the reasons are in options.cc).
+UidLimitsConfig DefaultUidLimits();
 
 struct DaemonOptions {
   std::string socket;                     // default: DefaultSocketPath()
@@ -38,6 +42,8 @@ struct DaemonOptions {
   uint64_t cuda_segment_bytes = 0;        // --cuda-segment-size; 0: min(pool, 1Gi)
   LogLevel log_level = LogLevel::kInfo;
   bool help = false;
+  // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit
+  UidLimitsConfig uid_limits = DefaultUidLimits();
 };
 
 // Parses "64Mi", "1G", "4096", "2Ki" (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024; a

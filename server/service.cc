@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -24,12 +25,14 @@ constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
 }  // namespace
 
 TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
-                                   const AccessPolicy* policy, const PeerTable* peers)
+                                   const AccessPolicy* policy, const PeerTable* peers,
+                                   const UidLimitsConfig& uid_limits)
     : index_(catalog->mutable_index()),
       catalog_(std::move(catalog)),
       session_quota_bytes_(session_quota_bytes),
       policy_(policy),
-      peers_(peers) {}
+      peers_(peers),
+      uid_limits_(uid_limits) {}
 
 absl::Status TensorShmService::MayChange(const tensorshm::Session& session, const Tensor& tensor,
                                          absl::string_view verb) const {
@@ -286,8 +289,14 @@ grpc::Status TensorShmService::Session(
     MutexLock lock(&mu_);
     if (shutting_down_)
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+    // Per-uid limits: the reattach list is bounded, and the session counts against its uid.
+    if (absl::Status s = uid_limits_.CheckHeldList(request.open().held_tensor_ids_size()); !s.ok())
+      return ToGrpcStatus(s);
+    absl::StatusOr<UidLimits::SessionCharge> charge = uid_limits_.OpenSession(peer->uid);
+    if (!charge.ok()) return ToGrpcStatus(charge.status());
     tensorshm::Session& session =
         sessions_.Open(request.open().pid(), request.open().client_name(), context->peer());
+    session.uid_charge = *std::move(charge);
     session.uid = peer->uid;
     session.gid = peer->gid;
     if (peer->pid != 0) session.pid = peer->pid;  // the kernel's word over the client's
@@ -337,20 +346,28 @@ void TensorShmService::Reattach(tensorshm::Session& session, const v1::SessionOp
   int leases = 0;
   for (uint64_t tensor_id : open.held_tensor_ids()) {
     uint64_t lease = 0;
-    if (catalog_->ReattachLease(tensor_id).ok()) {
+    // A lease past the uid's --uid-leases is not taken back (its client reports the loss).
+    const bool room = session.uid_charge.AddLeases().ok();
+    if (room && catalog_->ReattachLease(tensor_id).ok()) {
       lease = sessions_.NextLeaseId();
       session.leases.emplace(lease, tensor_id);
       ++leases;
+    } else if (room) {
+      session.uid_charge.DropLeases();
     }
     opened->add_lease_ids(lease);
   }
   int readopted = 0;
   for (uint64_t tensor_id : open.unpublished_tensor_ids()) {
-    const bool ok = catalog_->Readopt(session.id, session.uid, tensor_id).ok();
-    if (ok) {
-      session.AddUnpublished(tensor_id, catalog_->FindId(tensor_id)->buffer.length);
-      ++readopted;
+    // Charged before it is taken back: a buffer past the uid's --uid-quota is not.
+    const Tensor* tensor = catalog_->FindId(tensor_id);
+    bool ok = tensor != nullptr && session.unpublished.count(tensor_id) == 0 &&
+              session.AddUnpublished(tensor_id, tensor->buffer.length).ok();
+    if (ok && !catalog_->Readopt(session.id, session.uid, tensor_id).ok()) {
+      session.ForgetUnpublished(tensor_id);
+      ok = false;
     }
+    if (ok) ++readopted;
     opened->add_readopted(ok);
   }
   TSM_LOG(kInfo) << "session " << session.id << " reconnected: " << leases << " of "
@@ -374,6 +391,7 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
     }
     catalog_->DropLease(it->second);
     session.leases.erase(it);
+    session.uid_charge.DropLeases();
   }
   for (int i = 0; i < batch.abandoned_tensor_ids_size(); ++i) {
     const uint64_t tensor_id = batch.abandoned_tensor_ids(i);
@@ -489,7 +507,10 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
                      session.unpublished_bytes, " bytes of unpublished tensors held, quota ",
                      session_quota_bytes_, " bytes (--session-quota); publish or drop some first"));
   }
-  session.AddUnpublished((*tensor)->id, length);
+  if (absl::Status s = session.AddUnpublished((*tensor)->id, length); !s.ok()) {
+    TSM_CHECK(catalog_->Abandon(session.id, (*tensor)->id).ok());
+    return s;  // --uid-quota
+  }
   response->set_tensor_id((*tensor)->id);
   Describe(**tensor, response->mutable_desc(), response->mutable_location());
   if (request.stock() > 0 && device.device_type == kDLCPU && length > 0) {
@@ -501,10 +522,11 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
 void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
                              google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked) {
   // Stock is memory nobody uses yet: it never takes the last eighth of the pool, and a session
-  // with a quota gets none (its quota is for what it creates).
+  // or uid with a quota gets none (its quota is for what it creates).
   const HostPool& pool = catalog_->host_pool();
   count = std::min(count, kMaxStock);
-  if (session_quota_bytes_ > 0 || length == 0 || length > kMaxStockedBytes ||
+  if (session_quota_bytes_ > 0 || uid_limits_.config().unpublished_bytes > 0 || length == 0 ||
+      length > kMaxStockedBytes ||
       pool.used_bytes() + (count + 0ull) * length > pool.capacity_bytes() / 8 * 7) {
     return;
   }
@@ -514,7 +536,10 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
         catalog_->Create(session.id, DLDataType{kDLUInt, 8, 1}, absl::MakeConstSpan(&elements, 1),
                          {}, DLDevice{kDLCPU, 0}, false, session.uid);
     if (!tensor.ok()) return;
-    session.AddUnpublished((*tensor)->id, (*tensor)->buffer.length);
+    if (!session.AddUnpublished((*tensor)->id, (*tensor)->buffer.length).ok()) {
+      TSM_CHECK(catalog_->Abandon(session.id, (*tensor)->id).ok());
+      return;
+    }
     v1::StockedBuffer* buffer = stocked->Add();
     buffer->set_tensor_id((*tensor)->id);
     v1::TensorDesc desc;
@@ -566,9 +591,16 @@ absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
       return s;
     }
   }
+  // The lease of publish-and-acquire is charged first: over --uid-leases nothing is published.
+  if (request.acquire()) {
+    if (absl::Status s = session.uid_charge.AddLeases(); !s.ok()) return s;
+  }
   absl::Status s = catalog_->Publish(session.id, request.tensor_id(), request.name(),
                                      request.replace(), request.ready_event());
-  if (!s.ok()) return s;
+  if (!s.ok()) {
+    if (request.acquire()) session.uid_charge.DropLeases();
+    return s;
+  }
   session.ForgetUnpublished(request.tensor_id());
   if (request.acquire()) {
     const Tensor* tensor = catalog_->FindId(request.tensor_id());
@@ -601,12 +633,14 @@ grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
       request->wait_ms() > 0
           ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->wait_ms()))
           : call_deadline;
+  std::optional<UidLimits::WaitCharge> waiting;  // counted against --uid-waiters while it waits
   MutexLock lock(&mu_);
   while (true) {
     // Looked up again after every wait: the session may have ended meanwhile.
     absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
     if (!session.ok()) return ToGrpcStatus(session.status());
     if (const Tensor* tensor = catalog_->Find(request->name()); tensor != nullptr) {
+      if (absl::Status s = (*session)->uid_charge.AddLeases(); !s.ok()) return ToGrpcStatus(s);
       response->set_lease_id(AddLease(**session, *tensor));
       response->set_tensor_id(tensor->id);
       Describe(*tensor, response->mutable_desc(), response->mutable_location());
@@ -629,6 +663,11 @@ grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
           absl::StrCat("name = \"", request->name(), "\": not published within ",
                        request->wait_ms() > 0 ? absl::StrCat("wait_ms = ", request->wait_ms())
                                               : std::string("the call's deadline")));
+    }
+    if (!waiting.has_value()) {
+      absl::StatusOr<UidLimits::WaitCharge> charge = uid_limits_.StartWait((*session)->uid);
+      if (!charge.ok()) return ToGrpcStatus(charge.status());
+      waiting = *std::move(charge);
     }
     published_.WaitWithTimeout(&mu_, std::min(deadline - now, kWaitPoll));
   }

@@ -11,6 +11,7 @@
 #include "server/catalog.h"
 #include "server/memory_channel.h"
 #include "server/session.h"
+#include "server/uid_limits.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
 namespace tensorshm {
@@ -22,8 +23,10 @@ class TensorShmService final : public v1::TensorShm::Service {
  public:
   // `session_quota_bytes`: most bytes of unpublished buffers one session may hold; 0: no limit.
   // `policy` and `peers` (both outliving the service) decide who may call; null admits all.
+  // `uid_limits`: what all sessions of one uid may hold together (--uid-*); {}: no limits.
   TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes = 0,
-                   const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr);
+                   const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr,
+                   const UidLimitsConfig& uid_limits = {});
 
   // Wakes acquire waiters and makes new waits fail with UNAVAILABLE; call before stopping the
   // server so that no handler outlives it.
@@ -80,6 +83,7 @@ class TensorShmService final : public v1::TensorShm::Service {
   void HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
                       v1::ReleaseAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a new lease of `session` on `tensor` (sealed) and returns its id.
+  // REQUIRES: the lease is charged to session.uid_charge already.
   uint64_t AddLease(tensorshm::Session& session, const Tensor& tensor)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon's ordinal of the CUDA device with `uuid`. INVALID_ARGUMENT unless `device` is
@@ -119,6 +123,8 @@ class TensorShmService final : public v1::TensorShm::Service {
   const uint64_t session_quota_bytes_;
   const AccessPolicy* const policy_;
   const PeerTable* const peers_;
+  // Thread-safe on its own; declared before sessions_, whose charges it must outlive.
+  UidLimits uid_limits_;
   SessionTable sessions_ ABSL_GUARDED_BY(mu_);
 };
 

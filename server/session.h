@@ -10,6 +10,9 @@
 #include <string>
 #include <unordered_map>
 
+#include "absl/status/status.h"
+#include "server/uid_limits.h"
+
 namespace tensorshm {
 
 struct Session {
@@ -24,15 +27,25 @@ struct Session {
   std::map<uint64_t, uint64_t> leases;       // lease id -> tensor id
   std::map<uint64_t, uint64_t> unpublished;  // tensor id -> buffer bytes, created, unpublished
   uint64_t unpublished_bytes = 0;            // their sum, held against --session-quota
+  // This session's part of its uid's counts (--uid-*): the session, its RPC leases (`leases`)
+  // and unpublished bytes. The service keeps it in step; closing the session gives it all back.
+  UidLimits::SessionCharge uid_charge;
 
-  void AddUnpublished(uint64_t tensor_id, uint64_t bytes) {
+  // Records `tensor_id` as this session's unpublished buffer of `bytes`, charged to its uid.
+  // RESOURCE_EXHAUSTED (--uid-quota) and nothing recorded if the uid has no room for it.
+  // REQUIRES: `tensor_id` is not in `unpublished`.
+  absl::Status AddUnpublished(uint64_t tensor_id, uint64_t bytes) {
+    if (absl::Status s = uid_charge.AddUnpublished(bytes); !s.ok()) return s;
     unpublished.emplace(tensor_id, bytes);
     unpublished_bytes += bytes;
+    return absl::OkStatus();
   }
-  // Forgets `tensor_id` (published or freed). REQUIRES: it is in `unpublished`.
+  // Forgets `tensor_id` (published or freed), giving its bytes back to the uid.
+  // REQUIRES: it is in `unpublished`.
   void ForgetUnpublished(uint64_t tensor_id) {
     auto it = unpublished.find(tensor_id);
     unpublished_bytes -= it->second;
+    uid_charge.DropUnpublished(it->second);
     unpublished.erase(it);
   }
 };
