@@ -134,8 +134,9 @@ absl::Status ClientCore::Open(bool reattach) {
     session_context_ = std::move(context);
     connected_ = true;
     reconnect_error_ = absl::OkStatus();
+    // The old connection goes with `connection` on return, outside the locks.
     MutexLock connection_lock(&connection_mu_);
-    connection_ = std::move(connection);
+    connection_.swap(connection);
   }
   SetUpFastPath();
   return absl::OkStatus();
