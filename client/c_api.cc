@@ -1,6 +1,8 @@
 // The C API over tensorshm::Client.
+#include <cstdint>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "tensorshm/client.h"
 #include "tensorshm/tensorshm.h"
 
@@ -40,11 +42,22 @@ extern "C" {
 const char* tsm_last_error(void) { return last_error.c_str(); }
 
 int tsm_connect(const char* socket, const char* client_name, tsm_client** out) {
+  return tsm_connect_server_uid(socket, client_name, -1, out);
+}
+
+int tsm_connect_server_uid(const char* socket, const char* client_name, int64_t server_uid,
+                           tsm_client** out) {
   if (out == nullptr) return NullArgument("out");
   *out = nullptr;
+  // uid_t's largest value is (uid_t)-1, which means "no uid" to the kernel.
+  if (server_uid < -1 || server_uid >= int64_t{UINT32_MAX}) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "server_uid = ", server_uid, ": must be -1 (none) or a uid, 0 to ", UINT32_MAX - 1)));
+  }
   tensorshm::ClientOptions options;
   if (socket != nullptr) options.socket = socket;
   if (client_name != nullptr) options.client_name = client_name;
+  if (server_uid >= 0) options.server_uid = static_cast<uint32_t>(server_uid);
   absl::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(options);
   if (!client.ok()) return Fail(client.status());
   *out = new tsm_client{*std::move(client)};

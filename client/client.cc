@@ -1,8 +1,6 @@
 #include "tensorshm/client.h"
 
-#include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
-#include <grpcpp/create_channel.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -18,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "client/client_core.h"
 #include "client/cuda_state.h"
+#include "client/daemon_connection.h"
 #include "client/fast_path.h"
 #include "client/fork.h"
 #include "client/memory_channel.h"
@@ -37,6 +36,9 @@ namespace {
 absl::string_view View(std::string_view text) {
   return absl::string_view(text.data(), text.size());
 }
+
+// Connect: the pause between attempts while the daemon's socket does not accept yet.
+constexpr absl::Duration kConnectRetry = absl::Milliseconds(20);
 
 // Data pointer of empty tensors: non-null and 256-byte aligned, never read.
 alignas(256) const char kEmptyData[256] = {};
@@ -249,7 +251,7 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
     core->PrepareContext(context, timeout + kCallTimeout);
   }
   v1::AcquireResponse response;
-  if (absl::Status s = FromGrpcStatus(core->stub().Acquire(&context, request, &response));
+  if (absl::Status s = FromGrpcStatus(core->stub()->Acquire(&context, request, &response));
       !s.ok()) {
     return s;
   }
@@ -313,7 +315,7 @@ absl::Status ChannelOrRpc(ClientCore& core, v1::ChannelRequest& call,
   if (!absl::IsUnavailable(answer.status())) return answer.status();
   grpc::ClientContext context;
   core.PrepareContext(context, kCallTimeout);
-  return FromGrpcStatus((core.stub().*rpc)(&context, request, response));
+  return FromGrpcStatus(((*core.stub()).*rpc)(&context, request, response));
 }
 
 }  // namespace
@@ -322,27 +324,26 @@ absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& opt
   PrepareProcessForClients();
   const std::string socket = options.socket.empty() ? DefaultSocketPath() : options.socket;
   RememberDaemonSocket(socket);
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  // Each client owns its connection. Through gRPC's process-wide subchannel pool, a new client
-  // would share an old one's connection: one inherited across fork(), which the child would
-  // then write into, or one still broken after the daemon restarted.
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  // gRPC's own reconnect backoff grows to minutes; a restarted daemon should be found in seconds.
-  // (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS stays at its default: it is also the connect timeout, and
-  // a short one aborts handshakes with a busy daemon.)
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args);
-  if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
+  // The daemon may be starting: connecting is tried until connect_timeout. A server of the wrong
+  // uid is refused at once.
+  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  absl::StatusOr<std::shared_ptr<DaemonConnection>> connection;
+  while (true) {
+    connection = DaemonConnection::Connect(socket, options.server_uid);
+    if (!absl::IsUnavailable(connection.status()) || absl::Now() >= deadline) break;
+    absl::SleepFor(std::min(kConnectRetry, deadline - absl::Now()));
+  }
+  if (absl::IsUnavailable(connection.status())) {
     return absl::UnavailableError(absl::StrCat(
         "tensorshmd is not reachable at unix:", socket, " (is it running? socket from ",
-        options.socket.empty() ? "the default path" : "ClientOptions::socket", ")"));
+        options.socket.empty() ? "the default path" : "ClientOptions::socket",
+        "): ", connection.status().message()));
   }
+  if (!connection.ok()) return connection.status();
   std::string name = options.client_name;
   if (name.empty()) name = absl::StrCat("pid-", getpid());
-  auto core = std::make_shared<ClientCore>(socket, std::move(channel), std::move(name));
+  auto core = std::make_shared<ClientCore>(socket, options.server_uid, *std::move(connection),
+                                           std::move(name));
   if (absl::Status s = core->OpenSession(); !s.ok()) return s;
   std::shared_ptr<Client> client(new Client(core));
   client->sender_ = std::thread(&ClientCore::SendReleases, core.get(), core);
@@ -625,7 +626,7 @@ absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::ListResponse response;
-  if (absl::Status s = FromGrpcStatus(core_->stub().List(&context, request, &response)); !s.ok()) {
+  if (absl::Status s = FromGrpcStatus(core_->stub()->List(&context, request, &response)); !s.ok()) {
     return s;
   }
   std::vector<TensorInfo> result;
@@ -650,7 +651,7 @@ absl::StatusOr<ServerStats> Client::Stat() {
   grpc::ClientContext context;
   core_->PrepareContext(context, kCallTimeout);
   v1::StatResponse response;
-  if (absl::Status s = FromGrpcStatus(core_->stub().Stat(&context, v1::StatRequest(), &response));
+  if (absl::Status s = FromGrpcStatus(core_->stub()->Stat(&context, v1::StatRequest(), &response));
       !s.ok()) {
     return s;
   }

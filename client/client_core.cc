@@ -14,8 +14,7 @@ namespace {
 constexpr char kSessionMetadataKey[] = "tensorshm-session";
 // Largest number of ids sent in one release batch.
 constexpr int kMaxBatch = 4096;
-// Reconnecting: how long one attempt waits for the daemon, and the pause between attempts.
-constexpr absl::Duration kReconnectWait = absl::Seconds(1);
+// Reconnecting: the pause between attempts.
 constexpr absl::Duration kMinBackoff = absl::Milliseconds(50);
 constexpr absl::Duration kMaxBackoff = absl::Seconds(2);
 
@@ -40,6 +39,18 @@ constexpr uint64_t kPageLeaseId = ~uint64_t{0};
 }  // namespace
 
 absl::Status ClientCore::Open(bool reattach) {
+  // The session's stream runs on `connection`, so it is declared before the stream's context.
+  std::shared_ptr<DaemonConnection> connection;
+  if (reattach) {
+    // A new connection, checked like the first: whoever serves the socket now may not be the
+    // daemon that served it before.
+    absl::StatusOr<std::shared_ptr<DaemonConnection>> made =
+        DaemonConnection::Connect(socket_, server_uid_);
+    if (!made.ok()) return made.status();
+    connection = *std::move(made);
+  } else {
+    connection = this->connection();
+  }
   auto context = std::make_unique<grpc::ClientContext>();
   v1::SessionRequest open;
   open.mutable_open()->set_client_version(TENSORSHM_VERSION);
@@ -48,11 +59,6 @@ absl::Status ClientCore::Open(bool reattach) {
   std::vector<uint64_t> keys;
   std::vector<uint64_t> unpublished_keys;
   if (reattach) {
-    // Wait for the channel to reach the daemon again, a bounded time so that a Client closing
-    // meanwhile is not kept waiting long. (A deadline on the stream itself would end it.)
-    if (!channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + kReconnectWait))) {
-      return absl::UnavailableError(absl::StrCat("tensorshmd at unix:", socket_, " not reachable"));
-    }
     RetireFastPath();
     DropStock();
     MutexLock lock(&mu_);
@@ -67,7 +73,7 @@ absl::Status ClientCore::Open(bool reattach) {
       open.mutable_open()->add_unpublished_tensor_ids(tensor_id);
     }
   }
-  auto stream = stub_->Session(context.get());
+  auto stream = connection->stub()->Session(context.get());
   v1::SessionResponse opened;
   if (!stream->Write(open) || !stream->Read(&opened) || !opened.has_opened()) {
     stream->WritesDone();
@@ -122,10 +128,15 @@ absl::Status ClientCore::Open(bool reattach) {
             "): their memory is no longer reserved for them; acquire or create them again"));
       }
     }
-    // The old stream (finished) goes before the context it was made with.
+    // The old stream (finished) goes before the context it was made with, and both before the
+    // connection they ran on.
     stream_ = std::move(stream);
     session_context_ = std::move(context);
     connected_ = true;
+    reconnect_error_ = absl::OkStatus();
+    // The old connection goes with `connection` on return, outside the locks.
+    MutexLock connection_lock(&connection_mu_);
+    connection_.swap(connection);
   }
   SetUpFastPath();
   return absl::OkStatus();
@@ -237,8 +248,10 @@ bool ClientCore::Reconnect() {
       pending_abandons_.clear();
       if (SenderDone()) return false;
     }
-    if (Open(/*reattach=*/true).ok()) return true;
+    absl::Status opened = Open(/*reattach=*/true);
+    if (opened.ok()) return true;
     MutexLock lock(&mu_);
+    reconnect_error_ = opened;
     if (!SenderDone()) work_.WaitWithTimeout(&mu_, backoff);
     backoff = std::min(backoff * 2, kMaxBackoff);
   }
@@ -371,8 +384,10 @@ absl::Status ClientCore::Flush() {
   work_.Signal();
   while (acked_sequence_ < target && connected_) acked_.Wait(&mu_);
   if (acked_sequence_ < target) {
-    return absl::UnavailableError(
-        absl::StrCat("session with tensorshmd at unix:", socket_, " ended; reconnecting"));
+    return absl::UnavailableError(absl::StrCat(
+        "session with tensorshmd at unix:", socket_, " ended; reconnecting",
+        reconnect_error_.ok() ? ""
+                              : absl::StrCat(" (last attempt: ", reconnect_error_.message(), ")")));
   }
   absl::Status result = rejection_;
   rejection_ = absl::OkStatus();
@@ -410,12 +425,10 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
       while (connected_ && pending_leases_.empty() && pending_abandons_.empty() &&
              !flush_requested_ && !SenderDone()) {
         // The sync stream says nothing until used, so a daemon gone while this client is idle
-        // shows as the channel leaving READY, or sooner as the index's heartbeat going stale (a
-        // connection nobody polls may look READY for seconds): an empty batch then tells
-        // whether the stream lives.
+        // shows as its connection hung up, or sooner as the index's heartbeat going stale: an
+        // empty batch then tells whether the stream lives.
         if (work_.WaitWithTimeout(&mu_, kIdleCheck) &&
-            (channel_->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY ||
-             (fast_ != nullptr && !fast_->DaemonServing()))) {
+            (connection()->Broken() || (fast_ != nullptr && !fast_->DaemonServing()))) {
           probe = true;
           break;
         }

@@ -3,7 +3,6 @@
 #ifndef TENSORSHM_CLIENT_CLIENT_CORE_H_
 #define TENSORSHM_CLIENT_CLIENT_CORE_H_
 
-#include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <unistd.h>
 
@@ -20,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/cuda_state.h"
+#include "client/daemon_connection.h"
 #include "client/fast_path.h"
 #include "client/fork.h"
 #include "client/memory_channel.h"
@@ -40,16 +40,22 @@ inline constexpr absl::Duration kCallTimeout = absl::Seconds(60);
 // with backoff and re-registers what the client still holds: the tensors of its live leases and
 // its unpublished writable tensors. A restarted daemon honours that within its grace period and
 // answers with new lease ids, which replace the old ones behind the client-side lease keys.
+//
+// Every connection to the daemon (the gRPC channel's, made again on each reconnect, and the
+// memory channel's) is checked for who serves it before it carries anything: its server's uid
+// must be this process's, root's, or `server_uid` (see ConnectToDaemon).
 class ClientCore {
  public:
-  ClientCore(std::string socket, std::shared_ptr<grpc::Channel> channel, std::string client_name)
+  // `connection`: the first connection, made with ConnectToDaemon's check for `server_uid`.
+  ClientCore(std::string socket, std::optional<uint32_t> server_uid,
+             std::shared_ptr<DaemonConnection> connection, std::string client_name)
       : socket_(std::move(socket)),
+        server_uid_(server_uid),
         client_name_(std::move(client_name)),
         fork_generation_(ForkGeneration()),
         pid_(getpid()),
-        channel_(std::move(channel)),
-        stub_(v1::TensorShm::NewStub(channel_)),
-        memory_(socket_) {}
+        memory_(socket_, server_uid_),
+        connection_(std::move(connection)) {}
   ~ClientCore() { DropStock(); }
 
   // True in a child process fork() made after this core: nothing of it may be used there.
@@ -133,7 +139,10 @@ class ClientCore {
 
   void PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  v1::TensorShm::Stub& stub() { return *stub_; }
+  // The current connection's stub (held by the caller for its call: a reconnect may replace it).
+  std::shared_ptr<v1::TensorShm::Stub> stub() const ABSL_LOCKS_EXCLUDED(connection_mu_) {
+    return connection()->stub();
+  }
   SegmentMap& segments() { return segments_; }
   CudaState& cuda() { return cuda_; }
   std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -161,13 +170,20 @@ class ClientCore {
   // Fills `batch` from the queues (ids the daemon no longer knows are dropped); false if empty.
   bool TakeBatch(v1::ReleaseBatch* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  std::shared_ptr<DaemonConnection> connection() const ABSL_LOCKS_EXCLUDED(connection_mu_) {
+    MutexLock lock(&connection_mu_);
+    return connection_;
+  }
+
   const std::string socket_;
+  const std::optional<uint32_t> server_uid_;
   const std::string client_name_;
   const uint64_t fork_generation_;
   const pid_t pid_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::TensorShm::Stub> stub_;
   MemoryChannel memory_;
+  // The gRPC connection; replaced only by the thread that opens sessions, with the session.
+  mutable Mutex connection_mu_;  // taken after mu_, never before
+  std::shared_ptr<DaemonConnection> connection_ ABSL_GUARDED_BY(connection_mu_);
   // The session stream; replaced only by the thread that opens sessions (Connect, then sender).
   std::unique_ptr<grpc::ClientContext> session_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
@@ -187,6 +203,8 @@ class ClientCore {
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t acked_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status rejection_ ABSL_GUARDED_BY(mu_);
+  // Why the last reconnect failed (a refused server is worth telling the caller of Flush).
+  absl::Status reconnect_error_ ABSL_GUARDED_BY(mu_);
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   bool client_closed_ ABSL_GUARDED_BY(mu_) = false;
   bool flush_requested_ ABSL_GUARDED_BY(mu_) = false;  // send a batch even if empty

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "client/daemon_connection.h"
 #include "client/fork.h"
 #include "common/channel_frame.h"
 #include "common/sys_error.h"
@@ -35,34 +36,18 @@ void MemoryChannel::CloseConnection() {
 
 absl::Status MemoryChannel::Open(const std::string& session_token) {
   const std::string where = absl::StrCat("unix:", socket_);
-  sockaddr_un address{};
-  if (socket_.size() >= sizeof(address.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket = \"", socket_, "\": too long"));
+  absl::StatusOr<int> connected = ConnectToDaemon(socket_, server_uid_);
+  if (!connected.ok()) {
+    return absl::Status(connected.status().code(),
+                        absl::StrCat("memory channel: ", connected.status().message()));
   }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoError("socket", where, errno);
+  const int fd = *connected;
   timeval timeout{kIoTimeoutSeconds, 0};
   if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0 ||
       setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout)) != 0) {
     const int err = errno;
     close(fd);
     return ErrnoError("setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", where, err);
-  }
-  address.sun_family = AF_UNIX;
-  std::memcpy(address.sun_path, socket_.data(), socket_.size());
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    const int err = errno;
-    close(fd);
-    return absl::UnavailableError(
-        absl::StrCat("memory channel: connect(", where, "): ", std::strerror(err)));
-  }
-  // The daemon's end as the kernel names it (a relative, linked or bind-mounted path given to
-  // the client may differ): what a fork child recognises the parent's connections by.
-  sockaddr_un peer{};
-  socklen_t peer_length = sizeof(peer);
-  if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_length) == 0 &&
-      peer.sun_family == AF_UNIX && peer_length > offsetof(sockaddr_un, sun_path)) {
-    RememberDaemonSocket(std::string(peer.sun_path, strnlen(peer.sun_path, sizeof(peer.sun_path))));
   }
   fd_ = fd;
   if (absl::Status s = SendWithFd(fd_, absl::string_view(kChannelHello, kChannelHelloBytes), -1,

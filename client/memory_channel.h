@@ -4,6 +4,7 @@
 #define TENSORSHM_CLIENT_MEMORY_CHANNEL_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -14,10 +15,13 @@
 namespace tensorshm {
 
 // Thread-safe; requests go one at a time. Connects lazily, and again (bound to the new session)
-// whenever the session it is asked for is not the one it is bound to.
+// whenever the session it is asked for is not the one it is bound to. Every connection is checked
+// for who serves it before anything is sent (ConnectToDaemon with `server_uid`): a refused
+// server is PERMISSION_DENIED.
 class MemoryChannel {
  public:
-  explicit MemoryChannel(std::string socket) : socket_(std::move(socket)) {}
+  MemoryChannel(std::string socket, std::optional<uint32_t> server_uid)
+      : socket_(std::move(socket)), server_uid_(server_uid) {}
   ~MemoryChannel();
   MemoryChannel(const MemoryChannel&) = delete;
   MemoryChannel& operator=(const MemoryChannel&) = delete;
@@ -47,6 +51,7 @@ class MemoryChannel {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string socket_;
+  const std::optional<uint32_t> server_uid_;
   mutable Mutex mu_;
   int fd_ ABSL_GUARDED_BY(mu_) = -1;
   std::string bound_token_ ABSL_GUARDED_BY(mu_);

@@ -57,11 +57,17 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& 
   if (!control.ok()) return control.status();
   absl::StatusOr<CatalogIndex> index =
       CatalogIndex::Create(control->record_count(), options.instance_id);
-  if (!index.ok()) return index.status();
+  if (!index.ok()) {
+    control->Keep();
+    return index.status();
+  }
   std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control), *std::move(index),
                                                options.instance_id, /*all_slots_free=*/false));
   absl::StatusOr<HostPool> pool = HostPool::Recover(PoolOptions(options), &catalog->control_);
-  if (!pool.ok()) return pool.status();
+  if (!pool.ok()) {
+    catalog->control_.Keep();  // a failed recovery leaves the objects in place (see HostPool)
+    return pool.status();
+  }
   catalog->pool_.emplace(*std::move(pool));
 
   const uint32_t count = catalog->control_.record_count();

@@ -72,7 +72,8 @@ class Catalog {
   // control segment "/<prefix>.ctl": re-opens the pool's segments, serves every committed
   // (published) record again, keeps unbound-but-leased ones until ExpireUnbound, and reclaims
   // records that were never committed. Records that do not describe a valid tensor inside the
-  // pool are dropped with a warning. Errors from opening the segments.
+  // pool are dropped with a warning. Errors from opening the segments; on error every object is
+  // left in place (an object the daemon did not create is refused, never removed).
   static absl::StatusOr<std::unique_ptr<Catalog>> Recover(const CatalogOptions& options);
 
   // Ends a restart's grace period, in which clients that held tensors could come back: frees every

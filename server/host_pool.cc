@@ -50,15 +50,22 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
       continue;
     }
     const std::string name = absl::StrCat("/", options.shm_prefix, ".cpu.", index + 1);
+    // A failed recovery leaves every object where it was, for a later start (or the operator)
+    // to deal with: the segments opened so far are kept, not unlinked with the pool.
+    auto fail = [&pool](absl::Status status) {
+      pool.KeepSegments();
+      return status;
+    };
     if (record.segment_id != index + 1) {
-      return absl::DataLossError(absl::StrCat("segment record ", index, ": segment_id ",
-                                              record.segment_id, ", expected ", index + 1));
+      return fail(absl::DataLossError(absl::StrCat("segment record ", index, ": segment_id ",
+                                                   record.segment_id, ", expected ", index + 1)));
     }
     absl::StatusOr<ShmSegment> shm = ShmSegment::Open(name, /*map=*/false);
-    if (!shm.ok()) return shm.status();
+    if (!shm.ok()) return fail(shm.status());
     if (shm->size() != record.size) {
-      return absl::DataLossError(
-          absl::StrCat(name, ": ", shm->size(), " bytes, the catalog recorded ", record.size));
+      shm->Keep();
+      return fail(absl::DataLossError(
+          absl::StrCat(name, ": ", shm->size(), " bytes, the catalog recorded ", record.size)));
     }
     // The same object as before: clients keep the instance that created it as its key.
     pool.segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(record.size),

@@ -45,7 +45,9 @@ class HostPool {
   static absl::StatusOr<HostPool> Create(const HostPoolOptions& options, ControlSegment* control);
 
   // Re-opens the segments `control` records as live (a restarted daemon), each with a fully free
-  // allocator: the catalog then reserves what its records hold. Errors name the segment.
+  // allocator: the catalog then reserves what its records hold. Errors name the segment (an
+  // object the daemon did not create is refused: see ShmSegment::Open); on error every segment
+  // object is left in place.
   static absl::StatusOr<HostPool> Recover(const HostPoolOptions& options, ControlSegment* control);
 
   // Marks [offset, offset + length) of segment `segment_id` used, as a recovered record says.

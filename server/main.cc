@@ -10,7 +10,6 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -33,51 +32,10 @@
 #include "server/memory_channel.h"
 #include "server/options.h"
 #include "server/service.h"
+#include "server/socket_dir.h"
 
 namespace tensorshm {
 namespace {
-
-// Makes the socket's directory (0700 when created here) and removes a stale socket file left by
-// a daemon that died. FAILED_PRECONDITION if a live daemon already serves on `path`.
-absl::Status PrepareSocketPath(const std::string& path, bool shared) {
-  sockaddr_un address{};
-  if (path.size() >= sizeof(address.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("--socket = \"", path, "\": longer than ",
-                                                   sizeof(address.sun_path) - 1, " bytes"));
-  }
-  // Create missing parent directories, one level at a time.
-  for (size_t slash = path.find('/', 1); slash != std::string::npos;
-       slash = path.find('/', slash + 1)) {
-    const std::string dir = path.substr(0, slash);
-    if (mkdir(dir.c_str(), 0700) == 0) {
-      // Others must reach a shared socket; they can traverse the directory, not list it.
-      if (shared && chmod(dir.c_str(), 0711) != 0) return ErrnoError("chmod", dir, errno);
-    } else if (errno != EEXIST) {
-      return ErrnoError("mkdir", dir, errno);
-    }
-  }
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) {
-    return errno == ENOENT ? absl::OkStatus() : ErrnoError("lstat", path, errno);
-  }
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--socket = \"", path, "\": exists and is not a socket"));
-  }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoError("socket", path, errno);
-  address.sun_family = AF_UNIX;
-  std::memcpy(address.sun_path, path.data(), path.size());
-  const bool live = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
-  close(fd);
-  if (live) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--socket = \"", path, "\": another tensorshmd is serving there"));
-  }
-  if (unlink(path.c_str()) != 0) return ErrnoError("unlink", path, errno);
-  TSM_LOG(kInfo) << "removed stale socket " << path;
-  return absl::OkStatus();
-}
 
 // FAILED_PRECONDITION, with the sizes and the fix, if /dev/shm cannot hold the pool and the
 // catalog at all; a warning if it has less free now (creates then fail cleanly when it runs out).
@@ -159,7 +117,7 @@ int Run(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   const bool shared = !options->allow_uids.empty() || !options->allow_gids.empty();
-  if (absl::Status s = PrepareSocketPath(options->socket, shared); !s.ok()) {
+  if (absl::Status s = PrepareSocketPath(options->socket, shared, geteuid()); !s.ok()) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
   }
@@ -207,10 +165,13 @@ int Run(int argc, char** argv) {
                    << (*driver)->library();
     cuda_pools.push_back(*std::move(pool));
   }
-  // The segments of a daemon that was killed (or kept them) are taken back, not replaced.
+  // The segments of a daemon that was killed (or kept them) are taken back, not replaced. Any
+  // entry under the control segment's name starts a recovery, a symbolic link too (lstat): the
+  // recovery opens it without following links and refuses what this daemon did not create.
+  struct stat control_entry;
   const bool recovering =
       !options->memfd_segments &&
-      access(absl::StrCat("/dev/shm/", options->shm_prefix, ".ctl").c_str(), F_OK) == 0;
+      lstat(absl::StrCat("/dev/shm/", options->shm_prefix, ".ctl").c_str(), &control_entry) == 0;
   absl::StatusOr<std::unique_ptr<Catalog>> catalog =
       recovering ? Catalog::Recover(catalog_options) : Catalog::Create(catalog_options);
   if (!catalog.ok()) {

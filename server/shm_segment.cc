@@ -11,6 +11,7 @@
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/sys_error.h"
 
 namespace tensorshm {
@@ -50,7 +51,7 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
     if (fd < 0) return ErrnoError("memfd_create", name, errno);
     // A memfd starts as 0777: reopening a read-only descriptor through /proc must not give
     // another uid write access.
-    if (fchmod(fd, 0600) != 0) {
+    if (fchmod(fd, kSegmentMode) != 0) {
       const int err = errno;
       close(fd);
       return ErrnoError("fchmod", name, err);
@@ -61,7 +62,7 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
       // Boost.Interprocess creates with exactly `mode` (it applies fchmod after creation, so the
       // umask does not widen or narrow it).
       object = bip::shared_memory_object(bip::create_only, name.c_str() + 1, bip::read_write,
-                                         bip::permissions(0600));
+                                         bip::permissions(kSegmentMode));
     } catch (const bip::interprocess_exception& e) {
       return ErrnoError("shm_open", name, e.get_native_error());
     }
@@ -89,13 +90,36 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
 }
 
 absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
-  const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) return ErrnoError("shm_open", name, errno);
+  const std::string path = absl::StrCat("/dev/shm", name);
+  const uid_t euid = geteuid();
+  // Refusals name the object and say what to do; the object is never removed: it is not ours.
+  auto foreign = [&](const struct stat& st, absl::string_view what) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: %s, owned by uid %u with mode %04o; tensorshmd creates its shm objects as regular "
+        "files owned by its uid (%u) with mode %04o, so this is not one of its own and is left "
+        "alone: remove it (rm %s) if it is stale, or start tensorshmd with another --shm-prefix",
+        path, what, st.st_uid, st.st_mode & 07777, euid, kSegmentMode, path));
+  };
+  // O_NOFOLLOW: a link planted under the name must not lead the daemon to another file.
+  const int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat st;
+    if (err == ELOOP && lstat(path.c_str(), &st) == 0) return foreign(st, "a symbolic link");
+    if (err == EACCES && stat(path.c_str(), &st) == 0) return foreign(st, "not writable by it");
+    return ErrnoError("shm_open", name, err);
+  }
   struct stat st;
   if (fstat(fd, &st) != 0) {
     const int err = errno;
     close(fd);
     return ErrnoError("fstat", name, err);
+  }
+  if (!S_ISREG(st.st_mode) || st.st_uid != euid || (st.st_mode & 07777) != kSegmentMode) {
+    close(fd);
+    return foreign(st, !S_ISREG(st.st_mode) ? "not a regular file"
+                       : st.st_uid != euid  ? "another user's object"
+                                            : "not of the mode tensorshmd gives its objects");
   }
   ShmSegment segment(name, static_cast<uint64_t>(st.st_size), fd, nullptr, SegmentBacking::kNamed);
   if (map) {

@@ -15,6 +15,10 @@
 
 namespace tensorshm {
 
+// The mode of every object tensorshmd creates; a restarted daemon takes back only objects of
+// exactly this mode, owned by its uid.
+inline constexpr mode_t kSegmentMode = 0600;
+
 enum class SegmentBacking {
   kNamed,  // POSIX shm object "/<name>" in /dev/shm
   kMemfd,  // memfd_create: anonymous, sealed against resizing
@@ -34,6 +38,10 @@ class ShmSegment {
 
   // Re-opens the existing named object `name` (a restarted daemon taking its segments back); the
   // result owns it like a created one. Its size is the object's. NOT_FOUND if it is gone.
+  // Only an object this daemon could have created is taken: opened without following a link
+  // (O_NOFOLLOW), it must be a regular file owned by the daemon's euid with mode kSegmentMode;
+  // anything else is FAILED_PRECONDITION naming the object, its owner and mode and the fix, and
+  // is left in place (never unlinked).
   static absl::StatusOr<ShmSegment> Open(const std::string& name, bool map);
 
   ShmSegment(ShmSegment&& other) noexcept;

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -33,6 +34,13 @@ struct ClientOptions {
   std::string client_name;  // shown in the daemon's logs
   // How long Connect waits for the daemon to answer.
   absl::Duration connect_timeout = absl::Seconds(5);
+  // Who may serve the socket. The client checks the uid of the process serving every connection
+  // it makes (SO_PEERCRED): by default it must be this process's effective uid or root, since a
+  // daemon of another user reads and can change every tensor passed through it, and another user
+  // could have taken over the socket's path. A daemon run as another user on purpose (a shared
+  // service account) is accepted when its uid is named here. A refused server is
+  // PERMISSION_DENIED naming the socket, the server's uid and pid and this option.
+  std::optional<uint32_t> server_uid = std::nullopt;
 };
 
 struct TensorSpec {
@@ -171,7 +179,9 @@ class WritableTensor {
 class Client {
  public:
   // Connects to tensorshmd and opens a session. UNAVAILABLE naming the socket if the daemon does
-  // not answer within options.connect_timeout.
+  // not answer within options.connect_timeout; PERMISSION_DENIED if the socket is served by a uid
+  // the client does not trust (see ClientOptions::server_uid; the check is made on every
+  // connection, reconnects included).
   //
   // If the daemon goes away later, the client reconnects on its own in the background (backoff
   // from 50 ms to 2 s) and re-registers the leases and unpublished tensors it still holds; a

@@ -52,8 +52,15 @@ typedef struct {
 const char* tsm_last_error(void);
 
 /* Connects. socket may be NULL (the default path); client_name may be NULL. On success *out is a
- * client to free with tsm_client_free; on failure *out is NULL. */
+ * client to free with tsm_client_free; on failure *out is NULL. The daemon must run as this
+ * process's effective uid or root (TSM_PERMISSION_DENIED otherwise; see tsm_connect_server_uid). */
 int tsm_connect(const char* socket, const char* client_name, tsm_client** out);
+/* As tsm_connect, and also accepts a daemon served by server_uid. Every connection's server is
+ * checked (SO_PEERCRED): by default it must be this process's effective uid or root, else
+ * TSM_PERMISSION_DENIED naming the socket, the server's uid and pid. server_uid -1: no other uid
+ * (as tsm_connect); otherwise a uid (0 to 4294967294). */
+int tsm_connect_server_uid(const char* socket, const char* client_name, int64_t server_uid,
+                           tsm_client** out);
 /* Drops the client; tensors acquired through it stay valid until their deleters run. NULL is
  * ignored. */
 void tsm_client_free(tsm_client* client);

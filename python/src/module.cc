@@ -691,11 +691,19 @@ NB_MODULE(_tensorshm, m) {
       .def_static(
           "connect",
           [](const std::optional<std::string>& socket, const std::optional<std::string>& name,
-             double timeout) {
+             double timeout, std::optional<int64_t> server_uid) {
             tensorshm::ClientOptions options;
             if (socket.has_value()) options.socket = *socket;
             if (name.has_value()) options.client_name = *name;
             options.connect_timeout = absl::Seconds(timeout);
+            if (server_uid.has_value()) {
+              if (*server_uid < 0 || *server_uid >= int64_t{UINT32_MAX}) {
+                throw nb::value_error(absl::StrCat("server_uid = ", *server_uid,
+                                                   ": must be a uid, 0 to ", UINT32_MAX - 1)
+                                          .c_str());
+              }
+              options.server_uid = static_cast<uint32_t>(*server_uid);
+            }
             absl::StatusOr<std::shared_ptr<Client>> client;
             {
               nb::gil_scoped_release release;
@@ -705,7 +713,8 @@ NB_MODULE(_tensorshm, m) {
             SetAllocatorClient(out.client);
             return out;
           },
-          "socket"_a = nb::none(), "client_name"_a = nb::none(), "timeout"_a = 5.0)
+          "socket"_a = nb::none(), "client_name"_a = nb::none(), "timeout"_a = 5.0,
+          "server_uid"_a = nb::none())
       .def("get", &Get, "name"_a, "timeout"_a = 0.0)
       .def("create", &Create, "shape"_a, "dtype"_a, "strides"_a = nb::none(), "device"_a = "cpu",
            "subbyte_padded"_a = false)

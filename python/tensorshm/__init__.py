@@ -219,8 +219,15 @@ os.register_at_fork(after_in_child=_tensorshm._after_fork_in_child)
 
 
 def connect(socket: str | None = None, *, client_name: str | None = None,
-            timeout: float = 5.0) -> Client:
+            timeout: float = 5.0, server_uid: int | None = None) -> Client:
     """Connect to tensorshmd. ``socket=None``: $TENSORSHM_SOCKET, else
     $XDG_RUNTIME_DIR/tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock.
-    ConnectionError if the daemon does not answer within ``timeout`` seconds."""
-    return Client(_tensorshm._Client.connect(socket, client_name, timeout))
+    ConnectionError if the daemon does not answer within ``timeout`` seconds.
+
+    The client checks who serves every connection it makes to the socket (SO_PEERCRED): by
+    default the daemon must run as this process's effective uid or as root, since a daemon of
+    another user reads and can change every tensor passed through it (and another user could
+    have taken over the socket's path). ``server_uid`` names one more uid to accept, for a
+    daemon run as another user on purpose. A refused server raises PermissionError naming the
+    socket, the server's uid and pid."""
+    return Client(_tensorshm._Client.connect(socket, client_name, timeout, server_uid))

@@ -1,0 +1,83 @@
+"""connect(server_uid=...): a client refuses a socket served by a uid it does not expect.
+
+A real tensorshmd runs as uid 65534 (setpriv) and admits root; the root client refuses it by
+default and uses it once its uid is named.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+import tensorshm
+from conftest import _tensorshmd
+
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to start a daemon as uid 65534")
+
+
+@pytest.fixture
+def nobody_daemon():
+    top = tempfile.mkdtemp(prefix="tsm-py-serveruid-")
+    os.chmod(top, 0o755)
+    run = os.path.join(top, "run")
+    os.mkdir(run, 0o700)
+    os.chown(run, NOBODY, NOBODY)
+    socket = os.path.join(run, "tensorshm.sock")
+    prefix = f"tsmpy-serveruid-{os.getpid()}"
+    log = open(os.path.join(top, "daemon.log"), "w+")
+    process = subprocess.Popen(
+        ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
+         _tensorshmd(), "--socket", socket, "--shm-prefix", prefix, "--host-pool", "64Mi",
+         "--segment-size", "16Mi", "--log-level", "warning", "--allow-uid", "0"],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(socket):
+        if process.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            raise RuntimeError(f"tensorshmd as uid {NOBODY} did not start: {log.read()}")
+        time.sleep(0.01)
+    yield socket, process.pid
+    process.terminate()
+    assert process.wait(timeout=20) == 0
+    log.close()
+    shutil.rmtree(top)
+
+
+def test_refuses_another_uids_daemon_by_default(nobody_daemon):
+    socket, pid = nobody_daemon
+    with pytest.raises(tensorshm.PermissionError) as info:
+        tensorshm.connect(socket, client_name="default")
+    message = str(info.value)
+    print("refused:", message)
+    assert f"unix:{socket}" in message
+    assert f"served by uid {NOBODY} (pid {pid})" in message
+    assert "expects uid 0" in message
+    assert f"server_uid={NOBODY}" in message
+    assert isinstance(info.value, PermissionError)
+
+
+def test_named_server_uid_connects_and_works(nobody_daemon):
+    socket, _ = nobody_daemon
+    client = tensorshm.connect(socket, client_name="named", server_uid=NOBODY)
+    data = np.arange(4096, dtype=np.int32)
+    put = client.put("named", data)
+    got = client.get("named")
+    assert np.array_equal(np.from_dlpack(got), data)
+    del got, put
+    client.flush()
+
+
+def test_server_uid_must_be_a_uid(nobody_daemon):
+    socket, _ = nobody_daemon
+    with pytest.raises(ValueError, match="server_uid = -1"):
+        tensorshm.connect(socket, server_uid=-1)
