@@ -36,7 +36,7 @@ absl::StatusOr<ControlSegment> ControlSegment::Create(const std::string& prefix,
   std::memcpy(header->shm_prefix, prefix.data(), prefix.size());
   // The magic goes last: a header with it is complete.
   __atomic_store_n(&header->magic, kControlMagic, __ATOMIC_RELEASE);
-  return ControlSegment(*std::move(shm));
+  return ControlSegment(*std::move(shm), record_count);
 }
 
 absl::StatusOr<ControlSegment> ControlSegment::Open(const std::string& prefix) {
@@ -59,12 +59,16 @@ absl::StatusOr<ControlSegment> ControlSegment::Open(const std::string& prefix) {
       header->tensor_record_bytes != sizeof(TensorRecord) || header->max_segments != kMaxSegments) {
     return bad("record sizes");
   }
-  if (shm->size() < ControlSegmentBytes(header->record_count)) return bad("record_count");
+  // Read once: the validated value is the one kept.
+  const uint32_t record_count = __atomic_load_n(&header->record_count, __ATOMIC_RELAXED);
+  if (record_count == 0 || shm->size() < ControlSegmentBytes(record_count)) {
+    return bad(absl::StrCat("record_count ", record_count));
+  }
   if (std::string(header->shm_prefix, strnlen(header->shm_prefix, sizeof(header->shm_prefix))) !=
       prefix) {
     return bad("shm_prefix");
   }
-  return ControlSegment(*std::move(shm));
+  return ControlSegment(*std::move(shm), record_count);
 }
 
 SegmentRecord& ControlSegment::segment(uint32_t index) const {
