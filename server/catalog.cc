@@ -441,12 +441,21 @@ std::string Catalog::RecordMismatch(const Tensor& tensor) const {
 
 void Catalog::MarkDamaged(Tensor& tensor, std::string found) {
   tensor.damage = std::move(found);
-  TSM_LOG(kError) << "tensor " << tensor.id
-                  << (tensor.name.empty() ? std::string(" (unbound)")
-                                          : absl::StrCat(" \"", tensor.name, "\""))
-                  << ": its record in " << control_.name()
-                  << " was overwritten by another process: found " << tensor.damage
-                  << "; acquiring it answers DATA_LOSS until it is deleted or replaced";
+  std::string what;
+  std::string consequence;
+  if (!tensor.name.empty()) {
+    what = absl::StrCat(" \"", tensor.name, "\"");
+    consequence = "acquiring it answers DATA_LOSS until it is deleted or replaced";
+  } else if (tensor.sealed) {
+    what = " (unbound)";
+    consequence = "it is freed once unleased";
+  } else {
+    what = " (unpublished)";
+    consequence = "publishing it answers DATA_LOSS";
+  }
+  TSM_LOG(kError) << "tensor " << tensor.id << what << ": its record in " << control_.name()
+                  << " was overwritten by another process: found " << tensor.damage << "; "
+                  << consequence;
   if (!tensor.name.empty()) {
     // The entry stays (the name is bound) but sends readers to the daemon.
     index_.Bind(NameHash(tensor.name.data(), tensor.name.size()), tensor.slot, kIndexAskDaemon,
