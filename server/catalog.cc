@@ -489,6 +489,15 @@ absl::Status Catalog::Verify(uint64_t tensor_id) {
 }
 
 int Catalog::CheckRecords(size_t budget) {
+  const bool header = control_.RepairHeader(next_tensor_id_, next_publish_seq_);
+  const int segments = pool_->RepairSegmentRecords();
+  if ((header || segments > 0) && !reported_repair_) {
+    reported_repair_ = true;
+    TSM_LOG(kError) << control_.name() << ": another process wrote " << (header ? "the header" : "")
+                    << (header && segments > 0 ? " and " : "")
+                    << (segments > 0 ? absl::StrCat(segments, " segment records") : "")
+                    << "; rewritten as the daemon knows them (logged once)";
+  }
   int damaged = 0;
   budget = std::min(budget, tensors_.size());
   auto it = tensors_.upper_bound(sweep_after_);

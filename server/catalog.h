@@ -180,7 +180,10 @@ class Catalog {
   absl::Status Verify(uint64_t tensor_id);
 
   // Verifies the records of up to `budget` tensors, taking up where the last call stopped (the
-  // housekeeping thread's incremental sweep). Returns how many were found damaged in this call.
+  // housekeeping thread's incremental sweep), and writes back the control segment's header and
+  // segment records where they no longer say what the daemon knows (see
+  // ControlSegment::RepairHeader, HostPool::RepairSegmentRecords). Returns how many tensors were
+  // found damaged in this call.
   int CheckRecords(size_t budget);
 
   // Tensors found damaged that still hold memory.
@@ -250,7 +253,8 @@ class Catalog {
   bool in_grace_ = false;
   uint64_t next_tensor_id_ = 1;
   uint64_t next_publish_seq_ = 1;
-  uint64_t sweep_after_ = 0;  // CheckRecords goes on with the tensor ids above this one
+  uint64_t sweep_after_ = 0;      // CheckRecords goes on with the tensor ids above this one
+  bool reported_repair_ = false;  // a rewritten header or segment record was logged
 };
 
 }  // namespace tensorshm

@@ -45,13 +45,26 @@ class ControlSegment {
   TensorRecord& record(uint32_t slot) const;
   // The record count validated at Create / Open (not the header's word, which may have changed).
   uint32_t record_count() const { return record_count_; }
+
+  // Writes every header word that no longer holds what Create wrote or Open found (another
+  // process wrote it) back, with the two counters as given: later clients then map the segment
+  // again, and a later recovery finds a header it accepts. Returns whether any word differed.
+  bool RepairHeader(uint64_t next_tensor_id, uint64_t next_publish_seq) const;
   const std::string& name() const { return shm_.name(); }
 
  private:
-  ControlSegment(ShmSegment shm, uint32_t record_count)
-      : shm_(std::move(shm)), record_count_(record_count) {}
+  ControlSegment(ShmSegment shm, std::string prefix, uint32_t record_count,
+                 uint64_t host_pool_bytes, uint64_t host_segment_bytes)
+      : shm_(std::move(shm)),
+        prefix_(std::move(prefix)),
+        record_count_(record_count),
+        host_pool_bytes_(host_pool_bytes),
+        host_segment_bytes_(host_segment_bytes) {}
   ShmSegment shm_;
+  std::string prefix_;
   uint32_t record_count_;
+  uint64_t host_pool_bytes_;
+  uint64_t host_segment_bytes_;
 };
 
 }  // namespace tensorshm

@@ -172,6 +172,10 @@ TEST_F(CatalogDamageTest, HeaderScribblesMoveNeitherCountersNorTheRecordCount) {
   EXPECT_TRUE(catalog_->Verify(first).ok());
   EXPECT_TRUE(catalog_->Verify(second).ok());
   EXPECT_EQ(catalog_->CheckRecords(kRecords), 0) << "header words are not records";
+  // The sweep wrote the header back, for later clients and a later recovery.
+  EXPECT_EQ(header.magic, kControlMagic);
+  EXPECT_EQ(header.record_count, kRecords);
+  EXPECT_EQ(header.next_publish_seq.load(), seq_before + 1);
 
   // Exactly kRecords tensors fit, whatever the header says.
   for (uint32_t i = 2; i < kRecords; ++i) {
@@ -221,6 +225,34 @@ TEST_F(CatalogDamageTest, RecoveryTakesTheLargerOfTheHeadersCountersAndTheRecord
   catalog_->ExpireUnbound();
   const uint64_t d = Publish("d");
   EXPECT_EQ(d, b + 1);
+}
+
+TEST_F(CatalogDamageTest, ScribbledSegmentRecordsAreWrittenBackSoThatRecoveryFindsThePool) {
+  const uint64_t a = Publish("a");
+  SegmentRecord& first = catalog_->control().segment(0);
+  const SegmentRecord& unused = catalog_->control().segment(5);
+  const uint64_t size = first.size;
+  const uint64_t instance = first.instance;
+  first.size = 12345;
+  first.segment_id = 9;
+  first.instance = 7;
+  catalog_->control().segment(5).state.store(static_cast<uint32_t>(SegmentState::kLive));
+  catalog_->control().header().magic = 42;
+
+  EXPECT_EQ(catalog_->CheckRecords(kRecords), 0);
+  EXPECT_EQ(first.size, size);
+  EXPECT_EQ(first.segment_id, 1u);
+  EXPECT_EQ(first.instance, instance);
+  EXPECT_EQ(first.state.load(), static_cast<uint32_t>(SegmentState::kLive));
+  EXPECT_EQ(unused.state.load(), static_cast<uint32_t>(SegmentState::kUnused));
+
+  catalog_->KeepSegments();
+  catalog_.reset();
+  absl::StatusOr<std::unique_ptr<Catalog>> recovered = Catalog::Recover(Options());
+  ASSERT_TRUE(recovered.ok()) << recovered.status();
+  catalog_ = *std::move(recovered);
+  ASSERT_NE(catalog_->Find("a"), nullptr);
+  EXPECT_EQ(catalog_->Find("a")->id, a);
 }
 
 TEST_F(CatalogDamageTest, ARecordScribbledBeforeARestartIsDroppedByRecovery) {
