@@ -216,10 +216,10 @@ bool FastPath::Describe(uint32_t record_slot, uint64_t tensor_id, std::string_vi
       return false;
     }
     SegmentRecord segment;
-    std::memcpy(static_cast<void*>(&segment),
-                records_ + kControlHeaderBytes + (record.segment_id - 1) * sizeof(SegmentRecord),
-                sizeof(SegmentRecord));
-    std::atomic_signal_fence(std::memory_order_seq_cst);  // only `segment` is read from here
+    CopyRecord(
+        *reinterpret_cast<const SegmentRecord*>(records_ + kControlHeaderBytes +
+                                                (record.segment_id - 1) * sizeof(SegmentRecord)),
+        segment);
     if (segment.state.load(std::memory_order_relaxed) ==
             static_cast<uint32_t>(SegmentState::kUnused) ||
         segment.segment_id != record.segment_id || end > segment.size) {

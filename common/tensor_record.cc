@@ -15,6 +15,11 @@ void CopyRecord(const TensorRecord& shared, TensorRecord& local) {
   std::atomic_signal_fence(std::memory_order_seq_cst);
 }
 
+void CopyRecord(const SegmentRecord& shared, SegmentRecord& local) {
+  std::memcpy(static_cast<void*>(&local), static_cast<const void*>(&shared), sizeof(SegmentRecord));
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+}
+
 absl::StatusOr<RecordLayout> DecodeRecordLayout(const TensorRecord& copy) {
   absl::StatusOr<DLDataType> dtype =
       MakeDataType(copy.dtype_code, copy.dtype_bits, copy.dtype_lanes, "record dtype");

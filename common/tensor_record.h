@@ -20,6 +20,8 @@ namespace tensorshm {
 // is busy: what matters is that every later check and use reads `local`, which no other process
 // can change (the compiler is kept from reading `shared` again in its place).
 void CopyRecord(const TensorRecord& shared, TensorRecord& local);
+// The same for a segment's record.
+void CopyRecord(const SegmentRecord& shared, SegmentRecord& local);
 
 // What a record's layout fields describe, once checked.
 struct RecordLayout {

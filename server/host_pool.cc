@@ -3,11 +3,9 @@
 #include <dlpack/dlpack.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <cstring>
-
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/tensor_record.h"
 
 namespace tensorshm {
 
@@ -41,8 +39,11 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
                                            ControlSegment* control) {
   HostPool pool(options, control);
   for (uint32_t index = 0; index < kMaxSegments; ++index) {
-    const SegmentRecord& record = control->segment(index);
-    const auto state = static_cast<SegmentState>(record.state.load(std::memory_order_acquire));
+    // Copied once: another process may write the segment while it is read (see CopyRecord).
+    control->segment(index).state.load(std::memory_order_acquire);
+    SegmentRecord record;
+    CopyRecord(control->segment(index), record);
+    const auto state = static_cast<SegmentState>(record.state.load(std::memory_order_relaxed));
     if (state != SegmentState::kLive && state != SegmentState::kEphemeral) {
       break;  // segments are added in order; the first unused one ends the list
     }
@@ -100,8 +101,7 @@ int HostPool::RepairSegmentRecords() const {
             ? SegmentState::kLive
             : SegmentState::kEphemeral;
     SegmentRecord found;
-    std::memcpy(static_cast<void*>(&found), static_cast<const void*>(&record), sizeof(found));
-    std::atomic_signal_fence(std::memory_order_seq_cst);
+    CopyRecord(record, found);
     if (found.state.load(std::memory_order_relaxed) == static_cast<uint32_t>(state) &&
         found.device_type == kDLCPU && found.device_id == 0 &&
         found.owner_uid == segment.owner_uid && found.segment_id == index + 1 &&
