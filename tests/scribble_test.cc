@@ -3,12 +3,16 @@
 // (fast path and RPC) and read back. The daemon must keep serving, no client may crash, and
 // every error a client sees must be one a damaged catalog explains (DATA_LOSS for a tensor whose
 // record was overwritten, NOT_FOUND for a name that is gone).
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <set>
@@ -18,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/catalog_layout.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tests/test_daemon.h"
@@ -185,6 +190,112 @@ TEST(ScribbleTest, DaemonKeepsServingWhileAnotherProcessScribblesItsControlSegme
 
   std::cout << "deleted " << listed->size() << " names; tensors " << stats->tensors
             << ", pool used " << stats->pools.at(0).used_bytes << std::endl;
+}
+
+// The control segment as another process of the daemon's uid maps it: read-write.
+class ControlMapping {
+ public:
+  explicit ControlMapping(const std::string& path) {
+    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) return;
+    size_ = static_cast<uint64_t>(st.st_size);
+    void* address = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (address != MAP_FAILED) base_ = static_cast<char*>(address);
+  }
+  ~ControlMapping() {
+    if (base_ != nullptr) munmap(base_, size_);
+  }
+  bool ok() const { return base_ != nullptr && size_ > RecordsOffset(); }
+  // The record holding `tensor_id`, or nullptr.
+  TensorRecord* Find(uint64_t tensor_id) const {
+    auto* records = reinterpret_cast<TensorRecord*>(base_ + RecordsOffset());
+    const uint64_t count = (size_ - RecordsOffset()) / sizeof(TensorRecord);
+    for (uint64_t i = 0; i < count; ++i) {
+      if (records[i].tensor_id == tensor_id) return &records[i];
+    }
+    return nullptr;
+  }
+  SegmentRecord& segment(uint32_t index) const {
+    return reinterpret_cast<SegmentRecord*>(base_ + kControlHeaderBytes)[index];
+  }
+
+ private:
+  char* base_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+// One field of a published tensor's record overwritten at a time, each with a value the client's
+// fast path must refuse (it would read outside a mapping, or describe another tensor): every
+// acquire of it is DATA_LOSS from the daemon, never a crash, never a tensor built from the
+// record. A damaged segment record only sends readers to the daemon, which serves them.
+TEST(ScribbleTest, EachOverwrittenRecordFieldIsDataLossNeverACrash) {
+  absl::StatusOr<TestDaemon> daemon =
+      TestDaemon::Start("scribble-fields", {"--segments", "shm", "--max-tensors", "64"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ControlMapping control(absl::StrCat("/dev/shm/", daemon->shm_prefix(), ".ctl"));
+  ASSERT_TRUE(control.ok());
+  absl::StatusOr<std::shared_ptr<Client>> client =
+      Client::Connect(ClientOptions{daemon->socket(), "scribble_fields"});
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  const std::vector<std::pair<std::string, std::function<void(TensorRecord&)>>> overwrites = {
+      {"ndim 1000", [](TensorRecord& r) { r.ndim = 1000; }},
+      {"ndim -1", [](TensorRecord& r) { r.ndim = -1; }},
+      {"shape[0] 2^40", [](TensorRecord& r) { r.shape[0] = int64_t{1} << 40; }},
+      {"strides[0] -2^40", [](TensorRecord& r) { r.strides[0] = -(int64_t{1} << 40); }},
+      {"nbytes 2^50", [](TensorRecord& r) { r.nbytes = int64_t{1} << 50; }},
+      {"length 2^50", [](TensorRecord& r) { r.length = uint64_t{1} << 50; }},
+      {"offset 2^50", [](TensorRecord& r) { r.offset = uint64_t{1} << 50; }},
+      {"offset wraps", [](TensorRecord& r) { r.offset = ~uint64_t{0} - 100; }},
+      {"segment_id 65535", [](TensorRecord& r) { r.segment_id = 65535; }},
+      {"segment_id 0", [](TensorRecord& r) { r.segment_id = 0; }},
+      {"name_length 100000", [](TensorRecord& r) { r.name_length = 100000; }},
+      {"dtype code 200", [](TensorRecord& r) { r.dtype_code = 200; }},
+      {"dtype bits 3 lanes 2", [](TensorRecord& r) { r.dtype_bits = 3, r.dtype_lanes = 2; }},
+      {"dlpack_flags 7", [](TensorRecord& r) { r.dlpack_flags = 7; }},
+      {"device cuda", [](TensorRecord& r) { r.device_type = kDLCUDA; }},
+      {"state 77", [](TensorRecord& r) { r.state.store(77); }},
+      {"tensor_id", [](TensorRecord& r) { r.tensor_id += 1000; }},
+  };
+  for (size_t i = 0; i < overwrites.size(); ++i) {
+    const auto& [what, overwrite] = overwrites[i];
+    const std::string name = absl::StrCat("field/", i);
+    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 32, 1}, {1024}});
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::fill_n(static_cast<uint32_t*>(w->data()), 1024, 7u);
+    const uint64_t id = w->tensor_id();
+    ASSERT_TRUE((*client)->Publish(*w, name).ok()) << name;
+    TensorRecord* record = control.Find(id);
+    ASSERT_NE(record, nullptr) << what;
+    overwrite(*record);
+    for (int round = 0; round < 3; ++round) {  // before and after the daemon's sweep finds it
+      absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
+      ASSERT_FALSE(t.ok()) << what << ": acquired from an overwritten record";
+      EXPECT_EQ(t.status().code(), absl::StatusCode::kDataLoss) << what << ": " << t.status();
+      if (round == 0) std::cout << what << ": " << t.status().message() << std::endl;
+      absl::SleepFor(absl::Milliseconds(15));
+    }
+    ASSERT_TRUE((*client)->Delete(name).ok()) << what;
+  }
+
+  // A segment record that no longer fits: readers go to the daemon, which serves the tensor;
+  // the daemon writes the record back.
+  ASSERT_TRUE(PublishFilled(**client, "intact", 1024, 9u).ok());
+  const uint64_t size = control.segment(0).size;
+  control.segment(0).size = 1;
+  absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("intact");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE(Holds(*t, 1024, 9u));
+  (*t)->deleter(*t);
+  const absl::Time limit = absl::Now() + absl::Seconds(10);
+  while (control.segment(0).size != size && absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(control.segment(0).size, size) << "segment record not written back";
+  ASSERT_TRUE(absl::IsDeadlineExceeded(daemon->process().Wait(absl::ZeroDuration()).status()))
+      << daemon->process().Output();
 }
 
 }  // namespace
