@@ -21,7 +21,7 @@ constexpr uint64_t kMaxStockedBytes = 4 << 20;
 // How often an acquire waiter looks at its call for cancellation.
 constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
 // Records the housekeeping thread compares with the catalog's own copies each round (every
-// kHeartbeatIntervalNs): a whole table of 65,536 records in under 3 s, a few microseconds a round.
+// kHeartbeatIntervalNs): a table of 65,536 records in under 3 s, some tens of microseconds a round.
 constexpr size_t kRecordsCheckedPerRound = 256;
 
 }  // namespace
