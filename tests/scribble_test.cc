@@ -253,7 +253,11 @@ TEST(ScribbleTest, EachOverwrittenRecordFieldIsDataLossNeverACrash) {
       {"segment_id 0", [](TensorRecord& r) { r.segment_id = 0; }},
       {"name_length 100000", [](TensorRecord& r) { r.name_length = 100000; }},
       {"dtype code 200", [](TensorRecord& r) { r.dtype_code = 200; }},
-      {"dtype bits 3 lanes 2", [](TensorRecord& r) { r.dtype_bits = 3, r.dtype_lanes = 2; }},
+      {"dtype bits 3 lanes 2",
+       [](TensorRecord& r) {
+         r.dtype_bits = 3;
+         r.dtype_lanes = 2;
+       }},
       {"dlpack_flags 7", [](TensorRecord& r) { r.dlpack_flags = 7; }},
       {"device cuda", [](TensorRecord& r) { r.device_type = kDLCUDA; }},
       {"state 77", [](TensorRecord& r) { r.state.store(77); }},
