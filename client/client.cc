@@ -166,32 +166,38 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
   return lease;
 }
 
-// Builds the tensor for a lease slot the fast path took. On failure the slot is given back.
+// Builds the tensor for a lease slot the fast path took, from what TryAcquire copied out of the
+// record. On failure the slot is given back (the caller then asks the daemon).
 absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<ClientCore>& core,
                                                      std::shared_ptr<FastPath> fast,
-                                                     const FastPath::Leased& leased) {
+                                                     FastPath::Leased& leased) {
   auto lease = std::make_unique<Lease>();
   lease->core = core;
   lease->fast = std::move(fast);
   lease->page_slot = leased.page_slot;
   core->PageLeaseTaken();
-  const TensorRecord& record = *leased.record;
   const char* data = kEmptyData;
-  if (record.length > 0) {
-    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(
-        SegmentKey{leased.segment_instance, record.segment_id}, leased.segment_size);
+  if (leased.length > 0) {
+    // The mapping covers what the daemon says the segment holds; the record's byte range must
+    // lie inside it (MapHostSegment refuses a segment smaller than `end`).
+    const uint64_t end = leased.offset + leased.length;  // no overflow: TryAcquire checked
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
+        core->MapHostSegment(SegmentKey{leased.segment_instance, leased.segment_id}, end);
+    if (mapping.ok() && (*mapping)->size() < end) {
+      mapping = absl::FailedPreconditionError("the record's range is outside its segment");
+    }
     if (!mapping.ok()) {
       core->ReleasePageLease(*lease->fast, lease->page_slot);
       return mapping.status();
     }
     lease->mapping = *std::move(mapping);
-    data = lease->mapping->address() + record.offset;
+    data = lease->mapping->address() + leased.offset;
   }
-  lease->shape.assign(record.shape, record.shape + record.ndim);
-  lease->strides.assign(record.strides, record.strides + record.ndim);
-  FillTensor(*lease, data, DLDevice{kDLCPU, 0},
-             DLDataType{record.dtype_code, record.dtype_bits, record.dtype_lanes},
-             record.byte_offset, record.dlpack_flags);
+  RecordLayout& layout = leased.layout;
+  lease->shape = std::move(layout.shape);
+  lease->strides = std::move(layout.layout.strides);
+  FillTensor(*lease, data, DLDevice{kDLCPU, 0}, layout.dtype, layout.layout.byte_offset,
+             layout.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
   return lease;
 }
 
@@ -221,7 +227,12 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
       const uint32_t seen = fast->publishes();
       FastPath::Leased leased;
       const FastPath::Outcome outcome = fast->TryAcquire(name, &leased);
-      if (outcome == FastPath::Outcome::kLeased) return MakePageLease(core, fast, leased);
+      if (outcome == FastPath::Outcome::kLeased) {
+        absl::StatusOr<std::unique_ptr<Lease>> lease = MakePageLease(core, fast, leased);
+        // A segment that cannot be mapped as the record says: the daemon answers instead.
+        if (lease.ok()) return lease;
+        break;
+      }
       if (outcome == FastPath::Outcome::kFallback) break;
       if (timeout == absl::ZeroDuration()) {
         return absl::NotFoundError(absl::StrCat("name = \"", View(name), "\": not published"));

@@ -290,7 +290,8 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
     return absl::InternalError(absl::StrCat("tensorshmd granted ", SegmentLabel(key), " as ", size,
                                             " bytes; its location said ", segment_size));
   }
-  return segments_.Insert(key, *fd, segment_size);
+  // The whole segment, as the daemon granted it (at least what the caller needs).
+  return segments_.Insert(key, *fd, size);
 }
 
 absl::StatusOr<void*> ClientCore::MapHostBuffer(const v1::Location& location) {

@@ -101,8 +101,9 @@ class ClientCore {
     return response;
   }
 
-  // The read-only mapping of host segment `key` (`size` bytes as the daemon says), made on
-  // first use from a descriptor the memory channel brings, and shared by every tensor in it.
+  // The read-only mapping of the whole host segment `key` (as many bytes as the daemon grants),
+  // made on first use from a descriptor the memory channel brings, and shared by every tensor in
+  // it. An error if the segment is smaller than `size` bytes.
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> MapHostSegment(const SegmentKey& key,
                                                                        uint64_t size);
   // A writable mapping of exactly `location`'s buffer (this session's own); the caller munmaps.

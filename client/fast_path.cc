@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/sys_error.h"
+#include "common/tensor_record.h"
 
 namespace tensorshm {
 namespace {
@@ -84,18 +85,22 @@ absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
   if (!page.ok()) return page.status();
   fast->page_ = page->first;
 
-  // The daemon is trusted, but its layout version may not be this client's.
+  // The daemon is trusted, but its layout version may not be this client's. The control
+  // segment's header may be written by another process at any time: each word is read once.
+  if (fast->index_size_ < sizeof(IndexHeader) || fast->records_size_ < sizeof(ControlHeader) ||
+      page->second < kLeasePageBytes) {
+    return absl::FailedPreconditionError(
+        "fast path: the daemon's index or control segment is smaller than its header");
+  }
   const IndexHeader& header = fast->index_header();
   const auto* control = reinterpret_cast<const ControlHeader*>(fast->records_);
-  const uint32_t buckets = header.bucket_count;
-  if (fast->index_size_ < sizeof(IndexHeader) || header.magic != kIndexMagic ||
-      header.layout_version != kIndexLayoutVersion || buckets == 0 ||
-      (buckets & (buckets - 1)) != 0 ||
-      fast->index_size_ < IndexBytes(buckets, header.record_count) ||
-      page->second < kLeasePageBytes || fast->records_size_ < sizeof(ControlHeader) ||
-      control->magic != kControlMagic || control->layout_version != kControlLayoutVersion ||
-      control->record_count != header.record_count ||
-      fast->records_size_ < ControlSegmentBytes(control->record_count)) {
+  const uint32_t buckets = __atomic_load_n(&header.bucket_count, __ATOMIC_RELAXED);
+  const uint32_t record_count = __atomic_load_n(&header.record_count, __ATOMIC_RELAXED);
+  if (header.magic != kIndexMagic || header.layout_version != kIndexLayoutVersion || buckets == 0 ||
+      (buckets & (buckets - 1)) != 0 || fast->index_size_ < IndexBytes(buckets, record_count) ||
+      __atomic_load_n(&control->magic, __ATOMIC_RELAXED) != kControlMagic ||
+      __atomic_load_n(&control->layout_version, __ATOMIC_RELAXED) != kControlLayoutVersion ||
+      fast->records_size_ < ControlSegmentBytes(record_count)) {
     return absl::FailedPreconditionError(
         "fast path: the daemon's index or control segment is not of this client's layout");
   }
@@ -107,7 +112,7 @@ absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
                                                       skew, " ns off this process's"));
   }
   fast->bucket_count_ = buckets;
-  fast->record_count_ = header.record_count;
+  fast->record_count_ = record_count;
   fast->buckets_ = reinterpret_cast<const IndexBucket*>(fast->index_ + IndexBucketsOffset());
   fast->entries_ = reinterpret_cast<const IndexEntry*>(fast->index_ + IndexEntriesOffset(buckets));
   MutexLock lock(&fast->mu_);
@@ -161,6 +166,8 @@ FastPath::Outcome FastPath::TryAcquire(std::string_view name, Leased* leased) {
     }
     if (bucket.sequence.load(std::memory_order_relaxed) != sequence) continue;
     if (found == 0) return Outcome::kNotFound;
+    // Bound, but the daemon does not trust the record: it answers over RPC.
+    if (tensor_id == kIndexAskDaemon) return Outcome::kFallback;
 
     // Hazard: the slot first, then the bucket again. Unchanged, the daemon (which unlinks
     // before it scans lease pages) sees the slot before it could free the tensor.
@@ -170,44 +177,61 @@ FastPath::Outcome FastPath::TryAcquire(std::string_view name, Leased* leased) {
       lease_page.slots[page_slot].store(0, std::memory_order_release);
       continue;
     }
-    const auto* record = reinterpret_cast<const TensorRecord*>(
-        records_ + RecordsOffset() + uint64_t{found - 1} * sizeof(TensorRecord));
-    const auto state = static_cast<RecordState>(record->state.load(std::memory_order_acquire));
-    // The record is stable from here while the slot holds the tensor. A hash shared by two
-    // names, or a CUDA tensor (its IPC handle and ready event are the daemon's to describe),
-    // goes to the daemon.
-    const bool usable = (state == RecordState::kPublished || state == RecordState::kUnbound) &&
-                        record->tensor_id == tensor_id && record->name_length == name.size() &&
-                        std::memcmp(record->name, name.data(), name.size()) == 0 &&
-                        record->device_type == kDLCPU && record->ndim >= 0 &&
-                        record->ndim <= static_cast<int32_t>(kRecordMaxDims);
-    uint64_t segment_instance = 0;
-    uint64_t segment_size = 0;
-    bool located = record->length == 0;
-    if (usable && !located && record->segment_id >= 1 && record->segment_id <= kMaxSegments) {
-      const auto* segment = reinterpret_cast<const SegmentRecord*>(
-          records_ + kControlHeaderBytes + (record->segment_id - 1) * sizeof(SegmentRecord));
-      segment_instance = segment->instance;
-      segment_size = segment->size;
-      located = segment->state.load(std::memory_order_acquire) !=
-                    static_cast<uint32_t>(SegmentState::kUnused) &&
-                segment->segment_id == record->segment_id &&
-                record->offset + record->length <= segment_size &&
-                record->offset + record->length >= record->offset;
-    }
-    if (!usable || !located) {
+    if (!Describe(found - 1, tensor_id, name, leased)) {
       lease_page.slots[page_slot].store(0, std::memory_order_release);
       return Outcome::kFallback;
     }
     free_slots_.pop_back();
     leased->page_slot = page_slot;
     leased->tensor_id = tensor_id;
-    leased->record = record;
-    leased->segment_instance = segment_instance;
-    leased->segment_size = segment_size;
     return Outcome::kLeased;
   }
   return Outcome::kFallback;
+}
+
+bool FastPath::Describe(uint32_t record_slot, uint64_t tensor_id, std::string_view name,
+                        Leased* leased) const {
+  const auto& shared = *reinterpret_cast<const TensorRecord*>(
+      records_ + RecordsOffset() + uint64_t{record_slot} * sizeof(TensorRecord));
+  shared.state.load(std::memory_order_acquire);  // orders the copy after the daemon's commit
+  TensorRecord record;
+  CopyRecord(shared, record);
+  // The record is stable from here while the slot holds the tensor, unless another process
+  // writes it: every field is checked on the copy. A hash shared by two names, or a CUDA tensor
+  // (its IPC handle and ready event are the daemon's to describe), goes to the daemon.
+  const auto state = static_cast<RecordState>(record.state.load(std::memory_order_relaxed));
+  if ((state != RecordState::kPublished && state != RecordState::kUnbound) ||
+      record.tensor_id != tensor_id || name.size() > sizeof(record.name) ||
+      record.name_length != name.size() ||
+      std::memcmp(record.name, name.data(), name.size()) != 0 || record.device_type != kDLCPU ||
+      record.device_id != 0) {
+    return false;
+  }
+  absl::StatusOr<RecordLayout> layout = DecodeRecordLayout(record);
+  if (!layout.ok()) return false;
+  uint64_t end = 0;
+  if (record.length > 0) {
+    if (record.segment_id < 1 || record.segment_id > kMaxSegments ||
+        __builtin_add_overflow(record.offset, record.length, &end)) {
+      return false;
+    }
+    SegmentRecord segment;
+    CopyRecord(
+        *reinterpret_cast<const SegmentRecord*>(records_ + kControlHeaderBytes +
+                                                (record.segment_id - 1) * sizeof(SegmentRecord)),
+        segment);
+    if (segment.state.load(std::memory_order_relaxed) ==
+            static_cast<uint32_t>(SegmentState::kUnused) ||
+        segment.segment_id != record.segment_id || end > segment.size) {
+      return false;
+    }
+    leased->segment_instance = segment.instance;
+  }
+  leased->layout = *std::move(layout);
+  leased->segment_id = record.segment_id;
+  leased->offset = record.offset;
+  leased->length = record.length;
+  return true;
 }
 
 bool FastPath::Pin(uint64_t tensor_id, uint32_t* page_slot) {

@@ -19,6 +19,7 @@
 #include "common/catalog_layout.h"
 #include "common/fast_path_layout.h"
 #include "common/mutex.h"
+#include "common/tensor_record.h"
 
 namespace tensorshm {
 
@@ -41,14 +42,22 @@ class FastPath {
     kFallback,  // the fast path cannot answer (daemon gone or stopping, page full, a CUDA tensor,
                 // a busy index): ask the daemon over RPC
   };
+  // A host tensor as its record described it, copied out of shared memory once and checked:
+  // nothing in it is read from the control segment again.
   struct Leased {
     uint32_t page_slot = 0;
     uint64_t tensor_id = 0;
-    const TensorRecord* record = nullptr;  // stable while the slot holds the tensor
-    uint64_t segment_instance = 0;         // of the record's segment (host tensors of length > 0)
-    uint64_t segment_size = 0;
+    RecordLayout layout;      // dtype, shape, resolved strides, byte offset and span
+    uint64_t segment_id = 0;  // the buffer: [offset, offset + length) of the segment
+    uint64_t offset = 0;
+    uint64_t length = 0;            // 0: an empty tensor without a buffer
+    uint64_t segment_instance = 0;  // of the buffer's segment (length > 0)
   };
   // Looks `name` up in the index and, if bound, takes a lease slot on it. Never a system call.
+  // The control segment may hold anything (another process of the daemon's uid can write it):
+  // a record that does not describe `name`'s tensor consistently is kFallback, never a crash or
+  // a read outside a mapping. The caller still checks that [offset, offset + length) lies in the
+  // segment it maps.
   Outcome TryAcquire(std::string_view name, Leased* leased) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Takes a lease slot on `tensor_id`, a tensor of this session not yet published: from its
@@ -82,6 +91,11 @@ class FastPath {
   FastPath() = default;
   const IndexHeader& index_header() const { return *reinterpret_cast<const IndexHeader*>(index_); }
   LeasePage& page() const { return *reinterpret_cast<LeasePage*>(page_); }
+  // Fills `leased` (but its page slot and id) from a checked copy of record `record_slot`, which
+  // the index says is `name`'s tensor `tensor_id`; false if the copy does not describe that
+  // host tensor consistently. REQUIRES: record_slot < record_count_.
+  bool Describe(uint32_t record_slot, uint64_t tensor_id, std::string_view name,
+                Leased* leased) const;
 
   const char* index_ = nullptr;  // read-only mappings
   size_t index_size_ = 0;

@@ -24,6 +24,10 @@ inline constexpr uint32_t kMaxSegments = 1024;
 inline constexpr uint32_t kRecordMaxDims = 32;
 inline constexpr uint32_t kRecordNameBytes = 256;
 
+// Tensor ids and publish sequence numbers a daemon hands out stay below this; a recovery takes
+// a larger value in the header or a record for another process's bytes.
+inline constexpr uint64_t kMaxRecordCounter = uint64_t{1} << 62;
+
 enum class SegmentState : uint32_t {
   kUnused = 0,
   kLive = 1,       // the named shm object exists with `size` bytes reserved

@@ -93,14 +93,15 @@ std::string Describe(uint32_t code, uint32_t bits, uint32_t lanes) {
 
 absl::StatusOr<DLDataType> MakeDataType(uint32_t code, uint32_t bits, uint32_t lanes,
                                         absl::string_view field) {
-  const std::string what = absl::StrCat(field, " = ", Describe(code, bits, lanes));
+  // Built only for a refusal: the fast path checks every record it reads with this function.
+  auto what = [&] { return absl::StrCat(field, " = ", Describe(code, bits, lanes)); };
   if (code > kMaxCode) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": code must be a DLPack 1.3 type code (0..", kMaxCode, ")"));
+        absl::StrCat(what(), ": code must be a DLPack 1.3 type code (0..", kMaxCode, ")"));
   }
   if (code == kDLOpaqueHandle) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": opaque handles are pointers and cannot be shared across processes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what(), ": opaque handles are pointers and cannot be shared across processes"));
   }
   if (FindScalar(code, bits) == nullptr) {
     std::vector<int> allowed;
@@ -108,14 +109,14 @@ absl::StatusOr<DLDataType> MakeDataType(uint32_t code, uint32_t bits, uint32_t l
       if (t.code == code) allowed.push_back(t.bits);
     }
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", CodeName(code), " takes bits ", absl::StrJoin(allowed, ", ")));
+        absl::StrCat(what(), ": ", CodeName(code), " takes bits ", absl::StrJoin(allowed, ", ")));
   }
   if (lanes < 1 || lanes > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": lanes must be in 1..65535"));
+    return absl::InvalidArgumentError(absl::StrCat(what(), ": lanes must be in 1..65535"));
   }
   if (lanes != 1 && bits % 8 != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": vectors (lanes > 1) of sub-byte types are not supported"));
+        absl::StrCat(what(), ": vectors (lanes > 1) of sub-byte types are not supported"));
   }
   DLDataType dtype;
   dtype.code = static_cast<uint8_t>(code);

@@ -8,7 +8,9 @@
 //   [IndexEntriesOffset(b), + record_count * 24)    IndexEntry[record_count], one per TensorRecord
 //
 // A bound name is an entry in the chain of bucket NameHash(name) & (bucket_count - 1); entry i
-// stands for the TensorRecord in slot i of the control segment, which holds the descriptor.
+// stands for the TensorRecord in slot i of the control segment, which holds the descriptor. An
+// entry whose tensor_id is kIndexAskDaemon stands for a bound name the fast path must not serve
+// (its record failed the daemon's check): readers ask the daemon over RPC.
 // Each bucket is a seqlock: the daemon makes `sequence` odd, changes the chain, makes it even
 // again. A reader takes a consistent snapshot (same even sequence before and after), stores the
 // tensor id in a free slot of its lease page, and loads the sequence once more (both sequentially
@@ -33,6 +35,9 @@ inline constexpr uint32_t kIndexHeaderBytes = 256;
 // reconnect) instead of the index.
 inline constexpr int64_t kHeartbeatIntervalNs = 10'000'000;
 inline constexpr int64_t kHeartbeatStaleNs = 100'000'000;
+
+// IndexEntry::tensor_id of a bound name whose record is not to be trusted (never a tensor id).
+inline constexpr uint64_t kIndexAskDaemon = 0;
 
 struct IndexHeader {
   uint64_t magic;

@@ -1,13 +1,17 @@
 #include "server/catalog.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/dtype.h"
 #include "common/fast_path_layout.h"
 #include "common/layout.h"
 #include "common/name.h"
+#include "common/tensor_record.h"
 #include "common/wire.h"
 #include "server/log.h"
 
@@ -73,47 +77,71 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& 
   const uint32_t count = catalog->control_.record_count();
   // Published records, by name: the highest publish_seq wins (a replace that was cut short
   // leaves two); the others are unbound.
-  std::unordered_map<std::string, uint32_t> winners;
+  std::unordered_map<std::string, uint64_t> winners;  // name -> tensor id
+  uint64_t highest_id = 0;
+  uint64_t highest_seq = 0;
+  TensorRecord copy;
   for (uint32_t slot = count; slot-- > 0;) {
     TensorRecord& record = catalog->control_.record(slot);
-    const auto state = static_cast<RecordState>(record.state.load(std::memory_order_acquire));
+    record.state.load(std::memory_order_acquire);  // orders the copy after the commit
+    CopyRecord(record, copy);
+    const auto state = static_cast<RecordState>(copy.state.load(std::memory_order_relaxed));
     if (state != RecordState::kPublished && state != RecordState::kUnbound &&
         state != RecordState::kWriting) {
       catalog->free_slots_.push_back(slot);
       continue;
     }
     // Unpublished buffers are kept too: their producer may reconnect and publish them.
-    if (!catalog->Restore(slot, state == RecordState::kWriting)) {
+    if (!catalog->Restore(slot, copy, state)) {
       record.state.store(static_cast<uint32_t>(RecordState::kFree), std::memory_order_release);
       catalog->free_slots_.push_back(slot);
       continue;
     }
-    if (state == RecordState::kPublished) {
-      const std::string name(record.name, record.name_length);
-      auto [it, inserted] = winners.emplace(name, slot);
-      if (!inserted) {
-        TensorRecord& other = catalog->control_.record(it->second);
-        uint32_t loser = slot;
-        if (record.publish_seq > other.publish_seq) {
-          loser = it->second;
-          it->second = slot;
-        }
-        catalog->control_.record(loser).state.store(static_cast<uint32_t>(RecordState::kUnbound),
-                                                    std::memory_order_release);
+    Tensor& tensor = catalog->tensors_.at(copy.tensor_id);
+    highest_id = std::max(highest_id, tensor.id);
+    highest_seq = std::max(highest_seq, tensor.publish_seq);
+    if (state != RecordState::kPublished) continue;
+    auto [it, inserted] = winners.emplace(tensor.record_name, tensor.id);
+    if (!inserted) {
+      Tensor& other = catalog->tensors_.at(it->second);
+      Tensor* loser = &tensor;
+      if (tensor.publish_seq > other.publish_seq) {
+        loser = &other;
+        it->second = tensor.id;
       }
+      catalog->WriteRecordState(*loser, RecordState::kUnbound);
     }
   }
-  for (auto& [id, tensor] : catalog->tensors_) {
-    TensorRecord& record = catalog->control_.record(tensor.slot);
-    const std::string name(record.name, record.name_length);
-    auto it = winners.find(name);
-    if (record.state.load() == static_cast<uint32_t>(RecordState::kPublished) &&
-        it != winners.end() && it->second == tensor.slot) {
-      tensor.name = name;
-      catalog->names_.emplace(name, id);
-      catalog->index_.Bind(NameHash(name.data(), name.size()), tensor.slot, id, std::nullopt);
-    }
+  for (const auto& [name, id] : winners) {
+    Tensor& tensor = catalog->tensors_.at(id);
+    tensor.name = name;
+    catalog->names_.emplace(name, id);
+    catalog->index_.Bind(NameHash(name.data(), name.size()), tensor.slot, id, std::nullopt);
   }
+  // The counters go on from the larger of the header's word (tensors freed before the restart
+  // had ids up to it) and what the records hold; a header word no daemon could have reached was
+  // written by something else and is ignored.
+  ControlHeader& header = catalog->control_.header();
+  const uint64_t header_id = header.next_tensor_id.load(std::memory_order_relaxed);
+  const uint64_t header_seq = header.next_publish_seq.load(std::memory_order_relaxed);
+  catalog->next_tensor_id_ = highest_id + 1;
+  catalog->next_publish_seq_ = highest_seq + 1;
+  if (header_id <= kMaxRecordCounter) {
+    catalog->next_tensor_id_ = std::max(catalog->next_tensor_id_, header_id);
+  } else {
+    TSM_LOG(kWarning) << "recovery: " << catalog->control_.name() << " header next_tensor_id "
+                      << header_id << " is past any id a daemon hands out; continuing from "
+                      << catalog->next_tensor_id_;
+  }
+  if (header_seq <= kMaxRecordCounter) {
+    catalog->next_publish_seq_ = std::max(catalog->next_publish_seq_, header_seq);
+  } else {
+    TSM_LOG(kWarning) << "recovery: " << catalog->control_.name() << " header next_publish_seq "
+                      << header_seq << " is past any sequence a daemon hands out; continuing from "
+                      << catalog->next_publish_seq_;
+  }
+  header.next_tensor_id.store(catalog->next_tensor_id_, std::memory_order_relaxed);
+  header.next_publish_seq.store(catalog->next_publish_seq_, std::memory_order_relaxed);
   catalog->in_grace_ = true;
   return catalog;
 }
@@ -134,8 +162,8 @@ std::vector<const CudaPool*> Catalog::cuda_pools() const {
   return pools;
 }
 
-bool Catalog::Restore(uint32_t slot, bool unpublished) {
-  const TensorRecord& record = control_.record(slot);
+bool Catalog::Restore(uint32_t slot, const TensorRecord& record, RecordState state) {
+  const bool unpublished = state == RecordState::kWriting;
   if (record.device_type == kDLCUDA) {
     // Device memory belongs to the process that allocated it: it ended with the old daemon.
     TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
@@ -143,42 +171,41 @@ bool Catalog::Restore(uint32_t slot, bool unpublished) {
                       << ", whose memory ended with the old daemon; dropped";
     return false;
   }
-  absl::StatusOr<DLDataType> dtype =
-      MakeDataType(record.dtype_code, record.dtype_bits, record.dtype_lanes);
-  const bool padded = record.dlpack_flags == DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED;
-  if (!dtype.ok() || record.ndim < 0 || record.ndim > static_cast<int32_t>(kRecordMaxDims) ||
-      (record.dlpack_flags != 0 && !padded) || (record.name_length == 0) != unpublished ||
-      record.name_length > kMaxNameLength || record.device_type != kDLCPU ||
+  const std::string name(record.name, std::min<size_t>(record.name_length, sizeof(record.name)));
+  if (record.device_type != kDLCPU || record.device_id != 0 || record.tensor_id == 0 ||
+      record.tensor_id > kMaxRecordCounter || record.publish_seq > kMaxRecordCounter ||
+      (record.name_length == 0) != unpublished ||
+      (!unpublished && (record.name_length > kMaxNameLength || !ValidateName(name).ok())) ||
       tensors_.count(record.tensor_id) > 0) {
     TSM_LOG(kWarning) << "recovery: record " << slot << " is not a valid tensor; dropped";
+    return false;
+  }
+  absl::StatusOr<RecordLayout> decoded = DecodeRecordLayout(record);
+  if (!decoded.ok()) {
+    TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
+                      << ") is not a valid tensor (" << decoded.status().message() << "); dropped";
     return false;
   }
   Tensor tensor;
   tensor.id = record.tensor_id;
   tensor.slot = slot;
-  tensor.dtype = *dtype;
   tensor.device = DLDevice{kDLCPU, 0};
-  tensor.shape.assign(record.shape, record.shape + record.ndim);
-  absl::StatusOr<TensorLayout> layout =
-      ComputeLayout(*dtype, tensor.shape, absl::MakeConstSpan(record.strides, record.ndim), padded);
   tensor.buffer = Buffer{record.segment_id, record.offset, record.length};
   const uint64_t page = HostPool::PageSize();
-  if (!layout.ok() || layout->nbytes != record.nbytes ||
-      layout->byte_offset != record.byte_offset ||
-      static_cast<uint64_t>(layout->nbytes) > tensor.buffer.length ||
-      tensor.buffer.offset % page != 0 || tensor.buffer.length % page != 0 ||
+  if (tensor.buffer.offset % page != 0 || tensor.buffer.length % page != 0 ||
       (tensor.buffer.length > 0 && !pool_->Reserve(tensor.buffer))) {
     TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
                       << ") does not fit its buffer or overlaps another; dropped";
     return false;
   }
-  tensor.strides = std::move(layout->strides);
-  tensor.byte_offset = layout->byte_offset;
-  tensor.nbytes = layout->nbytes;
-  tensor.subbyte_padded = padded;
+  SetLayout(tensor, decoded->dtype, decoded->shape, std::move(decoded->layout),
+            decoded->subbyte_padded);
   tensor.sealed = !unpublished;
   tensor.owner_uid = record.owner_uid;
   tensor.recovered = true;
+  tensor.publish_seq = record.publish_seq;
+  tensor.record_state = state;
+  tensor.record_name = name;
   tensors_.emplace(tensor.id, std::move(tensor));
   return true;
 }
@@ -313,8 +340,193 @@ void Catalog::WriteRecordLayout(const Tensor& tensor, TensorRecord& record) {
   std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
 }
 
-void Catalog::WriteRecordState(const Tensor& tensor, RecordState state) {
+void Catalog::WriteRecordState(Tensor& tensor, RecordState state) {
+  tensor.record_state = state;
   control_.record(tensor.slot).state.store(static_cast<uint32_t>(state), std::memory_order_release);
+}
+
+void Catalog::WriteNewRecord(Tensor& tensor) {
+  TensorRecord& record = control_.record(tensor.slot);
+  // Whatever the slot held (a freed tensor's fields, or another process's bytes) goes: free
+  // first, then every byte after the state word, then the fields, then the state.
+  record.state.store(static_cast<uint32_t>(RecordState::kFree), std::memory_order_release);
+  static_assert(offsetof(TensorRecord, state) == 0);
+  std::memset(reinterpret_cast<char*>(&record) + sizeof(record.state), 0,
+              sizeof(TensorRecord) - sizeof(record.state));
+  record.name_length = 0;
+  record.tensor_id = tensor.id;
+  record.publish_seq = 0;
+  record.segment_id = tensor.buffer.segment_id;
+  record.offset = tensor.buffer.offset;
+  record.length = tensor.buffer.length;
+  record.device_type = tensor.device.device_type;
+  record.device_id = tensor.device.device_id;
+  record.owner_uid = tensor.owner_uid;
+  WriteRecordLayout(tensor, record);
+  tensor.publish_seq = 0;
+  tensor.record_name.clear();
+  WriteRecordState(tensor, RecordState::kWriting);
+}
+
+uint64_t Catalog::TakeTensorId() {
+  const uint64_t id = next_tensor_id_++;
+  control_.header().next_tensor_id.store(next_tensor_id_, std::memory_order_relaxed);
+  return id;
+}
+
+uint64_t Catalog::TakePublishSeq() {
+  const uint64_t seq = next_publish_seq_++;
+  control_.header().next_publish_seq.store(next_publish_seq_, std::memory_order_relaxed);
+  return seq;
+}
+
+std::string Catalog::RecordMismatch(const Tensor& tensor) const {
+  TensorRecord found;
+  CopyRecord(control_.record(tensor.slot), found);
+  auto differs = [](absl::string_view field, auto value, auto expected) {
+    return absl::StrCat(field, " ", value, " (the daemon wrote ", expected, ")");
+  };
+  const uint32_t state = found.state.load(std::memory_order_relaxed);
+  if (state != static_cast<uint32_t>(tensor.record_state)) {
+    return differs("state", state, static_cast<uint32_t>(tensor.record_state));
+  }
+  if (found.tensor_id != tensor.id) return differs("tensor_id", found.tensor_id, tensor.id);
+  if (found.publish_seq != tensor.publish_seq) {
+    return differs("publish_seq", found.publish_seq, tensor.publish_seq);
+  }
+  if (found.name_length != tensor.record_name.size()) {
+    return differs("name_length", found.name_length, tensor.record_name.size());
+  }
+  if (std::memcmp(found.name, tensor.record_name.data(), tensor.record_name.size()) != 0) {
+    return absl::StrCat("name \"",
+                        absl::CHexEscape(absl::string_view(found.name, tensor.record_name.size())),
+                        "\" (the daemon wrote \"", tensor.record_name, "\")");
+  }
+  if (found.segment_id != tensor.buffer.segment_id) {
+    return differs("segment_id", found.segment_id, tensor.buffer.segment_id);
+  }
+  if (found.offset != tensor.buffer.offset) {
+    return differs("offset", found.offset, tensor.buffer.offset);
+  }
+  if (found.length != tensor.buffer.length) {
+    return differs("length", found.length, tensor.buffer.length);
+  }
+  if (found.device_type != tensor.device.device_type ||
+      found.device_id != tensor.device.device_id) {
+    return differs("device", absl::StrCat(found.device_type, ":", found.device_id),
+                   DeviceName(tensor.device));
+  }
+  if (found.dtype_code != tensor.dtype.code || found.dtype_bits != tensor.dtype.bits ||
+      found.dtype_lanes != tensor.dtype.lanes) {
+    return differs("dtype",
+                   absl::StrCat("(code ", found.dtype_code, ", bits ", found.dtype_bits, ", lanes ",
+                                found.dtype_lanes, ")"),
+                   DataTypeName(tensor.dtype));
+  }
+  const auto ndim = static_cast<int32_t>(tensor.shape.size());
+  if (found.ndim != ndim) return differs("ndim", found.ndim, ndim);
+  for (int32_t i = 0; i < ndim; ++i) {
+    if (found.shape[i] != tensor.shape[i]) {
+      return differs(absl::StrCat("shape[", i, "]"), found.shape[i], tensor.shape[i]);
+    }
+    if (found.strides[i] != tensor.strides[i]) {
+      return differs(absl::StrCat("strides[", i, "]"), found.strides[i], tensor.strides[i]);
+    }
+  }
+  if (found.byte_offset != tensor.byte_offset) {
+    return differs("byte_offset", found.byte_offset, tensor.byte_offset);
+  }
+  if (found.nbytes != tensor.nbytes) return differs("nbytes", found.nbytes, tensor.nbytes);
+  const uint64_t flags = tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
+  if (found.dlpack_flags != flags) return differs("dlpack_flags", found.dlpack_flags, flags);
+  if (found.owner_uid != tensor.owner_uid) {
+    return differs("owner_uid", found.owner_uid, tensor.owner_uid);
+  }
+  return "";
+}
+
+void Catalog::MarkDamaged(Tensor& tensor, std::string found) {
+  tensor.damage = std::move(found);
+  std::string what;
+  std::string consequence;
+  if (!tensor.name.empty()) {
+    what = absl::StrCat(" \"", tensor.name, "\"");
+    consequence = "acquiring it answers DATA_LOSS until it is deleted or replaced";
+  } else if (tensor.sealed) {
+    what = " (unbound)";
+    consequence = "it is freed once unleased";
+  } else {
+    what = " (unpublished)";
+    consequence = "publishing it answers DATA_LOSS";
+  }
+  TSM_LOG(kError) << "tensor " << tensor.id << what << ": its record in " << control_.name()
+                  << " was overwritten by another process: found " << tensor.damage << "; "
+                  << consequence;
+  if (!tensor.name.empty()) {
+    // The entry stays (the name is bound) but sends readers to the daemon.
+    index_.Bind(NameHash(tensor.name.data(), tensor.name.size()), tensor.slot, kIndexAskDaemon,
+                tensor.slot);
+  }
+}
+
+absl::Status Catalog::DamageError(const Tensor& tensor) const {
+  const std::string& name = tensor.name.empty() ? tensor.record_name : tensor.name;
+  const std::string what = name.empty() ? absl::StrCat("tensor_id = ", tensor.id, " (unpublished)")
+                                        : absl::StrCat("name = \"", name, "\"");
+  return absl::DataLossError(
+      absl::StrCat(what, ": tensor ", tensor.id, "'s record in ", control_.name(),
+                   " was overwritten by another process (found ", tensor.damage, "); ",
+                   name.empty() ? "create the tensor again"
+                                : "its publisher can delete it or publish a replacement"));
+}
+
+absl::Status Catalog::Verify(uint64_t tensor_id) {
+  auto it = tensors_.find(tensor_id);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
+  }
+  Tensor& tensor = it->second;
+  if (tensor.damage.empty()) {
+    std::string found = RecordMismatch(tensor);
+    if (found.empty()) return absl::OkStatus();
+    MarkDamaged(tensor, std::move(found));
+  }
+  return DamageError(tensor);
+}
+
+int Catalog::CheckRecords(size_t budget) {
+  const bool header = control_.RepairHeader(next_tensor_id_, next_publish_seq_);
+  const int segments = pool_->RepairSegmentRecords();
+  if ((header || segments > 0) && !reported_repair_) {
+    reported_repair_ = true;
+    TSM_LOG(kError) << control_.name() << ": another process wrote " << (header ? "the header" : "")
+                    << (header && segments > 0 ? " and " : "")
+                    << (segments > 0 ? absl::StrCat(segments, " segment records") : "")
+                    << "; rewritten as the daemon knows them (logged once)";
+  }
+  int damaged = 0;
+  budget = std::min(budget, tensors_.size());
+  auto it = tensors_.upper_bound(sweep_after_);
+  for (size_t checked = 0; checked < budget; ++checked) {
+    if (it == tensors_.end()) it = tensors_.begin();
+    Tensor& tensor = it->second;
+    if (tensor.damage.empty()) {
+      std::string found = RecordMismatch(tensor);
+      if (!found.empty()) {
+        MarkDamaged(tensor, std::move(found));
+        ++damaged;
+      }
+    }
+    sweep_after_ = it->first;
+    ++it;
+  }
+  return damaged;
+}
+
+int64_t Catalog::damaged_count() const {
+  int64_t count = 0;
+  for (const auto& [id, tensor] : tensors_) count += tensor.damage.empty() ? 0 : 1;
+  return count;
 }
 
 absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType& dtype,
@@ -360,30 +572,15 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   const uint32_t slot = free_slots_.back();
   free_slots_.pop_back();
 
-  ControlHeader& header = control_.header();
   Tensor tensor;
-  tensor.id = header.next_tensor_id.fetch_add(1, std::memory_order_relaxed);
+  tensor.id = TakeTensorId();
   tensor.slot = slot;
   tensor.device = device;
   SetLayout(tensor, dtype, shape, *std::move(layout), subbyte_padded);
   tensor.buffer = buffer;
   tensor.owner_session = session;
   tensor.owner_uid = owner_uid;
-
-  TensorRecord& record = control_.record(slot);
-  TSM_CHECK(record.state.load(std::memory_order_acquire) ==
-            static_cast<uint32_t>(RecordState::kFree));
-  record.name_length = 0;
-  record.tensor_id = tensor.id;
-  record.publish_seq = 0;
-  record.segment_id = buffer.segment_id;
-  record.offset = buffer.offset;
-  record.length = buffer.length;
-  record.device_type = device.device_type;
-  record.device_id = device.device_id;
-  record.owner_uid = owner_uid;
-  WriteRecordLayout(tensor, record);
-  WriteRecordState(tensor, RecordState::kWriting);
+  WriteNewRecord(tensor);
 
   auto [it, inserted] = tensors_.emplace(tensor.id, std::move(tensor));
   TSM_CHECK(inserted);
@@ -402,10 +599,15 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
                                                  "); delete it first or publish with replace"));
   }
 
+  // The commit below vouches for the record: it must still say what the daemon wrote.
+  if (absl::Status s = Verify(tensor_id); !s.ok()) return s;
+
   TensorRecord& record = control_.record(tensor.slot);
   std::memcpy(record.name, name.data(), name.size());
   record.name_length = static_cast<uint32_t>(name.size());
-  record.publish_seq = control_.header().next_publish_seq.fetch_add(1, std::memory_order_relaxed);
+  tensor.record_name = name;
+  tensor.publish_seq = TakePublishSeq();
+  record.publish_seq = tensor.publish_seq;
   tensor.sealed = true;
   tensor.owner_session = 0;
   tensor.name = name;

@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/catalog_layout.h"
 #include "common/layout.h"
 #include "server/catalog_index.h"
 #include "server/control_segment.h"
@@ -43,6 +44,13 @@ struct Tensor {
   std::string ready_event;     // CUDA: the producer's CUipcEventHandle, recorded at publish
   std::string name;            // bound name; empty when unbound
   int64_t leases = 0;
+  // What the daemon wrote into its TensorRecord, beyond the fields above: the record must keep
+  // saying so (see Catalog::Verify).
+  uint64_t publish_seq = 0;                       // 0 until published
+  RecordState record_state = RecordState::kFree;  // the state word last written
+  std::string record_name;                        // the name the record holds (kept when unbound)
+  // Non-empty once its record was found overwritten: what the record held instead.
+  std::string damage;
 };
 
 struct CatalogOptions {
@@ -58,6 +66,12 @@ struct CatalogOptions {
 
 // Thread-compatible: the service serialises all calls under its mutex. Tensor pointers returned
 // stay valid until the tensor is freed (by Release, Delete, Abandon or a replace).
+//
+// The control segment is shared memory that any process of the daemon's uid can open read-write,
+// so the catalog trusts nothing it reads there after Create / Recover: its record count, tensor
+// ids and publish sequence numbers live in its own memory (they are only stored into the header,
+// for a later recovery), and a tensor whose record no longer says what the daemon wrote is
+// damaged (see Verify), never a reason to stop.
 //
 // Two kinds of lease keep a tensor's memory: counted ones (AddLease, the RPC path) and the slots
 // of lease pages (the fast path, see LeaseBoard). A tensor whose name went and whose counted
@@ -158,6 +172,27 @@ class Catalog {
   // FAILED_PRECONDITION (already published) otherwise.
   absl::Status Abandon(uint64_t session, uint64_t tensor_id);
 
+  // OK while the record of tensor `tensor_id` says what the daemon wrote into it. Otherwise,
+  // found now or before, the tensor is damaged: DATA_LOSS naming its name, id and what its record
+  // holds. Finding it damaged logs that once and turns its index entry, while it is bound, into
+  // "ask the daemon" (clients then acquire over RPC, which answers this). A damaged tensor can
+  // still be deleted and replaced, and is freed as usual once unleased; its slot's record is
+  // rewritten when the slot is reused. NOT_FOUND for an unknown id.
+  absl::Status Verify(uint64_t tensor_id);
+
+  // Verifies the records of up to `budget` tensors, taking up where the last call stopped (the
+  // housekeeping thread's incremental sweep), and writes back the control segment's header and
+  // segment records where they no longer say what the daemon knows (see
+  // ControlSegment::RepairHeader, HostPool::RepairSegmentRecords). Returns how many tensors were
+  // found damaged in this call.
+  int CheckRecords(size_t budget);
+
+  // Tensors found damaged that still hold memory.
+  int64_t damaged_count() const;
+  // The next tensor id and publish sequence number to hand out.
+  uint64_t next_tensor_id() const { return next_tensor_id_; }
+  uint64_t next_publish_seq() const { return next_publish_seq_; }
+
   // Bound names starting with `prefix`, in name order.
   std::vector<const Tensor*> List(const std::string& prefix) const;
 
@@ -171,9 +206,9 @@ class Catalog {
  private:
   Catalog(ControlSegment control, CatalogIndex index, uint64_t instance_id,
           bool all_slots_free = true);
-  // Turns the record in `slot` back into a Tensor (sealed unless `unpublished`), reserving its
-  // buffer; false if it is invalid.
-  bool Restore(uint32_t slot, bool unpublished);
+  // Turns `record` (a copy of the one in `slot`, in state `state`) back into a Tensor (sealed
+  // unless kWriting), reserving its buffer; false if it is invalid.
+  bool Restore(uint32_t slot, const TensorRecord& record, RecordState state);
   // After its name went (unlinked from the index already): frees the tensor unless leases or
   // the grace period keep it.
   void Unbind(std::map<uint64_t, Tensor>::iterator it);
@@ -185,7 +220,21 @@ class Catalog {
   // or PERMISSION_DENIED (another session's) otherwise.
   absl::StatusOr<std::map<uint64_t, Tensor>::iterator> FindUnpublished(uint64_t session,
                                                                        uint64_t tensor_id);
-  void WriteRecordState(const Tensor& tensor, RecordState state);
+  void WriteRecordState(Tensor& tensor, RecordState state);
+  // Writes every field of `tensor`'s record afresh (a reused slot), state kWriting last.
+  void WriteNewRecord(Tensor& tensor);
+  // Empty if `tensor`'s record says what the daemon wrote; else the first field that does not,
+  // with the value found and the one expected.
+  std::string RecordMismatch(const Tensor& tensor) const;
+  // Records that `tensor`'s record holds `found`: logs it, and points its index entry (if bound)
+  // to the daemon.
+  void MarkDamaged(Tensor& tensor, std::string found);
+  // DATA_LOSS for damaged `tensor`.
+  absl::Status DamageError(const Tensor& tensor) const;
+  // Hands out the next tensor id / publish sequence number, storing the one after into the
+  // shared header for a later recovery.
+  uint64_t TakeTensorId();
+  uint64_t TakePublishSeq();
   // Gives `tensor` the dtype, shape and `layout` (from ComputeLayout) it describes.
   static void SetLayout(Tensor& tensor, const DLDataType& dtype, absl::Span<const int64_t> shape,
                         TensorLayout layout, bool subbyte_padded);
@@ -203,6 +252,10 @@ class Catalog {
   std::unordered_map<std::string, uint64_t> names_;  // bound name -> tensor id
   std::set<uint64_t> retired_;                       // ids: unbound, held by lease pages only
   bool in_grace_ = false;
+  uint64_t next_tensor_id_ = 1;
+  uint64_t next_publish_seq_ = 1;
+  uint64_t sweep_after_ = 0;      // CheckRecords goes on with the tensor ids above this one
+  bool reported_repair_ = false;  // a rewritten header or segment record was logged
 };
 
 }  // namespace tensorshm

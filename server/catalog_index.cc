@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "server/log.h"
 
 namespace tensorshm {
 
@@ -24,7 +25,7 @@ absl::StatusOr<CatalogIndex> CatalogIndex::Create(uint32_t record_count, uint64_
       ShmSegment::Create(absl::StrCat("/tensorshm-index-", instance_id),
                          IndexBytes(buckets, record_count), /*map=*/true, SegmentBacking::kMemfd);
   if (!shm.ok()) return shm.status();
-  CatalogIndex index(*std::move(shm));
+  CatalogIndex index(*std::move(shm), buckets, record_count);
   // A fresh memfd is all zeros: every bucket empty at sequence 0.
   IndexHeader& header = index.mutable_header();
   header.layout_version = kIndexLayoutVersion;
@@ -40,28 +41,35 @@ absl::StatusOr<CatalogIndex> CatalogIndex::Create(uint32_t record_count, uint64_
 IndexBucket& CatalogIndex::bucket(uint64_t name_hash) {
   auto* buckets =
       reinterpret_cast<IndexBucket*>(static_cast<char*>(shm_.address()) + IndexBucketsOffset());
-  return buckets[name_hash & (header().bucket_count - 1)];
+  return buckets[name_hash & (bucket_count_ - 1)];
 }
 
 IndexEntry& CatalogIndex::entry(uint32_t slot) {
-  TSM_CHECK(slot < header().record_count);
+  TSM_CHECK(slot < record_count_);
   auto* entries = reinterpret_cast<IndexEntry*>(static_cast<char*>(shm_.address()) +
-                                                IndexEntriesOffset(header().bucket_count));
+                                                IndexEntriesOffset(bucket_count_));
   return entries[slot];
 }
 
 void CatalogIndex::Unlink(IndexBucket& bucket, uint32_t slot) {
   std::atomic<uint32_t>* link = &bucket.head;
-  for (uint32_t steps = 0; steps <= header().record_count; ++steps) {
+  for (uint32_t steps = 0; steps <= record_count_; ++steps) {
     const uint32_t current = link->load(std::memory_order_relaxed);
     if (current == 0) return;
     if (current == slot + 1) {
-      link->store(entry(slot).next.load(std::memory_order_relaxed), std::memory_order_release);
+      uint32_t next = entry(slot).next.load(std::memory_order_relaxed);
+      if (next > record_count_) next = 0;
+      link->store(next, std::memory_order_release);
       return;
     }
+    if (current > record_count_) break;
     link = &entry(current - 1).next;
   }
-  TSM_CHECK(false && "catalog index: a chain loops");
+  // Only another process writing the index makes a chain loop or leave the table: the chain ends
+  // here, and the entries past this link leave the fast path (their names go to the RPCs).
+  TSM_LOG(kError) << "catalog index: a chain does not read as the daemon wrote it (another "
+                     "process wrote the index); cut short";
+  link->store(0, std::memory_order_release);
 }
 
 void CatalogIndex::Bind(uint64_t name_hash, uint32_t slot, uint64_t tensor_id,

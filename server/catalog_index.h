@@ -14,6 +14,10 @@ namespace tensorshm {
 
 // Thread-compatible: the catalog serialises the writers. Heartbeat and StopServing may run
 // concurrently with them (they touch only header atomics). Move-only.
+//
+// The daemon writes the index alone, but a process of its uid could reopen the memfd writable
+// (through /proc): the bucket and record counts are kept here, and a chain that does not read as
+// the daemon left it is cut short, never followed out of bounds or forever.
 class CatalogIndex {
  public:
   // A memfd index for `record_count` records, empty and serving. Errors as ShmSegment::Create.
@@ -40,7 +44,8 @@ class CatalogIndex {
   const IndexHeader& header() const { return *static_cast<IndexHeader*>(shm_.address()); }
 
  private:
-  explicit CatalogIndex(ShmSegment shm) : shm_(std::move(shm)) {}
+  CatalogIndex(ShmSegment shm, uint32_t bucket_count, uint32_t record_count)
+      : shm_(std::move(shm)), bucket_count_(bucket_count), record_count_(record_count) {}
   IndexHeader& mutable_header() { return *static_cast<IndexHeader*>(shm_.address()); }
   IndexBucket& bucket(uint64_t name_hash);
   IndexEntry& entry(uint32_t slot);
@@ -48,6 +53,8 @@ class CatalogIndex {
   void Unlink(IndexBucket& bucket, uint32_t slot);
 
   ShmSegment shm_;
+  uint32_t bucket_count_;  // a power of two
+  uint32_t record_count_;
 };
 
 // CLOCK_MONOTONIC in nanoseconds (the heartbeat's clock).

@@ -36,7 +36,7 @@ absl::StatusOr<ControlSegment> ControlSegment::Create(const std::string& prefix,
   std::memcpy(header->shm_prefix, prefix.data(), prefix.size());
   // The magic goes last: a header with it is complete.
   __atomic_store_n(&header->magic, kControlMagic, __ATOMIC_RELEASE);
-  return ControlSegment(*std::move(shm));
+  return ControlSegment(*std::move(shm), prefix, record_count, host_pool_bytes, host_segment_bytes);
 }
 
 absl::StatusOr<ControlSegment> ControlSegment::Open(const std::string& prefix) {
@@ -59,12 +59,53 @@ absl::StatusOr<ControlSegment> ControlSegment::Open(const std::string& prefix) {
       header->tensor_record_bytes != sizeof(TensorRecord) || header->max_segments != kMaxSegments) {
     return bad("record sizes");
   }
-  if (shm->size() < ControlSegmentBytes(header->record_count)) return bad("record_count");
+  // Read once: the validated value is the one kept.
+  const uint32_t record_count = __atomic_load_n(&header->record_count, __ATOMIC_RELAXED);
+  if (record_count == 0 || shm->size() < ControlSegmentBytes(record_count)) {
+    return bad(absl::StrCat("record_count ", record_count));
+  }
   if (std::string(header->shm_prefix, strnlen(header->shm_prefix, sizeof(header->shm_prefix))) !=
       prefix) {
     return bad("shm_prefix");
   }
-  return ControlSegment(*std::move(shm));
+  return ControlSegment(*std::move(shm), prefix, record_count,
+                        __atomic_load_n(&header->host_pool_bytes, __ATOMIC_RELAXED),
+                        __atomic_load_n(&header->host_segment_bytes, __ATOMIC_RELAXED));
+}
+
+bool ControlSegment::RepairHeader(uint64_t next_tensor_id, uint64_t next_publish_seq) const {
+  ControlHeader& header = this->header();
+  bool repaired = false;
+  auto repair = [&repaired](auto& word, auto value) {
+    if (__atomic_load_n(&word, __ATOMIC_RELAXED) != value) {
+      __atomic_store_n(&word, value, __ATOMIC_RELAXED);
+      repaired = true;
+    }
+  };
+  repair(header.layout_version, kControlLayoutVersion);
+  repair(header.header_bytes, kControlHeaderBytes);
+  repair(header.segment_record_bytes, static_cast<uint32_t>(sizeof(SegmentRecord)));
+  repair(header.tensor_record_bytes, static_cast<uint32_t>(sizeof(TensorRecord)));
+  repair(header.max_segments, kMaxSegments);
+  repair(header.record_count, record_count_);
+  repair(header.host_pool_bytes, host_pool_bytes_);
+  repair(header.host_segment_bytes, host_segment_bytes_);
+  for (size_t i = 0; i < sizeof(header.shm_prefix); ++i) {
+    repair(header.shm_prefix[i], i < prefix_.size() ? prefix_[i] : '\0');
+  }
+  if (header.next_tensor_id.load(std::memory_order_relaxed) != next_tensor_id) {
+    header.next_tensor_id.store(next_tensor_id, std::memory_order_relaxed);
+    repaired = true;
+  }
+  if (header.next_publish_seq.load(std::memory_order_relaxed) != next_publish_seq) {
+    header.next_publish_seq.store(next_publish_seq, std::memory_order_relaxed);
+    repaired = true;
+  }
+  if (__atomic_load_n(&header.magic, __ATOMIC_ACQUIRE) != kControlMagic) {
+    __atomic_store_n(&header.magic, kControlMagic, __ATOMIC_RELEASE);  // last, as in Create
+    repaired = true;
+  }
+  return repaired;
 }
 
 SegmentRecord& ControlSegment::segment(uint32_t index) const {

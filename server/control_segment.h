@@ -13,6 +13,10 @@ namespace tensorshm {
 
 // Thread-compatible: the catalog serialises access. Move-only; unlinks the segment when
 // destroyed.
+//
+// The segment is shared memory another process of the daemon's uid can open read-write: its
+// layout (record_count) is validated once, at Create or Open, and kept here; the daemon never
+// trusts what it reads from the segment later (see Catalog).
 class ControlSegment {
  public:
   // Creates "/<prefix>.ctl" (a memfd with SegmentBacking::kMemfd) with room for `record_count`
@@ -33,15 +37,34 @@ class ControlSegment {
   absl::StatusOr<int> OpenForClient() const { return shm_.OpenForClient(/*writable=*/false); }
   uint64_t size() const { return shm_.size(); }
 
+  // The shared header, for storing into it (a later recovery reads it); nothing read from it
+  // after Create / Open is trusted.
   ControlHeader& header() const { return *static_cast<ControlHeader*>(shm_.address()); }
   SegmentRecord& segment(uint32_t index) const;
+  // REQUIRES: slot < record_count().
   TensorRecord& record(uint32_t slot) const;
-  uint32_t record_count() const { return header().record_count; }
+  // The record count validated at Create / Open (not the header's word, which may have changed).
+  uint32_t record_count() const { return record_count_; }
+
+  // Writes every header word that no longer holds what Create wrote or Open found (another
+  // process wrote it) back, with the two counters as given: later clients then map the segment
+  // again, and a later recovery finds a header it accepts. Returns whether any word differed.
+  bool RepairHeader(uint64_t next_tensor_id, uint64_t next_publish_seq) const;
   const std::string& name() const { return shm_.name(); }
 
  private:
-  explicit ControlSegment(ShmSegment shm) : shm_(std::move(shm)) {}
+  ControlSegment(ShmSegment shm, std::string prefix, uint32_t record_count,
+                 uint64_t host_pool_bytes, uint64_t host_segment_bytes)
+      : shm_(std::move(shm)),
+        prefix_(std::move(prefix)),
+        record_count_(record_count),
+        host_pool_bytes_(host_pool_bytes),
+        host_segment_bytes_(host_segment_bytes) {}
   ShmSegment shm_;
+  std::string prefix_;
+  uint32_t record_count_;
+  uint64_t host_pool_bytes_;
+  uint64_t host_segment_bytes_;
 };
 
 }  // namespace tensorshm

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/tensor_record.h"
 
 namespace tensorshm {
 
@@ -38,15 +39,18 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
                                            ControlSegment* control) {
   HostPool pool(options, control);
   for (uint32_t index = 0; index < kMaxSegments; ++index) {
-    const SegmentRecord& record = control->segment(index);
-    const auto state = static_cast<SegmentState>(record.state.load(std::memory_order_acquire));
+    // Copied once: another process may write the segment while it is read (see CopyRecord).
+    control->segment(index).state.load(std::memory_order_acquire);
+    SegmentRecord record;
+    CopyRecord(control->segment(index), record);
+    const auto state = static_cast<SegmentState>(record.state.load(std::memory_order_relaxed));
     if (state != SegmentState::kLive && state != SegmentState::kEphemeral) {
       break;  // segments are added in order; the first unused one ends the list
     }
     if (state == SegmentState::kEphemeral) {
       // A memfd ended with the old daemon: its id stays taken, its tensors are dropped.
-      pool.segments_.push_back(
-          PoolSegment{std::nullopt, BestFitAllocator(0), record.owner_uid, record.instance});
+      pool.segments_.push_back(PoolSegment{std::nullopt, BestFitAllocator(0), record.owner_uid,
+                                           record.instance, record.size});
       continue;
     }
     const std::string name = absl::StrCat("/", options.shm_prefix, ".cpu.", index + 1);
@@ -69,7 +73,7 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
     }
     // The same object as before: clients keep the instance that created it as its key.
     pool.segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(record.size),
-                                         record.owner_uid, record.instance});
+                                         record.owner_uid, record.instance, record.size});
   }
   if (pool.segments_.empty()) {
     if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes),
@@ -84,6 +88,45 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
 bool HostPool::Reserve(const Buffer& buffer) {
   if (!HasSegment(buffer.segment_id)) return false;
   return segments_[buffer.segment_id - 1].allocator.Reserve(buffer.offset, buffer.length);
+}
+
+int HostPool::RepairSegmentRecords() const {
+  int repaired = 0;
+  for (uint32_t index = 0; index < kMaxSegments; ++index) {
+    SegmentRecord& record = control_->segment(index);
+    if (index >= segments_.size()) {
+      if (record.state.load(std::memory_order_relaxed) !=
+          static_cast<uint32_t>(SegmentState::kUnused)) {
+        record.state.store(static_cast<uint32_t>(SegmentState::kUnused), std::memory_order_release);
+        ++repaired;
+      }
+      continue;
+    }
+    const PoolSegment& segment = segments_[index];
+    const SegmentState state =
+        segment.shm.has_value() && segment.shm->backing() == SegmentBacking::kNamed
+            ? SegmentState::kLive
+            : SegmentState::kEphemeral;
+    SegmentRecord found;
+    CopyRecord(record, found);
+    if (found.state.load(std::memory_order_relaxed) == static_cast<uint32_t>(state) &&
+        found.device_type == kDLCPU && found.device_id == 0 &&
+        found.owner_uid == segment.owner_uid && found.segment_id == index + 1 &&
+        found.size == segment.size && found.instance == segment.instance) {
+      continue;
+    }
+    // The state last, as AddSegment writes it (never unused in between: a recovery would stop
+    // there).
+    record.device_type = kDLCPU;
+    record.device_id = 0;
+    record.owner_uid = segment.owner_uid;
+    record.segment_id = index + 1;
+    record.size = segment.size;
+    record.instance = segment.instance;
+    record.state.store(static_cast<uint32_t>(state), std::memory_order_release);
+    ++repaired;
+  }
+  return repaired;
 }
 
 void HostPool::KeepSegments() {
@@ -103,7 +146,8 @@ absl::Status HostPool::AddSegment(uint64_t size, uint32_t uid) {
   absl::StatusOr<ShmSegment> shm = ShmSegment::Create(
       absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size, /*map=*/false, backing);
   if (!shm.ok()) return shm.status();
-  segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(size), uid, options_.instance});
+  segments_.push_back(
+      PoolSegment{*std::move(shm), BestFitAllocator(size), uid, options_.instance, size});
   SegmentRecord& record = control_->segment(static_cast<uint32_t>(id - 1));
   record.device_type = kDLCPU;
   record.device_id = 0;

@@ -57,6 +57,12 @@ class HostPool {
   // Leaves every segment in place when the pool is destroyed (--keep-segments).
   void KeepSegments();
 
+  // Writes back every SegmentRecord of the control segment that no longer says what the pool
+  // knows of its segment (another process wrote it), and marks unused every record past the
+  // pool's segments: clients keep mapping the segments, and a later recovery finds them. Returns
+  // how many records it rewrote.
+  int RepairSegmentRecords() const;
+
   // Returns a buffer of at least `nbytes` (rounded up to whole pages) for `uid`, taken best-fit
   // from that uid's segments or, failing that, from a new segment of its own while the capacity
   // allows. A buffer for a uid other than the owner's reads as zeros. RESOURCE_EXHAUSTED naming
@@ -93,6 +99,7 @@ class HostPool {
     BestFitAllocator allocator;
     uint32_t owner_uid;
     uint64_t instance;
+    uint64_t size;  // as recorded: the object's size (a lost memfd's as its record said)
   };
   HostPool(HostPoolOptions options, ControlSegment* control)
       : options_(std::move(options)), control_(control) {}
