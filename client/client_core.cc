@@ -199,6 +199,17 @@ void ClientCore::RetireFastPath() {
   page_leases_.fetch_sub(converted, std::memory_order_acq_rel);
 }
 
+void ClientCore::SweepReadyEvents() {
+  // Only when enough events piled up: one look reads every record of the catalog, so at least
+  // record_count / kRecordsPerSweptEvent events must be there to pay for it.
+  constexpr size_t kRecordsPerSweptEvent = 256;
+  if (cuda_.ready_event_count() < kMinReadyEventSweep) return;
+  std::shared_ptr<FastPath> fast = fast_path();
+  if (fast == nullptr) return;
+  cuda_.SweepReadyEvents(fast->record_count() / kRecordsPerSweptEvent,
+                         [&](std::vector<uint64_t>* ids) { fast->HeldTensorIds(ids); });
+}
+
 std::shared_ptr<FastPath> ClientCore::fast_path() const {
   MutexLock lock(&mu_);
   return fast_;

@@ -136,6 +136,10 @@ class ClientCore {
   v1::TensorShm::Stub& stub() { return *stub_; }
   SegmentMap& segments() { return segments_; }
   CudaState& cuda() { return cuda_; }
+  // Destroys the ready events of tensors the daemon no longer holds, once there are enough of
+  // them to be worth a look through the fast path's view of the catalog (without a fast path,
+  // they wait for the next session that has one). Cheap when there are few.
+  void SweepReadyEvents() ABSL_LOCKS_EXCLUDED(mu_);
   std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket() const { return socket_; }
 
