@@ -259,7 +259,12 @@ int Run(int argc, char** argv) {
   }
   (*listener)->Start(
       [&](int fd, const PeerCredentials& peer) {
-        peers.Add(absl::StrCat("fd:", fd), peer);
+        // gRPC names the connection "fd:N"; its calls are admitted by these credentials.
+        if (absl::Status s = peers.Add(fd, peer); !s.ok()) {
+          TSM_LOG(kWarning) << "connection refused: " << s.message();
+          close(fd);
+          return;
+        }
         TSM_LOG(kDebug) << "accepted fd " << fd << ": pid " << peer.pid << ", uid " << peer.uid;
         grpc::AddInsecureChannelFromFd(server.get(), fd);
       },
