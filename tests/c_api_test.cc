@@ -27,6 +27,7 @@ namespace {
 // Allocations on this thread left before one fails with std::bad_alloc; -1: none fails.
 thread_local int allocations_before_failure = -1;
 
+#ifndef TSM_SANITIZER_ALLOCATOR
 void* Allocate(size_t size) {
   if (allocations_before_failure == 0) {
     allocations_before_failure = -1;
@@ -36,6 +37,7 @@ void* Allocate(size_t size) {
   if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
   throw std::bad_alloc();
 }
+#endif
 
 }  // namespace
 
