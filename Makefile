@@ -76,7 +76,7 @@ test-tsan: setup
 	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 suppressions=$(CURDIR)/tests/tsan.supp" \
 	  ctest -j1 --output-on-failure --no-tests=error -R '$(TSAN_TESTS)'
 
-TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes|Reconnect|Cuda|Channel|Restart|Fork|FastPath
+TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes|Reconnect|Cuda|Channel|Restart|Fork|FastPath|Flush
 
 # Everything built with clang, -Wthread-safety and -Werror: the locking annotations
 # (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED, ...) are checked at compile time. CI runs it.
@@ -93,18 +93,23 @@ check-thread-safety: setup
 	@grep -q "calling function 'Wait' requires holding mutex 'mu_'" build-clang/violation.log
 	@echo "check-thread-safety: clang -Wthread-safety -Werror build passed; violation.cc refused"
 
-# libFuzzer over request validation and descriptor decoding (clang, ASan+UBSan), from a seed
-# corpus generated from the proto; FUZZ_SECONDS bounds the run, and any crash fails it.
+# libFuzzer (clang, ASan+UBSan), from seed corpora generated from the proto: request_fuzzer over
+# request validation and descriptor decoding, channel_frame_fuzzer over the memory channel's
+# framing and the daemon's frame loop. FUZZ_SECONDS bounds each run, and any crash fails it.
 FUZZ_SECONDS ?= 60
 fuzz: setup
 	@CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DTENSORSHM_SANITIZE=address -DTENSORSHM_FUZZ=ON -DTENSORSHM_BUILD_TESTS=OFF \
 	  -DTENSORSHM_BUILD_BENCH=OFF -DTENSORSHM_BUILD_DAEMON=OFF >/dev/null
-	@cmake --build build-fuzz -j$(JOBS) --target request_fuzzer make_fuzz_seeds
-	@rm -rf build-fuzz/seeds && mkdir -p build-fuzz/seeds build-fuzz/corpus
-	build-fuzz/tests/fuzz/make_fuzz_seeds build-fuzz/seeds
+	@cmake --build build-fuzz -j$(JOBS) --target request_fuzzer channel_frame_fuzzer make_fuzz_seeds
+	@rm -rf build-fuzz/seeds build-fuzz/channel-seeds
+	@mkdir -p build-fuzz/seeds build-fuzz/corpus build-fuzz/channel-seeds build-fuzz/channel-corpus
+	build-fuzz/tests/fuzz/make_fuzz_seeds build-fuzz/seeds build-fuzz/channel-seeds
 	ASAN_OPTIONS=detect_leaks=1 build-fuzz/tests/fuzz/request_fuzzer build-fuzz/corpus \
 	  build-fuzz/seeds -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1
+	ASAN_OPTIONS=detect_leaks=1 build-fuzz/tests/fuzz/channel_frame_fuzzer \
+	  build-fuzz/channel-corpus build-fuzz/channel-seeds -max_total_time=$(FUZZ_SECONDS) \
+	  -max_len=8192 -print_final_stats=1
 
 bench: build
 	$(BUILD_DIR)/bench/handoff_bench $(ARGS)

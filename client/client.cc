@@ -582,7 +582,7 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   if (tensor.tensor_.device.device_type == kDLCUDA) {
     // Acquirers wait for what was issued on the producer's stream up to here.
     absl::StatusOr<std::string> event = core_->cuda().RecordReadyEvent(
-        tensor.tensor_.device.device_id, static_cast<CUstream>(ready_stream));
+        tensor.tensor_.device.device_id, static_cast<CUstream>(ready_stream), tensor.tensor_id_);
     if (!event.ok()) return event.status();
     request.set_ready_event(*std::move(event));
   }
@@ -596,6 +596,7 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   tensor.Unmap();
   tensor.published_ = true;
   core_->Published(tensor.key_);
+  if (tensor.tensor_.device.device_type == kDLCUDA) core_->SweepReadyEvents();
   if (acquired != nullptr) *acquired = std::move(*response.mutable_acquired());
   return absl::OkStatus();
 }

@@ -210,6 +210,17 @@ void ClientCore::RetireFastPath() {
   page_leases_.fetch_sub(converted, std::memory_order_acq_rel);
 }
 
+void ClientCore::SweepReadyEvents() {
+  // Only when enough events piled up: one look reads every record of the catalog, so at least
+  // record_count / kRecordsPerSweptEvent events must be there to pay for it.
+  constexpr size_t kRecordsPerSweptEvent = 256;
+  if (cuda_.ready_event_count() < kMinReadyEventSweep) return;
+  std::shared_ptr<FastPath> fast = fast_path();
+  if (fast == nullptr) return;
+  cuda_.SweepReadyEvents(fast->record_count() / kRecordsPerSweptEvent,
+                         [&](std::vector<uint64_t>* ids) { fast->HeldTensorIds(ids); });
+}
+
 std::shared_ptr<FastPath> ClientCore::fast_path() const {
   MutexLock lock(&mu_);
   return fast_;
@@ -244,6 +255,11 @@ bool ClientCore::Reconnect() {
       // leases is gone, and they must not be re-registered.
       for (uint64_t key : pending_leases_) held_.erase(key);
       for (uint64_t key : pending_abandons_) unpublished_.erase(key);
+      // Settled, as is the batch the broken stream lost: nothing is left to send for them.
+      taken_releases_ += pending_leases_.size();
+      taken_abandons_ += pending_abandons_.size();
+      settled_releases_ = taken_releases_;
+      settled_abandons_ = taken_abandons_;
       pending_leases_.clear();
       pending_abandons_.clear();
       if (SenderDone()) return false;
@@ -357,6 +373,7 @@ absl::Status ClientCore::LeaseStatus(uint64_t key) const {
 void ClientCore::QueueRelease(uint64_t key) noexcept {
   MutexLock lock(&mu_);
   pending_leases_.push_back(key);
+  ++queued_releases_;
   --outstanding_;
   work_.Signal();
 }
@@ -364,6 +381,7 @@ void ClientCore::QueueRelease(uint64_t key) noexcept {
 void ClientCore::QueueAbandon(uint64_t key) noexcept {
   MutexLock lock(&mu_);
   pending_abandons_.push_back(key);
+  ++queued_abandons_;
   --outstanding_;
   work_.Signal();
 }
@@ -379,12 +397,20 @@ bool ClientCore::CloseClient() {
 absl::Status ClientCore::Flush() {
   MutexLock lock(&mu_);
   // Always a round trip: page leases were given back by a store the daemon has not seen yet,
-  // and an empty batch makes it look (and free what they held).
+  // and an empty batch makes it look (and free what they held). Then as many more as it takes
+  // to send everything queued before now: a batch holds at most kMaxBatch ids of each kind, and
+  // the sender keeps sending while the queues are not empty.
   const uint64_t target = next_sequence_;
+  const uint64_t releases = queued_releases_;
+  const uint64_t abandons = queued_abandons_;
   flush_requested_ = true;
   work_.Signal();
-  while (acked_sequence_ < target && connected_) acked_.Wait(&mu_);
-  if (acked_sequence_ < target) {
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return acked_sequence_ >= target && settled_releases_ >= releases &&
+           settled_abandons_ >= abandons;
+  };
+  while (!done() && connected_) acked_.Wait(&mu_);
+  if (!done()) {
     return absl::UnavailableError(absl::StrCat(
         "session with tensorshmd at unix:", socket_, " ended; reconnecting",
         reconnect_error_.ok() ? ""
@@ -404,6 +430,7 @@ bool ClientCore::TakeBatch(v1::ReleaseBatch* batch) {
     held_.erase(it);
   }
   pending_leases_.erase(pending_leases_.begin(), pending_leases_.begin() + taken);
+  taken_releases_ += taken;
   taken = 0;
   for (; taken < pending_abandons_.size() && batch->abandoned_tensor_ids_size() < kMaxBatch;
        ++taken) {
@@ -413,6 +440,7 @@ bool ClientCore::TakeBatch(v1::ReleaseBatch* batch) {
     unpublished_.erase(it);
   }
   pending_abandons_.erase(pending_abandons_.begin(), pending_abandons_.begin() + taken);
+  taken_abandons_ += taken;
   return batch->lease_ids_size() > 0 || batch->abandoned_tensor_ids_size() > 0;
 }
 
@@ -443,6 +471,8 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
         if (!TakeBatch(request.mutable_release()) && !probe && !flush) {
           // Only ids the daemon no longer knows: nothing to send.
           acked_sequence_ = sequence;
+          settled_releases_ = taken_releases_;
+          settled_abandons_ = taken_abandons_;
           acked_.SignalAll();
           continue;
         }
@@ -472,6 +502,9 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
       }
     }
     acked_sequence_ = sequence;
+    // One batch is in flight at a time: what was taken is what this ack settles.
+    settled_releases_ = taken_releases_;
+    settled_abandons_ = taken_abandons_;
     acked_.SignalAll();
   }
   // Tensors released while the process exits (Python's finalization) end a detached sender in

@@ -146,6 +146,10 @@ class ClientCore {
   }
   SegmentMap& segments() { return segments_; }
   CudaState& cuda() { return cuda_; }
+  // Destroys the ready events of tensors the daemon no longer holds, once there are enough of
+  // them to be worth a look through the fast path's view of the catalog (without a fast path,
+  // they wait for the next session that has one). Cheap when there are few.
+  void SweepReadyEvents() ABSL_LOCKS_EXCLUDED(mu_);
   std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket() const { return socket_; }
 
@@ -201,6 +205,17 @@ class ClientCore {
   std::unordered_map<uint64_t, uint64_t> unpublished_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);    // keys
   std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);  // keys
+  // Releases (leases) and abandons queued so far, counted over the client's life, and how many
+  // of each are settled: sent in a batch the daemon acknowledged, or dropped (their daemon is
+  // gone, or it no longer knew them). The queues are FIFO, so Flush waits until the settled
+  // counts reach the queued counts it saw, however many batches that takes.
+  uint64_t queued_releases_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t queued_abandons_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t settled_releases_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t settled_abandons_ ABSL_GUARDED_BY(mu_) = 0;
+  // Taken off the queues into batches not yet acknowledged (settled when they are).
+  uint64_t taken_releases_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t taken_abandons_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t acked_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status rejection_ ABSL_GUARDED_BY(mu_);

@@ -1,5 +1,6 @@
 #include "client/cuda_state.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -13,9 +14,9 @@ CudaState::~CudaState() {
     ScopedContext scope(driver_, contexts_.at(key.first));
     driver_->cuIpcCloseMemHandle(base);
   }
-  for (const auto& [handle, event] : events_) {
-    ScopedContext scope(driver_, contexts_.at(event.first));
-    driver_->cuEventDestroy_v2(event.second);
+  for (const auto& [handle, ready] : events_) {
+    ScopedContext scope(driver_, contexts_.at(ready.ordinal));
+    driver_->cuEventDestroy_v2(ready.event);
   }
   for (const auto& [ordinal, context] : contexts_) {
     CUdevice device;
@@ -117,27 +118,66 @@ absl::StatusOr<CUdeviceptr> CudaState::OpenSegment(int ordinal, const SegmentKey
                    });
 }
 
-absl::StatusOr<std::string> CudaState::RecordReadyEvent(int ordinal, CUstream stream) {
-  return InContext(ordinal,
-                   [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<std::string> {
-                     CUevent event;
-                     if (absl::Status s = TSM_CU(driver_, ordinal, cuEventCreate, &event,
-                                                 CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
-                         !s.ok()) {
-                       return s;
-                     }
-                     CUipcEventHandle ipc;
-                     absl::Status status = TSM_CU(driver_, ordinal, cuEventRecord, event, stream);
-                     if (status.ok())
-                       status = TSM_CU(driver_, ordinal, cuIpcGetEventHandle, &ipc, event);
-                     if (!status.ok()) {
-                       driver_->cuEventDestroy_v2(event);
-                       return status;
-                     }
-                     std::string handle(ipc.reserved, sizeof(ipc.reserved));
-                     events_.emplace(handle, std::make_pair(ordinal, event));
-                     return handle;
-                   });
+absl::StatusOr<std::string> CudaState::RecordReadyEvent(int ordinal, CUstream stream,
+                                                        uint64_t tensor_id) {
+  return InContext(
+      ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<std::string> {
+        CUevent event;
+        if (absl::Status s = TSM_CU(driver_, ordinal, cuEventCreate, &event,
+                                    CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+            !s.ok()) {
+          return s;
+        }
+        CUipcEventHandle ipc;
+        absl::Status status = TSM_CU(driver_, ordinal, cuEventRecord, event, stream);
+        if (status.ok()) status = TSM_CU(driver_, ordinal, cuIpcGetEventHandle, &ipc, event);
+        if (!status.ok()) {
+          driver_->cuEventDestroy_v2(event);
+          return status;
+        }
+        std::string handle(ipc.reserved, sizeof(ipc.reserved));
+        events_[handle] = ReadyEvent{ordinal, event, tensor_id, next_event_serial_++, 0};
+        return handle;
+      });
+}
+
+size_t CudaState::ready_event_count() const {
+  MutexLock lock(&mu_);
+  return events_.size();
+}
+
+int CudaState::SweepReadyEvents(
+    size_t sweep_at, const std::function<void(std::vector<uint64_t>*)>& held_tensor_ids) {
+  uint64_t before = 0;
+  {
+    MutexLock lock(&mu_);
+    sweep_at = std::max({sweep_at, kMinReadyEventSweep, 2 * events_after_sweep_});
+    if (sweeping_ || events_.size() < sweep_at) return 0;
+    sweeping_ = true;
+    before = next_event_serial_;
+  }
+  // Outside the lock: the scan reads every record of the daemon's catalog.
+  std::vector<uint64_t> held;
+  held_tensor_ids(&held);
+  std::sort(held.begin(), held.end());
+  MutexLock lock(&mu_);
+  sweeping_ = false;
+  int destroyed = 0;
+  for (auto it = events_.begin(); it != events_.end();) {
+    const ReadyEvent& ready = it->second;
+    // An event recorded after the scan began may be for a tensor the scan did not see yet.
+    if (ready.serial >= before || ready.waits > 0 ||
+        std::binary_search(held.begin(), held.end(), ready.tensor_id)) {
+      ++it;
+      continue;
+    }
+    ScopedContext scope(driver_, contexts_.at(ready.ordinal));
+    driver_->cuEventDestroy_v2(ready.event);
+    it = events_.erase(it);
+    ++destroyed;
+  }
+  events_after_sweep_ = events_.size();
+  return destroyed;
 }
 
 absl::Status CudaState::WaitReady(int ordinal, const std::string& handle, bool host_wait,
@@ -152,14 +192,24 @@ absl::Status CudaState::WaitReady(int ordinal, const std::string& handle, bool h
     if (!retained.ok()) return retained.status();
     driver = driver_;
     context = *retained;
-    if (auto it = events_.find(handle); it != events_.end()) own = it->second.second;
+    if (auto it = events_.find(handle); it != events_.end()) {
+      own = it->second.event;
+      ++it->second.waits;  // a sweep leaves it alone until the wait is done
+    }
   }
   if (own != nullptr) {
-    // Recorded by this process: waited on as it is (it lives until this state goes).
-    ScopedContext scope(driver, context);
-    if (!scope.status().ok()) return scope.status();
-    return host_wait ? TSM_CU(driver, ordinal, cuEventSynchronize, own)
-                     : TSM_CU(driver, ordinal, cuStreamWaitEvent, stream, own, 0);
+    // Recorded by this process: waited on as it is.
+    absl::Status status;
+    {
+      ScopedContext scope(driver, context);
+      status = !scope.status().ok()
+                   ? scope.status()
+                   : (host_wait ? TSM_CU(driver, ordinal, cuEventSynchronize, own)
+                                : TSM_CU(driver, ordinal, cuStreamWaitEvent, stream, own, 0));
+    }
+    MutexLock lock(&mu_);
+    if (auto it = events_.find(handle); it != events_.end()) --it->second.waits;
+    return status;
   }
   CUipcEventHandle ipc;
   if (handle.size() != sizeof(ipc.reserved)) {

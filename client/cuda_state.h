@@ -4,6 +4,7 @@
 #ifndef TENSORSHM_CLIENT_CUDA_STATE_H_
 #define TENSORSHM_CLIENT_CUDA_STATE_H_
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -16,8 +17,12 @@
 
 namespace tensorshm {
 
+// Ready events a producer keeps before it first looks for ones to destroy.
+inline constexpr size_t kMinReadyEventSweep = 64;
+
 // Thread-safe. Everything opened or created is closed or destroyed in the destructor, which runs
-// when the client and every tensor from it are gone.
+// when the client and every tensor from it are gone; ready events go earlier, once the tensor
+// they were recorded for is gone (SweepReadyEvents).
 class CudaState {
  public:
   CudaState() = default;
@@ -40,10 +45,21 @@ class CudaState {
   absl::StatusOr<CUdeviceptr> OpenSegment(int ordinal, const SegmentKey& key,
                                           const std::string& handle) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Records a new interprocess event on `stream` of device `ordinal` and returns its 64-byte
-  // CUipcEventHandle. The event lives as long as this state.
-  absl::StatusOr<std::string> RecordReadyEvent(int ordinal, CUstream stream)
+  // Records a new interprocess event on `stream` of device `ordinal` for tensor `tensor_id` and
+  // returns its 64-byte CUipcEventHandle. The event lives until a sweep finds the tensor gone
+  // (acquirers open the handle as long as the daemon holds the tensor), or this state goes.
+  absl::StatusOr<std::string> RecordReadyEvent(int ordinal, CUstream stream, uint64_t tensor_id)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Bounds the ready events a long-running producer keeps: once there are `sweep_at` or more
+  // (at least kMinReadyEventSweep, and twice as many as the last sweep left), asks
+  // `held_tensor_ids` for the ids of every tensor the daemon still holds and destroys the events
+  // of tensors not among them (none that a WaitReady of this process is using). Events recorded
+  // while `held_tensor_ids` runs are kept. Returns how many were destroyed.
+  int SweepReadyEvents(size_t sweep_at,
+                       const std::function<void(std::vector<uint64_t>*)>& held_tensor_ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  size_t ready_event_count() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Orders the caller after the event exported as `handle`: `stream` waits on it
   // (cuStreamWaitEvent), or with host_wait the calling thread does (cuEventSynchronize).
@@ -66,14 +82,25 @@ class CudaState {
   template <typename Fn>
   auto InContext(int ordinal, Fn&& fn) ABSL_LOCKS_EXCLUDED(mu_);
 
-  Mutex mu_;
+  struct ReadyEvent {
+    int ordinal = 0;
+    CUevent event = nullptr;
+    uint64_t tensor_id = 0;
+    uint64_t serial = 0;  // order of recording
+    int waits = 0;        // WaitReady calls using it now
+  };
+
+  mutable Mutex mu_;
   const CudaDriver* driver_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::vector<DeviceUuid> uuids_ ABSL_GUARDED_BY(mu_);      // by ordinal
   std::map<int, CUcontext> contexts_ ABSL_GUARDED_BY(mu_);  // retained primary contexts
   std::map<std::pair<int, SegmentKey>, CUdeviceptr> segments_ ABSL_GUARDED_BY(mu_);
   // Ready events this process recorded, by their IPC handle: waits in this process use them
   // directly, as CUDA does not open an IPC handle in the process that exported it.
-  std::map<std::string, std::pair<int, CUevent>> events_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, ReadyEvent> events_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_event_serial_ ABSL_GUARDED_BY(mu_) = 1;
+  size_t events_after_sweep_ ABSL_GUARDED_BY(mu_) = 0;  // what the last sweep left
+  bool sweeping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace tensorshm

@@ -127,6 +127,20 @@ FastPath::~FastPath() {
   if (page_ != nullptr) munmap(page_, kLeasePageBytes);
 }
 
+void FastPath::HeldTensorIds(std::vector<uint64_t>* ids) const {
+  const char* first = records_ + RecordsOffset();
+  for (uint32_t slot = 0; slot < record_count_; ++slot) {
+    const auto* record = reinterpret_cast<const TensorRecord*>(first + slot * sizeof(TensorRecord));
+    // The id is written before the state (release); a record being rewritten meanwhile belongs
+    // to a tensor created or freed during the call.
+    if (record->state.load(std::memory_order_acquire) ==
+        static_cast<uint32_t>(RecordState::kFree)) {
+      continue;
+    }
+    ids->push_back(record->tensor_id);
+  }
+}
+
 bool FastPath::DaemonServing() const {
   const IndexHeader& header = index_header();
   if (header.serving.load(std::memory_order_acquire) == 0) return false;

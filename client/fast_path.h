@@ -78,6 +78,13 @@ class FastPath {
   // lives on as (see Release). Returns how many slots were converted.
   int Retire(const std::function<uint64_t(uint64_t tensor_id)>& convert) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Appends the ids of the tensors the daemon holds memory for now (every record not free:
+  // unpublished, published, or unbound but leased), read from its control segment; unsorted.
+  // A tensor held from before the call until after it is always among them. Reads
+  // record_count() records: no system call, no lock.
+  void HeldTensorIds(std::vector<uint64_t>* ids) const;
+  uint32_t record_count() const { return record_count_; }
+
   // Whether the daemon is serving and alive (its heartbeat is fresh).
   bool DaemonServing() const;
   // The futex word the daemon bumps after every publish.

@@ -15,6 +15,23 @@ void EncodeFrameHeader(uint32_t length, char header[kFrameHeaderBytes]) {
   for (size_t i = 0; i < kFrameHeaderBytes; ++i) header[i] = static_cast<char>(length >> (8 * i));
 }
 
+void FrameReader::Append(const char* data, size_t size) {
+  // Bodies handed out before are no longer used: their bytes go.
+  input_.erase(0, taken_);
+  taken_ = 0;
+  input_.append(data, size);
+}
+
+FrameReader::Result FrameReader::Next(absl::string_view* body, uint32_t* length) {
+  if (buffered() < kFrameHeaderBytes) return Result::kNeedMore;
+  *length = DecodeFrameHeader(input_.data() + taken_);
+  if (*length > kMaxChannelFrame) return Result::kTooLarge;
+  if (buffered() - kFrameHeaderBytes < *length) return Result::kNeedMore;
+  *body = absl::string_view(input_.data() + taken_ + kFrameHeaderBytes, *length);
+  taken_ += kFrameHeaderBytes + *length;
+  return Result::kFrame;
+}
+
 uint32_t DecodeFrameHeader(const char header[kFrameHeaderBytes]) {
   uint32_t length = 0;
   for (size_t i = 0; i < kFrameHeaderBytes; ++i) {

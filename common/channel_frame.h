@@ -21,6 +21,27 @@ static_assert(kChannelHelloBytes == 8);
 inline constexpr uint32_t kMaxChannelFrame = 64 * 1024;
 inline constexpr size_t kFrameHeaderBytes = 4;
 
+// Splits a byte stream into frames as it arrives, however it was cut: Append what was received,
+// then take the whole frames it completes with Next. The daemon's side of the memory channel
+// reads with it. Not thread-safe.
+class FrameReader {
+ public:
+  enum class Result {
+    kFrame,     // `*body` is the next frame's body, valid until the next Append
+    kNeedMore,  // no whole frame buffered
+    kTooLarge,  // the next frame's header says more than kMaxChannelFrame (`*length`): the
+                // stream cannot be read on; Next keeps answering this
+  };
+  void Append(const char* data, size_t size);
+  Result Next(absl::string_view* body, uint32_t* length);
+  // Bytes received and not yet taken as a frame.
+  size_t buffered() const { return input_.size() - taken_; }
+
+ private:
+  std::string input_;
+  size_t taken_ = 0;  // bytes of input_ already taken as frames
+};
+
 // Writes the frame header for a body of `length` bytes into `header`.
 void EncodeFrameHeader(uint32_t length, char header[kFrameHeaderBytes]);
 uint32_t DecodeFrameHeader(const char header[kFrameHeaderBytes]);

@@ -1,9 +1,13 @@
 #include "server/access.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/sys_error.h"
@@ -27,23 +31,52 @@ std::string AccessPolicy::Describe() const {
   return text;
 }
 
-void PeerTable::Add(const std::string& peer, const PeerCredentials& credentials) {
+absl::Status PeerTable::Add(int fd, const PeerCredentials& credentials) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return ErrnoError("fstat", absl::StrCat("accepted fd ", fd), errno);
   MutexLock lock(&mu_);
-  peers_[peer] = credentials;
+  // The number may be an old connection's: its entry is replaced, never inherited.
+  peers_[fd] = Entry{credentials, st.st_dev, st.st_ino};
+  // A look at every entry costs one fstat each: taken after as many adds as half the entries
+  // (at least 64), it costs a few per add.
+  if (++adds_since_sweep_ >= std::max<size_t>(64, peers_.size() / 2)) {
+    Sweep();
+    adds_since_sweep_ = 0;
+  }
+  return absl::OkStatus();
 }
 
-void PeerTable::Remove(const std::string& peer) {
-  MutexLock lock(&mu_);
-  peers_.erase(peer);
+bool PeerTable::StillOpen(int fd, const Entry& entry) {
+  struct stat st;
+  return fstat(fd, &st) == 0 && st.st_dev == entry.device && st.st_ino == entry.inode;
+}
+
+void PeerTable::Sweep() {
+  for (auto it = peers_.begin(); it != peers_.end();) {
+    it = StillOpen(it->first, it->second) ? std::next(it) : peers_.erase(it);
+  }
 }
 
 absl::StatusOr<PeerCredentials> PeerTable::Find(const std::string& peer) const {
+  int fd = -1;
+  if (!absl::StartsWith(peer, "fd:") || !absl::SimpleAtoi(peer.substr(3), &fd) || fd < 0) {
+    return absl::NotFoundError(absl::StrCat("peer ", peer, ": not accepted by this daemon"));
+  }
   MutexLock lock(&mu_);
-  auto it = peers_.find(peer);
+  auto it = peers_.find(fd);
   if (it == peers_.end()) {
     return absl::NotFoundError(absl::StrCat("peer ", peer, ": not accepted by this daemon"));
   }
-  return it->second;
+  if (!StillOpen(fd, it->second)) {
+    return absl::NotFoundError(
+        absl::StrCat("peer ", peer, ": the connection accepted on this descriptor has closed"));
+  }
+  return it->second.credentials;
+}
+
+size_t PeerTable::size() const {
+  MutexLock lock(&mu_);
+  return peers_.size();
 }
 
 absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd) {

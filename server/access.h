@@ -44,18 +44,36 @@ class AccessPolicy {
   std::set<gid_t> gids_;
 };
 
-// The credentials of every accepted connection, by the peer string gRPC reports for it.
+// The credentials of every accepted gRPC connection, by its descriptor, which gRPC reports as
+// the peer "fd:N". gRPC closes the descriptor when the connection ends, and the number is then
+// reused: so each entry also holds the socket the descriptor was (device and inode), and answers
+// only while descriptor N is still that socket. Entries whose descriptor is closed or is another
+// file now are dropped by a look at every entry after every max(64, entries / 2) adds.
 // Thread-safe.
 class PeerTable {
  public:
-  void Add(const std::string& peer, const PeerCredentials& credentials);
-  void Remove(const std::string& peer);
-  // The credentials of `peer`; NOT_FOUND for a connection the daemon did not accept itself.
-  absl::StatusOr<PeerCredentials> Find(const std::string& peer) const;
+  // Records `credentials` for accepted socket `fd`. An error naming the fd if fstat fails.
+  absl::Status Add(int fd, const PeerCredentials& credentials) ABSL_LOCKS_EXCLUDED(mu_);
+  // The credentials of `peer` ("fd:N"); NOT_FOUND for a connection the daemon did not accept
+  // itself, or whose descriptor is no longer the socket it accepted.
+  absl::StatusOr<PeerCredentials> Find(const std::string& peer) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Entries held now (live or not yet dropped).
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  struct Entry {
+    PeerCredentials credentials;
+    dev_t device = 0;
+    ino_t inode = 0;
+  };
+  // Whether descriptor `fd` is still the socket `entry` was made for.
+  static bool StillOpen(int fd, const Entry& entry);
+  // Drops the entries of descriptors that are no longer their socket.
+  void Sweep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable Mutex mu_;
-  std::map<std::string, PeerCredentials> peers_ ABSL_GUARDED_BY(mu_);
+  std::map<int, Entry> peers_ ABSL_GUARDED_BY(mu_);
+  size_t adds_since_sweep_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Reads the credentials of the process at the other end of Unix socket `fd`.

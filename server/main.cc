@@ -39,28 +39,18 @@ namespace {
 
 // FAILED_PRECONDITION, with the sizes and the fix, if /dev/shm cannot hold the pool and the
 // catalog at all; a warning if it has less free now (creates then fail cleanly when it runs out).
-absl::Status CheckShmCapacity(uint64_t pool_bytes, uint64_t control_bytes) {
+absl::Status CheckDevShm(uint64_t pool_bytes, uint64_t control_bytes) {
   struct statvfs st;
   if (statvfs("/dev/shm", &st) != 0) {
     TSM_LOG(kWarning) << "cannot check the size of /dev/shm: " << std::strerror(errno);
     return absl::OkStatus();
   }
-  const uint64_t total = static_cast<uint64_t>(st.f_frsize) * st.f_blocks;
-  const uint64_t available = static_cast<uint64_t>(st.f_frsize) * st.f_bavail;
-  const uint64_t needed = pool_bytes + control_bytes;
-  if (total < needed) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--host-pool = ", pool_bytes, " bytes (plus ", control_bytes,
-        " for the catalog) does not fit /dev/shm, which holds ", total, " bytes (", available,
-        " free): enlarge /dev/shm (docker run --shm-size=..., Kubernetes: an emptyDir with "
-        "medium: Memory and sizeLimit mounted at /dev/shm) or lower --host-pool"));
+  std::string warning;
+  absl::Status status = CheckShmCapacity(pool_bytes, control_bytes, st, &warning);
+  if (!warning.empty()) {
+    TSM_LOG(kWarning) << warning;
   }
-  if (available < needed) {
-    TSM_LOG(kWarning) << "/dev/shm has " << available << " bytes free for a pool of " << pool_bytes
-                      << " bytes: creates will fail with RESOURCE_EXHAUSTED once "
-                      << "it is full";
-  }
-  return absl::OkStatus();
+  return status;
 }
 
 std::string FormatBytes(uint64_t bytes) {
@@ -122,10 +112,10 @@ int Run(int argc, char** argv) {
     return 1;
   }
   // memfd segments live outside /dev/shm: its size does not matter to them.
-  if (absl::Status s = options->memfd_segments
-                           ? absl::OkStatus()
-                           : CheckShmCapacity(options->host_pool_bytes,
-                                              ControlSegmentBytes(options->max_tensors));
+  if (absl::Status s =
+          options->memfd_segments
+              ? absl::OkStatus()
+              : CheckDevShm(options->host_pool_bytes, ControlSegmentBytes(options->max_tensors));
       !s.ok()) {
     std::cerr << "tensorshmd: " << s.message() << "\n";
     return 1;
@@ -221,7 +211,12 @@ int Run(int argc, char** argv) {
   }
   (*listener)->Start(
       [&](int fd, const PeerCredentials& peer) {
-        peers.Add(absl::StrCat("fd:", fd), peer);
+        // gRPC names the connection "fd:N"; its calls are admitted by these credentials.
+        if (absl::Status s = peers.Add(fd, peer); !s.ok()) {
+          TSM_LOG(kWarning) << "connection refused: " << s.message();
+          close(fd);
+          return;
+        }
         TSM_LOG(kDebug) << "accepted fd " << fd << ": pid " << peer.pid << ", uid " << peer.uid;
         grpc::AddInsecureChannelFromFd(server.get(), fd);
       },

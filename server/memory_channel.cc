@@ -117,8 +117,9 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
     // Plain recv: descriptors a client might attach are discarded by the kernel.
     const ssize_t got = recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT);
     if (got > 0) {
-      connection.input.append(buffer, static_cast<size_t>(got));
-      if (connection.input.size() > kFrameHeaderBytes + kMaxChannelFrame) break;
+      connection.input.Append(buffer, static_cast<size_t>(got));
+      // Enough for a whole frame: answer what is there first (epoll tells again about the rest).
+      if (connection.input.buffered() > kFrameHeaderBytes + kMaxChannelFrame) break;
       continue;
     }
     if (got == 0) closed = true;
@@ -126,23 +127,22 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
     if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK) closed = true;
     break;
   }
-  size_t used = 0;
-  while (connection.input.size() - used >= kFrameHeaderBytes) {
-    const uint32_t length = DecodeFrameHeader(connection.input.data() + used);
-    if (length > kMaxChannelFrame) {
+  while (true) {
+    absl::string_view body;
+    uint32_t length = 0;
+    const FrameReader::Result next = connection.input.Next(&body, &length);
+    if (next == FrameReader::Result::kNeedMore) break;
+    if (next == FrameReader::Result::kTooLarge) {
       TSM_LOG(kWarning) << "memory channel " << who << ": frame of " << length << " bytes (at most "
                         << kMaxChannelFrame << "); closed";
       return false;
     }
-    if (connection.input.size() - used - kFrameHeaderBytes < length) break;
     v1::ChannelRequest request;
-    if (!request.ParseFromArray(connection.input.data() + used + kFrameHeaderBytes,
-                                static_cast<int>(length))) {
+    if (!request.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
       TSM_LOG(kWarning) << "memory channel " << who << ": a frame that is no ChannelRequest; "
                         << "closed";
       return false;
     }
-    used += kFrameHeaderBytes + length;
     ChannelReply reply = handler_(connection.state, request);
     std::string frame(kFrameHeaderBytes, '\0');
     reply.response.AppendToString(&frame);
@@ -154,7 +154,6 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
       return false;
     }
   }
-  connection.input.erase(0, used);
   return !closed;
 }
 

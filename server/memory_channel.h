@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "common/channel_frame.h"
 #include "common/mutex.h"
 #include "server/access.h"
 #include "tensorshm/v1/tensorshm.pb.h"
@@ -52,7 +53,7 @@ class ChannelServer {
  private:
   struct Connection {
     ChannelConnection state;
-    std::string input;  // bytes received, not yet a whole frame
+    FrameReader input;  // bytes received, not yet a whole frame
   };
   ChannelServer(Handler handler, int epoll_fd, int wake_fd)
       : handler_(std::move(handler)), epoll_fd_(epoll_fd), wake_fd_(wake_fd) {}

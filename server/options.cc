@@ -74,8 +74,8 @@ absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text) {
   if (!absl::SimpleAtoi(text.substr(5, eq - 5), &spec.ordinal) || spec.ordinal < 0) {
     return bad("the device N must be a number >= 0");
   }
-  absl::StatusOr<uint64_t> size = ParseSize(text.substr(eq + 1), "--cuda-pool");
-  if (!size.ok()) return size.status();
+  absl::StatusOr<uint64_t> size = ParseSize(text.substr(eq + 1), "size");
+  if (!size.ok()) return bad(size.status().message());
   if (*size == 0) return bad("the size must be positive");
   // Device buffers are handed out in 256-byte units.
   spec.bytes = (*size + 255) / 256 * 256;
@@ -101,8 +101,41 @@ absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view fla
   }
   uint64_t value;
   if (digits.empty() || !absl::SimpleAtoi(digits, &value)) return bad("not a size");
-  if (value > UINT64_MAX / multiplier) return bad("too large");
+  if (value > kMaxSizeBytes / multiplier) {
+    return bad(
+        absl::StrCat("too large; at most ", kMaxSizeBytes, " bytes (", kMaxSizeBytes >> 40, "Ti)"));
+  }
   return value * multiplier;
+}
+
+namespace {
+
+uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+uint64_t SaturatingMultiply(uint64_t a, uint64_t b) {
+  return b != 0 && a > UINT64_MAX / b ? UINT64_MAX : a * b;
+}
+
+}  // namespace
+
+absl::Status CheckShmCapacity(uint64_t pool_bytes, uint64_t control_bytes,
+                              const struct statvfs& shm, std::string* warning) {
+  // A file system larger than 2^64 bytes holds anything: its size saturates rather than wraps.
+  const uint64_t total = SaturatingMultiply(shm.f_frsize, shm.f_blocks);
+  const uint64_t available = SaturatingMultiply(shm.f_frsize, shm.f_bavail);
+  const uint64_t needed = SaturatingAdd(pool_bytes, control_bytes);
+  if (total < needed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--host-pool = ", pool_bytes, " bytes (plus ", control_bytes,
+        " for the catalog, --max-tensors) does not fit /dev/shm, which holds ", total, " bytes (",
+        available,
+        " free): enlarge /dev/shm (docker run --shm-size=..., Kubernetes: an emptyDir with "
+        "medium: Memory and sizeLimit mounted at /dev/shm) or lower --host-pool"));
+  }
+  if (available < needed) {
+    *warning = absl::StrCat("/dev/shm has ", available, " bytes free for a pool of ", pool_bytes,
+                            " bytes: creates will fail with RESOURCE_EXHAUSTED once it is full");
+  }
+  return absl::OkStatus();
 }
 
 std::string Usage() {

@@ -2,6 +2,7 @@
 #ifndef TENSORSHM_SERVER_OPTIONS_H_
 #define TENSORSHM_SERVER_OPTIONS_H_
 
+#include <sys/statvfs.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -46,9 +47,21 @@ struct DaemonOptions {
   UidLimitsConfig uid_limits = DefaultUidLimits();
 };
 
+// The largest size a flag takes (4 EiB): rounding it up to a page, or adding the catalog's size
+// to it, never wraps, and it fits an off_t.
+inline constexpr uint64_t kMaxSizeBytes = uint64_t{1} << 62;
+
 // Parses "64Mi", "1G", "4096", "2Ki" (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024; a
-// trailing "B" is allowed). INVALID_ARGUMENT naming `flag` and the text otherwise.
+// trailing "B" is allowed), at most kMaxSizeBytes. INVALID_ARGUMENT naming `flag` and the text
+// otherwise.
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view flag);
+
+// Whether /dev/shm (`shm`, as statvfs reports it) can hold a pool of `pool_bytes` and a catalog
+// of `control_bytes`, computed without wrapping. FAILED_PRECONDITION naming --host-pool, the
+// sizes and the fix if its total size cannot; OK otherwise, with `*warning` set if it has less
+// free now (creates then fail cleanly when it runs out).
+absl::Status CheckShmCapacity(uint64_t pool_bytes, uint64_t control_bytes,
+                              const struct statvfs& shm, std::string* warning);
 
 // Parses a --cuda-pool value, "cuda:N=SIZE"; the size is rounded up to 256 bytes.
 absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text);

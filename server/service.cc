@@ -19,6 +19,10 @@ namespace {
 constexpr uint32_t kMaxStock = 64;
 constexpr uint64_t kMaxStockedBytes = 4 << 20;
 
+// Ids of each kind one ReleaseBatch may carry (clients send at most 4096): each refused id costs
+// a Rejection in the ack, many times its own size.
+constexpr int kMaxReleaseIds = 16384;
+
 // How often an acquire waiter looks at its call for cancellation.
 constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
 // Records the housekeeping thread compares with the catalog's own copies each round (every
@@ -382,6 +386,16 @@ void TensorShmService::Reattach(tensorshm::Session& session, const v1::SessionOp
 void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
                                       v1::ReleaseAck* ack) {
   ack->set_sequence(batch.sequence());
+  if (batch.lease_ids_size() > kMaxReleaseIds ||
+      batch.abandoned_tensor_ids_size() > kMaxReleaseIds) {
+    v1::Rejection* rejection = ack->add_rejected();
+    rejection->set_code(grpc::StatusCode::INVALID_ARGUMENT);
+    rejection->set_message(absl::StrCat(
+        "lease_ids: ", batch.lease_ids_size(), " ids, abandoned_tensor_ids: ",
+        batch.abandoned_tensor_ids_size(), " ids; at most ", kMaxReleaseIds,
+        " of each per batch: nothing in this batch was released; send it in smaller ones"));
+    return;
+  }
   for (int i = 0; i < batch.lease_ids_size(); ++i) {
     const uint64_t lease = batch.lease_ids(i);
     auto it = session.leases.find(lease);

@@ -4,11 +4,16 @@
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <functional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/channel_frame.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
@@ -75,6 +80,20 @@ class Wire {
     v1::PublishResponse response;
     return stub_->Publish(Context().get(), request, &response);
   }
+  grpc::Status Publish(const v1::PublishRequest& request, v1::PublishResponse* out = nullptr) {
+    v1::PublishResponse response;
+    return stub_->Publish(Context().get(), request, out != nullptr ? out : &response);
+  }
+  // Sends `batch` and returns the whole acknowledgement (or why there was none).
+  absl::StatusOr<v1::ReleaseAck> ReleaseAck(const v1::ReleaseBatch& batch) {
+    v1::SessionRequest request;
+    *request.mutable_release() = batch;
+    v1::SessionResponse response;
+    if (!stream_->Write(request) || !stream_->Read(&response)) {
+      return absl::UnavailableError("the session stream broke");
+    }
+    return response.ack();
+  }
   grpc::Status Acquire(const std::string& name, int64_t wait_ms = 0,
                        SessionKind kind = SessionKind::kValid) {
     v1::AcquireRequest request;
@@ -96,6 +115,7 @@ class Wire {
     return stub_->List(Context().get(), request, &response);
   }
   v1::TensorShm::Stub& stub() { return *stub_; }
+  const std::string& token() const { return token_; }
 
  private:
   std::shared_ptr<grpc::Channel> channel_;
@@ -366,5 +386,514 @@ TEST_F(MalformedRequestTest, EachGetsItsCodeAndTheDaemonKeepsServing) {
   EXPECT_NE(other_lease_, 0u);
 }
 
+// ---- What later work added: the memory channel's requests, stock, PublishRequest.desc and
+// .acquire, Session open lists, ReleaseBatch fields ----
+
+// A raw memory channel connection: the hello, then frames, byte for byte.
+class ChannelWire {
+ public:
+  explicit ChannelWire(const std::string& socket) {
+    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, socket.data(), socket.size());
+    if (connect(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+        write(fd_, kChannelHello, kChannelHelloBytes) != kChannelHelloBytes) {
+      ADD_FAILURE() << "memory channel to " << socket << ": " << std::strerror(errno);
+    }
+  }
+  ~ChannelWire() { close(fd_); }
+
+  // Sends `request` with sequence `sequence` and returns the response (descriptors that come
+  // with it are closed).
+  absl::StatusOr<v1::ChannelResponse> Call(v1::ChannelRequest request, uint64_t sequence) {
+    request.set_sequence(sequence);
+    const std::string body = request.SerializeAsString();
+    std::string frame(kFrameHeaderBytes, '\0');
+    EncodeFrameHeader(static_cast<uint32_t>(body.size()), frame.data());
+    frame += body;
+    if (absl::Status s = SendWithFd(fd_, frame, -1, false, "test"); !s.ok()) return s;
+    std::string answer;
+    int fd = -1;
+    if (absl::Status s = ReceiveFrame(fd_, &answer, &fd, "test"); !s.ok()) return s;
+    if (fd >= 0) close(fd);
+    v1::ChannelResponse response;
+    if (!response.ParseFromString(answer)) return absl::InternalError("unparsable response");
+    return response;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+struct ChannelCase {
+  const char* label;
+  std::function<v1::ChannelRequest()> request;
+  absl::StatusCode code;
+  std::string message_contains;  // names the field and value
+};
+
+v1::ChannelRequest ChannelBindTo(const std::string& session_id) {
+  v1::ChannelRequest request;
+  request.mutable_bind()->set_session_id(session_id);
+  return request;
+}
+
+v1::ChannelRequest ChannelSegment(uint64_t instance, uint64_t id, bool writable) {
+  v1::ChannelRequest request;
+  request.mutable_segment()->set_segment_instance(instance);
+  request.mutable_segment()->set_segment_id(id);
+  request.mutable_segment()->set_writable(writable);
+  return request;
+}
+
+v1::ChannelRequest ChannelFastPath(int part) {
+  v1::ChannelRequest request;
+  request.mutable_fast_path()->set_part(static_cast<v1::FastPathRequest::Part>(part));
+  return request;
+}
+
+v1::ChannelRequest ChannelCreate(const v1::CreateRequest& create) {
+  v1::ChannelRequest request;
+  *request.mutable_create() = create;
+  return request;
+}
+
+v1::ChannelRequest ChannelPublish(const v1::PublishRequest& publish) {
+  v1::ChannelRequest request;
+  *request.mutable_publish() = publish;
+  return request;
+}
+
+v1::ChannelRequest ChannelDelete(const std::string& name) {
+  v1::ChannelRequest request;
+  request.mutable_delete_()->set_name(name);
+  return request;
+}
+
+// A publish of `tensor_id` as `name` with a stocked-buffer descriptor.
+v1::PublishRequest PublishWithDesc(uint64_t tensor_id, const std::string& name, uint32_t code,
+                                   uint32_t bits, std::vector<int64_t> shape,
+                                   std::vector<int64_t> strides = {}, uint64_t flags = 0) {
+  v1::PublishRequest request;
+  request.set_tensor_id(tensor_id);
+  request.set_name(name);
+  v1::TensorDesc* desc = request.mutable_desc();
+  desc->mutable_dtype()->set_code(code);
+  desc->mutable_dtype()->set_bits(bits);
+  desc->mutable_dtype()->set_lanes(1);
+  desc->mutable_shape()->Assign(shape.begin(), shape.end());
+  desc->mutable_strides()->Assign(strides.begin(), strides.end());
+  desc->set_flags(flags);
+  return request;
+}
+
+class MalformedAdditionsTest : public MalformedRequestTest {
+ protected:
+  // Nothing of the fixture changed, and the daemon serves a new client end to end.
+  void ExpectStillServing(int64_t leases) {
+    absl::StatusOr<std::shared_ptr<Client>> client =
+        Client::Connect(ClientOptions{daemon_->socket(), "after"});
+    ASSERT_TRUE(client.ok()) << client.status();
+    absl::StatusOr<ServerStats> stats = (*client)->Stat();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->leases, leases);
+    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("fixture/published");
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ((*t)->dl_tensor.ndim, 1);
+    EXPECT_EQ((*t)->dl_tensor.shape[0], 4);
+    EXPECT_EQ((*t)->dl_tensor.dtype.code, kDLFloat);
+    (*t)->deleter(*t);
+    // The other session's unpublished tensor is still its own, and publishes as created.
+    EXPECT_TRUE(other_->Publish(foreign_id_, "fixture/foreign").ok());
+    t = (*client)->Acquire("fixture/foreign");
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ((*t)->dl_tensor.dtype.code, kDLInt);
+    EXPECT_EQ((*t)->dl_tensor.dtype.bits, 8);
+    EXPECT_EQ((*t)->dl_tensor.shape[0], 4);
+    (*t)->deleter(*t);
+    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {8}});
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_TRUE((*client)->Publish(*w, "after/ok").ok());
+  }
+};
+
+TEST_F(MalformedAdditionsTest, ChannelRequestsGetTheirCodeAndTheDaemonKeepsServing) {
+  ChannelWire channel(daemon_->socket());
+  uint64_t sequence = 0;
+  auto run = [&](const ChannelCase& c) {
+    SCOPED_TRACE(c.label);
+    ++sequence;
+    absl::StatusOr<v1::ChannelResponse> r = channel.Call(c.request(), sequence);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->sequence(), sequence);
+    EXPECT_EQ(r->code(), static_cast<int>(c.code)) << r->message();
+    EXPECT_TRUE(absl::StrContains(r->message(), c.message_contains))
+        << "message \"" << r->message() << "\" does not name \"" << c.message_contains << "\"";
+    if (c.code != absl::StatusCode::kOk) {
+      EXPECT_EQ(r->kind_case(), v1::ChannelResponse::KIND_NOT_SET);
+    }
+  };
+  // Before a bind.
+  for (const ChannelCase& c : std::vector<ChannelCase>{
+           {"no kind", [] { return v1::ChannelRequest(); }, absl::StatusCode::kInvalidArgument,
+            "kind: not set"},
+           {"segment before bind", [] { return ChannelSegment(1, 1, false); },
+            absl::StatusCode::kFailedPrecondition, "bind the channel to a session first"},
+           {"create before bind", [] { return ChannelCreate(CreateRequest(kDLFloat, 32, 1, {4})); },
+            absl::StatusCode::kFailedPrecondition, "bind the channel to a session first"},
+           {"bind to an unknown session", [] { return ChannelBindTo("0123456789abcdef"); },
+            absl::StatusCode::kFailedPrecondition, "bind.session_id"},
+           {"bind to an empty session id", [] { return ChannelBindTo(""); },
+            absl::StatusCode::kFailedPrecondition, "bind.session_id"},
+           {"bind", [this] { return ChannelBindTo(wire_->token()); }, absl::StatusCode::kOk, ""},
+       }) {
+    run(c);
+  }
+  absl::StatusOr<v1::ChannelResponse> bound = channel.Call(ChannelFastPath(1), ++sequence);
+  ASSERT_TRUE(bound.ok() && bound->code() == 0) << (bound.ok() ? bound->message() : "");
+  const uint64_t instance = bound->fast_path().instance_id();
+  const uint64_t unpublished = unpublished_id_;
+  const uint64_t published = published_id_;
+  const uint64_t foreign = foreign_id_;
+  const std::vector<ChannelCase> cases = {
+      {"bind twice", [this] { return ChannelBindTo(wire_->token()); },
+       absl::StatusCode::kFailedPrecondition, "bound to a session already"},
+      {"segment id 0", [=] { return ChannelSegment(instance, 0, false); },
+       absl::StatusCode::kNotFound, "segment.segment_id = 0"},
+      {"segment id 2^64-1", [=] { return ChannelSegment(instance, ~uint64_t{0}, false); },
+       absl::StatusCode::kNotFound, "segment.segment_id = 18446744073709551615"},
+      {"segment of another instance", [=] { return ChannelSegment(instance ^ 1, 1, true); },
+       absl::StatusCode::kFailedPrecondition,
+       absl::StrCat("segment.segment_instance = ", instance ^ 1)},
+      {"fast path part unspecified", [] { return ChannelFastPath(0); },
+       absl::StatusCode::kInvalidArgument, "fast_path.part = 0"},
+      {"fast path part 99", [] { return ChannelFastPath(99); }, absl::StatusCode::kInvalidArgument,
+       "fast_path.part = 99"},
+      {"fast path part -1", [] { return ChannelFastPath(-1); }, absl::StatusCode::kInvalidArgument,
+       "fast_path.part = -1"},
+      {"create: dtype code unknown", [] { return ChannelCreate(CreateRequest(99, 32, 1, {4})); },
+       absl::StatusCode::kInvalidArgument, "code: 99"},
+      {"create: 33 dimensions",
+       [] { return ChannelCreate(CreateRequest(kDLFloat, 32, 1, std::vector<int64_t>(33, 1))); },
+       absl::StatusCode::kInvalidArgument, "33 dimensions"},
+      {"create: negative dimension",
+       [] { return ChannelCreate(CreateRequest(kDLFloat, 32, 1, {-7})); },
+       absl::StatusCode::kInvalidArgument, "shape[0] = -7"},
+      {"create: larger than the pool",
+       [] { return ChannelCreate(CreateRequest(kDLUInt, 8, 1, {int64_t{1} << 30})); },
+       absl::StatusCode::kResourceExhausted, "1073741824 bytes"},
+      {"create: device uuid for a host device",
+       [] {
+         v1::CreateRequest create = CreateRequest(kDLFloat, 32, 1, {4});
+         create.set_device_uuid(std::string(16, 'u'));
+         return ChannelCreate(create);
+       },
+       absl::StatusCode::kInvalidArgument, "only CUDA devices take one"},
+      {"publish: unknown tensor",
+       [] {
+         v1::PublishRequest publish;
+         publish.set_tensor_id(987654321);
+         publish.set_name("x");
+         return ChannelPublish(publish);
+       },
+       absl::StatusCode::kNotFound, "tensor_id = 987654321"},
+      {"publish: bad name",
+       [=] {
+         v1::PublishRequest publish;
+         publish.set_tensor_id(unpublished);
+         publish.set_name("/abs");
+         return ChannelPublish(publish);
+       },
+       absl::StatusCode::kInvalidArgument, "name = \"/abs\""},
+      {"publish: another session's tensor",
+       [=] {
+         v1::PublishRequest publish;
+         publish.set_tensor_id(foreign);
+         publish.set_name("stolen");
+         publish.set_acquire(true);
+         return ChannelPublish(publish);
+       },
+       absl::StatusCode::kPermissionDenied, std::to_string(foreign)},
+      {"publish: twice",
+       [=] {
+         v1::PublishRequest publish;
+         publish.set_tensor_id(published);
+         publish.set_name("again");
+         publish.set_acquire(true);
+         return ChannelPublish(publish);
+       },
+       absl::StatusCode::kFailedPrecondition, "already published"},
+      {"publish: desc dtype code unknown",
+       [=] { return ChannelPublish(PublishWithDesc(unpublished, "d", 99, 8, {4})); },
+       absl::StatusCode::kInvalidArgument, "code: 99"},
+      {"publish: desc larger than the buffer",
+       [=] { return ChannelPublish(PublishWithDesc(unpublished, "d", kDLFloat, 32, {1 << 20})); },
+       absl::StatusCode::kInvalidArgument, "desc: 4194304 bytes do not fit"},
+      {"publish: desc with a negative dimension",
+       [=] {
+         return ChannelPublish(PublishWithDesc(unpublished, "d", kDLFloat, 32, {2, -5}));
+       },
+       absl::StatusCode::kInvalidArgument, "shape[1] = -5"},
+      {"publish: desc on another session's tensor",
+       [=] { return ChannelPublish(PublishWithDesc(foreign, "d", kDLUInt, 8, {1})); },
+       absl::StatusCode::kPermissionDenied, absl::StrCat("tensor_id = ", foreign)},
+      {"publish: ready event of the wrong size",
+       [=] {
+         v1::PublishRequest publish;
+         publish.set_tensor_id(unpublished);
+         publish.set_name("evt");
+         publish.set_ready_event(std::string(65, 'e'));
+         return ChannelPublish(publish);
+       },
+       absl::StatusCode::kInvalidArgument, "ready_event: 65 bytes"},
+      {"delete: name with an empty element", [] { return ChannelDelete("a//b"); },
+       absl::StatusCode::kInvalidArgument, "name = \"a//b\""},
+      {"delete: name with a NUL byte", [] { return ChannelDelete(std::string("a\0b", 3)); },
+       absl::StatusCode::kInvalidArgument, "byte 1"},
+      {"delete: unbound name", [] { return ChannelDelete("nothing/here"); },
+       absl::StatusCode::kNotFound, "name = \"nothing/here\""},
+  };
+  for (const ChannelCase& c : cases) run(c);
+
+  // A create asking for more stock than the daemon makes gets at most its cap, no error.
+  v1::CreateRequest create = CreateRequest(kDLUInt, 8, 1, {4096});
+  create.set_stock(~uint32_t{0});
+  absl::StatusOr<v1::ChannelResponse> created = channel.Call(ChannelCreate(create), ++sequence);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ASSERT_EQ(created->code(), 0) << created->message();
+  std::cout << "create with stock = 4294967295: " << created->created().stocked_size()
+            << " buffers stocked\n";
+  EXPECT_LE(created->created().stocked_size(), 64);
+  // The unpublished fixture tensor was left as created by every refused desc.
+  v1::PublishRequest publish;
+  publish.set_tensor_id(unpublished_id_);
+  publish.set_name("fixture/second");
+  publish.set_acquire(true);
+  absl::StatusOr<v1::ChannelResponse> second = channel.Call(ChannelPublish(publish), ++sequence);
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->code(), 0) << second->message();
+  EXPECT_EQ(second->published().acquired().desc().shape_size(), 1);
+  EXPECT_EQ(second->published().acquired().desc().shape(0), 4);
+  EXPECT_EQ(second->published().acquired().desc().nbytes(), 16);
+  // The one lease: the publish-and-acquire just now (the refused ones took none).
+  ExpectStillServing(/*leases=*/1);
+}
+
+TEST_F(MalformedAdditionsTest, NewRpcFieldsGetTheirCodeAndTheDaemonKeepsServing) {
+  const std::vector<Case> cases = {
+      {"desc: dtype code unknown",
+       [this](Wire& w) { return w.Publish(PublishWithDesc(unpublished_id_, "d", 99, 8, {4})); },
+       StatusCode::INVALID_ARGUMENT, "code: 99"},
+      {"desc: opaque handle",
+       [this](Wire& w) {
+         return w.Publish(PublishWithDesc(unpublished_id_, "d", kDLOpaqueHandle, 64, {1}));
+       },
+       StatusCode::INVALID_ARGUMENT, "opaque handle"},
+      {"desc: larger than the buffer",
+       [this](Wire& w) {
+         // Beyond the buffer (a page), not only beyond the 16 bytes created.
+         return w.Publish(PublishWithDesc(unpublished_id_, "d", kDLFloat, 64, {1000}));
+       },
+       StatusCode::INVALID_ARGUMENT, "desc: 8000 bytes do not fit"},
+      {"desc: 33 dimensions",
+       [this](Wire& w) {
+         return w.Publish(
+             PublishWithDesc(unpublished_id_, "d", kDLUInt, 8, std::vector<int64_t>(33, 1)));
+       },
+       StatusCode::INVALID_ARGUMENT, "33 dimensions"},
+      {"desc: element count overflows",
+       [this](Wire& w) {
+         return w.Publish(PublishWithDesc(unpublished_id_, "d", kDLUInt, 8,
+                                          {int64_t{1} << 40, int64_t{1} << 40}));
+       },
+       StatusCode::INVALID_ARGUMENT, "overflows"},
+      {"desc: strides count differs from ndim",
+       [this](Wire& w) {
+         return w.Publish(PublishWithDesc(unpublished_id_, "d", kDLUInt, 8, {2, 2}, {1}));
+       },
+       StatusCode::INVALID_ARGUMENT, "strides = [1]"},
+      {"desc: strides reaching outside the buffer",
+       [this](Wire& w) {
+         return w.Publish(PublishWithDesc(unpublished_id_, "d", kDLUInt, 8, {2, 2}, {10000, 1}));
+       },
+       StatusCode::INVALID_ARGUMENT, "do not fit"},
+      {"desc: negative stride past the buffer's start",
+       [this](Wire& w) {
+         return w.Publish(PublishWithDesc(unpublished_id_, "d", kDLUInt, 8, {8}, {-1000}));
+       },
+       StatusCode::INVALID_ARGUMENT, "do not fit"},
+      {"desc: padded flag for a whole-byte dtype",
+       [this](Wire& w) {
+         return w.Publish(PublishWithDesc(unpublished_id_, "d", kDLFloat, 32, {2}, {},
+                                          DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED));
+       },
+       StatusCode::INVALID_ARGUMENT, "subbyte_padded: dtype float32"},
+      {"desc: on a published tensor",
+       [this](Wire& w) { return w.Publish(PublishWithDesc(published_id_, "d", kDLUInt, 8, {1})); },
+       StatusCode::FAILED_PRECONDITION, "already published"},
+      {"desc: on another session's tensor",
+       [this](Wire& w) { return w.Publish(PublishWithDesc(foreign_id_, "d", kDLUInt, 8, {1})); },
+       StatusCode::PERMISSION_DENIED, absl::StrCat("tensor_id = ", foreign_id_)},
+      {"acquire with a publish onto a bound name",
+       [this](Wire& w) {
+         v1::PublishRequest request;
+         request.set_tensor_id(unpublished_id_);
+         request.set_name("fixture/published");
+         request.set_acquire(true);
+         request.set_stock(64);
+         request.set_stock_bytes(4096);
+         return w.Publish(request);
+       },
+       StatusCode::ALREADY_EXISTS, "name = \"fixture/published\""},
+      {"acquire with a publish of another session's tensor",
+       [this](Wire& w) {
+         v1::PublishRequest request;
+         request.set_tensor_id(foreign_id_);
+         request.set_name("stolen");
+         request.set_acquire(true);
+         return w.Publish(request);
+       },
+       StatusCode::PERMISSION_DENIED, std::to_string(foreign_id_)},
+      {"release the same lease twice in one batch",
+       [this](Wire& w) {
+         v1::AcquireRequest request;
+         request.set_name("fixture/published");
+         v1::AcquireResponse acquired;
+         grpc::Status status = w.stub().Acquire(w.Context().get(), request, &acquired);
+         if (!status.ok()) return status;
+         v1::ReleaseBatch batch;
+         batch.add_lease_ids(acquired.lease_id());
+         batch.add_lease_ids(acquired.lease_id());
+         return w.Release(batch);
+       },
+       StatusCode::FAILED_PRECONDITION, "lease_ids[1] = "},
+      {"abandon a published tensor",
+       [this](Wire& w) {
+         v1::ReleaseBatch batch;
+         batch.add_abandoned_tensor_ids(published_id_);
+         return w.Release(batch);
+       },
+       StatusCode::FAILED_PRECONDITION, absl::StrCat("abandoned_tensor_ids[0] = ", published_id_)},
+      {"abandon an unknown tensor",
+       [](Wire& w) {
+         v1::ReleaseBatch batch;
+         batch.add_abandoned_tensor_ids(0);
+         batch.add_abandoned_tensor_ids(~uint64_t{0});
+         return w.Release(batch);
+       },
+       StatusCode::FAILED_PRECONDITION, "abandoned_tensor_ids[0] = 0"},
+      {"a second open on a session stream",
+       [](Wire& w) {
+         grpc::ClientContext context;
+         auto stream = w.stub().Session(&context);
+         v1::SessionRequest open;
+         open.mutable_open()->set_client_name("twice");
+         v1::SessionResponse opened;
+         if (!stream->Write(open) || !stream->Read(&opened)) return stream->Finish();
+         stream->Write(open);
+         stream->WritesDone();
+         return stream->Finish();
+       },
+       StatusCode::INVALID_ARGUMENT, "only `release` messages"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.label);
+    grpc::Status status = c.call(*wire_);
+    EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    EXPECT_TRUE(absl::StrContains(status.error_message(), c.message_contains))
+        << "message \"" << status.error_message() << "\" does not name \"" << c.message_contains
+        << "\"";
+  }
+
+  // Stock beyond what the daemon makes is capped, never an error.
+  v1::CreateResponse created;
+  v1::CreateRequest create = CreateRequest(kDLUInt, 8, 1, {100});
+  create.set_stock(~uint32_t{0});
+  ASSERT_TRUE(wire_->Create(create, SessionKind::kValid, &created).ok());
+  EXPECT_LE(created.stocked_size(), 64);
+  v1::PublishRequest request;
+  request.set_tensor_id(created.tensor_id());
+  request.set_name("stock/huge");
+  request.set_stock(~uint32_t{0});
+  request.set_stock_bytes(uint64_t{1} << 63);
+  v1::PublishResponse published;
+  grpc::Status status = wire_->Publish(request, &published);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(published.stocked_size(), 0);
+
+  // A ReleaseBatch echoes any sequence. One of 16384 ids the session does not hold gets a
+  // rejection each; one of hundreds of thousands (whose rejections would be tens of megabytes)
+  // is refused whole. Neither breaks the stream or the daemon.
+  v1::ReleaseBatch batch;
+  batch.set_sequence(~uint64_t{0});
+  for (uint64_t id = 1; id <= 16384; ++id) batch.add_lease_ids(id << 20);
+  absl::StatusOr<v1::ReleaseAck> ack = wire_->ReleaseAck(batch);
+  ASSERT_TRUE(ack.ok()) << ack.status();
+  EXPECT_EQ(ack->sequence(), ~uint64_t{0});
+  ASSERT_EQ(ack->rejected_size(), 16384);
+  EXPECT_TRUE(absl::StrContains(ack->rejected(0).message(), "lease_ids[0] = 1048576"));
+  for (uint64_t id = 16385; id <= 300000; ++id) batch.add_lease_ids(id);
+  batch.add_abandoned_tensor_ids(unpublished_id_);
+  ack = wire_->ReleaseAck(batch);
+  ASSERT_TRUE(ack.ok()) << ack.status();
+  std::cout << "release batch of 300000 lease ids: " << ack->rejected_size()
+            << " rejection: " << ack->rejected(0).message() << "\n";
+  ASSERT_EQ(ack->rejected_size(), 1);
+  EXPECT_EQ(ack->rejected(0).code(), static_cast<int>(StatusCode::INVALID_ARGUMENT));
+  EXPECT_TRUE(absl::StrContains(ack->rejected(0).message(), "lease_ids: 300000 ids"));
+  EXPECT_TRUE(absl::StrContains(ack->rejected(0).message(), "at most 16384"));
+  // The stream still serves.
+  v1::ReleaseBatch empty;
+  empty.set_sequence(7);
+  ack = wire_->ReleaseAck(empty);
+  ASSERT_TRUE(ack.ok()) << ack.status();
+  EXPECT_EQ(ack->sequence(), 7u);
+  EXPECT_EQ(ack->rejected_size(), 0);
+
+  // Nothing of the refused batch was applied: the unpublished tensor in it is still ours.
+  EXPECT_TRUE(wire_->Publish(unpublished_id_, "fixture/second").ok());
+  // The lease of the "release twice" case was given back by its first id.
+  ExpectStillServing(/*leases=*/0);
+}
+
+TEST_F(MalformedAdditionsTest, SessionOpenListsAreAnsweredAndTakeNothing) {
+  // Outside a restart's grace period a reattach takes nothing back, whatever the lists say,
+  // however long they are: the answer has one entry per id, all refused, and nothing of the
+  // fixture's changes hands.
+  for (const int count : {3, 300000}) {
+    SCOPED_TRACE(count);
+    grpc::ClientContext context;
+    auto stream = wire_->stub().Session(&context);
+    v1::SessionRequest open;
+    open.mutable_open()->set_pid(-1);
+    open.mutable_open()->set_client_name(std::string("line\nbreak\0nul", 14));
+    for (int i = 0; i < count; ++i) {
+      const uint64_t id = i % 3 == 0   ? published_id_
+                          : i % 3 == 1 ? foreign_id_
+                                       : ~uint64_t{0} - static_cast<uint64_t>(i);
+      open.mutable_open()->add_held_tensor_ids(id);
+      open.mutable_open()->add_unpublished_tensor_ids(i % 2 == 0 ? foreign_id_ : unpublished_id_);
+    }
+    std::cout << "session open with " << count << " held and " << count
+              << " unpublished ids: " << open.ByteSizeLong() << " bytes\n";
+    ASSERT_TRUE(stream->Write(open));
+    v1::SessionResponse opened;
+    ASSERT_TRUE(stream->Read(&opened));
+    ASSERT_TRUE(opened.has_opened());
+    ASSERT_EQ(opened.opened().lease_ids_size(), count);
+    ASSERT_EQ(opened.opened().readopted_size(), count);
+    for (int i = 0; i < count; ++i) {
+      ASSERT_EQ(opened.opened().lease_ids(i), 0u) << i;
+      ASSERT_FALSE(opened.opened().readopted(i)) << i;
+    }
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  // A held id on the fixture's published tensor took no lease; the unpublished ones are still
+  // their sessions' own.
+  EXPECT_TRUE(wire_->Publish(unpublished_id_, "fixture/second").ok());
+  ExpectStillServing(/*leases=*/0);
+}
 }  // namespace
 }  // namespace tensorshm::testing

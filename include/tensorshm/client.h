@@ -227,7 +227,9 @@ class Client {
   // Acquires a lease on the tensor published as `name`. With a positive timeout, waits up to that
   // long for a publish (DEADLINE_EXCEEDED after); zero: NOT_FOUND at once if unbound;
   // absl::InfiniteDuration(): waits until published. The result is read-only
-  // (DLPACK_FLAG_BITMASK_READ_ONLY); its deleter gives the lease back.
+  // (DLPACK_FLAG_BITMASK_READ_ONLY); its deleter gives the lease back. Host tensors are mapped
+  // read-only; for CUDA tensors the flag is advisory: CUDA IPC opens the whole segment writable,
+  // so the device memory (this tensor's and its segment neighbours') can be written through it.
   // CUDA tensors come as kDLCUDA with this process's device ordinal (found by the device's
   // UUID), their memory opened once per segment and cached; `sync` says who waits for the
   // producer's ready event.

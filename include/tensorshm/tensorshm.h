@@ -2,7 +2,9 @@
  *
  * Every function returning int returns a status code: TSM_OK (0) or one of the canonical gRPC
  * codes below. After a failure, tsm_last_error() returns the message (which names the field and
- * value at fault) for the calling thread, valid until that thread's next tensorshm call. */
+ * value at fault) for the calling thread, valid until that thread's next tensorshm call. No C++
+ * exception leaves these functions: an allocation that fails is TSM_RESOURCE_EXHAUSTED, anything
+ * else thrown inside is TSM_INTERNAL, each with its message. */
 #ifndef TENSORSHM_TENSORSHM_H_
 #define TENSORSHM_TENSORSHM_H_
 
@@ -65,7 +67,9 @@ int tsm_connect_server_uid(const char* socket, const char* client_name, int64_t 
  * ignored. */
 void tsm_client_free(tsm_client* client);
 
-/* Allocates a writable tensor. strides may be NULL (C-contiguous), else ndim values in elements.
+/* Allocates a writable tensor of ndim (0..32) dimensions: shape holds ndim values; strides may be
+ * NULL (C-contiguous), else ndim values in elements. An ndim out of range is TSM_INVALID_ARGUMENT
+ * before shape or strides are read.
  * On success *out is to be published with tsm_publish or dropped with tsm_writable_free. */
 int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
                const int64_t* strides, DLDevice device, tsm_writable** out);

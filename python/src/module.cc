@@ -604,7 +604,9 @@ NB_MODULE(_tensorshm, m) {
   nb::class_<RawStorage>(m, "_RawStorage", nb::type_slots(raw_slots));
 
   nb::class_<PyTensor> tensor(m, "Tensor", nb::type_slots(tensor_slots),
-                              "A tensor in tensorshm shared memory (read-only once published).");
+                              "A tensor in tensorshm shared memory (read-only once published; "
+                              "for CUDA tensors the read-only flag is advisory, as CUDA IPC maps "
+                              "device memory writable).");
   tensor
       .def("__dlpack__", &DLPack, nb::kw_only(), "stream"_a = nb::none(),
            "max_version"_a = nb::none(), "dl_device"_a = nb::none(), "copy"_a = nb::none())

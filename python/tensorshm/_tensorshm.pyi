@@ -3,7 +3,8 @@ from typing import Any
 class _RawStorage: ...
 
 class Tensor:
-    """A tensor in tensorshm shared memory (read-only once published)."""
+    """A tensor in tensorshm shared memory (read-only once published; for CUDA tensors the
+    read-only flag is advisory, as CUDA IPC maps device memory writable)."""
 
     __dlpack_c_exchange_api__: Any
     def __dlpack__(

@@ -71,6 +71,7 @@ struct State {
   std::map<std::pair<CUctx_st*, std::string>, uintptr_t> opened_by_name;
   std::map<uintptr_t, std::pair<CUctx_st*, Opened>> opened;
   int next_name = 0;
+  int64_t live_events = 0;  // created here and not destroyed
   TsmFakeCudaCounters counters{};
 };
 
@@ -149,6 +150,12 @@ bool ProcessAlive(pid_t pid) { return kill(pid, 0) == 0 || errno == EPERM; }
 extern "C" {
 
 const TsmFakeCudaCounters* tsm_fake_cuda_counters() { return &state().counters; }
+
+int64_t tsm_fake_cuda_live_events() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.live_events;
+}
 
 int64_t tsm_fake_cuda_open_mappings() {
   State& s = state();
@@ -408,6 +415,7 @@ CUresult cuEventCreate(CUevent* event, unsigned int flags) {
     e->records = new std::atomic<int64_t>(0);
   }
   ++s.counters.event_create;
+  ++s.live_events;
   *event = e;
   return CUDA_SUCCESS;
 }
@@ -443,6 +451,7 @@ CUresult cuEventDestroy_v2(CUevent event) {
     munmap(event->records, 4096);
     if (event->owner) shm_unlink(event->shm_name.c_str());
   }
+  if (event->owner) --s.live_events;
   delete event;
   return CUDA_SUCCESS;
 }

@@ -39,6 +39,8 @@ struct TsmFakeCudaCounters {
 const TsmFakeCudaCounters* tsm_fake_cuda_counters();
 // Mappings opened through cuIpcOpenMemHandle and not yet closed, over all contexts.
 int64_t tsm_fake_cuda_open_mappings();
+// Events this process created (cuEventCreate) and has not destroyed.
+int64_t tsm_fake_cuda_live_events();
 
 }  // extern "C"
 
