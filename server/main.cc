@@ -304,6 +304,7 @@ int Run(int argc, char** argv) {
 
   std::thread housekeeper([&] { service.Housekeep(); });
   std::thread waiter_timer([&] { service.ExpireWaiters(); });
+  std::thread grower([&] { service.GrowPools(); });
 
   std::thread stopper([&] {
     int signal_number = 0;
@@ -322,6 +323,7 @@ int Run(int argc, char** argv) {
   grace.join();
   housekeeper.join();
   waiter_timer.join();
+  grower.join();
   if (options->keep_segments) service.KeepSegments();
   server.reset();
   listener->reset();  // removes the socket file

@@ -439,16 +439,46 @@ absl::StatusOr<int> TensorShmService::CudaOrdinalOf(const DLDevice& device,
 grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* context,
                                                    const v1::CreateRequest* request,
                                                    v1::CreateResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  bool deferred = false;
   const absl::Status status = [&]() -> absl::Status {
     absl::StatusOr<PeerCredentials> peer = Admit(*context);
     if (!peer.ok()) return peer.status();
     ServiceLock lock(this);
     absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
     if (!session.ok()) return session.status();
-    const std::string token = (*session)->token;
-    return CreateGrowing(token, NoSession(token), *request, response);
+    SegmentGrowth growth;
+    absl::Status created = CreateFor(**session, *request, response, &growth);
+    if (!growth.needed() && !growth.busy()) return created;
+    // A pool must grow first: not on this thread, one of gRPC's few.
+    if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
+    pending_creates_.push_back(PendingCreate{reactor, (*session)->token, request, response});
+    creates_pending_.Signal();
+    deferred = true;
+    return absl::OkStatus();
   }();
-  return Answer(context, status);
+  if (!deferred) reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void TensorShmService::GrowPools() {
+  while (true) {
+    ServiceLock lock(this);
+    while (pending_creates_.empty() && !shutting_down_) creates_pending_.Wait(&mu_);
+    if (shutting_down_) {
+      for (const PendingCreate& create : pending_creates_) {
+        finishing_.emplace_back(
+            create.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping"));
+      }
+      pending_creates_.clear();
+      return;
+    }
+    const PendingCreate create = pending_creates_.front();
+    pending_creates_.pop_front();
+    const absl::Status status =
+        CreateGrowing(create.token, NoSession(create.token), *create.request, create.response);
+    finishing_.emplace_back(create.reactor, ToGrpcStatus(status));
+  }  // `lock` goes: the create is answered
 }
 
 absl::Status TensorShmService::CreateGrowing(const std::string& token, const absl::Status& gone,

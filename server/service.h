@@ -2,6 +2,7 @@
 #ifndef TENSORSHM_SERVER_SERVICE_H_
 #define TENSORSHM_SERVER_SERVICE_H_
 
+#include <deque>
 #include <list>
 #include <map>
 #include <memory>
@@ -25,7 +26,8 @@ namespace tensorshm {
 inline constexpr char kSessionMetadataKey[] = "tensorshm-session";
 
 // Thread-safe. gRPC's callback API: no call holds a thread while it waits. Unary calls are
-// answered on the gRPC thread that runs them (under mu_ for the catalog and sessions); a Session
+// answered on the gRPC thread that runs them (under mu_ for the catalog and sessions), except a
+// create that needs a new pool segment, which GrowPools answers once it is made; a Session
 // stream is a reactor that reads one request, answers it and reads the next; an Acquire that
 // waits for a publish is a reactor on its name's waiter list, finished by that publish, its
 // deadline (ExpireWaiters), its cancellation, its session's end or BeginShutdown. Reactors are
@@ -38,12 +40,18 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
                    const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr);
 
   // Finishes acquire waiters (and makes new waits fail) with UNAVAILABLE, and ends
-  // ExpireWaiters and Housekeep; call before stopping the server so that no waiter outlives it.
+  // ExpireWaiters, GrowPools and Housekeep; call before stopping the server so that no call
+  // outlives it.
   void BeginShutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Finishes acquire waiters whose deadline passed with DEADLINE_EXCEEDED, each when its time
   // comes, until BeginShutdown. Runs on a thread of its own.
   void ExpireWaiters() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Answers the gRPC creates that need a pool to grow, one at a time, until BeginShutdown (then
+  // those still queued get UNAVAILABLE): making a segment takes long, and gRPC runs every call
+  // of the service on a few threads, none of which may wait for it. Runs on a thread of its own.
+  void GrowPools() ABSL_LOCKS_EXCLUDED(mu_);
 
   // After a restart's grace period: frees unbound tensors nobody came back for.
   int ExpireUnbound();
@@ -119,6 +127,9 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   void WakeWaiters(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A waiter's OnCancel: CANCELLED, unless it was finished already.
   void CancelWaiter(Waiter* waiter) ABSL_LOCKS_EXCLUDED(mu_);
+  // A waiter's OnDone (`cancelled`: its call failed before the client had the answer): drops
+  // the lease the answer carried, if any.
+  void WaiterDone(Waiter* waiter, bool cancelled) ABSL_LOCKS_EXCLUDED(mu_);
   // Answers `waiter` at once or puts it on the lists (Acquire's work).
   void StartWaiter(Waiter* waiter, grpc::CallbackServerContext* context) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -141,7 +152,8 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
 
   // CreateFor for the session with `token` that grows a pool when it must: the segment is made
   // with mu_ released, then the create is tried again, the session looked up again (it may have
-  // ended meanwhile: `gone` is returned then).
+  // ended meanwhile: `gone` is returned then). Blocks while another caller grows the pool, and
+  // while it grows one: for the memory channel's thread and GrowPools only.
   absl::Status CreateGrowing(const std::string& token, const absl::Status& gone,
                              const v1::CreateRequest& request, v1::CreateResponse* response)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -209,6 +221,15 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   absl::flat_hash_map<std::string, WaiterList> waiters_by_name_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, WaiterList> waiters_by_session_ ABSL_GUARDED_BY(mu_);
   std::multimap<absl::Time, Waiter*> waiters_by_deadline_ ABSL_GUARDED_BY(mu_);
+  // gRPC creates waiting for GrowPools.
+  struct PendingCreate {
+    grpc::ServerUnaryReactor* reactor;
+    std::string token;  // the caller's session
+    const v1::CreateRequest* request;
+    v1::CreateResponse* response;
+  };
+  std::deque<PendingCreate> pending_creates_ ABSL_GUARDED_BY(mu_);
+  CondVar creates_pending_;  // signalled when a create is queued, and on shutdown
   // Reactors to finish once mu_ is released (ServiceLock), with their status.
   std::vector<std::pair<grpc::ServerUnaryReactor*, grpc::Status>> finishing_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);

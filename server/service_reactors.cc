@@ -95,12 +95,19 @@ class TensorShmService::SessionReactor final
 // takes it off them (under mu_, so exactly one does) and finishes it. Deletes itself in OnDone.
 class TensorShmService::Waiter final : public grpc::ServerUnaryReactor {
  public:
-  Waiter(TensorShmService* service, const v1::AcquireRequest& request,
-         v1::AcquireResponse* response)
-      : service(service), name(request.name()), wait_ms(request.wait_ms()), response(response) {}
+  Waiter(TensorShmService* service, grpc::CallbackServerContext* context,
+         const v1::AcquireRequest& request, v1::AcquireResponse* response)
+      : service(service),
+        context(context),
+        name(request.name()),
+        wait_ms(request.wait_ms()),
+        response(response) {}
 
   void OnCancel() override { service->CancelWaiter(this); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service->WaiterDone(this, context->IsCancelled());
+    delete this;
+  }
 
   // The DEADLINE_EXCEEDED answer, as a waiter polling its deadline gave it.
   grpc::Status Expired() const {
@@ -111,15 +118,17 @@ class TensorShmService::Waiter final : public grpc::ServerUnaryReactor {
   }
 
   TensorShmService* const service;
+  grpc::CallbackServerContext* const context;
   const std::string name;
   const int64_t wait_ms;
   v1::AcquireResponse* const response;  // gRPC's, until the call is finished
   absl::Time deadline = absl::InfiniteFuture();
 
-  // Under the service's mu_ (set by AddWaiter).
+  // Under the service's mu_ (set by AddWaiter, and Grant).
   bool listed = false;  // on the lists: not finished yet
   uint64_t session_id = 0;
   std::string token;
+  uint64_t lease_id = 0;  // the lease granted in `response`, if any
   WaiterList::iterator by_name;
   WaiterList::iterator by_session;
   std::multimap<absl::Time, Waiter*>::iterator by_deadline;  // if deadline is finite
@@ -133,7 +142,7 @@ grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* TensorShmServi
 grpc::ServerUnaryReactor* TensorShmService::Acquire(grpc::CallbackServerContext* context,
                                                     const v1::AcquireRequest* request,
                                                     v1::AcquireResponse* response) {
-  auto* waiter = new Waiter(this, *request, response);
+  auto* waiter = new Waiter(this, context, *request, response);
   StartWaiter(waiter, context);
   // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
   // this returns.
@@ -170,6 +179,8 @@ void TensorShmService::StartWaiter(Waiter* waiter, grpc::CallbackServerContext* 
     }
     if (const Tensor* tensor = catalog_->Find(waiter->name); tensor != nullptr) {
       Grant(**session, *tensor, waiter->response);
+      waiter->token = (*session)->token;
+      waiter->lease_id = waiter->response->lease_id();
       status = grpc::Status::OK;
       return;
     }
@@ -252,6 +263,7 @@ void TensorShmService::WakeWaiters(const std::string& name) {
     tensorshm::Session* session = sessions_.Find(waiter->token);
     TSM_CHECK(session != nullptr);
     Grant(*session, *tensor, waiter->response);
+    waiter->lease_id = waiter->response->lease_id();
     FinishLater(waiter, grpc::Status::OK);
   }
 }
@@ -274,6 +286,20 @@ void TensorShmService::CancelWaiter(Waiter* waiter) {
   FinishLater(waiter, grpc::Status(grpc::StatusCode::CANCELLED, "acquire cancelled by the client"));
 }
 
+void TensorShmService::WaiterDone(Waiter* waiter, bool cancelled) {
+  ServiceLock lock(this);
+  TSM_CHECK(!waiter->listed);
+  if (!cancelled || waiter->lease_id == 0) return;
+  // Granted, but the client gave up on the call before the answer reached it: nobody knows the
+  // lease's id, so nobody would release it before its session ends.
+  tensorshm::Session* session = sessions_.Find(waiter->token);
+  if (session == nullptr) return;  // ended: its leases went with it
+  auto lease = session->leases.find(waiter->lease_id);
+  if (lease == session->leases.end()) return;
+  catalog_->DropLease(lease->second);
+  session->leases.erase(lease);
+}
+
 void TensorShmService::BeginShutdown() {
   ServiceLock lock(this);
   shutting_down_ = true;
@@ -289,6 +315,7 @@ void TensorShmService::BeginShutdown() {
   }
   stopping_.SignalAll();
   next_deadline_.SignalAll();
+  creates_pending_.SignalAll();
 }
 
 void TensorShmService::ExpireWaiters() {

@@ -45,6 +45,8 @@ namespace {
 using tensorshm::v1::TensorShm;
 
 constexpr auto kCallDeadline = std::chrono::minutes(5);
+// The observer's calls: a call that takes this long is reported as a failure.
+constexpr auto kObserverDeadline = std::chrono::seconds(60);
 
 struct Args {
   std::string role;
@@ -89,8 +91,8 @@ class RawSession {
     stream_->Finish().ok();
   }
 
-  void Prepare(grpc::ClientContext* context) const {
-    context->set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  void Prepare(grpc::ClientContext* context, std::chrono::seconds deadline = kCallDeadline) const {
+    context->set_deadline(std::chrono::system_clock::now() + deadline);
     context->AddMetadata("tensorshm-session", token_);
   }
 
@@ -235,7 +237,7 @@ int RunObserver(const Args& args) {
   while (!std::filesystem::exists(args.stop_file)) {
     {
       grpc::ClientContext context;
-      session.Prepare(&context);
+      session.Prepare(&context, kObserverDeadline);
       tensorshm::v1::StatRequest request;
       tensorshm::v1::StatResponse response;
       const absl::Time start = absl::Now();
@@ -243,12 +245,13 @@ int RunObserver(const Args& args) {
       stat_us.emplace_back(micros(start), absl::ToDoubleSeconds(start - began));
       if (!status.ok()) {
         ++failures;
-        std::cout << "observer: Stat failed: " << status.error_message() << std::endl;
+        std::cout << "observer: Stat failed after " << micros(start) << " us: code "
+                  << status.error_code() << " " << status.error_message() << std::endl;
       }
     }
     {
       grpc::ClientContext context;
-      session.Prepare(&context);
+      session.Prepare(&context, kObserverDeadline);
       tensorshm::v1::AcquireRequest request;
       request.set_name(args.name);
       tensorshm::v1::AcquireResponse response;
@@ -257,7 +260,8 @@ int RunObserver(const Args& args) {
       acquire_us.emplace_back(micros(start), absl::ToDoubleSeconds(start - began));
       if (!status.ok()) {
         ++failures;
-        std::cout << "observer: Acquire failed: " << status.error_message() << std::endl;
+        std::cout << "observer: Acquire failed after " << micros(start) << " us: code "
+                  << status.error_code() << " " << status.error_message() << std::endl;
       } else {
         leases.push_back(response.lease_id());
       }

@@ -95,6 +95,15 @@ TEST(WaiterLoadTest, TwentyThousandWaitersTwoHundredChurningSessionsFewThreads) 
       absl::SleepFor(absl::Milliseconds(20));
     }
   });
+  // Joined however the test ends (an ASSERT returns early).
+  struct JoinOnExit {
+    std::atomic<bool>& running;
+    std::thread& thread;
+    ~JoinOnExit() {
+      running = false;
+      if (thread.joinable()) thread.join();
+    }
+  } join_sampler{sampling, sampler};
 
   // The unrelated client: its tensor, then its timing loop.
   absl::StatusOr<std::shared_ptr<Client>> client =
@@ -162,8 +171,8 @@ TEST(WaiterLoadTest, TwentyThousandWaitersTwoHundredChurningSessionsFewThreads) 
     got.insert(pairs.begin(), pairs.end());
   }
   std::ofstream(stop_file).put('\n');
-  absl::StatusOr<int> observed = observer->Wait(absl::Seconds(60));
-  ASSERT_TRUE(observed.ok()) << "observer still running";
+  absl::StatusOr<int> observed = observer->Wait(absl::Seconds(300));
+  ASSERT_TRUE(observed.ok()) << "observer still running: " << observer->Output();
   EXPECT_TRUE(WIFEXITED(*observed) && WEXITSTATUS(*observed) == 0) << observer->Output();
   sampling = false;
   sampler.join();
