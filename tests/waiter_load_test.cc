@@ -34,6 +34,7 @@ struct ProcessStatus {
   int64_t threads = -1;
   int64_t rss_kb = -1;        // VmRSS
   int64_t rss_shmem_kb = -1;  // RssShmem: the shared memory it maps (catalog, index), in VmRSS
+  int64_t open_files = -1;    // entries of /proc/PID/fd
 };
 
 // What /proc/PID/status says; -1 for what is unreadable.
@@ -49,6 +50,13 @@ ProcessStatus StatusOf(pid_t pid) {
     if (fields[0] == "VmRSS") absl::SimpleAtoi(fields[1], &status.rss_kb);
     if (fields[0] == "RssShmem") absl::SimpleAtoi(fields[1], &status.rss_shmem_kb);
   }
+  std::error_code error;
+  int64_t files = 0;
+  for (std::filesystem::directory_iterator it(absl::StrCat("/proc/", pid, "/fd"), error), end;
+       !error && it != end; it.increment(error)) {
+    ++files;
+  }
+  if (!error) status.open_files = files;
   return status;
 }
 
@@ -84,7 +92,7 @@ TEST(WaiterLoadTest, TwentyThousandWaitersTwoHundredChurningSessionsFewThreads) 
 
   // The daemon's threads and RSS, sampled for the whole run.
   std::atomic<bool> sampling{true};
-  std::atomic<int64_t> max_threads{0}, max_rss_kb{0}, max_shmem_kb{0};
+  std::atomic<int64_t> max_threads{0}, max_rss_kb{0}, max_shmem_kb{0}, max_files{0};
   const ProcessStatus idle = StatusOf(daemon_pid);
   std::thread sampler([&] {
     while (sampling.load()) {
@@ -92,6 +100,7 @@ TEST(WaiterLoadTest, TwentyThousandWaitersTwoHundredChurningSessionsFewThreads) 
       if (now.threads > max_threads.load()) max_threads = now.threads;
       if (now.rss_kb > max_rss_kb.load()) max_rss_kb = now.rss_kb;
       if (now.rss_shmem_kb > max_shmem_kb.load()) max_shmem_kb = now.rss_shmem_kb;
+      if (now.open_files > max_files.load()) max_files = now.open_files;
       absl::SleepFor(absl::Milliseconds(20));
     }
   });
@@ -197,7 +206,8 @@ TEST(WaiterLoadTest, TwentyThousandWaitersTwoHundredChurningSessionsFewThreads) 
             << absl::FormatDuration(absl::Now() - began) << "\n"
             << "daemon threads: idle " << idle.threads << ", max " << max_threads.load()
             << "; VmRSS idle " << idle.rss_kb / 1024 << " MiB, max " << max_rss_kb.load() / 1024
-            << " MiB (of which shared memory, max " << max_shmem_kb.load() / 1024 << " MiB)\n"
+            << " MiB (of which shared memory, max " << max_shmem_kb.load() / 1024
+            << " MiB); open files max " << max_files.load() << "\n"
             << Line(observer->Output(), "observer stat") << " (stat)\n"
             << Line(observer->Output(), "observer acquire") << " (acquire)" << std::endl;
   EXPECT_LT(max_threads.load(), 64);
