@@ -533,7 +533,7 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
                                               absl::Span<const int64_t> shape,
                                               absl::Span<const int64_t> strides,
                                               const DLDevice& device, bool subbyte_padded,
-                                              uint32_t owner_uid) {
+                                              uint32_t owner_uid, SegmentGrowth* growth) {
   CudaPool* cuda = nullptr;
   if (device.device_type == kDLCUDA) {
     auto it = cuda_pools_.find(device.device_id);
@@ -564,8 +564,14 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   Buffer buffer;
   if (layout->nbytes > 0) {
     const uint64_t nbytes = static_cast<uint64_t>(layout->nbytes);
-    absl::StatusOr<Buffer> allocated =
-        cuda != nullptr ? cuda->Allocate(nbytes) : pool_->Allocate(nbytes, owner_uid);
+    GrowthRequest* request = nullptr;
+    if (growth != nullptr) {
+      growth->cuda_ordinal = cuda != nullptr ? device.device_id : -1;
+      request = &growth->request;
+    }
+    absl::StatusOr<Buffer> allocated = cuda != nullptr
+                                           ? cuda->Allocate(nbytes, request)
+                                           : pool_->Allocate(nbytes, owner_uid, request);
     if (!allocated.ok()) return allocated.status();
     buffer = *allocated;
   }
@@ -585,6 +591,35 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   auto [it, inserted] = tensors_.emplace(tensor.id, std::move(tensor));
   TSM_CHECK(inserted);
   return &it->second;
+}
+
+void SegmentGrowth::Make() {
+  if (cuda_pool != nullptr) {
+    cuda_segment = cuda_pool->MakeSegment(request);
+  } else {
+    TSM_CHECK(host_pool != nullptr);
+    host_segment = host_pool->MakeSegment(request);
+  }
+}
+
+void Catalog::BeginGrowth(SegmentGrowth& growth) {
+  TSM_CHECK(growth.needed());
+  if (growth.cuda_ordinal >= 0) {
+    CudaPool* pool = cuda_pools_.at(growth.cuda_ordinal).get();
+    pool->BeginGrowth();
+    growth.cuda_pool = pool;
+  } else {
+    pool_->BeginGrowth();
+    growth.host_pool = &*pool_;
+  }
+}
+
+absl::Status Catalog::EndGrowth(SegmentGrowth& growth) {
+  if (growth.cuda_ordinal >= 0) {
+    return cuda_pools_.at(growth.cuda_ordinal)
+        ->EndGrowth(growth.request, std::move(growth.cuda_segment));
+  }
+  return pool_->EndGrowth(growth.request, std::move(growth.host_segment));
 }
 
 absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::string& name,

@@ -53,6 +53,26 @@ struct Tensor {
   std::string damage;
 };
 
+// A pool segment that Create needs, made outside the caller's lock: Create fills `request` (and
+// returns UNAVAILABLE), BeginGrowth marks the pool as growing, Make() creates the segment (the
+// slow part: no lock needed, it touches only what the pool fixed at its creation), EndGrowth
+// adds it. With `request.busy` another caller is growing that pool: wait for it and retry.
+struct SegmentGrowth {
+  int cuda_ordinal = -1;  // the pool: -1 the host pool, else the CUDA pool of that ordinal
+  GrowthRequest request;
+
+  // Set by BeginGrowth, filled by Make.
+  const HostPool* host_pool = nullptr;
+  const CudaPool* cuda_pool = nullptr;
+  absl::StatusOr<ShmSegment> host_segment = absl::UnknownError("segment not made");
+  absl::StatusOr<CudaPool::DeviceMemory> cuda_segment = absl::UnknownError("segment not made");
+
+  // Whether Create asked for a new segment, or to wait for one being made.
+  bool needed() const { return request.needed; }
+  bool busy() const { return request.busy; }
+  void Make();
+};
+
 struct CatalogOptions {
   std::string shm_prefix;
   uint64_t host_pool_bytes = 0;
@@ -118,11 +138,19 @@ class Catalog {
 
   // Allocates a writable tensor owned by `session`. INVALID_ARGUMENT for a bad dtype / shape /
   // strides / device, FAILED_PRECONDITION for a device without a pool, RESOURCE_EXHAUSTED when
-  // the pool or the record table is full.
+  // the pool or the record table is full. With `growth`, a pool that needs a new segment does
+  // not make it: UNAVAILABLE, nothing changed, and `*growth` says what to do (see SegmentGrowth).
   absl::StatusOr<const Tensor*> Create(uint64_t session, const DLDataType& dtype,
                                        absl::Span<const int64_t> shape,
                                        absl::Span<const int64_t> strides, const DLDevice& device,
-                                       bool subbyte_padded = false, uint32_t owner_uid = 0);
+                                       bool subbyte_padded = false, uint32_t owner_uid = 0,
+                                       SegmentGrowth* growth = nullptr);
+
+  // Growing a pool outside the caller's lock (see SegmentGrowth). REQUIRES: `growth` was filled
+  // by Create with needed(); EndGrowth after BeginGrowth and Make. EndGrowth returns Make's error,
+  // if any (the pool is then as before).
+  void BeginGrowth(SegmentGrowth& growth);
+  absl::Status EndGrowth(SegmentGrowth& growth);
 
   // Seals `tensor_id` (created by `session`) and binds it to `name`. NOT_FOUND for an unknown
   // tensor, PERMISSION_DENIED if another session created it, FAILED_PRECONDITION if already

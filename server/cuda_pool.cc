@@ -57,28 +57,52 @@ CudaPool::~CudaPool() {
   driver_->cuDevicePrimaryCtxRelease_v2(device_);
 }
 
-absl::Status CudaPool::AddSegment(uint64_t size) {
+absl::StatusOr<CudaPool::DeviceMemory> CudaPool::MakeSegment(const GrowthRequest& request) const {
   ScopedContext scope(driver_, context_);
   if (!scope.status().ok()) return scope.status();
-  Segment segment{0, size, {}, BestFitAllocator(size)};
-  if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemAlloc_v2, &segment.base, size);
+  DeviceMemory memory;
+  memory.size = request.size;
+  if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemAlloc_v2, &memory.base, memory.size);
       !s.ok()) {
     return s;
   }
   if (absl::Status s =
-          TSM_CU(driver_, options_.ordinal, cuIpcGetMemHandle, &segment.handle, segment.base);
+          TSM_CU(driver_, options_.ordinal, cuIpcGetMemHandle, &memory.handle, memory.base);
       !s.ok()) {
-    driver_->cuMemFree_v2(segment.base);
+    driver_->cuMemFree_v2(memory.base);
     return s;
   }
-  segments_.push_back(std::move(segment));
-  reserved_bytes_ += size;
-  TSM_LOG(kInfo) << "cuda:" << options_.ordinal << " (" << FormatUuid(uuid_) << "): segment "
-                 << segments_.size() << " of " << size << " bytes";
+  return memory;
+}
+
+absl::Status CudaPool::EndGrowth(const GrowthRequest& request, absl::StatusOr<DeviceMemory> made) {
+  TSM_CHECK(growing_);
+  growing_ = false;
+  if (!made.ok()) return made.status();
+  TSM_CHECK(request.segment_id == segments_.size() + 1);
+  InstallSegment(*made);
   return absl::OkStatus();
 }
 
-absl::StatusOr<Buffer> CudaPool::Allocate(uint64_t nbytes) {
+absl::Status CudaPool::AddSegment(uint64_t size) {
+  GrowthRequest request;
+  request.segment_id = segments_.size() + 1;
+  request.size = size;
+  absl::StatusOr<DeviceMemory> memory = MakeSegment(request);
+  if (!memory.ok()) return memory.status();
+  InstallSegment(*memory);
+  return absl::OkStatus();
+}
+
+void CudaPool::InstallSegment(const DeviceMemory& memory) {
+  segments_.push_back(
+      Segment{memory.base, memory.size, memory.handle, BestFitAllocator(memory.size)});
+  reserved_bytes_ += memory.size;
+  TSM_LOG(kInfo) << "cuda:" << options_.ordinal << " (" << FormatUuid(uuid_) << "): segment "
+                 << segments_.size() << " of " << memory.size << " bytes";
+}
+
+absl::StatusOr<Buffer> CudaPool::Allocate(uint64_t nbytes, GrowthRequest* growth) {
   TSM_CHECK(nbytes > 0);
   const uint64_t length = (nbytes + kCudaAlignment - 1) / kCudaAlignment * kCudaAlignment;
   int index = BestFitSegment(segments_, length);
@@ -90,10 +114,20 @@ absl::StatusOr<Buffer> CudaPool::Allocate(uint64_t nbytes) {
                        " bytes: ", options_.capacity_bytes - used_bytes(), " of ",
                        options_.capacity_bytes, " bytes free (--cuda-pool)"));
     }
-    if (absl::Status s = AddSegment(std::min(std::max(options_.segment_bytes, length), remaining));
-        !s.ok()) {
-      return s;
+    const uint64_t size = std::min(std::max(options_.segment_bytes, length), remaining);
+    if (growth != nullptr) {
+      if (growing_) {
+        growth->busy = true;
+      } else {
+        growth->needed = true;
+        growth->segment_id = segments_.size() + 1;
+        growth->size = size;
+      }
+      return absl::UnavailableError(
+          absl::StrCat("cuda:", options_.ordinal, " pool: a new segment must be made first"));
     }
+    TSM_CHECK(!growing_);
+    if (absl::Status s = AddSegment(size); !s.ok()) return s;
     index = static_cast<int>(segments_.size()) - 1;
   }
   std::optional<uint64_t> offset = segments_[index].allocator.Allocate(length);

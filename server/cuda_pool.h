@@ -36,8 +36,22 @@ class CudaPool {
 
   // A buffer of at least `nbytes` (rounded up to 256 bytes), best fit over the segments, growing
   // by a segment while the capacity allows. RESOURCE_EXHAUSTED naming requested and free bytes.
-  absl::StatusOr<Buffer> Allocate(uint64_t nbytes);
+  // With `growth`, a new segment is not made here: UNAVAILABLE, with `*growth` saying which
+  // (as HostPool::Allocate). REQUIRES (without `growth`): no growth under way.
+  absl::StatusOr<Buffer> Allocate(uint64_t nbytes, GrowthRequest* growth = nullptr);
   void Free(const Buffer& buffer);
+
+  // Device memory of one segment, exported with one IPC handle.
+  struct DeviceMemory {
+    CUdeviceptr base = 0;
+    uint64_t size = 0;
+    CUipcMemHandle handle{};
+  };
+  // Growing the pool outside the caller's lock, as HostPool's: MakeSegment (cuMemAlloc and the
+  // IPC handle) reads only what the pool fixed at its creation.
+  void BeginGrowth() { growing_ = true; }
+  absl::StatusOr<DeviceMemory> MakeSegment(const GrowthRequest& request) const;
+  absl::Status EndGrowth(const GrowthRequest& request, absl::StatusOr<DeviceMemory> made);
 
   int ordinal() const { return options_.ordinal; }
   const DeviceUuid& uuid() const { return uuid_; }
@@ -58,6 +72,7 @@ class CudaPool {
   CudaPool(const CudaDriver* driver, CudaPoolOptions options)
       : driver_(driver), options_(options) {}
   absl::Status AddSegment(uint64_t size);
+  void InstallSegment(const DeviceMemory& memory);
 
   const CudaDriver* driver_;
   CudaPoolOptions options_;
@@ -66,6 +81,7 @@ class CudaPool {
   DeviceUuid uuid_{};
   std::vector<Segment> segments_;
   uint64_t reserved_bytes_ = 0;
+  bool growing_ = false;  // between BeginGrowth and EndGrowth
 };
 
 }  // namespace tensorshm

@@ -27,11 +27,7 @@ absl::StatusOr<HostPool> HostPool::Create(const HostPoolOptions& options, Contro
                      ": must be a positive multiple of the page size (", page, ")"));
   }
   HostPool pool(options, control);
-  if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes),
-                                       options.owner_uid);
-      !s.ok()) {
-    return s;
-  }
+  if (absl::Status s = pool.AddSegment(pool.FirstSegment()); !s.ok()) return s;
   return pool;
 }
 
@@ -76,11 +72,7 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
                                          record.owner_uid, record.instance, record.size});
   }
   if (pool.segments_.empty()) {
-    if (absl::Status s = pool.AddSegment(std::min(options.segment_bytes, options.capacity_bytes),
-                                         options.owner_uid);
-        !s.ok()) {
-      return s;
-    }
+    if (absl::Status s = pool.AddSegment(pool.FirstSegment()); !s.ok()) return s;
   }
   return pool;
 }
@@ -135,34 +127,87 @@ void HostPool::KeepSegments() {
   }
 }
 
-absl::Status HostPool::AddSegment(uint64_t size, uint32_t uid) {
+GrowthRequest HostPool::FirstSegment() const {
+  GrowthRequest request;
+  request.needed = true;
+  request.segment_id = segments_.size() + 1;
+  request.size = std::min(options_.segment_bytes, options_.capacity_bytes);
+  request.uid = options_.owner_uid;
+  return request;
+}
+
+absl::StatusOr<GrowthRequest> HostPool::PlanSegment(uint64_t nbytes, uint64_t length,
+                                                    uint32_t uid) const {
+  const uint64_t remaining = options_.capacity_bytes - reserved_bytes();
+  if (remaining < length) {
+    uint64_t largest = 0;
+    uint64_t free_for_uid = remaining;
+    for (const PoolSegment& s : segments_) {
+      if (s.owner_uid != uid) continue;
+      largest = std::max(largest, s.allocator.largest_free_block());
+      free_for_uid += s.allocator.free_bytes();
+    }
+    largest = std::max(largest, remaining);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host pool: cannot allocate ", nbytes, " bytes (", length,
+                     " rounded to pages) for uid ", uid, ": ", free_for_uid, " of ",
+                     options_.capacity_bytes, " bytes free to it, largest free block ", largest,
+                     " bytes (each uid's buffers take segments of their own)"));
+  }
   if (segments_.size() >= kMaxSegments) {
     return absl::ResourceExhaustedError(
         absl::StrCat("host pool: all ", kMaxSegments, " segments in use; raise --segment-size"));
   }
-  const uint64_t id = segments_.size() + 1;
+  GrowthRequest request;
+  request.needed = true;
+  request.segment_id = segments_.size() + 1;
+  request.size = std::min(std::max(options_.segment_bytes, length), remaining);
+  request.uid = uid;
+  return request;
+}
+
+absl::StatusOr<ShmSegment> HostPool::MakeSegment(const GrowthRequest& request) const {
   const SegmentBacking backing =
-      uid == options_.owner_uid ? options_.backing : SegmentBacking::kMemfd;
-  absl::StatusOr<ShmSegment> shm = ShmSegment::Create(
-      absl::StrCat("/", options_.shm_prefix, ".cpu.", id), size, /*map=*/false, backing);
+      request.uid == options_.owner_uid ? options_.backing : SegmentBacking::kMemfd;
+  return ShmSegment::Create(absl::StrCat("/", options_.shm_prefix, ".cpu.", request.segment_id),
+                            request.size, /*map=*/false, backing);
+}
+
+absl::Status HostPool::EndGrowth(const GrowthRequest& request, absl::StatusOr<ShmSegment> made) {
+  TSM_CHECK(growing_);
+  growing_ = false;
+  if (!made.ok()) return made.status();
+  InstallSegment(request, *std::move(made));
+  return absl::OkStatus();
+}
+
+absl::Status HostPool::AddSegment(const GrowthRequest& request) {
+  absl::StatusOr<ShmSegment> shm = MakeSegment(request);
   if (!shm.ok()) return shm.status();
-  segments_.push_back(
-      PoolSegment{*std::move(shm), BestFitAllocator(size), uid, options_.instance, size});
-  SegmentRecord& record = control_->segment(static_cast<uint32_t>(id - 1));
+  InstallSegment(request, *std::move(shm));
+  return absl::OkStatus();
+}
+
+void HostPool::InstallSegment(const GrowthRequest& request, ShmSegment shm) {
+  // One grower at a time, and nothing else adds segments meanwhile: the id is still the next.
+  TSM_CHECK(request.segment_id == segments_.size() + 1);
+  const SegmentBacking backing = shm.backing();
+  segments_.push_back(PoolSegment{std::move(shm), BestFitAllocator(request.size), request.uid,
+                                  options_.instance, request.size});
+  SegmentRecord& record = control_->segment(static_cast<uint32_t>(request.segment_id - 1));
   record.device_type = kDLCPU;
   record.device_id = 0;
-  record.owner_uid = uid;
-  record.segment_id = id;
-  record.size = size;
+  record.owner_uid = request.uid;
+  record.segment_id = request.segment_id;
+  record.size = request.size;
   record.instance = options_.instance;
   record.state.store(
       static_cast<uint32_t>(backing == SegmentBacking::kNamed ? SegmentState::kLive
                                                               : SegmentState::kEphemeral),
       std::memory_order_release);
-  return absl::OkStatus();
 }
 
-absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid) {
+absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid, GrowthRequest* growth) {
   TSM_CHECK(nbytes > 0);
   const uint64_t page = PageSize();
   if (nbytes > options_.capacity_bytes) {
@@ -175,27 +220,18 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid) {
       segments_, length, [uid](const PoolSegment& s) { return s.shm && s.owner_uid == uid; });
   PoolSegment* best = index < 0 ? nullptr : &segments_[index];
   if (best == nullptr) {
-    const uint64_t remaining = options_.capacity_bytes - reserved_bytes();
-    if (remaining < length) {
-      uint64_t largest = 0;
-      uint64_t free_for_uid = remaining;
-      for (const PoolSegment& s : segments_) {
-        if (s.owner_uid != uid) continue;
-        largest = std::max(largest, s.allocator.largest_free_block());
-        free_for_uid += s.allocator.free_bytes();
+    absl::StatusOr<GrowthRequest> plan = PlanSegment(nbytes, length, uid);
+    if (!plan.ok()) return plan.status();
+    if (growth != nullptr) {
+      if (growing_) {
+        growth->busy = true;
+      } else {
+        *growth = *plan;
       }
-      largest = std::max(largest, remaining);
-      return absl::ResourceExhaustedError(
-          absl::StrCat("host pool: cannot allocate ", nbytes, " bytes (", length,
-                       " rounded to pages) for uid ", uid, ": ", free_for_uid, " of ",
-                       options_.capacity_bytes, " bytes free to it, largest free block ", largest,
-                       " bytes (each uid's buffers take segments of their own)"));
+      return absl::UnavailableError("host pool: a new segment must be made first");
     }
-    if (absl::Status s =
-            AddSegment(std::min(std::max(options_.segment_bytes, length), remaining), uid);
-        !s.ok()) {
-      return s;
-    }
+    TSM_CHECK(!growing_);
+    if (absl::Status s = AddSegment(*plan); !s.ok()) return s;
     best = &segments_.back();
   }
   std::optional<uint64_t> offset = best->allocator.Allocate(length);

@@ -27,6 +27,17 @@ struct Buffer {
   uint64_t length = 0;
 };
 
+// What a pool's Allocate tells a caller that grows pools itself: making a segment reserves all
+// its memory (posix_fallocate, cuMemAlloc), which is too slow to do under the caller's lock.
+// One caller grows a pool at a time; others are told to wait for it.
+struct GrowthRequest {
+  bool needed = false;  // nothing fits: make segment `segment_id` of `size` bytes, then retry
+  bool busy = false;    // nothing fits and another caller is making a segment: wait, then retry
+  uint64_t segment_id = 0;
+  uint64_t size = 0;
+  uint32_t uid = 0;  // host pools: the uid whose buffers the segment holds
+};
+
 struct HostPoolOptions {
   std::string shm_prefix;
   uint64_t capacity_bytes = 0;
@@ -67,7 +78,19 @@ class HostPool {
   // from that uid's segments or, failing that, from a new segment of its own while the capacity
   // allows. A buffer for a uid other than the owner's reads as zeros. RESOURCE_EXHAUSTED naming
   // the requested, free and largest-free sizes when nothing fits. REQUIRES: nbytes > 0.
-  absl::StatusOr<Buffer> Allocate(uint64_t nbytes, uint32_t uid);
+  // With `growth`, a new segment is not made here: UNAVAILABLE, with `*growth` saying which
+  // segment to make (BeginGrowth, MakeSegment, EndGrowth) or that another caller is making one.
+  // REQUIRES (without `growth`): no growth under way.
+  absl::StatusOr<Buffer> Allocate(uint64_t nbytes, uint32_t uid, GrowthRequest* growth = nullptr);
+
+  // Growing the pool outside the caller's lock: BeginGrowth marks the pool as growing (until
+  // EndGrowth); MakeSegment creates the object `request` names and may run concurrently with
+  // every other call (it reads only what the pool fixed at its creation); EndGrowth adds what
+  // MakeSegment made, or returns its error. REQUIRES: `request` is the one Allocate gave, with
+  // `needed`; BeginGrowth before, and EndGrowth after, MakeSegment.
+  void BeginGrowth() { growing_ = true; }
+  absl::StatusOr<ShmSegment> MakeSegment(const GrowthRequest& request) const;
+  absl::Status EndGrowth(const GrowthRequest& request, absl::StatusOr<ShmSegment> made);
 
   // Returns `buffer` to its segment. REQUIRES: it came from Allocate and is not yet freed.
   void Free(const Buffer& buffer);
@@ -103,11 +126,20 @@ class HostPool {
   };
   HostPool(HostPoolOptions options, ControlSegment* control)
       : options_(std::move(options)), control_(control) {}
-  absl::Status AddSegment(uint64_t size, uint32_t uid);
+  // The next segment for an allocation of `length` bytes for `uid`, if the capacity and the
+  // segment table allow it; RESOURCE_EXHAUSTED (naming sizes) otherwise.
+  absl::StatusOr<GrowthRequest> PlanSegment(uint64_t nbytes, uint64_t length, uint32_t uid) const;
+  // The first segment: min(segment_bytes, capacity_bytes) bytes for the owner uid.
+  GrowthRequest FirstSegment() const;
+  // Creates and adds segment `request` at once (the pool's first segment, growth without a
+  // GrowthRequest).
+  absl::Status AddSegment(const GrowthRequest& request);
+  void InstallSegment(const GrowthRequest& request, ShmSegment shm);
 
   HostPoolOptions options_;
   ControlSegment* control_;
   std::vector<PoolSegment> segments_;  // segments_[id - 1]
+  bool growing_ = false;               // between BeginGrowth and EndGrowth
 };
 
 }  // namespace tensorshm

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdio>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -37,6 +38,11 @@ absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view text) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("--log-level = \"", text, "\": expected debug, info, warning or error"));
+}
+
+std::string LogEscape(absl::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return absl::CHexEscape(text);
+  return absl::StrCat(absl::CHexEscape(text.substr(0, max_bytes)), "...");
 }
 
 LogLine::~LogLine() {

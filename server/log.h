@@ -3,6 +3,7 @@
 #define TENSORSHM_SERVER_LOG_H_
 
 #include <sstream>
+#include <string>
 #include <string_view>
 
 #include "absl/status/statusor.h"
@@ -17,6 +18,10 @@ void SetLogLevel(LogLevel level);
 LogLevel GetLogLevel();
 // "debug", "info", "warning", "error"; INVALID_ARGUMENT naming the value otherwise.
 absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view text);
+
+// `text` (a client's string) fit for a log line: C-escaped, so that no byte of it can end the
+// line or forge another, and cut to its first `max_bytes` bytes ("..." then marks the cut).
+std::string LogEscape(absl::string_view text, size_t max_bytes = 256);
 
 // One log line, written whole when the statement ends.
 class LogLine {

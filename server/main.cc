@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <grpcpp/server_posix.h>
@@ -63,6 +64,9 @@ std::string FormatBytes(uint64_t bytes) {
   }
   return absl::StrFormat("%.4g %s", value, kUnits[unit]);
 }
+
+// Threads for gRPC's synchronous services (reflection); the callback service needs none.
+constexpr int kSyncServerThreads = 4;
 
 // A random, non-zero id for this daemon start (SessionOpened.instance_id).
 uint64_t NewInstanceId() {
@@ -186,6 +190,11 @@ int Run(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(&service);
+  // The service uses gRPC's callback API: no call holds a thread while it waits. What stays
+  // synchronous (reflection) gets a few threads, however many calls come.
+  grpc::ResourceQuota quota("tensorshmd");
+  quota.SetMaxThreads(kSyncServerThreads);
+  builder.SetResourceQuota(quota);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
     std::cerr << "tensorshmd: cannot start the gRPC server\n";
@@ -251,6 +260,8 @@ int Run(int argc, char** argv) {
   });
 
   std::thread housekeeper([&] { service.Housekeep(); });
+  std::thread waiter_timer([&] { service.ExpireWaiters(); });
+  std::thread grower([&] { service.GrowPools(); });
 
   std::thread stopper([&] {
     int signal_number = 0;
@@ -268,6 +279,8 @@ int Run(int argc, char** argv) {
   stopper.join();
   grace.join();
   housekeeper.join();
+  waiter_timer.join();
+  grower.join();
   if (options->keep_segments) service.KeepSegments();
   server.reset();
   listener->reset();  // removes the socket file

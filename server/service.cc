@@ -23,11 +23,16 @@ constexpr uint64_t kMaxStockedBytes = 4 << 20;
 // a Rejection in the ack, many times its own size.
 constexpr int kMaxReleaseIds = 16384;
 
-// How often an acquire waiter looks at its call for cancellation.
-constexpr absl::Duration kWaitPoll = absl::Milliseconds(100);
 // Records the housekeeping thread compares with the catalog's own copies each round (every
 // kHeartbeatIntervalNs): a table of 65,536 records in under 3 s, some tens of microseconds a round.
 constexpr size_t kRecordsCheckedPerRound = 256;
+
+// Finishes a unary call's default reactor with `status`, on the calling thread.
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
 
 }  // namespace
 
@@ -52,16 +57,17 @@ absl::Status TensorShmService::MayChange(const tensorshm::Session& session, cons
 }
 
 int TensorShmService::ExpireUnbound() {
-  MutexLock lock(&mu_);
+  ServiceLock lock(this);
   return catalog_->ExpireUnbound();
 }
 
 void TensorShmService::KeepSegments() {
-  MutexLock lock(&mu_);
+  ServiceLock lock(this);
   catalog_->KeepSegments();
 }
 
-absl::StatusOr<PeerCredentials> TensorShmService::Admit(const grpc::ServerContext& context) const {
+absl::StatusOr<PeerCredentials> TensorShmService::Admit(
+    const grpc::ServerContextBase& context) const {
   if (policy_ == nullptr || peers_ == nullptr) return PeerCredentials{};
   absl::StatusOr<PeerCredentials> peer = peers_->Find(context.peer());
   if (!peer.ok()) {
@@ -72,20 +78,12 @@ absl::StatusOr<PeerCredentials> TensorShmService::Admit(const grpc::ServerContex
   return *peer;
 }
 
-void TensorShmService::BeginShutdown() {
-  MutexLock lock(&mu_);
-  shutting_down_ = true;
-  catalog_->mutable_index().StopServing();
-  published_.SignalAll();
-  stopping_.SignalAll();
-}
-
 void TensorShmService::Housekeep() {
   while (true) {
     // The heartbeat does not wait for the mutex: a long call (a segment growing) must not make
     // clients take the daemon for dead.
     index_.Heartbeat();
-    MutexLock lock(&mu_);
+    ServiceLock lock(this);
     if (shutting_down_) return;
     catalog_->Reclaim();
     catalog_->CheckRecords(kRecordsCheckedPerRound);
@@ -94,7 +92,13 @@ void TensorShmService::Housekeep() {
   }
 }
 
-absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerContext& context) {
+absl::Status TensorShmService::NoSession(const std::string& token) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("metadata ", kSessionMetadataKey, " = \"", absl::CHexEscape(token.substr(0, 64)),
+                   "\": no open session has this id (its stream ended, or it never existed)"));
+}
+
+absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerContextBase& context) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kSessionMetadataKey);
   if (it == metadata.end()) {
@@ -103,11 +107,7 @@ absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerConte
   }
   std::string token(it->second.data(), it->second.size());
   tensorshm::Session* session = sessions_.Find(token);
-  if (session == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "metadata ", kSessionMetadataKey, " = \"", absl::CHexEscape(token.substr(0, 64)),
-        "\": no open session has this id (its stream ended, or it never existed)"));
-  }
+  if (session == nullptr) return NoSession(token);
   return session;
 }
 
@@ -154,7 +154,7 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
     if (policy_ != nullptr) {
       if (absl::Status s = policy_->Admit(connection.peer); !s.ok()) return s;
     }
-    MutexLock lock(&mu_);
+    ServiceLock lock(this);
     if (request.has_bind()) {
       if (!connection.session_token.empty()) {
         return absl::FailedPreconditionError("bind: this channel is bound to a session already");
@@ -201,7 +201,10 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
         fd = GrantFastPath(*session, request.fast_path(), reply.response.mutable_fast_path());
         break;
       case v1::ChannelRequest::kCreate:
-        return CreateFor(*session, request.create(), reply.response.mutable_created());
+        return CreateGrowing(connection.session_token,
+                             absl::FailedPreconditionError(
+                                 "kind: the session this channel is bound to has ended; reconnect"),
+                             request.create(), reply.response.mutable_created());
       case v1::ChannelRequest::kPublish:
         return PublishFor(*session, request.publish(), reply.response.mutable_published());
       case v1::ChannelRequest::kDelete:
@@ -279,39 +282,26 @@ absl::StatusOr<int> TensorShmService::GrantSegment(const tensorshm::Session& ses
   return *fd;
 }
 
-grpc::Status TensorShmService::Session(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
-  v1::SessionRequest request;
-  absl::StatusOr<PeerCredentials> peer = Admit(*context);
-  if (!peer.ok()) return ToGrpcStatus(peer.status());
-  if (!stream->Read(&request)) return grpc::Status::OK;  // closed before opening
-  if (!request.has_open()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "Session: the first message must be `open`");
-  }
-  uint64_t session_id;
-  std::string token;
+absl::StatusOr<v1::SessionResponse> TensorShmService::OpenSession(
+    const grpc::CallbackServerContext& context, const PeerCredentials& peer,
+    const v1::SessionOpen& open, uint64_t* session_id, std::string* token) {
   v1::SessionResponse opened;
   {
-    MutexLock lock(&mu_);
-    if (shutting_down_)
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+    ServiceLock lock(this);
+    if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
     // Per-uid limits: the reattach list is bounded, and the session counts against its uid.
-    if (absl::Status s = uid_limits_.CheckHeldList(request.open().held_tensor_ids_size()); !s.ok())
-      return ToGrpcStatus(s);
-    absl::StatusOr<UidLimits::SessionCharge> charge = uid_limits_.OpenSession(peer->uid);
-    if (!charge.ok()) return ToGrpcStatus(charge.status());
-    tensorshm::Session& session =
-        sessions_.Open(request.open().pid(), request.open().client_name(), context->peer());
+    if (absl::Status s = uid_limits_.CheckHeldList(open.held_tensor_ids_size()); !s.ok()) return s;
+    absl::StatusOr<UidLimits::SessionCharge> charge = uid_limits_.OpenSession(peer.uid);
+    if (!charge.ok()) return charge.status();
+    tensorshm::Session& session = sessions_.Open(open.pid(), open.client_name(), context.peer());
     session.uid_charge = *std::move(charge);
-    session.uid = peer->uid;
-    session.gid = peer->gid;
-    if (peer->pid != 0) session.pid = peer->pid;  // the kernel's word over the client's
-    session.peer_pid = peer->pid;
-    session_id = session.id;
-    token = session.token;
-    Reattach(session, request.open(), opened.mutable_opened());
+    session.uid = peer.uid;
+    session.gid = peer.gid;
+    if (peer.pid != 0) session.pid = peer.pid;  // the kernel's word over the client's
+    session.peer_pid = peer.pid;
+    *session_id = session.id;
+    *token = session.token;
+    Reattach(session, open, opened.mutable_opened());
     opened.mutable_opened()->set_instance_id(catalog_->instance_id());
     const HostPool& pool = catalog_->host_pool();
     for (uint64_t id = 1; id <= pool.segment_count(); ++id) {
@@ -321,31 +311,22 @@ grpc::Status TensorShmService::Session(
       segment->set_segment_id(id);
     }
   }
-  TSM_LOG(kInfo) << "session " << session_id << " opened: pid " << request.open().pid() << ", uid "
-                 << peer->uid << ", client \"" << request.open().client_name() << "\", "
-                 << context->peer();
-  opened.mutable_opened()->set_session_id(token);
+  TSM_LOG(kInfo) << "session " << *session_id << " opened: pid " << open.pid() << ", uid "
+                 << peer.uid << ", client \"" << LogEscape(open.client_name()) << "\", "
+                 << context.peer();
+  opened.mutable_opened()->set_session_id(*token);
   opened.mutable_opened()->set_server_version(TENSORSHM_VERSION);
-  bool alive = stream->Write(opened);
-  grpc::Status result = grpc::Status::OK;
-  while (alive && stream->Read(&request)) {
-    if (!request.has_release()) {
-      result = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            "Session: after `open`, only `release` messages are accepted");
-      break;
-    }
-    v1::SessionResponse response;
-    {
-      MutexLock lock(&mu_);
-      tensorshm::Session* session = sessions_.Find(token);
-      if (session == nullptr) break;
-      HandleReleases(*session, request.release(), response.mutable_ack());
-    }
-    alive = stream->Write(response);
-  }
-  // The stream ended: the client closed it, exited or died, or the daemon is stopping.
-  CloseSession(session_id, token);
-  return result;
+  return opened;
+}
+
+std::optional<v1::SessionResponse> TensorShmService::SessionRelease(const std::string& token,
+                                                                    const v1::ReleaseBatch& batch) {
+  v1::SessionResponse response;
+  ServiceLock lock(this);
+  tensorshm::Session* session = sessions_.Find(token);
+  if (session == nullptr) return std::nullopt;
+  HandleReleases(*session, batch, response.mutable_ack());
+  return response;
 }
 
 void TensorShmService::Reattach(tensorshm::Session& session, const v1::SessionOpen& open,
@@ -432,6 +413,13 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
   catalog_->Reclaim();
 }
 
+void TensorShmService::Grant(tensorshm::Session& session, const Tensor& tensor,
+                             v1::AcquireResponse* response) {
+  response->set_lease_id(AddLease(session, tensor));
+  response->set_tensor_id(tensor.id);
+  Describe(tensor, response->mutable_desc(), response->mutable_location());
+}
+
 uint64_t TensorShmService::AddLease(tensorshm::Session& session, const Tensor& tensor) {
   const uint64_t lease = sessions_.NextLeaseId();
   session.leases.emplace(lease, tensor.id);
@@ -443,9 +431,10 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
   size_t leases = 0;
   size_t unpublished = 0;
   {
-    MutexLock lock(&mu_);
+    ServiceLock lock(this);
     tensorshm::Session* session = sessions_.Find(token);
     if (session == nullptr) return;
+    FailSessionWaiters(session_id, token);
     leases = session->leases.size();
     unpublished = session->unpublished.size();
     for (const auto& [lease, tensor_id] : session->leases) catalog_->DropLease(tensor_id);
@@ -483,20 +472,80 @@ absl::StatusOr<int> TensorShmService::CudaOrdinalOf(const DLDevice& device,
       pools.empty() ? "no CUDA pools" : "CUDA pools on " + pools, "; see --cuda-pool)"));
 }
 
-grpc::Status TensorShmService::Create(grpc::ServerContext* context,
-                                      const v1::CreateRequest* request,
-                                      v1::CreateResponse* response) {
-  absl::StatusOr<PeerCredentials> peer = Admit(*context);
-  if (!peer.ok()) return ToGrpcStatus(peer.status());
-  MutexLock lock(&mu_);
-  absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
-  if (!session.ok()) return ToGrpcStatus(session.status());
-  return ToGrpcStatus(CreateFor(**session, *request, response));
+grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* context,
+                                                   const v1::CreateRequest* request,
+                                                   v1::CreateResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  bool deferred = false;
+  const absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<PeerCredentials> peer = Admit(*context);
+    if (!peer.ok()) return peer.status();
+    ServiceLock lock(this);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    if (!session.ok()) return session.status();
+    SegmentGrowth growth;
+    absl::Status created = CreateFor(**session, *request, response, &growth);
+    if (!growth.needed() && !growth.busy()) return created;
+    // A pool must grow first: not on this thread, one of gRPC's few.
+    if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
+    pending_creates_.push_back(PendingCreate{reactor, (*session)->token, request, response});
+    creates_pending_.Signal();
+    deferred = true;
+    return absl::OkStatus();
+  }();
+  if (!deferred) reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void TensorShmService::GrowPools() {
+  while (true) {
+    ServiceLock lock(this);
+    while (pending_creates_.empty() && !shutting_down_) creates_pending_.Wait(&mu_);
+    if (shutting_down_) {
+      for (const PendingCreate& create : pending_creates_) {
+        finishing_.emplace_back(
+            create.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping"));
+      }
+      pending_creates_.clear();
+      return;
+    }
+    const PendingCreate create = pending_creates_.front();
+    pending_creates_.pop_front();
+    const absl::Status status =
+        CreateGrowing(create.token, NoSession(create.token), *create.request, create.response);
+    finishing_.emplace_back(create.reactor, ToGrpcStatus(status));
+  }  // `lock` goes: the create is answered
+}
+
+absl::Status TensorShmService::CreateGrowing(const std::string& token, const absl::Status& gone,
+                                             const v1::CreateRequest& request,
+                                             v1::CreateResponse* response) {
+  while (true) {
+    tensorshm::Session* session = sessions_.Find(token);
+    if (session == nullptr) return gone;
+    SegmentGrowth growth;
+    absl::Status status = CreateFor(*session, request, response, &growth);
+    if (growth.busy()) {
+      // Another call is making a segment of that pool: it may be the one this create needs.
+      grown_.Wait(&mu_);
+      continue;
+    }
+    if (!growth.needed()) return status;
+    // Making a segment reserves all its memory (posix_fallocate, cuMemAlloc): every other call
+    // goes on meanwhile.
+    catalog_->BeginGrowth(growth);
+    UnlockAndFinish();
+    growth.Make();
+    mu_.lock();
+    const absl::Status grown = catalog_->EndGrowth(growth);
+    grown_.SignalAll();
+    if (!grown.ok()) return grown;
+  }
 }
 
 absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
                                          const v1::CreateRequest& request,
-                                         v1::CreateResponse* response) {
+                                         v1::CreateResponse* response, SegmentGrowth* growth) {
   absl::StatusOr<DLDataType> dtype = FromWire(request.dtype());
   if (!dtype.ok()) return dtype.status();
   DLDevice device = request.has_device() ? FromWire(request.device()) : DLDevice{kDLCPU, 0};
@@ -508,12 +557,12 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
     device.device_id = *ordinal;
   }
   absl::StatusOr<const Tensor*> tensor = catalog_->Create(
-      session.id, *dtype, shape, strides, device, request.subbyte_padded(), session.uid);
+      session.id, *dtype, shape, strides, device, request.subbyte_padded(), session.uid, growth);
   if (absl::IsResourceExhausted(tensor.status()) && catalog_->retired_count() > 0 &&
       catalog_->Reclaim() > 0) {
     // Memory that lease pages let go of since the last housekeeping round is free now.
     tensor = catalog_->Create(session.id, *dtype, shape, strides, device, request.subbyte_padded(),
-                              session.uid);
+                              session.uid, growth);
   }
   if (!tensor.ok()) return tensor.status();
   const uint64_t length = (*tensor)->buffer.length;
@@ -550,9 +599,10 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
   }
   const int64_t elements = static_cast<int64_t>(length);
   for (uint32_t i = 0; i < count; ++i) {
+    SegmentGrowth not_for_stock;  // asked for, never begun: stock takes no new segment
     absl::StatusOr<const Tensor*> tensor =
         catalog_->Create(session.id, DLDataType{kDLUInt, 8, 1}, absl::MakeConstSpan(&elements, 1),
-                         {}, DLDevice{kDLCPU, 0}, false, session.uid);
+                         {}, DLDevice{kDLCPU, 0}, false, session.uid, &not_for_stock);
     if (!tensor.ok()) return;
     if (!session.AddUnpublished((*tensor)->id, (*tensor)->buffer.length).ok()) {
       TSM_CHECK(catalog_->Abandon(session.id, (*tensor)->id).ok());
@@ -565,15 +615,18 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
   }
 }
 
-grpc::Status TensorShmService::Publish(grpc::ServerContext* context,
-                                       const v1::PublishRequest* request,
-                                       v1::PublishResponse* response) {
-  absl::StatusOr<PeerCredentials> peer = Admit(*context);
-  if (!peer.ok()) return ToGrpcStatus(peer.status());
-  MutexLock lock(&mu_);
-  absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
-  if (!session.ok()) return ToGrpcStatus(session.status());
-  return ToGrpcStatus(PublishFor(**session, *request, response));
+grpc::ServerUnaryReactor* TensorShmService::Publish(grpc::CallbackServerContext* context,
+                                                    const v1::PublishRequest* request,
+                                                    v1::PublishResponse* response) {
+  const absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<PeerCredentials> peer = Admit(*context);
+    if (!peer.ok()) return peer.status();
+    ServiceLock lock(this);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    if (!session.ok()) return session.status();
+    return PublishFor(**session, *request, response);
+  }();
+  return Answer(context, status);
 }
 
 absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
@@ -623,85 +676,28 @@ absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
   if (request.acquire()) {
     const Tensor* tensor = catalog_->FindId(request.tensor_id());
     TSM_CHECK(tensor != nullptr);
-    v1::AcquireResponse* acquired = response->mutable_acquired();
-    acquired->set_lease_id(AddLease(session, *tensor));
-    acquired->set_tensor_id(tensor->id);
-    Describe(*tensor, acquired->mutable_desc(), acquired->mutable_location());
+    Grant(session, *tensor, response->mutable_acquired());
   }
-  published_.SignalAll();
+  WakeWaiters(request.name());
   if (request.stock() > 0) {
     Stock(session, request.stock_bytes(), request.stock(), response->mutable_stocked());
   }
   return absl::OkStatus();
 }
 
-grpc::Status TensorShmService::Acquire(grpc::ServerContext* context,
-                                       const v1::AcquireRequest* request,
-                                       v1::AcquireResponse* response) {
-  absl::StatusOr<PeerCredentials> peer = Admit(*context);
-  if (!peer.ok()) return ToGrpcStatus(peer.status());
-  if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
-  // gRPC reports "no deadline" as a far-future time point that absl cannot represent exactly.
-  const auto grpc_deadline = context->deadline();
-  const absl::Time call_deadline =
-      grpc_deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)
-          ? absl::InfiniteFuture()
-          : absl::FromChrono(grpc_deadline);
-  const absl::Time deadline =
-      request->wait_ms() > 0
-          ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->wait_ms()))
-          : call_deadline;
-  std::optional<UidLimits::WaitCharge> waiting;  // counted against --uid-waiters while it waits
-  MutexLock lock(&mu_);
-  while (true) {
-    // Looked up again after every wait: the session may have ended meanwhile.
+grpc::ServerUnaryReactor* TensorShmService::Delete(grpc::CallbackServerContext* context,
+                                                   const v1::DeleteRequest* request,
+                                                   v1::DeleteResponse*) {
+  const absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<PeerCredentials> peer = Admit(*context);
+    if (!peer.ok()) return peer.status();
+    if (absl::Status s = ValidateName(request->name()); !s.ok()) return s;
+    ServiceLock lock(this);
     absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
-    if (!session.ok()) return ToGrpcStatus(session.status());
-    if (const Tensor* tensor = catalog_->Find(request->name()); tensor != nullptr) {
-      // A tensor whose record another process overwrote is DATA_LOSS, not served.
-      if (absl::Status s = catalog_->Verify(tensor->id); !s.ok()) return ToGrpcStatus(s);
-      if (absl::Status s = (*session)->uid_charge.AddLeases(); !s.ok()) return ToGrpcStatus(s);
-      response->set_lease_id(AddLease(**session, *tensor));
-      response->set_tensor_id(tensor->id);
-      Describe(*tensor, response->mutable_desc(), response->mutable_location());
-      return grpc::Status::OK;
-    }
-    if (request->wait_ms() == 0) {
-      return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                          absl::StrCat("name = \"", request->name(), "\": not published"));
-    }
-    if (shutting_down_) {
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
-    }
-    if (context->IsCancelled()) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "acquire cancelled by the client");
-    }
-    const absl::Time now = absl::Now();
-    if (now >= deadline) {
-      return grpc::Status(
-          grpc::StatusCode::DEADLINE_EXCEEDED,
-          absl::StrCat("name = \"", request->name(), "\": not published within ",
-                       request->wait_ms() > 0 ? absl::StrCat("wait_ms = ", request->wait_ms())
-                                              : std::string("the call's deadline")));
-    }
-    if (!waiting.has_value()) {
-      absl::StatusOr<UidLimits::WaitCharge> charge = uid_limits_.StartWait((*session)->uid);
-      if (!charge.ok()) return ToGrpcStatus(charge.status());
-      waiting = *std::move(charge);
-    }
-    published_.WaitWithTimeout(&mu_, std::min(deadline - now, kWaitPoll));
-  }
-}
-
-grpc::Status TensorShmService::Delete(grpc::ServerContext* context,
-                                      const v1::DeleteRequest* request, v1::DeleteResponse*) {
-  absl::StatusOr<PeerCredentials> peer = Admit(*context);
-  if (!peer.ok()) return ToGrpcStatus(peer.status());
-  if (absl::Status s = ValidateName(request->name()); !s.ok()) return ToGrpcStatus(s);
-  MutexLock lock(&mu_);
-  absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
-  if (!session.ok()) return ToGrpcStatus(session.status());
-  return ToGrpcStatus(DeleteFor(**session, *request));
+    if (!session.ok()) return session.status();
+    return DeleteFor(**session, *request);
+  }();
+  return Answer(context, status);
 }
 
 absl::Status TensorShmService::DeleteFor(const tensorshm::Session& session,
@@ -713,43 +709,51 @@ absl::Status TensorShmService::DeleteFor(const tensorshm::Session& session,
   return catalog_->Delete(request.name());
 }
 
-grpc::Status TensorShmService::List(grpc::ServerContext* context, const v1::ListRequest* request,
-                                    v1::ListResponse* response) {
-  if (absl::Status s = Admit(*context).status(); !s.ok()) return ToGrpcStatus(s);
-  if (absl::Status s = ValidateNamePrefix(request->prefix()); !s.ok()) return ToGrpcStatus(s);
-  MutexLock lock(&mu_);
-  for (const Tensor* tensor : catalog_->List(request->prefix())) {
-    v1::TensorInfo* info = response->add_tensors();
-    info->set_name(tensor->name);
-    info->set_tensor_id(tensor->id);
-    info->set_leases(catalog_->LeaseCount(*tensor));
-    Describe(*tensor, info->mutable_desc(), nullptr);
-  }
-  return grpc::Status::OK;
+grpc::ServerUnaryReactor* TensorShmService::List(grpc::CallbackServerContext* context,
+                                                 const v1::ListRequest* request,
+                                                 v1::ListResponse* response) {
+  const absl::Status status = [&]() -> absl::Status {
+    if (absl::Status s = Admit(*context).status(); !s.ok()) return s;
+    if (absl::Status s = ValidateNamePrefix(request->prefix()); !s.ok()) return s;
+    ServiceLock lock(this);
+    for (const Tensor* tensor : catalog_->List(request->prefix())) {
+      v1::TensorInfo* info = response->add_tensors();
+      info->set_name(tensor->name);
+      info->set_tensor_id(tensor->id);
+      info->set_leases(catalog_->LeaseCount(*tensor));
+      Describe(*tensor, info->mutable_desc(), nullptr);
+    }
+    return absl::OkStatus();
+  }();
+  return Answer(context, status);
 }
 
-grpc::Status TensorShmService::Stat(grpc::ServerContext* context, const v1::StatRequest*,
-                                    v1::StatResponse* response) {
-  if (absl::Status s = Admit(*context).status(); !s.ok()) return ToGrpcStatus(s);
-  MutexLock lock(&mu_);
-  response->set_tensors(catalog_->tensor_count());
-  response->set_names(catalog_->name_count());
-  response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
-  response->set_sessions(sessions_.size());
-  const HostPool& pool = catalog_->host_pool();
-  v1::PoolStats* stats = response->add_pools();
-  ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
-  stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
-  stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes()));
-  stats->set_segments(static_cast<int64_t>(pool.segment_count()));
-  for (const CudaPool* cuda : catalog_->cuda_pools()) {
-    v1::PoolStats* device = response->add_pools();
-    ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());
-    device->set_capacity_bytes(static_cast<int64_t>(cuda->capacity_bytes()));
-    device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
-    device->set_segments(static_cast<int64_t>(cuda->segment_count()));
-  }
-  return grpc::Status::OK;
+grpc::ServerUnaryReactor* TensorShmService::Stat(grpc::CallbackServerContext* context,
+                                                 const v1::StatRequest*,
+                                                 v1::StatResponse* response) {
+  const absl::Status status = [&]() -> absl::Status {
+    if (absl::Status s = Admit(*context).status(); !s.ok()) return s;
+    ServiceLock lock(this);
+    response->set_tensors(catalog_->tensor_count());
+    response->set_names(catalog_->name_count());
+    response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
+    response->set_sessions(sessions_.size());
+    const HostPool& pool = catalog_->host_pool();
+    v1::PoolStats* stats = response->add_pools();
+    ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
+    stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
+    stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes()));
+    stats->set_segments(static_cast<int64_t>(pool.segment_count()));
+    for (const CudaPool* cuda : catalog_->cuda_pools()) {
+      v1::PoolStats* device = response->add_pools();
+      ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());
+      device->set_capacity_bytes(static_cast<int64_t>(cuda->capacity_bytes()));
+      device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
+      device->set_segments(static_cast<int64_t>(cuda->segment_count()));
+    }
+    return absl::OkStatus();
+  }();
+  return Answer(context, status);
 }
 
 }  // namespace tensorshm

@@ -2,10 +2,18 @@
 #ifndef TENSORSHM_SERVER_SERVICE_H_
 #define TENSORSHM_SERVER_SERVICE_H_
 
+#include <deque>
+#include <list>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 #include "common/mutex.h"
 #include "server/access.h"
 #include "server/catalog.h"
@@ -18,8 +26,14 @@ namespace tensorshm {
 
 inline constexpr char kSessionMetadataKey[] = "tensorshm-session";
 
-// Thread-safe: every RPC runs on a gRPC thread and takes mu_ for the catalog and sessions.
-class TensorShmService final : public v1::TensorShm::Service {
+// Thread-safe. gRPC's callback API: no call holds a thread while it waits. Unary calls are
+// answered on the gRPC thread that runs them (under mu_ for the catalog and sessions), except a
+// create that needs a new pool segment, which GrowPools answers once it is made; a Session
+// stream is a reactor that reads one request, answers it and reads the next; an Acquire that
+// waits for a publish is a reactor on its name's waiter list, finished by that publish, its
+// deadline (ExpireWaiters), its cancellation, its session's end or BeginShutdown. Reactors are
+// always finished after mu_ is released (gRPC may run OnCancel and OnDone inline).
+class TensorShmService final : public v1::TensorShm::CallbackService {
  public:
   // `session_quota_bytes`: most bytes of unpublished buffers one session may hold; 0: no limit.
   // `policy` and `peers` (both outliving the service) decide who may call; null admits all.
@@ -28,9 +42,19 @@ class TensorShmService final : public v1::TensorShm::Service {
                    const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr,
                    const UidLimitsConfig& uid_limits = {});
 
-  // Wakes acquire waiters and makes new waits fail with UNAVAILABLE; call before stopping the
-  // server so that no handler outlives it.
-  void BeginShutdown();
+  // Finishes acquire waiters (and makes new waits fail) with UNAVAILABLE, and ends
+  // ExpireWaiters, GrowPools and Housekeep; call before stopping the server so that no call
+  // outlives it.
+  void BeginShutdown() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Finishes acquire waiters whose deadline passed with DEADLINE_EXCEEDED, each when its time
+  // comes, until BeginShutdown. Runs on a thread of its own.
+  void ExpireWaiters() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Answers the gRPC creates that need a pool to grow, one at a time, until BeginShutdown (then
+  // those still queued get UNAVAILABLE): making a segment takes long, and gRPC runs every call
+  // of the service on a few threads, none of which may wait for it. Runs on a thread of its own.
+  void GrowPools() ABSL_LOCKS_EXCLUDED(mu_);
 
   // After a restart's grace period: frees unbound tensors nobody came back for.
   int ExpireUnbound();
@@ -48,33 +72,107 @@ class TensorShmService final : public v1::TensorShm::Service {
   ChannelReply HandleChannel(ChannelConnection& connection, const v1::ChannelRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  grpc::Status Session(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) override;
-  grpc::Status Create(grpc::ServerContext* context, const v1::CreateRequest* request,
-                      v1::CreateResponse* response) override;
-  grpc::Status Publish(grpc::ServerContext* context, const v1::PublishRequest* request,
-                       v1::PublishResponse* response) override;
-  grpc::Status Acquire(grpc::ServerContext* context, const v1::AcquireRequest* request,
-                       v1::AcquireResponse* response) override;
-  grpc::Status Delete(grpc::ServerContext* context, const v1::DeleteRequest* request,
-                      v1::DeleteResponse* response) override;
-  grpc::Status List(grpc::ServerContext* context, const v1::ListRequest* request,
-                    v1::ListResponse* response) override;
-  grpc::Status Stat(grpc::ServerContext* context, const v1::StatRequest* request,
-                    v1::StatResponse* response) override;
+  grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* Create(grpc::CallbackServerContext* context,
+                                   const v1::CreateRequest* request,
+                                   v1::CreateResponse* response) override;
+  grpc::ServerUnaryReactor* Publish(grpc::CallbackServerContext* context,
+                                    const v1::PublishRequest* request,
+                                    v1::PublishResponse* response) override;
+  grpc::ServerUnaryReactor* Acquire(grpc::CallbackServerContext* context,
+                                    const v1::AcquireRequest* request,
+                                    v1::AcquireResponse* response) override;
+  grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* context,
+                                   const v1::DeleteRequest* request,
+                                   v1::DeleteResponse* response) override;
+  grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* context,
+                                 const v1::ListRequest* request,
+                                 v1::ListResponse* response) override;
+  grpc::ServerUnaryReactor* Stat(grpc::CallbackServerContext* context,
+                                 const v1::StatRequest* request,
+                                 v1::StatResponse* response) override;
 
  private:
+  class SessionReactor;  // service_reactors.cc
+  class Waiter;          // service_reactors.cc
+  using WaiterList = std::list<Waiter*>;
+
+  // Holds mu_ for its scope; on release, finishes the reactors queued in finishing_ meanwhile,
+  // after unlocking.
+  class ABSL_SCOPED_LOCKABLE ServiceLock {
+   public:
+    explicit ServiceLock(TensorShmService* service) ABSL_EXCLUSIVE_LOCK_FUNCTION(service->mu_)
+        : service_(service) {
+      service_->mu_.lock();
+    }
+    ~ServiceLock() ABSL_UNLOCK_FUNCTION() { service_->UnlockAndFinish(); }
+    ServiceLock(const ServiceLock&) = delete;
+    ServiceLock& operator=(const ServiceLock&) = delete;
+
+   private:
+    TensorShmService* service_;
+  };
+  // Releases mu_, then finishes what was queued in finishing_.
+  void UnlockAndFinish() ABSL_UNLOCK_FUNCTION(mu_);
+
+  // Queues `waiter`, already off every list, to be finished with `status` once mu_ is released.
+  void FinishLater(Waiter* waiter, grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Waiting acquires. AddWaiter puts a waiter of `session` on its name's list, its session's list
+  // and (with a finite deadline) the deadline queue; RemoveWaiter takes it off all three.
+  // AddWaiter is where a limit on waiting acquires (per uid) is checked: an error refuses the
+  // wait and the waiter is not added.
+  absl::Status AddWaiter(Waiter* waiter, const tensorshm::Session& session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveWaiter(Waiter* waiter) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives every waiter for `name` (just published) a lease on it and queues it to finish.
+  void WakeWaiters(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A waiter's OnCancel: CANCELLED, unless it was finished already.
+  void CancelWaiter(Waiter* waiter) ABSL_LOCKS_EXCLUDED(mu_);
+  // A waiter's OnDone (`cancelled`: its call failed before the client had the answer): drops
+  // the lease the answer carried, if any.
+  void WaiterDone(Waiter* waiter, bool cancelled) ABSL_LOCKS_EXCLUDED(mu_);
+  // Answers `waiter` at once or puts it on the lists (Acquire's work).
+  void StartWaiter(Waiter* waiter, grpc::CallbackServerContext* context) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A session stream's `open`: the new session's SessionOpened, or the refusal.
+  absl::StatusOr<v1::SessionResponse> OpenSession(const grpc::CallbackServerContext& context,
+                                                  const PeerCredentials& peer,
+                                                  const v1::SessionOpen& open, uint64_t* session_id,
+                                                  std::string* token) ABSL_LOCKS_EXCLUDED(mu_);
+  // A session stream's `release`: the acknowledgement; nullopt if the session is gone.
+  std::optional<v1::SessionResponse> SessionRelease(const std::string& token,
+                                                    const v1::ReleaseBatch& batch)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Fails every waiter of the session `session_id` (ending) as a call naming `token` would be.
+  void FailSessionWaiters(uint64_t session_id, const std::string& token)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A lease of `session` on `tensor`, described in `response` (an Acquire's answer).
+  void Grant(tensorshm::Session& session, const Tensor& tensor, v1::AcquireResponse* response)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // CreateFor for the session with `token` that grows a pool when it must: the segment is made
+  // with mu_ released, then the create is tried again, the session looked up again (it may have
+  // ended meanwhile: `gone` is returned then). Blocks while another caller grows the pool, and
+  // while it grows one: for the memory channel's thread and GrowPools only.
+  absl::Status CreateGrowing(const std::string& token, const absl::Status& gone,
+                             const v1::CreateRequest& request, v1::CreateResponse* response)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // OK if `session` may delete or replace `tensor`: its publisher's uid, or the daemon's.
   absl::Status MayChange(const tensorshm::Session& session, const Tensor& tensor,
                          absl::string_view verb) const;
   // The caller's credentials if the policy admits it; PERMISSION_DENIED otherwise.
-  absl::StatusOr<PeerCredentials> Admit(const grpc::ServerContext& context) const;
+  absl::StatusOr<PeerCredentials> Admit(const grpc::ServerContextBase& context) const;
   // The session named by the call's metadata. INVALID_ARGUMENT if the metadata is missing,
-  // FAILED_PRECONDITION if no open session has that token.
-  absl::StatusOr<tensorshm::Session*> CallerSession(const grpc::ServerContext& context)
+  // FAILED_PRECONDITION if no open session has that token (NoSession).
+  absl::StatusOr<tensorshm::Session*> CallerSession(const grpc::ServerContextBase& context)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ends `session`: drops its leases, frees its unpublished tensors, forgets it.
+  static absl::Status NoSession(const std::string& token);
+  // Ends `session`: drops its leases, frees its unpublished tensors, fails its waiting acquires,
+  // forgets it.
   void CloseSession(uint64_t session_id, const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
   // A reconnecting client's SessionOpen: leases and unpublished tensors it held before the
   // daemon restarted, taken back where the catalog allows; the outcome goes into `opened`.
@@ -92,13 +190,16 @@ class TensorShmService final : public v1::TensorShm::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Create and Publish for `session`, whichever transport asked.
+  // Create and Publish for `session`, whichever transport asked. A create that needs a new pool
+  // segment returns UNAVAILABLE with `growth` saying so (see SegmentGrowth): CreateGrowing.
   absl::Status CreateFor(tensorshm::Session& session, const v1::CreateRequest& request,
-                         v1::CreateResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         v1::CreateResponse* response, SegmentGrowth* growth)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
                           v1::PublishResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
-  // need (CreateRequest.stock), fewer when the pool is short; none under a session quota.
+  // need (CreateRequest.stock), fewer when the pool is short; none under a session quota. Stock
+  // never grows a pool: it takes what the segments made so far hold.
   void Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
              google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -116,9 +217,25 @@ class TensorShmService final : public v1::TensorShm::Service {
   // The catalog's index, for the heartbeat, which needs no lock (header atomics only).
   CatalogIndex& index_;
   Mutex mu_;
-  CondVar published_;  // signalled on every publish and on shutdown
-  CondVar stopping_;   // signalled on shutdown (wakes Housekeep)
+  CondVar stopping_;       // signalled on shutdown (wakes Housekeep)
+  CondVar grown_;          // signalled when a pool's growth ends
+  CondVar next_deadline_;  // signalled when the earliest waiter deadline moves closer, or shutdown
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Waiting acquires by name, by session id, and by deadline (only finite ones).
+  absl::flat_hash_map<std::string, WaiterList> waiters_by_name_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, WaiterList> waiters_by_session_ ABSL_GUARDED_BY(mu_);
+  std::multimap<absl::Time, Waiter*> waiters_by_deadline_ ABSL_GUARDED_BY(mu_);
+  // gRPC creates waiting for GrowPools.
+  struct PendingCreate {
+    grpc::ServerUnaryReactor* reactor;
+    std::string token;  // the caller's session
+    const v1::CreateRequest* request;
+    v1::CreateResponse* response;
+  };
+  std::deque<PendingCreate> pending_creates_ ABSL_GUARDED_BY(mu_);
+  CondVar creates_pending_;  // signalled when a create is queued, and on shutdown
+  // Reactors to finish once mu_ is released (ServiceLock), with their status.
+  std::vector<std::pair<grpc::ServerUnaryReactor*, grpc::Status>> finishing_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
   const uint64_t session_quota_bytes_;
   const AccessPolicy* const policy_;
