@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/tensor_record.h"
+#include "server/log.h"
 
 namespace tensorshm {
 
@@ -70,6 +71,18 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
     // The same object as before: clients keep the instance that created it as its key.
     pool.segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(record.size),
                                          record.owner_uid, record.instance, record.size});
+  }
+  // A daemon killed between making its next segment and recording it left that object behind,
+  // recorded nowhere: growing to that id would fail with EEXIST for good. Ours (Open checks the
+  // owner and mode; anyone else's is refused and left) and unused, it goes.
+  if (pool.segments_.size() < kMaxSegments) {
+    const std::string next =
+        absl::StrCat("/", options.shm_prefix, ".cpu.", pool.segments_.size() + 1);
+    if (absl::StatusOr<ShmSegment> orphan = ShmSegment::Open(next, /*map=*/false); orphan.ok()) {
+      TSM_LOG(kWarning) << "recovery: " << next << " (" << orphan->size()
+                        << " bytes) is recorded nowhere, made by a daemon killed before it "
+                           "recorded it; removed";
+    }  // unlinked as `orphan` goes
   }
   if (pool.segments_.empty()) {
     if (absl::Status s = pool.AddSegment(pool.FirstSegment()); !s.ok()) return s;

@@ -1,5 +1,6 @@
 #include "server/catalog.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -345,6 +346,36 @@ TEST_F(CatalogTest, ReshapeGivesAStockedBufferItsDescriptorOnlyIfItFits) {
   ASSERT_TRUE(catalog_->Publish(1, id, "y", false).ok());
   EXPECT_EQ(catalog_->Reshape(1, id, kF32, {8}, {}, false).code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// A daemon killed between making segment 2 and recording it leaves /<prefix>.cpu.2 behind; the
+// next daemon removes it and grows to segment 2 as if it had never been made.
+TEST_F(CatalogTest, RecoveryRemovesASegmentItsDaemonMadeButNeverRecorded) {
+  const CatalogOptions options{
+      prefix_, 16 << 20, 4 << 20, 8, SegmentBacking::kNamed, uint32_t(geteuid()), 1};
+  catalog_.reset();
+  absl::StatusOr<std::unique_ptr<Catalog>> created = Catalog::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ASSERT_EQ((*created)->host_pool().segment_count(), 1u);
+  (*created)->KeepSegments();
+  created->reset();
+  const std::string orphan = "/" + prefix_ + ".cpu.2";
+  const int fd = shm_open(orphan.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0) << orphan;
+  ASSERT_EQ(ftruncate(fd, 4 << 20), 0);
+  close(fd);
+
+  absl::StatusOr<std::unique_ptr<Catalog>> recovered = Catalog::Recover(options);
+  ASSERT_TRUE(recovered.ok()) << recovered.status();
+  catalog_ = *std::move(recovered);
+  // Two 4 MiB tensors: the second needs segment 2.
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<const Tensor*> t =
+        catalog_->Create(1, kF32, {1 << 20}, {}, kCpu, false, uint32_t(geteuid()));
+    ASSERT_TRUE(t.ok()) << i << ": " << t.status();
+    EXPECT_EQ((*t)->buffer.segment_id, static_cast<uint64_t>(i + 1));
+  }
+  EXPECT_EQ(catalog_->host_pool().segment_count(), 2u);
 }
 
 }  // namespace
