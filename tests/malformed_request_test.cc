@@ -756,7 +756,7 @@ TEST_F(MalformedAdditionsTest, NewRpcFieldsGetTheirCodeAndTheDaemonKeepsServing)
        },
        StatusCode::PERMISSION_DENIED, std::to_string(foreign_id_)},
       {"release the same lease twice in one batch",
-       [this](Wire& w) {
+       [](Wire& w) {
          v1::AcquireRequest request;
          request.set_name("fixture/published");
          v1::AcquireResponse acquired;

@@ -46,9 +46,11 @@ ProcessStatus StatusOf(pid_t pid) {
     std::vector<std::string> fields =
         absl::StrSplit(line, absl::ByAnyChar(" \t:"), absl::SkipEmpty());
     if (fields.size() < 2) continue;
-    if (fields[0] == "Threads") absl::SimpleAtoi(fields[1], &status.threads);
-    if (fields[0] == "VmRSS") absl::SimpleAtoi(fields[1], &status.rss_kb);
-    if (fields[0] == "RssShmem") absl::SimpleAtoi(fields[1], &status.rss_shmem_kb);
+    int64_t* field = fields[0] == "Threads"    ? &status.threads
+                     : fields[0] == "VmRSS"    ? &status.rss_kb
+                     : fields[0] == "RssShmem" ? &status.rss_shmem_kb
+                                               : nullptr;
+    if (field != nullptr && !absl::SimpleAtoi(fields[1], field)) *field = -1;
   }
   std::error_code error;
   int64_t files = 0;
