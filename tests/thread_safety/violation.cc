@@ -7,7 +7,7 @@ namespace tensorshm {
 
 class Counter {
  public:
-  int Read() { return value_; }  // no lock held
+  int Read() { return value_; }       // no lock held
   void Wait() { ready_.Wait(&mu_); }  // CondVar::Wait without mu_
 
  private:
