@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 apt_packages=(build-essential cmake pkg-config python3 python3-venv python3-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libboost-dev libabsl-dev libgtest-dev libgmock-dev clang libclang-rt-dev spin)
+  libboost-dev libabsl-dev libgtest-dev libgmock-dev clang libclang-rt-dev spin
+  libcli11-dev libspdlog-dev libtoml11-dev libcpp-httplib-dev nlohmann-json3-dev)
 
 missing=()
 for p in "${apt_packages[@]}"; do
@@ -31,7 +32,8 @@ if [ ! -x .venv/bin/python ]; then
     exit 1
   }
 fi
-if ! .venv/bin/python -c 'import tvm_ffi, nanobind, scikit_build_core, numpy, ml_dtypes, pytest' \
+if ! .venv/bin/python -c 'import tvm_ffi, nanobind, scikit_build_core, numpy, ml_dtypes, pytest
+import prometheus_client, yaml, kubernetes_validate' \
     2>/dev/null || [ ! -x .venv/bin/tvm-ffi-config ]; then
   echo "setup: installing Python packages into .venv"
   .venv/bin/pip install -q --upgrade pip
