@@ -99,6 +99,9 @@ int Run(int argc, char** argv) {
     return 0;
   }
   SetLogLevel(options->log_level);
+  if (!options->config_file.empty()) {
+    TSM_LOG(kInfo) << "flags from " << options->config_file << ", and the command line over them";
+  }
   // Everything the daemon creates (socket, its directory, shm objects) is private to its user.
   umask(077);
   signal(SIGPIPE, SIG_IGN);

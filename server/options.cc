@@ -3,13 +3,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <memory>
 #include <random>
 
+#include "CLI/CLI.hpp"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/check.h"
 #include "common/socket_path.h"
+#include "server/config_file.h"
 
 namespace tensorshm {
 namespace {
@@ -138,178 +142,293 @@ absl::Status CheckShmCapacity(uint64_t pool_bytes, uint64_t control_bytes,
   return absl::OkStatus();
 }
 
-std::string Usage() {
-  return absl::StrCat(
-      "usage: tensorshmd [options]\n"
-      "\n"
+const std::vector<FlagSpec>& DaemonFlags() {
+  // What each flag does is said once, here: --help and the --config keys both come from it.
+  static const std::vector<FlagSpec> flags = {
+      {"socket", FlagKind::kValue, "PATH",
+       absl::StrCat("Unix socket to serve on (default: $TENSORSHM_SOCKET, else\n"
+                    "$XDG_RUNTIME_DIR/tensorshm.sock, else\n"
+                    "/tmp/tensorshm-$UID/tensorshm.sock; now ",
+                    DefaultSocketPath(), ")")},
+      {"host-pool", FlagKind::kValue, "SIZE", "most host memory the pool may hold (default 1Gi)"},
+      {"segment-size", FlagKind::kValue, "SIZE",
+       "size of each shm segment the pool grows by (default 256Mi);\n"
+       "a larger tensor gets a segment of its own size"},
+      {"segments", FlagKind::kValue, "KIND",
+       "shm: named objects in /dev/shm, recovered after a crash\n"
+       "(default); memfd: anonymous memory, not bound by the size of\n"
+       "/dev/shm, lost when the daemon dies (no recovery)"},
+      {"shm-prefix", FlagKind::kValue, "P",
+       "prefix of the shm object names (default: tsm-<random>)"},
+      {"max-tensors", FlagKind::kValue, "N", "tensor records in the catalog (default 4096)"},
+      {"session-quota", FlagKind::kValue, "SIZE",
+       "most bytes of unpublished buffers one session may hold at once\n"
+       "(default 0: no limit beyond the pool)"},
+      {"uid-sessions", FlagKind::kValue, "N",
+       "most sessions (client connections) one uid may have open at\n"
+       "once, over all its processes (default 1024; 0: no limit)"},
+      {"uid-leases", FlagKind::kValue, "N",
+       "most leases one uid may hold at once through the daemon (not\n"
+       "counting fast path lease slots) (default 262144; 0: no limit)"},
+      {"uid-waiters", FlagKind::kValue, "N",
+       "most Acquire calls of one uid waiting in the daemon for a\n"
+       "publish at once (default 32768; 0: no limit)"},
+      {"uid-quota", FlagKind::kValue, "SIZE",
+       "most bytes of unpublished buffers one uid may hold at once, over\n"
+       "all its sessions; with a quota no buffers are stocked ahead\n"
+       "(default 0: no limit beyond the pool)"},
+      {"log-level", FlagKind::kValue, "LEVEL", "debug, info, warning or error (default info)"},
+      {"keep-segments", FlagKind::kSwitch, "",
+       "on SIGTERM/SIGINT, leave the shm segments (and the catalog) for\n"
+       "a later tensorshmd started with the same --shm-prefix"},
+      {"recovery-grace", FlagKind::kValue, "S",
+       "after recovering a killed daemon's segments, keep tensors that\n"
+       "were unbound but leased this many seconds (default 10)"},
+      {"allow-uid", FlagKind::kRepeated, "UID",
+       "also admit clients running as UID (repeatable); by default only\n"
+       "the daemon's own uid is admitted, others get PERMISSION_DENIED"},
+      {"allow-gid", FlagKind::kRepeated, "GID",
+       "also admit clients whose primary gid is GID (repeatable)\n"
+       "(segments stay mode 0600 either way: clients receive their\n"
+       "descriptors over the socket, and each uid writes only its own)"},
+      {"cuda-pool", FlagKind::kRepeated, "cuda:N=SIZE",
+       "a pool of SIZE bytes of device memory on CUDA device N\n"
+       "(repeatable, one per device); needs the CUDA driver\n"
+       "(libcuda.so.1, or $TENSORSHM_LIBCUDA)"},
+      {"cuda-segment-size", FlagKind::kValue, "SIZE",
+       "size of each cuMemAlloc segment a CUDA pool grows by\n"
+       "(default: the pool's size, at most 1Gi)"},
+  };
+  return flags;
+}
+
+namespace {
+
+// What CLI11 parses a command line into: the App that BuildApp makes writes here.
+struct CommandLine {
+  // One per flag, in DaemonFlags order, each holding what CLI11 parsed for it: made at full
+  // size before the App binds to its members.
+  struct Binding {
+    std::vector<std::string> values;
+    bool on = false;  // a switch
+  };
+  std::vector<Binding> flags{DaemonFlags().size()};
+  std::string config;
+  bool help = false;
+};
+
+constexpr size_t kHelpColumn = 26;
+
+// --help as Unix tools write it: the usage line first, then what the program does.
+class HelpFormatter : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App* app, std::string name) const override {
+    return absl::StrCat("usage: ", name, " [options]\n\n", app->get_description(), "\n");
+  }
+  std::string make_description(const CLI::App*) const override { return ""; }
+};
+
+std::unique_ptr<CLI::App> BuildApp(CommandLine* line) {
+  auto app = std::make_unique<CLI::App>(
       "Shares tensors between processes through shared memory; clients talk to it over gRPC on\n"
-      "a Unix socket.\n"
-      "\n"
-      "  --socket PATH        Unix socket to serve on (default: $TENSORSHM_SOCKET, else\n"
-      "                       $XDG_RUNTIME_DIR/tensorshm.sock, else\n"
-      "                       /tmp/tensorshm-$UID/tensorshm.sock; now ",
-      DefaultSocketPath(),
-      ")\n"
-      "  --host-pool SIZE     most host memory the pool may hold (default 1Gi)\n"
-      "  --segment-size SIZE  size of each shm segment the pool grows by (default 256Mi);\n"
-      "                       a larger tensor gets a segment of its own size\n"
-      "  --segments KIND      shm: named objects in /dev/shm, recovered after a crash\n"
-      "                       (default); memfd: anonymous memory, not bound by the size of\n"
-      "                       /dev/shm, lost when the daemon dies (no recovery)\n"
-      "  --shm-prefix P       prefix of the shm object names (default: tsm-<random>)\n"
-      "  --max-tensors N      tensor records in the catalog (default 4096)\n"
-      "  --session-quota SIZE most bytes of unpublished buffers one session may hold at once\n"
-      "                       (default 0: no limit beyond the pool)\n"
-      "  --uid-sessions N     most sessions (client connections) one uid may have open at\n"
-      "                       once, over all its processes (default 1024; 0: no limit)\n"
-      "  --uid-leases N       most leases one uid may hold at once through the daemon (not\n"
-      "                       counting fast path lease slots) (default 262144; 0: no limit)\n"
-      "  --uid-waiters N      most Acquire calls of one uid waiting in the daemon for a\n"
-      "                       publish at once (default 32768; 0: no limit)\n"
-      "  --uid-quota SIZE     most bytes of unpublished buffers one uid may hold at once, over\n"
-      "                       all its sessions; with a quota no buffers are stocked ahead\n"
-      "                       (default 0: no limit beyond the pool)\n"
-      "  --log-level LEVEL    debug, info, warning or error (default info)\n"
-      "  --keep-segments      on SIGTERM/SIGINT, leave the shm segments (and the catalog) for\n"
-      "                       a later tensorshmd started with the same --shm-prefix\n"
-      "  --recovery-grace S   after recovering a killed daemon's segments, keep tensors that\n"
-      "                       were unbound but leased this many seconds (default 10)\n"
-      "  --allow-uid UID      also admit clients running as UID (repeatable); by default only\n"
-      "                       the daemon's own uid is admitted, others get PERMISSION_DENIED\n"
-      "  --allow-gid GID      also admit clients whose primary gid is GID (repeatable)\n"
-      "                       (segments stay mode 0600 either way: clients receive their\n"
-      "                       descriptors over the socket, and each uid writes only its own)\n"
-      "  --cuda-pool cuda:N=SIZE\n"
-      "                       a pool of SIZE bytes of device memory on CUDA device N\n"
-      "                       (repeatable, one per device); needs the CUDA driver\n"
-      "                       (libcuda.so.1, or $TENSORSHM_LIBCUDA)\n"
-      "  --cuda-segment-size SIZE\n"
-      "                       size of each cuMemAlloc segment a CUDA pool grows by\n"
-      "                       (default: the pool's size, at most 1Gi)\n"
-      "  --help               this text\n"
-      "\n"
+      "a Unix socket.",
+      "tensorshmd");
+  app->set_help_flag();  // --help is an ordinary flag here: ParseOptions reports it
+  app->allow_extras();   // unknown arguments are reported by ParseOptions, with their name
+  auto formatter = std::make_shared<HelpFormatter>();
+  formatter->column_width(kHelpColumn);
+  app->formatter(formatter);
+  const std::vector<FlagSpec>& flags = DaemonFlags();
+  for (size_t i = 0; i < flags.size(); ++i) {
+    const FlagSpec& flag = flags[i];
+    const std::string name = absl::StrCat("--", flag.name);
+    if (flag.kind == FlagKind::kSwitch) {
+      app->add_flag(name, line->flags[i].on, flag.help);
+      continue;
+    }
+    CLI::Option* option = app->add_option(name, line->flags[i].values, flag.help)
+                              ->type_name(flag.value_name)
+                              ->expected(1)
+                              ->allow_extra_args(false);
+    // A value flag given twice takes the last; a repeatable one takes every one.
+    option->multi_option_policy(flag.kind == FlagKind::kRepeated
+                                    ? CLI::MultiOptionPolicy::TakeAll
+                                    : CLI::MultiOptionPolicy::TakeLast);
+  }
+  app->add_option("--config", line->config,
+                  "read flags from a TOML file whose keys are the long flag names\n"
+                  "(host-pool = \"4Gi\", keep-segments = true, allow-uid = [1000]);\n"
+                  "flags given on the command line override the file's")
+      ->type_name("FILE");
+  app->add_flag("-h,--help", line->help, "this text");
+  app->footer(
       "Sizes take K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024) suffixes.\n"
       "SIGTERM or SIGINT stops serving, closes sessions, removes the socket and the shm\n"
       "segments (unless --keep-segments), and exits 0. Started with the --shm-prefix of a daemon\n"
       "that was killed (or kept its segments), tensorshmd re-opens its segments and serves\n"
-      "every published tensor again.\n");
+      "every published tensor again.");
+  return app;
+}
+
+// Sets the field of `options` that `--flag` (a name from DaemonFlags) names from `value`.
+// INVALID_ARGUMENT naming the flag and the value if the value is not one it takes.
+absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOptions& options) {
+  const std::string arg = absl::StrCat("--", flag);
+  if (arg == "--keep-segments") {
+    options.keep_segments = value == "true";
+  } else if (arg == "--socket") {
+    if (value.empty()) return absl::InvalidArgumentError("--socket = \"\": must not be empty");
+    options.socket = std::string(value);
+  } else if (arg == "--host-pool") {
+    absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+    if (!size.ok()) return size.status();
+    options.host_pool_bytes = *size;
+  } else if (arg == "--cuda-pool") {
+    absl::StatusOr<CudaPoolSpec> pool = ParseCudaPool(value);
+    if (!pool.ok()) return pool.status();
+    for (const CudaPoolSpec& other : options.cuda_pools) {
+      if (other.ordinal == pool->ordinal) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--cuda-pool = \"", value, "\": cuda:", pool->ordinal, " has a pool already"));
+      }
+    }
+    options.cuda_pools.push_back(*pool);
+  } else if (arg == "--segments") {
+    if (value == "shm") {
+      options.memfd_segments = false;
+    } else if (value == "memfd") {
+      options.memfd_segments = true;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--segments = \"", value, "\": expected shm or memfd"));
+    }
+  } else if (arg == "--cuda-segment-size") {
+    absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+    if (!size.ok()) return size.status();
+    if (*size == 0) return absl::InvalidArgumentError("--cuda-segment-size = 0: must be positive");
+    options.cuda_segment_bytes = *size;
+  } else if (arg == "--recovery-grace") {
+    if (!absl::SimpleAtoi(value, &options.recovery_grace_seconds) ||
+        options.recovery_grace_seconds < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--recovery-grace = \"", value, "\": expected seconds >= 0"));
+    }
+  } else if (arg == "--allow-uid" || arg == "--allow-gid") {
+    uint32_t id;
+    if (!absl::SimpleAtoi(value, &id)) {
+      return absl::InvalidArgumentError(absl::StrCat(arg, " = \"", value, "\": expected a numeric ",
+                                                     arg == "--allow-uid" ? "uid" : "gid"));
+    }
+    (arg == "--allow-uid" ? options.allow_uids : options.allow_gids).insert(id);
+  } else if (arg == "--session-quota") {
+    absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+    if (!size.ok()) return size.status();
+    options.session_quota_bytes = *size;
+  } else if (arg == "--uid-sessions" || arg == "--uid-leases" || arg == "--uid-waiters") {
+    absl::StatusOr<uint64_t> count = ParseCount(value, arg);
+    if (!count.ok()) return count.status();
+    (arg == "--uid-sessions" ? options.uid_limits.sessions
+     : arg == "--uid-leases" ? options.uid_limits.leases
+                             : options.uid_limits.waiters) = *count;
+  } else if (arg == "--uid-quota") {
+    absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+    if (!size.ok()) return size.status();
+    options.uid_limits.unpublished_bytes = *size;
+  } else if (arg == "--segment-size") {
+    absl::StatusOr<uint64_t> size = ParseSize(value, arg);
+    if (!size.ok()) return size.status();
+    options.segment_bytes = *size;
+  } else if (arg == "--shm-prefix") {
+    if (value.empty() || value.size() > 48 ||
+        !std::all_of(value.begin(), value.end(), IsPrefixChar)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--shm-prefix = \"", value, "\": use 1-48 characters of [A-Za-z0-9_-]"));
+    }
+    options.shm_prefix = std::string(value);
+  } else if (arg == "--max-tensors") {
+    if (!absl::SimpleAtoi(value, &options.max_tensors) || options.max_tensors == 0 ||
+        options.max_tensors > (1u << 24)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--max-tensors = \"", value, "\": expected 1..16777216"));
+    }
+  } else if (arg == "--log-level") {
+    absl::StatusOr<LogLevel> level = ParseLogLevel(value);
+    if (!level.ok()) return level.status();
+    options.log_level = *level;
+  } else {
+    TSM_CHECK(false && "a flag of DaemonFlags() that ApplyFlag does not know");
+  }
+  return absl::OkStatus();
+}
+
+// The command line's flags, by name; INVALID_ARGUMENT naming the argument CLI11 refused.
+absl::StatusOr<FlagValues> ParseCommandLine(int argc, char** argv, std::string* config,
+                                            bool* help) {
+  CommandLine line;
+  std::unique_ptr<CLI::App> app = BuildApp(&line);
+  try {
+    app->parse(argc, argv);
+  } catch (const CLI::ArgumentMismatch& e) {
+    // "--flag: 1 required SIZE missing", for a flag that ends the command line.
+    const std::string what = e.what();
+    return absl::InvalidArgumentError(
+        absl::StrCat(what.substr(0, what.find(':')), ": needs a value"));
+  } catch (const CLI::ParseError& e) {
+    return absl::InvalidArgumentError(absl::StrCat(e.what(), " (see tensorshmd --help)"));
+  }
+  if (std::vector<std::string> extras = app->remaining(); !extras.empty()) {
+    const std::string& arg = extras.front();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown option \"", arg.substr(0, arg.find('=')), "\" (see tensorshmd --help)"));
+  }
+  const std::vector<FlagSpec>& flags = DaemonFlags();
+  FlagValues values;
+  for (size_t i = 0; i < flags.size(); ++i) {
+    const std::string name = absl::StrCat("--", flags[i].name);
+    if (app->get_option(name)->count() == 0) continue;
+    values[flags[i].name] = flags[i].kind == FlagKind::kSwitch
+                                ? std::vector<std::string>{line.flags[i].on ? "true" : "false"}
+                                : line.flags[i].values;
+  }
+  *config = line.config;
+  *help = line.help;
+  return values;
+}
+
+}  // namespace
+
+std::string Usage() {
+  CommandLine line;
+  return BuildApp(&line)->help();
 }
 
 absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
   DaemonOptions options;
   options.socket = DefaultSocketPath();
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    absl::string_view value;
-    bool has_value = false;
-    if (size_t eq = arg.find('='); arg.substr(0, 2) == "--" && eq != absl::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    if (arg == "--help" || arg == "-h") {
-      options.help = true;
-      continue;
-    }
-    if (arg == "--keep-segments") {
-      options.keep_segments = true;
-      continue;
-    }
-    const bool takes_value =
-        arg == "--socket" || arg == "--host-pool" || arg == "--segment-size" ||
-        arg == "--shm-prefix" || arg == "--max-tensors" || arg == "--log-level" ||
-        arg == "--session-quota" || arg == "--allow-uid" || arg == "--allow-gid" ||
-        arg == "--recovery-grace" || arg == "--cuda-pool" || arg == "--cuda-segment-size" ||
-        arg == "--segments" || arg == "--uid-sessions" || arg == "--uid-leases" ||
-        arg == "--uid-waiters" || arg == "--uid-quota";
-    if (!takes_value) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
-    }
-    if (!has_value) {
-      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(arg, ": needs a value"));
-      value = argv[++i];
-    }
-    if (arg == "--socket") {
-      if (value.empty()) return absl::InvalidArgumentError("--socket = \"\": must not be empty");
-      options.socket = std::string(value);
-    } else if (arg == "--host-pool") {
-      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
-      if (!size.ok()) return size.status();
-      options.host_pool_bytes = *size;
-    } else if (arg == "--cuda-pool") {
-      absl::StatusOr<CudaPoolSpec> pool = ParseCudaPool(value);
-      if (!pool.ok()) return pool.status();
-      for (const CudaPoolSpec& other : options.cuda_pools) {
-        if (other.ordinal == pool->ordinal) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "--cuda-pool = \"", value, "\": cuda:", pool->ordinal, " has a pool already"));
-        }
-      }
-      options.cuda_pools.push_back(*pool);
-    } else if (arg == "--segments") {
-      if (value == "shm") {
-        options.memfd_segments = false;
-      } else if (value == "memfd") {
-        options.memfd_segments = true;
-      } else {
+  std::string config;
+  absl::StatusOr<FlagValues> command_line = ParseCommandLine(argc, argv, &config, &options.help);
+  if (!command_line.ok()) return command_line.status();
+  if (options.help) return options;
+  // The file's flags first, then the command line's over them (a repeatable flag given on the
+  // command line replaces the file's list).
+  FlagValues values;
+  if (!config.empty()) {
+    absl::StatusOr<FlagValues> file = ReadConfigFile(config);
+    if (!file.ok()) return file.status();
+    values = *std::move(file);
+    options.config_file = config;
+  }
+  for (auto& [name, given] : *command_line) values[name] = std::move(given);
+  for (const FlagSpec& flag : DaemonFlags()) {
+    auto it = values.find(flag.name);
+    if (it == values.end()) continue;
+    for (const std::string& value : it->second) {
+      absl::Status status = ApplyFlag(flag.name, value, options);
+      if (!status.ok() && !command_line->contains(flag.name)) {
         return absl::InvalidArgumentError(
-            absl::StrCat("--segments = \"", value, "\": expected shm or memfd"));
+            absl::StrCat("--config ", config, ": ", status.message()));
       }
-    } else if (arg == "--cuda-segment-size") {
-      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
-      if (!size.ok()) return size.status();
-      if (*size == 0)
-        return absl::InvalidArgumentError("--cuda-segment-size = 0: must be positive");
-      options.cuda_segment_bytes = *size;
-    } else if (arg == "--recovery-grace") {
-      if (!absl::SimpleAtoi(value, &options.recovery_grace_seconds) ||
-          options.recovery_grace_seconds < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--recovery-grace = \"", value, "\": expected seconds >= 0"));
-      }
-    } else if (arg == "--allow-uid" || arg == "--allow-gid") {
-      uint32_t id;
-      if (!absl::SimpleAtoi(value, &id)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            arg, " = \"", value, "\": expected a numeric ", arg == "--allow-uid" ? "uid" : "gid"));
-      }
-      (arg == "--allow-uid" ? options.allow_uids : options.allow_gids).insert(id);
-    } else if (arg == "--session-quota") {
-      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
-      if (!size.ok()) return size.status();
-      options.session_quota_bytes = *size;
-    } else if (arg == "--uid-sessions" || arg == "--uid-leases" || arg == "--uid-waiters") {
-      absl::StatusOr<uint64_t> count = ParseCount(value, arg);
-      if (!count.ok()) return count.status();
-      (arg == "--uid-sessions" ? options.uid_limits.sessions
-       : arg == "--uid-leases" ? options.uid_limits.leases
-                               : options.uid_limits.waiters) = *count;
-    } else if (arg == "--uid-quota") {
-      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
-      if (!size.ok()) return size.status();
-      options.uid_limits.unpublished_bytes = *size;
-    } else if (arg == "--segment-size") {
-      absl::StatusOr<uint64_t> size = ParseSize(value, arg);
-      if (!size.ok()) return size.status();
-      options.segment_bytes = *size;
-    } else if (arg == "--shm-prefix") {
-      if (value.empty() || value.size() > 48 ||
-          !std::all_of(value.begin(), value.end(), IsPrefixChar)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--shm-prefix = \"", value, "\": use 1-48 characters of [A-Za-z0-9_-]"));
-      }
-      options.shm_prefix = std::string(value);
-    } else if (arg == "--max-tensors") {
-      if (!absl::SimpleAtoi(value, &options.max_tensors) || options.max_tensors == 0 ||
-          options.max_tensors > (1u << 24)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--max-tensors = \"", value, "\": expected 1..16777216"));
-      }
-    } else if (arg == "--log-level") {
-      absl::StatusOr<LogLevel> level = ParseLogLevel(value);
-      if (!level.ok()) return level.status();
-      options.log_level = *level;
+      if (!status.ok()) return status;
     }
   }
   if (options.memfd_segments && options.keep_segments) {

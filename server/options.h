@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <map>
 #include <set>
 #include <string>
 #include <string_view>
@@ -43,6 +44,7 @@ struct DaemonOptions {
   uint64_t cuda_segment_bytes = 0;        // --cuda-segment-size; 0: min(pool, 1Gi)
   LogLevel log_level = LogLevel::kInfo;
   bool help = false;
+  std::string config_file;  // --config; empty: none
   // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit
   UidLimitsConfig uid_limits = DefaultUidLimits();
 };
@@ -66,7 +68,26 @@ absl::Status CheckShmCapacity(uint64_t pool_bytes, uint64_t control_bytes,
 // Parses a --cuda-pool value, "cuda:N=SIZE"; the size is rounded up to 256 bytes.
 absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text);
 
-// Parses argv. INVALID_ARGUMENT naming the flag and value for anything unknown or malformed.
+// How a flag takes its value: a switch (--keep-segments; `key = true` in a --config file), one
+// value (the last one given counts), or one value per use, all kept (--allow-uid).
+enum class FlagKind { kSwitch, kValue, kRepeated };
+
+struct FlagSpec {
+  std::string name;  // the long name without "--", also its key in a --config file
+  FlagKind kind;
+  std::string value_name;  // for --help: "SIZE", "PATH", ...
+  std::string help;
+};
+
+// Every flag tensorshmd takes, --config and --help aside, in the order --help lists them.
+const std::vector<FlagSpec>& DaemonFlags();
+
+// Flags as given, by name without "--": each value as text (a switch: "true" or "false").
+using FlagValues = std::map<std::string, std::vector<std::string>>;
+
+// Parses argv (with CLI11), reading the --config file if one is named: the file's flags apply
+// first, the command line's over them. INVALID_ARGUMENT naming the flag (or the file and key)
+// and the value for anything unknown or malformed.
 absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv);
 
 // The --help text.
