@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/socket_path.h"
+#include "server/metrics_http.h"
 
 namespace tensorshm {
 namespace {
@@ -186,6 +187,10 @@ std::string Usage() {
       "  --cuda-segment-size SIZE\n"
       "                       size of each cuMemAlloc segment a CUDA pool grows by\n"
       "                       (default: the pool's size, at most 1Gi)\n"
+      "  --metrics HOST:PORT  serve Prometheus figures at http://HOST:PORT/metrics, e.g.\n"
+      "                       127.0.0.1:9464 or [::1]:9464; port 0 takes a free port (logged)\n"
+      "                       (default: off). Read-only and without tensor names, but a host\n"
+      "                       beyond loopback exposes the figures to that network\n"
       "  --help               this text\n"
       "\n"
       "Sizes take K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024) suffixes.\n"
@@ -221,7 +226,7 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
         arg == "--session-quota" || arg == "--allow-uid" || arg == "--allow-gid" ||
         arg == "--recovery-grace" || arg == "--cuda-pool" || arg == "--cuda-segment-size" ||
         arg == "--segments" || arg == "--uid-sessions" || arg == "--uid-leases" ||
-        arg == "--uid-waiters" || arg == "--uid-quota";
+        arg == "--uid-waiters" || arg == "--uid-quota" || arg == "--metrics";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -306,6 +311,9 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
         return absl::InvalidArgumentError(
             absl::StrCat("--max-tensors = \"", value, "\": expected 1..16777216"));
       }
+    } else if (arg == "--metrics") {
+      if (absl::Status s = ParseMetricsAddress(value).status(); !s.ok()) return s;
+      options.metrics = std::string(value);
     } else if (arg == "--log-level") {
       absl::StatusOr<LogLevel> level = ParseLogLevel(value);
       if (!level.ok()) return level.status();

@@ -42,6 +42,7 @@ struct DaemonOptions {
   std::vector<CudaPoolSpec> cuda_pools;   // --cuda-pool, repeatable
   uint64_t cuda_segment_bytes = 0;        // --cuda-segment-size; 0: min(pool, 1Gi)
   LogLevel log_level = LogLevel::kInfo;
+  std::string metrics;  // --metrics HOST:PORT (ParseMetricsAddress); empty: off
   bool help = false;
   // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit
   UidLimitsConfig uid_limits = DefaultUidLimits();
