@@ -218,7 +218,8 @@ def test_operations_count_exactly_what_was_done(daemon, client):
             == before("tensorshm_allocation_failures_total", reason="quota"))
     # Nothing was left behind by a client.
     for name in ("bytes", "tensors", "leases"):
-        assert after(f"tensorshm_reclaimed_{name}_total") == before(f"tensorshm_reclaimed_{name}_total")
+        reclaimed = f"tensorshm_reclaimed_{name}_total"
+        assert after(reclaimed) == before(reclaimed)
     del got
     client.delete("metrics/a")
     client.delete("metrics/c")
