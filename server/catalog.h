@@ -177,9 +177,10 @@ class Catalog {
   void DropLease(uint64_t tensor_id);
 
   // Lease pages: the page of `session` (read-write descriptor for its client, made on first
-  // use), dropped whole when the session ends (then Reclaim). Errors from making the page.
+  // use), dropped whole when the session ends (then Reclaim); DropLeasePage returns how many
+  // slots held a tensor then. Errors from making the page.
   absl::StatusOr<int> OpenLeasePage(uint64_t session) { return lease_board_.Open(session); }
-  void DropLeasePage(uint64_t session) { lease_board_.Drop(session); }
+  int64_t DropLeasePage(uint64_t session) { return lease_board_.Drop(session); }
   // Frees every retired tensor that no lease page holds now. Returns how many.
   int Reclaim();
   // Number of retired tensors waiting for lease pages to let go.

@@ -25,14 +25,18 @@ absl::StatusOr<int> LeaseBoard::Open(uint64_t session_id) {
   return it->second.OpenForClient(/*writable=*/true);
 }
 
-void LeaseBoard::Drop(uint64_t session_id) {
+int64_t LeaseBoard::Drop(uint64_t session_id) {
   auto it = pages_.find(session_id);
-  if (it == pages_.end()) return;
+  if (it == pages_.end()) return 0;
   // A client that has not noticed yet stops leasing through the page.
-  static_cast<LeasePage*>(it->second.address())
-      ->slots[0]
-      .store(kLeasePageDropped, std::memory_order_seq_cst);
+  LeasePage& page = *static_cast<LeasePage*>(it->second.address());
+  page.slots[0].store(kLeasePageDropped, std::memory_order_seq_cst);
+  int64_t held = 0;
+  for (uint32_t i = 1; i < kLeaseSlots; ++i) {
+    if (page.slots[i].load(std::memory_order_seq_cst) != 0) ++held;
+  }
   pages_.erase(it);
+  return held;
 }
 
 bool LeaseBoard::Holds(uint64_t tensor_id) const {

@@ -20,8 +20,9 @@ class LeaseBoard {
   // closes it); the page is made (all slots free) on the first call. Errors as
   // ShmSegment::Create.
   absl::StatusOr<int> Open(uint64_t session_id);
-  // Forgets the page of a session that ended, whatever its slots hold.
-  void Drop(uint64_t session_id);
+  // Forgets the page of a session that ended, whatever its slots hold. Returns how many slots
+  // held a tensor (leases its client never released); 0 if the session had no page.
+  int64_t Drop(uint64_t session_id);
 
   // Whether any page holds `tensor_id`. Its loads are sequentially consistent: called after
   // the tensor was unlinked from the index (a sequentially consistent store), it sees every slot

@@ -31,6 +31,8 @@
 #include "server/listener.h"
 #include "server/log.h"
 #include "server/memory_channel.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "server/options.h"
 #include "server/service.h"
 #include "server/socket_dir.h"
@@ -88,7 +90,22 @@ void RaiseOpenFileLimit() {
   }
 }
 
+// Serves --metrics `flag` for `service` (started at `started`).
+absl::StatusOr<std::unique_ptr<MetricsServer>> StartMetrics(const std::string& flag,
+                                                            TensorShmService& service,
+                                                            absl::Time started) {
+  absl::StatusOr<MetricsAddress> address = ParseMetricsAddress(flag);
+  if (!address.ok()) return address.status();
+  const MetricsInfo info{TENSORSHM_VERSION, absl::ToDoubleSeconds(started - absl::UnixEpoch())};
+  // Each request reads a snapshot of the service's figures (mu_ held only while Stat's numbers
+  // are copied); the counters need no lock.
+  return MetricsServer::Start(*address, [&service, info] {
+    return RenderMetrics(service.StatSnapshot(), service.metrics(), info);
+  });
+}
+
 int Run(int argc, char** argv) {
+  const absl::Time started = absl::Now();
   absl::StatusOr<DaemonOptions> options = ParseOptions(argc, argv);
   if (!options.ok()) {
     std::cerr << "tensorshmd: " << options.status().message() << "\n";
@@ -189,6 +206,26 @@ int Run(int argc, char** argv) {
   TensorShmService service(*std::move(catalog), options->session_quota_bytes, &policy, &peers,
                            options->uid_limits);
 
+  // --metrics: before the gRPC server, so that a bad address fails start-up with nothing
+  // serving yet.
+  std::unique_ptr<MetricsServer> metrics;
+  if (!options->metrics.empty()) {
+    absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+        StartMetrics(options->metrics, service, started);
+    if (!server.ok()) {
+      std::cerr << "tensorshmd: " << server.status().message() << "\n";
+      return 1;
+    }
+    metrics = *std::move(server);
+    TSM_LOG(kInfo) << "metrics: serving http://" << FormatMetricsAddress(metrics->address())
+                   << "/metrics";
+    if (!IsLoopbackHost(metrics->address().host)) {
+      TSM_LOG(kWarning) << "metrics: --metrics " << options->metrics
+                        << " is beyond loopback: anyone who can reach it reads the daemon's "
+                           "figures (no tensor names); bind 127.0.0.1 or firewall the port";
+    }
+  }
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -249,6 +286,9 @@ int Run(int argc, char** argv) {
             << "; host pool " << FormatBytes(options->host_pool_bytes) << " in "
             << (options->memfd_segments ? "memfd" : "shm") << " segments of "
             << FormatBytes(options->segment_bytes) << ", shm prefix /" << options->shm_prefix
+            << (metrics != nullptr
+                    ? "; metrics on http://" + FormatMetricsAddress(metrics->address()) + "/metrics"
+                    : "")
             << std::endl;
 
   // After the grace period, unbound and unpublished tensors nobody came back for are freed.
@@ -273,6 +313,7 @@ int Run(int argc, char** argv) {
     server->GetHealthCheckService()->SetServingStatus(false);
     (*listener)->Stop();
     (*channels)->Stop();
+    if (metrics != nullptr) metrics->Stop();
     stopping.Notify();
     service.BeginShutdown();
     // In-flight calls get a moment to finish; session streams are then cancelled.

@@ -14,6 +14,7 @@
 #include "common/check.h"
 #include "common/socket_path.h"
 #include "server/config_file.h"
+#include "server/metrics_http.h"
 
 namespace tensorshm {
 namespace {
@@ -198,6 +199,11 @@ const std::vector<FlagSpec>& DaemonFlags() {
       {"cuda-segment-size", FlagKind::kValue, "SIZE",
        "size of each cuMemAlloc segment a CUDA pool grows by\n"
        "(default: the pool's size, at most 1Gi)"},
+      {"metrics", FlagKind::kValue, "HOST:PORT",
+       "serve Prometheus figures at http://HOST:PORT/metrics, e.g.\n"
+       "127.0.0.1:9464 or [::1]:9464; port 0 takes a free port (logged)\n"
+       "(default: off). Read-only and without tensor names, but a host\n"
+       "beyond loopback exposes the figures to that network"},
   };
   return flags;
 }
@@ -351,6 +357,9 @@ absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOp
       return absl::InvalidArgumentError(
           absl::StrCat("--max-tensors = \"", value, "\": expected 1..16777216"));
     }
+  } else if (arg == "--metrics") {
+    if (absl::Status s = ParseMetricsAddress(value).status(); !s.ok()) return s;
+    options.metrics = std::string(value);
   } else if (arg == "--log-level") {
     absl::StatusOr<LogLevel> level = ParseLogLevel(value);
     if (!level.ok()) return level.status();

@@ -43,6 +43,7 @@ struct DaemonOptions {
   std::vector<CudaPoolSpec> cuda_pools;   // --cuda-pool, repeatable
   uint64_t cuda_segment_bytes = 0;        // --cuda-segment-size; 0: min(pool, 1Gi)
   LogLevel log_level = LogLevel::kInfo;
+  std::string metrics;  // --metrics HOST:PORT (ParseMetricsAddress); empty: off
   bool help = false;
   std::string config_file;  // --config; empty: none
   // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit

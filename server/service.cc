@@ -217,6 +217,7 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
     reply.fd = *fd;
     return absl::OkStatus();
   }();
+  metrics_.CountOp(ChannelRequestOp(request), status);
   if (!status.ok()) {
     reply.response.clear_kind();
     reply.response.set_code(static_cast<int32_t>(status.code()));
@@ -437,6 +438,8 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
     FailSessionWaiters(session_id, token);
     leases = session->leases.size();
     unpublished = session->unpublished.size();
+    uint64_t unpublished_bytes = 0;
+    for (const auto& [tensor_id, bytes] : session->unpublished) unpublished_bytes += bytes;
     for (const auto& [lease, tensor_id] : session->leases) catalog_->DropLease(tensor_id);
     session->leases.clear();
     for (const auto& [tensor_id, bytes] : session->unpublished) {
@@ -445,7 +448,8 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
     }
     session->unpublished.clear();
     // Its lease page goes whole: what only it held is freed now.
-    catalog_->DropLeasePage(session_id);
+    const int64_t page_leases = catalog_->DropLeasePage(session_id);
+    metrics_.CountReclaimed(unpublished_bytes, unpublished, leases + page_leases);
     catalog_->Reclaim();
     sessions_.Close(session_id);
   }
@@ -493,7 +497,10 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
     deferred = true;
     return absl::OkStatus();
   }();
-  if (!deferred) reactor->Finish(ToGrpcStatus(status));
+  if (!deferred) {
+    metrics_.CountOp(MetricOp::kCreate, status);
+    reactor->Finish(ToGrpcStatus(status));
+  }
   return reactor;
 }
 
@@ -503,6 +510,7 @@ void TensorShmService::GrowPools() {
     while (pending_creates_.empty() && !shutting_down_) creates_pending_.Wait(&mu_);
     if (shutting_down_) {
       for (const PendingCreate& create : pending_creates_) {
+        metrics_.CountOp(MetricOp::kCreate, absl::StatusCode::kUnavailable);
         finishing_.emplace_back(
             create.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping"));
       }
@@ -513,6 +521,7 @@ void TensorShmService::GrowPools() {
     pending_creates_.pop_front();
     const absl::Status status =
         CreateGrowing(create.token, NoSession(create.token), *create.request, create.response);
+    metrics_.CountOp(MetricOp::kCreate, status);
     finishing_.emplace_back(create.reactor, ToGrpcStatus(status));
   }  // `lock` goes: the create is answered
 }
@@ -539,6 +548,7 @@ absl::Status TensorShmService::CreateGrowing(const std::string& token, const abs
     mu_.lock();
     const absl::Status grown = catalog_->EndGrowth(growth);
     grown_.SignalAll();
+    if (absl::IsResourceExhausted(grown)) metrics_.CountAllocationFailure(AllocationFailure::kPool);
     if (!grown.ok()) return grown;
   }
 }
@@ -564,11 +574,15 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
     tensor = catalog_->Create(session.id, *dtype, shape, strides, device, request.subbyte_padded(),
                               session.uid, growth);
   }
+  if (absl::IsResourceExhausted(tensor.status())) {
+    metrics_.CountAllocationFailure(AllocationFailure::kPool);
+  }
   if (!tensor.ok()) return tensor.status();
   const uint64_t length = (*tensor)->buffer.length;
   if (session_quota_bytes_ > 0 && session.unpublished_bytes + length > session_quota_bytes_) {
     const uint64_t tensor_id = (*tensor)->id;
     TSM_CHECK(catalog_->Abandon(session.id, tensor_id).ok());
+    metrics_.CountAllocationFailure(AllocationFailure::kQuota);
     return absl::ResourceExhaustedError(
         absl::StrCat("session quota: ", length, " more bytes requested, ",
                      session.unpublished_bytes, " bytes of unpublished tensors held, quota ",
@@ -576,6 +590,7 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
   }
   if (absl::Status s = session.AddUnpublished((*tensor)->id, length); !s.ok()) {
     TSM_CHECK(catalog_->Abandon(session.id, (*tensor)->id).ok());
+    if (absl::IsResourceExhausted(s)) metrics_.CountAllocationFailure(AllocationFailure::kQuota);
     return s;  // --uid-quota
   }
   response->set_tensor_id((*tensor)->id);
@@ -626,6 +641,7 @@ grpc::ServerUnaryReactor* TensorShmService::Publish(grpc::CallbackServerContext*
     if (!session.ok()) return session.status();
     return PublishFor(**session, *request, response);
   }();
+  metrics_.CountOp(MetricOp::kPublish, status);
   return Answer(context, status);
 }
 
@@ -697,6 +713,7 @@ grpc::ServerUnaryReactor* TensorShmService::Delete(grpc::CallbackServerContext* 
     if (!session.ok()) return session.status();
     return DeleteFor(**session, *request);
   }();
+  metrics_.CountOp(MetricOp::kDelete, status);
   return Answer(context, status);
 }
 
@@ -725,6 +742,7 @@ grpc::ServerUnaryReactor* TensorShmService::List(grpc::CallbackServerContext* co
     }
     return absl::OkStatus();
   }();
+  metrics_.CountOp(MetricOp::kList, status);
   return Answer(context, status);
 }
 
@@ -733,6 +751,17 @@ grpc::ServerUnaryReactor* TensorShmService::Stat(grpc::CallbackServerContext* co
                                                  v1::StatResponse* response) {
   const absl::Status status = [&]() -> absl::Status {
     if (absl::Status s = Admit(*context).status(); !s.ok()) return s;
+    *response = StatSnapshot();
+    return absl::OkStatus();
+  }();
+  metrics_.CountOp(MetricOp::kStat, status);
+  return Answer(context, status);
+}
+
+v1::StatResponse TensorShmService::StatSnapshot() {
+  v1::StatResponse stat;
+  v1::StatResponse* response = &stat;
+  {
     ServiceLock lock(this);
     response->set_tensors(catalog_->tensor_count());
     response->set_names(catalog_->name_count());
@@ -751,9 +780,9 @@ grpc::ServerUnaryReactor* TensorShmService::Stat(grpc::CallbackServerContext* co
       device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
       device->set_segments(static_cast<int64_t>(cuda->segment_count()));
     }
-    return absl::OkStatus();
-  }();
-  return Answer(context, status);
+    // Eviction (--evict lru) adds its figures here; metrics.cc exports them.
+  }
+  return stat;
 }
 
 }  // namespace tensorshm

@@ -18,6 +18,7 @@
 #include "server/access.h"
 #include "server/catalog.h"
 #include "server/memory_channel.h"
+#include "server/metrics.h"
 #include "server/session.h"
 #include "server/uid_limits.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
@@ -71,6 +72,11 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // code and message.
   ChannelReply HandleChannel(ChannelConnection& connection, const v1::ChannelRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // What Stat answers, read as Stat reads it (under mu_, briefly), for --metrics.
+  v1::StatResponse StatSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
+  // The counters and histogram of --metrics (thread-safe on their own).
+  const Metrics& metrics() const { return metrics_; }
 
   grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
       grpc::CallbackServerContext* context) override;
@@ -243,6 +249,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // Thread-safe on its own; declared before sessions_, whose charges it must outlive.
   UidLimits uid_limits_;
   SessionTable sessions_ ABSL_GUARDED_BY(mu_);
+  Metrics metrics_;  // thread-safe on its own
 };
 
 }  // namespace tensorshm

@@ -24,6 +24,7 @@ class TensorShmService::SessionReactor final
       : service_(service), context_(context) {
     absl::StatusOr<PeerCredentials> peer = service_->Admit(*context);
     if (!peer.ok()) {
+      service_->metrics_.CountOp(MetricOp::kSessionOpen, peer.status());
       Finish(ToGrpcStatus(peer.status()));
       return;
     }
@@ -38,12 +39,14 @@ class TensorShmService::SessionReactor final
     }
     if (!opened_) {
       if (!request_.has_open()) {
+        service_->metrics_.CountOp(MetricOp::kSessionOpen, absl::StatusCode::kInvalidArgument);
         End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                          "Session: the first message must be `open`"));
         return;
       }
       absl::StatusOr<v1::SessionResponse> opened =
           service_->OpenSession(*context_, peer_, request_.open(), &session_id_, &token_);
+      service_->metrics_.CountOp(MetricOp::kSessionOpen, opened.status());
       if (!opened.ok()) {
         End(ToGrpcStatus(opened.status()));
         return;
@@ -52,11 +55,15 @@ class TensorShmService::SessionReactor final
       response_ = *std::move(opened);
     } else {
       if (!request_.has_release()) {
+        service_->metrics_.CountOp(MetricOp::kRelease, absl::StatusCode::kInvalidArgument);
         End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                          "Session: after `open`, only `release` messages are accepted"));
         return;
       }
       std::optional<v1::SessionResponse> ack = service_->SessionRelease(token_, request_.release());
+      service_->metrics_.CountOp(MetricOp::kRelease, ack.has_value()
+                                                         ? absl::StatusCode::kOk
+                                                         : absl::StatusCode::kFailedPrecondition);
       if (!ack.has_value()) {
         End(grpc::Status::OK);
         return;
@@ -125,6 +132,7 @@ class TensorShmService::Waiter final : public grpc::ServerUnaryReactor {
   const int64_t wait_ms;
   v1::AcquireResponse* const response;  // gRPC's, until the call is finished
   absl::Time deadline = absl::InfiniteFuture();
+  absl::Time waiting_since;  // when it was listed (tensorshm_acquire_wait_seconds)
   // Counted against --uid-waiters while listed (UidLimits has its own lock).
   std::optional<UidLimits::WaitCharge> wait_charge;
 
@@ -220,7 +228,10 @@ void TensorShmService::StartWaiter(Waiter* waiter, grpc::CallbackServerContext* 
     }
     waiter = nullptr;  // listed: whoever takes it off the lists finishes it
   }();
-  if (waiter != nullptr) waiter->Finish(status);
+  if (waiter != nullptr) {
+    metrics_.CountOp(MetricOp::kAcquire, static_cast<absl::StatusCode>(status.error_code()));
+    waiter->Finish(status);
+  }
 }
 
 absl::Status TensorShmService::AddWaiter(Waiter* waiter, const tensorshm::Session& session) {
@@ -239,6 +250,8 @@ absl::Status TensorShmService::AddWaiter(Waiter* waiter, const tensorshm::Sessio
     if (waiter->by_deadline == waiters_by_deadline_.begin()) next_deadline_.Signal();
   }
   waiter->listed = true;
+  waiter->waiting_since = absl::Now();
+  metrics_.WaitStarted();
   return absl::OkStatus();
 }
 
@@ -246,6 +259,7 @@ void TensorShmService::RemoveWaiter(Waiter* waiter) {
   TSM_CHECK(waiter->listed);
   waiter->listed = false;
   waiter->wait_charge.reset();
+  metrics_.WaitEnded();
   auto name = waiters_by_name_.find(waiter->name);
   name->second.erase(waiter->by_name);
   if (name->second.empty()) waiters_by_name_.erase(name);
@@ -257,6 +271,9 @@ void TensorShmService::RemoveWaiter(Waiter* waiter) {
 
 void TensorShmService::FinishLater(Waiter* waiter, grpc::Status status) {
   TSM_CHECK(!waiter->listed);
+  const auto code = static_cast<absl::StatusCode>(status.error_code());
+  metrics_.CountOp(MetricOp::kAcquire, code);
+  metrics_.ObserveAcquireWait(absl::Now() - waiter->waiting_since, code);
   finishing_.emplace_back(waiter, std::move(status));
 }
 
