@@ -231,6 +231,18 @@ def inject_host_trust(root):
     return copied
 
 
+def remove_host_trust(root):
+    """Takes out what inject_host_trust put in, so the stage's root is the image's own."""
+    source = "/usr/local/share/ca-certificates"
+    if os.path.isdir(source):
+        for name in os.listdir(source):
+            path = os.path.join(root, "usr/local/share/ca-certificates", name)
+            if os.path.exists(path):
+                os.remove(path)
+    if os.path.exists("/etc/pip.conf") and os.path.exists(os.path.join(root, "etc/pip.conf")):
+        os.remove(os.path.join(root, "etc/pip.conf"))
+
+
 class Mounts:
     """What a container gets from its engine: /proc, a minimal /dev, /dev/shm, /sys read-only."""
 
@@ -505,6 +517,7 @@ class Builder:
                 self.apply(stage, ins, execute=i >= start)
             if first_copy == len(stage.instructions) and start == 0 and self.use_cache:
                 self.save_layer(stage, mounts, layer)
+            remove_host_trust(stage.root)
         finally:
             mounts.unmount_all()
 
