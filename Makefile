@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-torch test-gpu test-asan test-tsan check-thread-safety fuzz bench install format clean
+.PHONY: all setup configure build run test test-cpp test-python python test-torch test-gpu test-asan test-tsan check-thread-safety fuzz bench install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -45,6 +45,7 @@ PYTEST = TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd \
 test-python: build python
 	$(PYTEST) tests/python
 	$(PYTEST) tests/gpu
+	$(PYTEST) tests/deploy
 
 # Installs torch (CPU build from PyPI) into .venv and runs the Python tests, torch's included.
 test-torch: build python
@@ -110,6 +111,13 @@ fuzz: setup
 	ASAN_OPTIONS=detect_leaks=1 build-fuzz/tests/fuzz/channel_frame_fuzzer \
 	  build-fuzz/channel-corpus build-fuzz/channel-seeds -max_total_time=$(FUZZ_SECONDS) \
 	  -max_len=8192 -print_final_stats=1
+
+# The Dockerfile built for real without a Docker engine (debootstrapped bookworm chroots; needs
+# root and the network), then the image's daemon, HEALTHCHECK and a client run in the result,
+# and the Kubernetes manifests' containers as the manifests say. Minutes, not part of `make test`
+# (see scripts/test-container.sh); reruns use the cache in /var/cache/tensorshm-test-container.
+test-container:
+	bash scripts/test-container.sh
 
 bench: build
 	$(BUILD_DIR)/bench/handoff_bench $(ARGS)
