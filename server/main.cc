@@ -185,6 +185,7 @@ int Run(int argc, char** argv) {
   PeerTable peers;
   TensorShmService service(*std::move(catalog), options->session_quota_bytes, &policy, &peers,
                            options->uid_limits);
+  service.set_evict_policy(options->evict);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -82,6 +82,12 @@ absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text) {
   return spec;
 }
 
+absl::StatusOr<EvictPolicy> ParseEvictPolicy(absl::string_view text) {
+  if (text == "none") return EvictPolicy::kNone;
+  if (text == "lru") return EvictPolicy::kLru;
+  return absl::InvalidArgumentError(absl::StrCat("--evict = \"", text, "\": expected none or lru"));
+}
+
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view flag) {
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(flag, " = \"", text, "\": ", why));
@@ -169,6 +175,9 @@ std::string Usage() {
       "  --uid-quota SIZE     most bytes of unpublished buffers one uid may hold at once, over\n"
       "                       all its sessions; with a quota no buffers are stocked ahead\n"
       "                       (default 0: no limit beyond the pool)\n"
+      "  --evict POLICY       when a create finds its pool full: none (default: it fails, or\n"
+      "                       waits if it asked to) or lru (first evict published tensors\n"
+      "                       that nobody leases, least recently acquired first)\n"
       "  --log-level LEVEL    debug, info, warning or error (default info)\n"
       "  --keep-segments      on SIGTERM/SIGINT, leave the shm segments (and the catalog) for\n"
       "                       a later tensorshmd started with the same --shm-prefix\n"
@@ -221,7 +230,7 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
         arg == "--session-quota" || arg == "--allow-uid" || arg == "--allow-gid" ||
         arg == "--recovery-grace" || arg == "--cuda-pool" || arg == "--cuda-segment-size" ||
         arg == "--segments" || arg == "--uid-sessions" || arg == "--uid-leases" ||
-        arg == "--uid-waiters" || arg == "--uid-quota";
+        arg == "--uid-waiters" || arg == "--uid-quota" || arg == "--evict";
     if (!takes_value) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown option \"", arg, "\" (see tensorshmd --help)"));
@@ -306,6 +315,10 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
         return absl::InvalidArgumentError(
             absl::StrCat("--max-tensors = \"", value, "\": expected 1..16777216"));
       }
+    } else if (arg == "--evict") {
+      absl::StatusOr<EvictPolicy> policy = ParseEvictPolicy(value);
+      if (!policy.ok()) return policy.status();
+      options.evict = *policy;
     } else if (arg == "--log-level") {
       absl::StatusOr<LogLevel> level = ParseLogLevel(value);
       if (!level.ok()) return level.status();

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "server/eviction.h"
 #include "server/log.h"
 #include "server/uid_limits.h"
 
@@ -42,6 +43,7 @@ struct DaemonOptions {
   std::vector<CudaPoolSpec> cuda_pools;   // --cuda-pool, repeatable
   uint64_t cuda_segment_bytes = 0;        // --cuda-segment-size; 0: min(pool, 1Gi)
   LogLevel log_level = LogLevel::kInfo;
+  EvictPolicy evict = EvictPolicy::kNone;  // --evict none|lru
   bool help = false;
   // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit
   UidLimitsConfig uid_limits = DefaultUidLimits();
@@ -65,6 +67,9 @@ absl::Status CheckShmCapacity(uint64_t pool_bytes, uint64_t control_bytes,
 
 // Parses a --cuda-pool value, "cuda:N=SIZE"; the size is rounded up to 256 bytes.
 absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text);
+
+// Parses an --evict value: "none" or "lru".
+absl::StatusOr<EvictPolicy> ParseEvictPolicy(absl::string_view text);
 
 // Parses argv. INVALID_ARGUMENT naming the flag and value for anything unknown or malformed.
 absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv);
