@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
+#include "tensorshm/tensorshm.h"
 #include "tests/raw_session.h"
 #include "tests/test_daemon.h"
 
@@ -213,6 +214,25 @@ TEST_F(FullPoolTest, AProducerDyingWhileItsCreateWaitsLeavesNothingBehind) {
   EXPECT_EQ(stats.tensors, 0);
   EXPECT_EQ(stats.pools[0].used_bytes, 0);
   EXPECT_EQ(stats.creates_waiting, 0);
+}
+
+TEST_F(FullPoolTest, CApiCreateWaitWaitsThenFailsResourceExhausted) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon());
+  Publish("fill", 4 * kMiB);
+  tsm_client* c = nullptr;
+  ASSERT_EQ(tsm_connect(daemon_->socket().c_str(), "c-api", &c), TSM_OK) << tsm_last_error();
+  const int64_t shape[] = {kMiB};
+  tsm_writable* out = nullptr;
+  EXPECT_EQ(tsm_create_wait(c, DLDataType{kDLUInt, 8, 1}, 1, shape, nullptr, DLDevice{kDLCPU, 0},
+                            -5, &out),
+            TSM_INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(tsm_last_error(), "timeout_ms = -5")) << tsm_last_error();
+  EXPECT_EQ(tsm_create_wait(c, DLDataType{kDLUInt, 8, 1}, 1, shape, nullptr, DLDevice{kDLCPU, 0},
+                            100, &out),
+            TSM_RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(absl::StrContains(tsm_last_error(), "(wait_ms = 100)")) << tsm_last_error();
+  EXPECT_EQ(out, nullptr);
+  tsm_client_free(c);
 }
 
 // ---- --evict lru ----
