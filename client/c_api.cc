@@ -122,10 +122,20 @@ void tsm_client_free(tsm_client* client) { delete client; }
 
 int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
                const int64_t* strides, DLDevice device, tsm_writable** out) {
+  return tsm_create_wait(client, dtype, ndim, shape, strides, device, 0, out);
+}
+
+int tsm_create_wait(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
+                    const int64_t* strides, DLDevice device, int64_t timeout_ms,
+                    tsm_writable** out) {
   if (out == nullptr) return NullArgument("out");
   *out = nullptr;
   if (client == nullptr) return NullArgument("client");
   return Guard("tsm_create", [&] {
+    if (timeout_ms < 0 && timeout_ms != TSM_WAIT_FOREVER) {
+      return Fail(absl::InvalidArgumentError("timeout_ms = " + std::to_string(timeout_ms) +
+                                             ": must be >= 0 or TSM_WAIT_FOREVER"));
+    }
     // Checked before shape and strides are read: a huge ndim must not copy past their ends.
     if (ndim < 0 || ndim > tensorshm::kMaxDims) {
       return Fail(absl::InvalidArgumentError("ndim = " + std::to_string(ndim) + ": must be 0.." +
@@ -137,7 +147,9 @@ int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t
     spec.device = device;
     if (ndim > 0) spec.shape.assign(shape, shape + ndim);
     if (ndim > 0 && strides != nullptr) spec.strides.assign(strides, strides + ndim);
-    absl::StatusOr<tensorshm::WritableTensor> tensor = client->client->Create(spec);
+    const absl::Duration timeout =
+        timeout_ms == TSM_WAIT_FOREVER ? absl::InfiniteDuration() : absl::Milliseconds(timeout_ms);
+    absl::StatusOr<tensorshm::WritableTensor> tensor = client->client->Create(spec, timeout);
     if (!tensor.ok()) return Fail(tensor.status());
     *out = new tsm_writable{*std::move(tensor)};
     return Check(absl::OkStatus());

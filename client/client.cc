@@ -329,6 +329,24 @@ absl::Status ChannelOrRpc(ClientCore& core, v1::ChannelRequest& call,
   return FromGrpcStatus(((*core.stub()).*rpc)(&context, request, response));
 }
 
+// The gRPC Create of `request`, waiting up to `timeout` (> 0; infinite: until the call ends) in
+// the daemon for memory to be freed.
+absl::Status CreateWaiting(ClientCore& core, const v1::CreateRequest& request,
+                           absl::Duration timeout, v1::CreateResponse* response) {
+  v1::CreateRequest waiting = request;
+  grpc::ClientContext context;
+  if (timeout == absl::InfiniteDuration()) {
+    waiting.set_wait_ms(-1);
+    core.PrepareContext(context, absl::InfiniteDuration());
+  } else {
+    waiting.set_wait_ms(std::max<int64_t>(
+        1, absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)))));
+    // The call's own deadline leaves room for the daemon to answer RESOURCE_EXHAUSTED itself.
+    core.PrepareContext(context, timeout + kCallTimeout);
+  }
+  return FromGrpcStatus(core.stub()->Create(&context, waiting, response));
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options) {
@@ -391,6 +409,10 @@ absl::Status Client::CopyOnDevice(int ordinal, void* dst, const void* src, size_
 }
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
+  return Create(spec, absl::ZeroDuration());
+}
+
+absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout) {
   if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   // A host tensor whose buffer length is in stock is made here, without asking the daemon.
   uint64_t stock_length = 0;
@@ -443,11 +465,14 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
     request.set_device_uuid(*std::move(uuid));
   }
   v1::CreateResponse response;
-  if (absl::Status s = ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_created,
-                                    &v1::TensorShm::Stub::Create, request, &response);
-      !s.ok()) {
-    return s;
+  absl::Status created = ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_created,
+                                      &v1::TensorShm::Stub::Create, request, &response);
+  if (absl::IsResourceExhausted(created) && timeout > absl::ZeroDuration()) {
+    // The memory channel's creates never wait: the gRPC Create does, in the daemon.
+    response.Clear();
+    created = CreateWaiting(*core_, request, timeout, &response);
   }
+  if (!created.ok()) return created;
   core_->AddStock(response.stocked());
   WritableTensor tensor;
   tensor.core_ = core_;
@@ -671,6 +696,10 @@ absl::StatusOr<ServerStats> Client::Stat() {
   stats.tensors = response.tensors();
   stats.leases = response.leases();
   stats.sessions = response.sessions();
+  stats.names = response.names();
+  stats.evicted_tensors = response.evicted_tensors();
+  stats.evicted_bytes = response.evicted_bytes();
+  stats.creates_waiting = response.creates_waiting();
   for (const v1::PoolStats& pool : response.pools()) {
     stats.pools.push_back(
         PoolStats{FromWire(pool.device()), pool.capacity_bytes(), pool.used_bytes()});

@@ -204,6 +204,7 @@ bool Catalog::Restore(uint32_t slot, const TensorRecord& record, RecordState sta
   tensor.owner_uid = record.owner_uid;
   tensor.recovered = true;
   tensor.publish_seq = record.publish_seq;
+  tensor.last_use = absl::Now();  // use_seq 0: older than anything this daemon saw used
   tensor.record_state = state;
   tensor.record_name = name;
   tensors_.emplace(tensor.id, std::move(tensor));
@@ -647,6 +648,8 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   tensor.owner_session = 0;
   tensor.name = name;
   tensor.ready_event = std::move(ready_event);
+  Touch(tensor);
+  tensor.acquired = false;
   // Commit point: from here a restarted daemon serves the new tensor under `name` (the highest
   // publish_seq wins if the old record below is still marked published).
   WriteRecordState(tensor, RecordState::kPublished);
@@ -706,12 +709,16 @@ void Catalog::AddLease(uint64_t tensor_id) {
   auto it = tensors_.find(tensor_id);
   TSM_CHECK(it != tensors_.end() && it->second.sealed);
   ++it->second.leases;
+  Touch(it->second);
 }
 
 void Catalog::DropLease(uint64_t tensor_id) {
   auto it = tensors_.find(tensor_id);
   TSM_CHECK(it != tensors_.end() && it->second.leases > 0);
-  if (--it->second.leases == 0) FreeIfUnheld(it);
+  if (--it->second.leases == 0) {
+    ++release_epoch_;  // freed now, or evictable
+    FreeIfUnheld(it);
+  }
 }
 
 absl::Status Catalog::Delete(const std::string& name) {
@@ -775,6 +782,7 @@ void Catalog::Free(std::map<uint64_t, Tensor>::iterator it) {
   free_slots_.push_back(it->second.slot);
   retired_.erase(it->first);
   tensors_.erase(it);
+  ++release_epoch_;
 }
 
 }  // namespace tensorshm

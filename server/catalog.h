@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/catalog_layout.h"
 #include "common/layout.h"
@@ -51,6 +52,11 @@ struct Tensor {
   std::string record_name;                        // the name the record holds (kept when unbound)
   // Non-empty once its record was found overwritten: what the record held instead.
   std::string damage;
+  // Least-recently-used order for --evict lru (see Catalog::CreateEvicting): the catalog's use
+  // clock when the tensor was last published or seen acquired, and the time then.
+  uint64_t use_seq = 0;
+  absl::Time last_use = absl::InfinitePast();
+  bool acquired = false;  // seen acquired (an RPC lease, or a lease page slot) since publish
 };
 
 // A pool segment that Create needs, made outside the caller's lock: Create fills `request` (and
@@ -172,7 +178,8 @@ class Catalog {
   const Tensor* Find(const std::string& name) const;
   const Tensor* FindId(uint64_t tensor_id) const;
 
-  // Lease counting. REQUIRES: a sealed tensor; DropLease on a tensor with leases.
+  // Lease counting. REQUIRES: a sealed tensor; DropLease on a tensor with leases. AddLease
+  // also counts as a use of the tensor for --evict lru.
   void AddLease(uint64_t tensor_id);
   void DropLease(uint64_t tensor_id);
 
@@ -225,6 +232,32 @@ class Catalog {
   // Bound names starting with `prefix`, in name order.
   std::vector<const Tensor*> List(const std::string& prefix) const;
 
+  // ---- Full pools (catalog_eviction.cc) ----
+
+  // As Create, and when the pool (or the record table) is full, first evicts published tensors
+  // that nothing holds (no counted lease, no lease page slot, not kept by a restart's grace
+  // period), least recently used first (see Tensor::use_seq), as few as make the buffer fit: an
+  // eviction unbinds the name as Delete does (a lease page that took the tensor meanwhile keeps
+  // its memory until it lets go) and logs one line. Evicts nothing when evicting every candidate
+  // would still not make room; then, or when a race left it short, RESOURCE_EXHAUSTED as Create.
+  absl::StatusOr<const Tensor*> CreateEvicting(uint64_t session, const DLDataType& dtype,
+                                               absl::Span<const int64_t> shape,
+                                               absl::Span<const int64_t> strides,
+                                               const DLDevice& device, bool subbyte_padded,
+                                               uint32_t owner_uid, SegmentGrowth* growth);
+
+  // Counts every tensor some lease page holds now as used now: how --evict lru learns of fast
+  // path acquires, which never reach the daemon (called every housekeeping round). A tensor that
+  // a page held at the last call and none holds now may have become evictable: it moves
+  // release_epoch().
+  void TouchHeld();
+
+  // Moves whenever memory may have become available to a create: a buffer freed, a tensor's
+  // last counted lease dropped, a lease page letting go of a tensor (seen by TouchHeld).
+  uint64_t release_epoch() const { return release_epoch_; }
+  int64_t evicted_tensors() const { return evicted_tensors_; }
+  int64_t evicted_bytes() const { return evicted_bytes_; }
+
   // This daemon start's id (SessionOpened.instance_id); CUDA segments belong to it.
   uint64_t instance_id() const { return instance_id_; }
   int64_t tensor_count() const { return static_cast<int64_t>(tensors_.size()); }
@@ -269,6 +302,16 @@ class Catalog {
                         TensorLayout layout, bool subbyte_padded);
   // Writes `tensor`'s dtype, shape, strides, offset, size and flags into `record`.
   static void WriteRecordLayout(const Tensor& tensor, TensorRecord& record);
+  // Marks `tensor` used now (LRU order).
+  void Touch(Tensor& tensor);
+  // The evictable tensors, least recently used first: bound, unleased, unheld by `held` (the
+  // lease pages' tensors), not recovered, with a buffer; only those on `device` (and, on the
+  // host pool, in `uid`'s segments) unless `any_device`.
+  std::vector<Tensor*> EvictionCandidates(const DLDevice& device, uint32_t uid, bool any_device,
+                                          const std::unordered_map<uint64_t, int64_t>& held);
+  // Unbinds `tensor`'s name as Delete does, for a create of `wanted` bytes on `device`; logs and
+  // counts it.
+  void Evict(Tensor& tensor, uint64_t wanted, const DLDevice& device);
 
   ControlSegment control_;
   CatalogIndex index_;
@@ -285,6 +328,11 @@ class Catalog {
   uint64_t next_publish_seq_ = 1;
   uint64_t sweep_after_ = 0;      // CheckRecords goes on with the tensor ids above this one
   bool reported_repair_ = false;  // a rewritten header or segment record was logged
+  uint64_t use_clock_ = 0;        // last Tensor::use_seq handed out
+  uint64_t release_epoch_ = 0;
+  std::set<uint64_t> held_last_;  // what lease pages held at the last TouchHeld
+  int64_t evicted_tensors_ = 0;
+  int64_t evicted_bytes_ = 0;
 };
 
 }  // namespace tensorshm

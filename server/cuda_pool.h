@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "common/cuda_driver.h"
 #include "server/allocator.h"
 #include "server/host_pool.h"
@@ -40,6 +41,9 @@ class CudaPool {
   // (as HostPool::Allocate). REQUIRES (without `growth`): no growth under way.
   absl::StatusOr<Buffer> Allocate(uint64_t nbytes, GrowthRequest* growth = nullptr);
   void Free(const Buffer& buffer);
+  // How many of `buffers` (allocated here), freed in order, make Allocate(nbytes) fit in a
+  // segment made so far: the fewest that do, or -1 (as HostPool::FreesToFit).
+  int FreesToFit(uint64_t nbytes, absl::Span<const Buffer> buffers) const;
 
   // Device memory of one segment, exported with one IPC handle.
   struct DeviceMemory {

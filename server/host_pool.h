@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "server/allocator.h"
 #include "server/control_segment.h"
 #include "server/shm_segment.h"
@@ -94,6 +95,11 @@ class HostPool {
 
   // Returns `buffer` to its segment. REQUIRES: it came from Allocate and is not yet freed.
   void Free(const Buffer& buffer);
+
+  // How many of `buffers` (allocated, in `uid`'s segments), freed in order, make Allocate(nbytes,
+  // uid) fit in a segment made so far: the fewest that do, or -1 if freeing them all does not.
+  // Changes nothing (tried on copies of the segments' free lists).
+  int FreesToFit(uint64_t nbytes, uint32_t uid, absl::Span<const Buffer> buffers) const;
 
   // Whether `segment_id` names a live segment of the pool (not one a restart lost).
   bool HasSegment(uint64_t segment_id) const {

@@ -205,6 +205,7 @@ int Run(int argc, char** argv) {
   PeerTable peers;
   TensorShmService service(*std::move(catalog), options->session_quota_bytes, &policy, &peers,
                            options->uid_limits);
+  service.set_evict_policy(options->evict);
 
   // --metrics: before the gRPC server, so that a bad address fails start-up with nothing
   // serving yet.

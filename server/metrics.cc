@@ -220,7 +220,15 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
   out.Sample("tensorshm_leases", {}, stat.leases());
   out.Family("tensorshm_sessions", "gauge", "Client sessions open.");
   out.Sample("tensorshm_sessions", {}, stat.sessions());
-  // Eviction (--evict lru) exports its figures here, from the fields it adds to Stat.
+  out.Family("tensorshm_creates_waiting", "gauge",
+             "Creates waiting in the daemon for memory to be freed (CreateRequest.wait_ms).");
+  out.Sample("tensorshm_creates_waiting", {}, stat.creates_waiting());
+  out.Family("tensorshm_evicted_tensors_total", "counter",
+             "Published tensors nobody leased that --evict lru evicted to make room for creates.");
+  out.Sample("tensorshm_evicted_tensors_total", {}, stat.evicted_tensors());
+  out.Family("tensorshm_evicted_bytes_total", "counter",
+             "Bytes of the tensors --evict lru evicted.");
+  out.Sample("tensorshm_evicted_bytes_total", {}, stat.evicted_bytes());
 
   // ---- What the service counted ----
   out.Family("tensorshm_acquire_waiting", "gauge",

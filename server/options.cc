@@ -87,6 +87,12 @@ absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text) {
   return spec;
 }
 
+absl::StatusOr<EvictPolicy> ParseEvictPolicy(absl::string_view text) {
+  if (text == "none") return EvictPolicy::kNone;
+  if (text == "lru") return EvictPolicy::kLru;
+  return absl::InvalidArgumentError(absl::StrCat("--evict = \"", text, "\": expected none or lru"));
+}
+
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view flag) {
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(flag, " = \"", text, "\": ", why));
@@ -178,6 +184,10 @@ const std::vector<FlagSpec>& DaemonFlags() {
        "most bytes of unpublished buffers one uid may hold at once, over\n"
        "all its sessions; with a quota no buffers are stocked ahead\n"
        "(default 0: no limit beyond the pool)"},
+      {"evict", FlagKind::kValue, "POLICY",
+       "when a create finds its pool full: none (default: it fails, or\n"
+       "waits if it asked to) or lru (first evict published tensors\n"
+       "that nobody leases, least recently acquired first)"},
       {"log-level", FlagKind::kValue, "LEVEL", "debug, info, warning or error (default info)"},
       {"keep-segments", FlagKind::kSwitch, "",
        "on SIGTERM/SIGINT, leave the shm segments (and the catalog) for\n"
@@ -360,6 +370,10 @@ absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOp
   } else if (arg == "--metrics") {
     if (absl::Status s = ParseMetricsAddress(value).status(); !s.ok()) return s;
     options.metrics = std::string(value);
+  } else if (arg == "--evict") {
+    absl::StatusOr<EvictPolicy> policy = ParseEvictPolicy(value);
+    if (!policy.ok()) return policy.status();
+    options.evict = *policy;
   } else if (arg == "--log-level") {
     absl::StatusOr<LogLevel> level = ParseLogLevel(value);
     if (!level.ok()) return level.status();

@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "server/eviction.h"
 #include "server/log.h"
 #include "server/uid_limits.h"
 
@@ -43,7 +44,8 @@ struct DaemonOptions {
   std::vector<CudaPoolSpec> cuda_pools;   // --cuda-pool, repeatable
   uint64_t cuda_segment_bytes = 0;        // --cuda-segment-size; 0: min(pool, 1Gi)
   LogLevel log_level = LogLevel::kInfo;
-  std::string metrics;  // --metrics HOST:PORT (ParseMetricsAddress); empty: off
+  std::string metrics;                     // --metrics HOST:PORT (ParseMetricsAddress); empty: off
+  EvictPolicy evict = EvictPolicy::kNone;  // --evict none|lru
   bool help = false;
   std::string config_file;  // --config; empty: none
   // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit
@@ -68,6 +70,9 @@ absl::Status CheckShmCapacity(uint64_t pool_bytes, uint64_t control_bytes,
 
 // Parses a --cuda-pool value, "cuda:N=SIZE"; the size is rounded up to 256 bytes.
 absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text);
+
+// Parses an --evict value: "none" or "lru".
+absl::StatusOr<EvictPolicy> ParseEvictPolicy(absl::string_view text);
 
 // How a flag takes its value: a switch (--keep-segments; `key = true` in a --config file), one
 // value (the last one given counts), or one value per use, all kept (--allow-uid).

@@ -86,6 +86,8 @@ void TensorShmService::Housekeep() {
     ServiceLock lock(this);
     if (shutting_down_) return;
     catalog_->Reclaim();
+    // --evict lru learns of fast path acquires from the lease pages (Catalog::TouchHeld).
+    if (evict_ == EvictPolicy::kLru) catalog_->TouchHeld();
     catalog_->CheckRecords(kRecordsCheckedPerRound);
     stopping_.WaitWithTimeout(&mu_, absl::Nanoseconds(kHeartbeatIntervalNs));
     if (shutting_down_) return;
@@ -436,6 +438,7 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
     tensorshm::Session* session = sessions_.Find(token);
     if (session == nullptr) return;
     FailSessionWaiters(session_id, token);
+    FailSessionCreates(session_id, token);
     leases = session->leases.size();
     unpublished = session->unpublished.size();
     uint64_t unpublished_bytes = 0;
@@ -479,6 +482,7 @@ absl::StatusOr<int> TensorShmService::CudaOrdinalOf(const DLDevice& device,
 grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* context,
                                                    const v1::CreateRequest* request,
                                                    v1::CreateResponse* response) {
+  if (request->wait_ms() != 0) return CreateWaiting(context, request, response);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   bool deferred = false;
   const absl::Status status = [&]() -> absl::Status {
@@ -519,21 +523,27 @@ void TensorShmService::GrowPools() {
     }
     const PendingCreate create = pending_creates_.front();
     pending_creates_.pop_front();
-    const absl::Status status =
-        CreateGrowing(create.token, NoSession(create.token), *create.request, create.response);
-    metrics_.CountOp(MetricOp::kCreate, status);
-    finishing_.emplace_back(create.reactor, ToGrpcStatus(status));
+    bool pool_full = false;
+    const absl::Status status = CreateGrowing(create.token, NoSession(create.token),
+                                              *create.request, create.response, &pool_full);
+    if (create.waiter != nullptr) {
+      FinishGrownCreate(create.waiter, status, pool_full);  // counted when it is answered
+    } else {
+      metrics_.CountOp(MetricOp::kCreate, status);
+      finishing_.emplace_back(create.reactor, ToGrpcStatus(status));
+    }
   }  // `lock` goes: the create is answered
 }
 
 absl::Status TensorShmService::CreateGrowing(const std::string& token, const absl::Status& gone,
                                              const v1::CreateRequest& request,
-                                             v1::CreateResponse* response) {
+                                             v1::CreateResponse* response, bool* pool_full) {
   while (true) {
     tensorshm::Session* session = sessions_.Find(token);
     if (session == nullptr) return gone;
     SegmentGrowth growth;
-    absl::Status status = CreateFor(*session, request, response, &growth);
+    absl::Status status =
+        CreateFor(*session, request, response, &growth, /*waited=*/false, pool_full);
     if (growth.busy()) {
       // Another call is making a segment of that pool: it may be the one this create needs.
       grown_.Wait(&mu_);
@@ -555,7 +565,8 @@ absl::Status TensorShmService::CreateGrowing(const std::string& token, const abs
 
 absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
                                          const v1::CreateRequest& request,
-                                         v1::CreateResponse* response, SegmentGrowth* growth) {
+                                         v1::CreateResponse* response, SegmentGrowth* growth,
+                                         bool waited, bool* pool_full) {
   absl::StatusOr<DLDataType> dtype = FromWire(request.dtype());
   if (!dtype.ok()) return dtype.status();
   DLDevice device = request.has_device() ? FromWire(request.device()) : DLDevice{kDLCPU, 0};
@@ -566,6 +577,15 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
     if (!ordinal.ok()) return ordinal.status();
     device.device_id = *ordinal;
   }
+  // Waiting creates come first: a new one for the same memory queues behind them.
+  const PoolKey key{device.device_type, device.device_id,
+                    device.device_type == kDLCPU ? session.uid : 0};
+  if (!waited) {
+    if (absl::Status s = CheckCreateQueue(key); !s.ok()) {
+      if (pool_full != nullptr) *pool_full = true;
+      return s;
+    }
+  }
   absl::StatusOr<const Tensor*> tensor = catalog_->Create(
       session.id, *dtype, shape, strides, device, request.subbyte_padded(), session.uid, growth);
   if (absl::IsResourceExhausted(tensor.status()) && catalog_->retired_count() > 0 &&
@@ -574,8 +594,14 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
     tensor = catalog_->Create(session.id, *dtype, shape, strides, device, request.subbyte_padded(),
                               session.uid, growth);
   }
+  if (absl::IsResourceExhausted(tensor.status()) && evict_ == EvictPolicy::kLru) {
+    tensor = catalog_->CreateEvicting(session.id, *dtype, shape, strides, device,
+                                      request.subbyte_padded(), session.uid, growth);
+  }
   if (absl::IsResourceExhausted(tensor.status())) {
-    metrics_.CountAllocationFailure(AllocationFailure::kPool);
+    if (pool_full != nullptr) *pool_full = true;
+    // Once per create: the tries of a create waiting for memory are not counted again.
+    if (!waited) metrics_.CountAllocationFailure(AllocationFailure::kPool);
   }
   if (!tensor.ok()) return tensor.status();
   const uint64_t length = (*tensor)->buffer.length;
@@ -607,8 +633,9 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
   // or uid with a quota gets none (its quota is for what it creates).
   const HostPool& pool = catalog_->host_pool();
   count = std::min(count, kMaxStock);
-  if (session_quota_bytes_ > 0 || uid_limits_.config().unpublished_bytes > 0 || length == 0 ||
-      length > kMaxStockedBytes ||
+  // Nor while creates wait for memory: what is freed is theirs.
+  if (!creates_waiting_.empty() || session_quota_bytes_ > 0 ||
+      uid_limits_.config().unpublished_bytes > 0 || length == 0 || length > kMaxStockedBytes ||
       pool.used_bytes() + (count + 0ull) * length > pool.capacity_bytes() / 8 * 7) {
     return;
   }
@@ -767,6 +794,9 @@ v1::StatResponse TensorShmService::StatSnapshot() {
     response->set_names(catalog_->name_count());
     response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
     response->set_sessions(sessions_.size());
+    response->set_evicted_tensors(catalog_->evicted_tensors());
+    response->set_evicted_bytes(catalog_->evicted_bytes());
+    response->set_creates_waiting(static_cast<int64_t>(creates_waiting_.size()));
     const HostPool& pool = catalog_->host_pool();
     v1::PoolStats* stats = response->add_pools();
     ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "common/mutex.h"
 #include "server/access.h"
 #include "server/catalog.h"
+#include "server/eviction.h"
 #include "server/memory_channel.h"
 #include "server/metrics.h"
 #include "server/session.h"
@@ -43,13 +45,17 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
                    const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr,
                    const UidLimitsConfig& uid_limits = {});
 
-  // Finishes acquire waiters (and makes new waits fail) with UNAVAILABLE, and ends
-  // ExpireWaiters, GrowPools and Housekeep; call before stopping the server so that no call
+  // --evict: what a create that finds its pool full may do first. Call before serving.
+  void set_evict_policy(EvictPolicy policy) { evict_ = policy; }
+
+  // Finishes acquire waiters and waiting creates (and makes new waits fail) with UNAVAILABLE, and
+  // ends ExpireWaiters, GrowPools and Housekeep; call before stopping the server so that no call
   // outlives it.
   void BeginShutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Finishes acquire waiters whose deadline passed with DEADLINE_EXCEEDED, each when its time
-  // comes, until BeginShutdown. Runs on a thread of its own.
+  // Finishes acquire waiters whose deadline passed with DEADLINE_EXCEEDED, and waiting creates
+  // whose deadline passed with RESOURCE_EXHAUSTED, each when its time comes, until BeginShutdown.
+  // Runs on a thread of its own.
   void ExpireWaiters() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Answers the gRPC creates that need a pool to grow, one at a time, until BeginShutdown (then
@@ -102,7 +108,23 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
  private:
   class SessionReactor;  // service_reactors.cc
   class Waiter;          // service_reactors.cc
+  class CreateWaiter;    // service_creates.cc
   using WaiterList = std::list<Waiter*>;
+
+  // The memory a create draws from: a pool, and on the host pool the uid (each uid's buffers
+  // take segments of their own). Waiting creates are served in order per key.
+  struct PoolKey {
+    int32_t device_type = 0;
+    int32_t device_id = 0;
+    uint32_t uid = 0;  // 0 for CUDA pools
+    bool operator<(const PoolKey& other) const {
+      return std::tie(device_type, device_id, uid) <
+             std::tie(other.device_type, other.device_id, other.uid);
+    }
+    bool operator==(const PoolKey& other) const {
+      return device_type == other.device_type && device_id == other.device_id && uid == other.uid;
+    }
+  };
 
   // Holds mu_ for its scope; on release, finishes the reactors queued in finishing_ meanwhile,
   // after unlocking.
@@ -163,9 +185,10 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // with mu_ released, then the create is tried again, the session looked up again (it may have
   // ended meanwhile: `gone` is returned then). Blocks while another caller grows the pool, and
   // while it grows one: for the memory channel's thread and GrowPools only.
+  // `pool_full`, if set, as CreateFor's.
   absl::Status CreateGrowing(const std::string& token, const absl::Status& gone,
-                             const v1::CreateRequest& request, v1::CreateResponse* response)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                             const v1::CreateRequest& request, v1::CreateResponse* response,
+                             bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // OK if `session` may delete or replace `tensor`: its publisher's uid, or the daemon's.
   absl::Status MayChange(const tensorshm::Session& session, const Tensor& tensor,
@@ -198,9 +221,13 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Create and Publish for `session`, whichever transport asked. A create that needs a new pool
   // segment returns UNAVAILABLE with `growth` saying so (see SegmentGrowth): CreateGrowing.
+  // With --evict lru a full pool evicts first (Catalog::CreateEvicting). A create that finds its
+  // pool (or the record table) full, or creates waiting for that memory ahead of it (unless
+  // `waited`: it is one of them), returns RESOURCE_EXHAUSTED and sets `*pool_full` (if given):
+  // it may wait. Quota refusals do not set it.
   absl::Status CreateFor(tensorshm::Session& session, const v1::CreateRequest& request,
-                         v1::CreateResponse* response, SegmentGrowth* growth)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         v1::CreateResponse* response, SegmentGrowth* growth, bool waited = false,
+                         bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
                           v1::PublishResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
@@ -220,6 +247,46 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
                                    const v1::SegmentRequest& request, v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // ---- Creates that wait for memory (service_creates.cc) ----
+
+  // Create's work for a create with wait_ms != 0: its reactor, answered at once when it can be
+  // (or queued for GrowPools), else put on the queue of waiting creates.
+  grpc::ServerUnaryReactor* CreateWaiting(grpc::CallbackServerContext* context,
+                                          const v1::CreateRequest* request,
+                                          v1::CreateResponse* response) ABSL_LOCKS_EXCLUDED(mu_);
+  // Queues `waiter` of `session` (whose create found its pool full with `refusal`), charged to
+  // its uid's --uid-waiters; an error refuses the wait and queues nothing.
+  absl::Status AddCreateWaiter(CreateWaiter* waiter, const tensorshm::Session& session,
+                               const absl::Status& refusal) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveCreateWaiter(CreateWaiter* waiter) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tries the waiting creates again, in order; once one for a PoolKey still does not fit, the
+  // later ones for that key wait on (first come, first served). Finishes those that are done.
+  void RetryWaitingCreates() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Finishes the waiting creates whose deadline is not after `now`; true if there were any.
+  bool ExpireCreates(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The earliest deadline of a waiting create, or absl::InfiniteFuture().
+  absl::Time NextCreateDeadline() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Finishes the waiting creates of session `session_id` (ending), or all of them, with `status`.
+  void FailSessionCreates(uint64_t session_id, const std::string& token)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailWaitingCreates(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A waiting create's OnCancel: CANCELLED, unless it was finished already.
+  void CancelCreate(CreateWaiter* waiter) ABSL_LOCKS_EXCLUDED(mu_);
+  // A waiting create's OnDone: a create that succeeded but whose client gave up on the call
+  // frees its buffers (nobody knows their ids).
+  void CreateWaiterDone(CreateWaiter* waiter, bool cancelled) ABSL_LOCKS_EXCLUDED(mu_);
+  // Queues `waiter`, off the queue, to be finished with `status` once mu_ is released, and counts
+  // its answer (metrics_).
+  void FinishCreate(CreateWaiter* waiter, grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // GrowPools' answer `status` to `waiter`: finished, or queued if its pool was full.
+  void FinishGrownCreate(CreateWaiter* waiter, const absl::Status& status, bool pool_full)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED if creates wait for the memory of `key` (a new create queues behind
+  // them); OK otherwise.
+  absl::Status CheckCreateQueue(const PoolKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "cpu pool: U of C bytes used" for `key`'s pool.
+  std::string PoolUsage(const PoolKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // The catalog's index, for the heartbeat, which needs no lock (header atomics only).
   CatalogIndex& index_;
   Mutex mu_;
@@ -237,12 +304,21 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
     std::string token;  // the caller's session
     const v1::CreateRequest* request;
     v1::CreateResponse* response;
+    CreateWaiter* waiter = nullptr;  // set when the create may wait for memory
   };
   std::deque<PendingCreate> pending_creates_ ABSL_GUARDED_BY(mu_);
   CondVar creates_pending_;  // signalled when a create is queued, and on shutdown
   // Reactors to finish once mu_ is released (ServiceLock), with their status.
   std::vector<std::pair<grpc::ServerUnaryReactor*, grpc::Status>> finishing_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
+  // Creates waiting for memory, first come first served, and those with a finite deadline by it.
+  std::list<CreateWaiter*> creates_waiting_ ABSL_GUARDED_BY(mu_);
+  std::multimap<absl::Time, CreateWaiter*> creates_by_deadline_ ABSL_GUARDED_BY(mu_);
+  // The catalog's release_epoch() at the last retry, and whether a waiting create left the queue
+  // since (those behind it may fit now): either makes UnlockAndFinish retry them.
+  uint64_t retried_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  bool retry_creates_ ABSL_GUARDED_BY(mu_) = false;
+  EvictPolicy evict_ = EvictPolicy::kNone;  // set before serving
   const uint64_t session_quota_bytes_;
   const AccessPolicy* const policy_;
   const PeerTable* const peers_;

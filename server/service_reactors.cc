@@ -278,6 +278,11 @@ void TensorShmService::FinishLater(Waiter* waiter, grpc::Status status) {
 }
 
 void TensorShmService::UnlockAndFinish() {
+  // Memory freed (or a waiting create gone) under this lock: the waiting creates try again.
+  if (!creates_waiting_.empty() &&
+      (retry_creates_ || catalog_->release_epoch() != retried_epoch_)) {
+    RetryWaitingCreates();
+  }
   std::vector<std::pair<grpc::ServerUnaryReactor*, grpc::Status>> finishing;
   finishing.swap(finishing_);
   mu_.unlock();
@@ -353,6 +358,7 @@ void TensorShmService::BeginShutdown() {
     RemoveWaiter(waiter);
     FinishLater(waiter, stopping);
   }
+  FailWaitingCreates(stopping);
   stopping_.SignalAll();
   next_deadline_.SignalAll();
   creates_pending_.SignalAll();
@@ -370,11 +376,14 @@ void TensorShmService::ExpireWaiters() {
       FinishLater(waiter, waiter->Expired());
       expired = true;
     }
+    if (ExpireCreates(now)) expired = true;
     if (expired) continue;  // finished as `lock` goes, then the queue is looked at again
-    if (waiters_by_deadline_.empty()) {
+    absl::Time next = NextCreateDeadline();
+    if (!waiters_by_deadline_.empty()) next = std::min(next, waiters_by_deadline_.begin()->first);
+    if (next == absl::InfiniteFuture()) {
       next_deadline_.Wait(&mu_);
     } else {
-      next_deadline_.WaitWithTimeout(&mu_, waiters_by_deadline_.begin()->first - now);
+      next_deadline_.WaitWithTimeout(&mu_, next - now);
     }
   }
 }

@@ -75,6 +75,10 @@ struct ServerStats {
   int64_t leases = 0;
   int64_t sessions = 0;
   std::vector<PoolStats> pools;
+  int64_t names = 0;            // names bound
+  int64_t evicted_tensors = 0;  // evicted by --evict lru since the daemon started
+  int64_t evicted_bytes = 0;    // their buffers' bytes
+  int64_t creates_waiting = 0;  // creates waiting for memory now (Create with a timeout)
 };
 
 // A CUDA stream (CUstream) as this API takes one, so that this header needs no cuda.h.
@@ -206,6 +210,15 @@ class Client {
   // A CUDA tensor (device {kDLCUDA, N}, N in this process's numbering) gets a writable device
   // pointer into the daemon's pool for that device.
   absl::StatusOr<WritableTensor> Create(const TensorSpec& spec);
+
+  // As Create; when the pool cannot hold the buffer, waits up to `timeout` in the daemon for
+  // memory to be freed (a delete, a lease ending, a client leaving, an eviction), then
+  // RESOURCE_EXHAUSTED saying how long it waited. Zero: as Create (fails at once);
+  // absl::InfiniteDuration(): waits until memory comes. Waiting creates are served in order, per
+  // pool (and per uid on the host pool): while one waits, later creates for the same memory
+  // queue behind it, and those without a timeout fail at once. Quotas (--session-quota,
+  // --uid-quota) never wait; a waiting create counts against --uid-waiters.
+  absl::StatusOr<WritableTensor> Create(const TensorSpec& spec, absl::Duration timeout);
 
   // Seals `tensor` and binds it to `name`, dropping the writable mapping. ALREADY_EXISTS if
   // `name` is bound and !replace; with replace the old tensor lives on for its leases.

@@ -73,6 +73,12 @@ void tsm_client_free(tsm_client* client);
  * On success *out is to be published with tsm_publish or dropped with tsm_writable_free. */
 int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
                const int64_t* strides, DLDevice device, tsm_writable** out);
+/* As tsm_create; when the pool cannot hold the buffer, waits for memory to be freed. timeout_ms:
+ * 0 no wait (tsm_create), > 0 wait that long, TSM_WAIT_FOREVER; then TSM_RESOURCE_EXHAUSTED.
+ * Waiting creates are served in order (see tensorshm::Client::Create). */
+int tsm_create_wait(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
+                    const int64_t* strides, DLDevice device, int64_t timeout_ms,
+                    tsm_writable** out);
 /* The tensor's metadata; data points at the writable mapping (NULL once published). */
 const DLTensor* tsm_writable_dltensor(const tsm_writable* tensor);
 /* data + byte_offset; NULL once published. */

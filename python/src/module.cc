@@ -406,7 +406,9 @@ PyTensor Get(PyClient& self, const std::string& name, const std::optional<double
 
 PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const std::string& dtype,
                         const std::optional<std::vector<int64_t>>& strides,
-                        const std::string& device, bool subbyte_padded) {
+                        const std::string& device, bool subbyte_padded,
+                        const std::optional<double>& timeout) {
+  const absl::Duration wait = TimeoutFrom(timeout);
   TensorSpec spec;
   spec.dtype = Check(ParseDataType(dtype));
   spec.shape = shape;
@@ -416,7 +418,7 @@ PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const
   absl::StatusOr<WritableTensor> tensor;
   {
     nb::gil_scoped_release release;
-    tensor = self.client->Create(spec);
+    tensor = self.client->Create(spec, wait);
   }
   PyWritableTensor out;
   out.storage = FromWritable(Check(std::move(tensor)));
@@ -447,11 +449,11 @@ void PublishWritable(PyWritableTensor& self, const std::string& name, bool repla
 // Copies `source` into a new tensor and publishes it. CUDA sources are copied on `stream` (the
 // stream their producer's work is ordered on), which the ready event is then recorded on.
 PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor& source,
-                         uint64_t flags, bool replace, bool release_gil,
+                         uint64_t flags, bool replace, absl::Duration timeout, bool release_gil,
                          CudaStream stream = kLegacyDefaultStream) {
   absl::StatusOr<DLManagedTensorVersioned*> lease;
   auto run = [&] {
-    absl::StatusOr<WritableTensor> tensor = CopyIn(*self.client, source, flags, stream);
+    absl::StatusOr<WritableTensor> tensor = CopyIn(*self.client, source, flags, stream, timeout);
     if (!tensor.ok()) {
       lease = tensor.status();
       return;
@@ -467,7 +469,9 @@ PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor
   return PyTensor{FromLease(Check(std::move(lease))), name};
 }
 
-PyTensor PutCapsule(PyClient& self, const std::string& name, nb::handle capsule, bool replace) {
+PyTensor PutCapsule(PyClient& self, const std::string& name, nb::handle capsule, bool replace,
+                    const std::optional<double>& timeout) {
+  const absl::Duration wait = TimeoutFrom(timeout);
   PyObject* object = capsule.ptr();
   if (PyCapsule_IsValid(object, kVersioned)) {
     auto* managed =
@@ -483,7 +487,7 @@ PyTensor PutCapsule(PyClient& self, const std::string& name, nb::handle capsule,
         managed, [](DLManagedTensorVersioned* m) {
           if (m->deleter != nullptr) m->deleter(m);
         });
-    return PutFromDLTensor(self, name, managed->dl_tensor, managed->flags, replace, true);
+    return PutFromDLTensor(self, name, managed->dl_tensor, managed->flags, replace, wait, true);
   }
   if (PyCapsule_IsValid(object, kLegacy)) {
     auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(object, kLegacy));
@@ -493,7 +497,7 @@ PyTensor PutCapsule(PyClient& self, const std::string& name, nb::handle capsule,
                                                                          if (m->deleter != nullptr)
                                                                            m->deleter(m);
                                                                        });
-    return PutFromDLTensor(self, name, managed->dl_tensor, 0, replace, true);
+    return PutFromDLTensor(self, name, managed->dl_tensor, 0, replace, wait, true);
   }
   if (PyCapsule_IsValid(object, kUsedVersioned) || PyCapsule_IsValid(object, kUsedLegacy)) {
     throw nb::value_error("DLPack capsule already consumed: a capsule can be consumed only once");
@@ -514,7 +518,8 @@ const DLPackExchangeAPI* ExchangeApiFrom(nb::handle api) {
 }
 
 PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb::handle api_object,
-                     bool replace) {
+                     bool replace, const std::optional<double>& timeout) {
+  const absl::Duration wait = TimeoutFrom(timeout);
   const DLPackExchangeAPI* api = ExchangeApiFrom(api_object);
   if (api == nullptr || api->header.version.major != DLPACK_MAJOR_VERSION) {
     throw nb::value_error("__dlpack_c_exchange_api__: missing, or of another DLPack major version");
@@ -533,7 +538,7 @@ PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb
     // Non-owning and valid only until we return: copy with the GIL held and `obj` referenced.
     DLTensor view{};
     if (api->dltensor_from_py_object_no_sync(obj.ptr(), &view) != 0) throw nb::python_error();
-    return PutFromDLTensor(self, name, view, 0, replace, /*release_gil=*/false,
+    return PutFromDLTensor(self, name, view, 0, replace, wait, /*release_gil=*/false,
                            producer_stream(view.device));
   }
   DLManagedTensorVersioned* managed = nullptr;
@@ -544,7 +549,7 @@ PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb
       managed, [](DLManagedTensorVersioned* m) {
         if (m->deleter != nullptr) m->deleter(m);
       });
-  return PutFromDLTensor(self, name, managed->dl_tensor, managed->flags, replace, true,
+  return PutFromDLTensor(self, name, managed->dl_tensor, managed->flags, replace, wait, true,
                          producer_stream(managed->dl_tensor.device));
 }
 
@@ -559,6 +564,10 @@ nb::dict StatDict(PyClient& self) {
   out["tensors"] = s.tensors;
   out["leases"] = s.leases;
   out["sessions"] = s.sessions;
+  out["names"] = s.names;
+  out["evicted_tensors"] = s.evicted_tensors;
+  out["evicted_bytes"] = s.evicted_bytes;
+  out["creates_waiting"] = s.creates_waiting;
   nb::list pools;
   for (const PoolStats& p : s.pools) {
     nb::dict pool;
@@ -719,9 +728,11 @@ NB_MODULE(_tensorshm, m) {
           "server_uid"_a = nb::none())
       .def("get", &Get, "name"_a, "timeout"_a = 0.0)
       .def("create", &Create, "shape"_a, "dtype"_a, "strides"_a = nb::none(), "device"_a = "cpu",
-           "subbyte_padded"_a = false)
-      .def("put_capsule", &PutCapsule, "name"_a, "capsule"_a, "replace"_a = false)
-      .def("put_exchange", &PutExchange, "name"_a, "obj"_a, "api"_a, "replace"_a = false)
+           "subbyte_padded"_a = false, "timeout"_a = 0.0)
+      .def("put_capsule", &PutCapsule, "name"_a, "capsule"_a, "replace"_a = false,
+           "timeout"_a = 0.0)
+      .def("put_exchange", &PutExchange, "name"_a, "obj"_a, "api"_a, "replace"_a = false,
+           "timeout"_a = 0.0)
       .def("delete",
            [](PyClient& self, const std::string& name) {
              absl::Status status;

@@ -100,7 +100,8 @@ class Client:
         return self._native.session_id
 
     def create(self, shape: Any, dtype: Any = "float32", device: str = "cpu", *,
-               strides: Any = None, subbyte_padded: bool | None = None) -> WritableTensor:
+               strides: Any = None, subbyte_padded: bool | None = None,
+               timeout: float | None = 0) -> WritableTensor:
         """Allocate a writable tensor; fill it through ``np.from_dlpack(w)`` or
         ``tensorshm.to_numpy(w)``, then ``w.publish(name)``.
 
@@ -111,6 +112,11 @@ class Client:
         the daemon's pool on that GPU (``--cuda-pool``); fill it through DLPack (e.g.
         ``torch.from_dlpack(w)``) on any stream, then publish (a ready event is recorded on the
         legacy default stream).
+
+        ``timeout``: when the pool cannot hold the tensor, 0 raises ResourceExhaustedError at
+        once; seconds waits that long in the daemon for memory to be freed (a delete, a lease
+        ending, a client leaving, an eviction) before raising it; None waits until memory comes.
+        Waiting creates are served in order, per pool.
         """
         if isinstance(shape, int):
             shape = (shape,)
@@ -119,7 +125,7 @@ class Client:
         padded = bits < 8 if subbyte_padded is None else subbyte_padded
         return self._native.create(
             [int(d) for d in shape], name, None if strides is None else [int(s) for s in strides],
-            device, padded,
+            device, padded, None if timeout is None else float(timeout),
         )
 
     def get(self, name: str, timeout: float | None = 0) -> Tensor:
@@ -133,7 +139,8 @@ class Client:
         """
         return self._native.get(name, None if timeout is None else float(timeout))
 
-    def put(self, name: str, obj: Any, replace: bool = False) -> Tensor:
+    def put(self, name: str, obj: Any, replace: bool = False, *,
+            timeout: float | None = 0) -> Tensor:
         """Copy any DLPack producer (numpy, torch, tvm-ffi, JAX, a DLPack capsule, ...) into a new
         shared buffer, publish it as ``name``, and return it (read-only, leased).
 
@@ -142,7 +149,11 @@ class Client:
         (1, 3))``, falling back to the legacy ``obj.__dlpack__()`` on TypeError.
         A C-contiguous CUDA tensor is copied device to device into the daemon's pool on that GPU,
         on the producer's stream, and published with a ready event.
+
+        ``timeout``: how long the copy's buffer may wait for memory in a full pool, as
+        ``create``'s.
         """
+        timeout = None if timeout is None else float(timeout)
         if _is_numpy_scalar(obj):
             import numpy as np
 
@@ -152,7 +163,7 @@ class Client:
         if api is None:
             api = getattr(cls, "__c_dlpack_exchange_api__", None)
         if api is not None:
-            return self._native.put_exchange(name, obj, api, replace)
+            return self._native.put_exchange(name, obj, api, replace, timeout)
         if hasattr(obj, "__dlpack__"):
             try:
                 try:
@@ -161,21 +172,22 @@ class Client:
                     capsule = obj.__dlpack__()
             except BufferError:
                 if _is_numpy_array(obj):
-                    return self._put_numpy(name, obj, replace)
+                    return self._put_numpy(name, obj, replace, timeout)
                 raise
-            return self._native.put_capsule(name, capsule, replace)
+            return self._native.put_capsule(name, capsule, replace, timeout)
         if type(obj).__name__ == "PyCapsule":
-            return self._native.put_capsule(name, obj, replace)
+            return self._native.put_capsule(name, obj, replace, timeout)
         raise TypeError(
             f"put({name!r}, ...): {cls.__module__}.{cls.__qualname__} is not a DLPack producer "
             "(no __dlpack_c_exchange_api__ or __dlpack__)"
         )
 
-    def _put_numpy(self, name: str, array: Any, replace: bool) -> Tensor:
+    def _put_numpy(self, name: str, array: Any, replace: bool,
+                   timeout: float | None = 0) -> Tensor:
         """numpy arrays of ml_dtypes types, which numpy's __dlpack__ refuses: copy through a view."""
         import numpy as np
 
-        w = self.create(array.shape, array.dtype.name)
+        w = self.create(array.shape, array.dtype.name, timeout=timeout)
         np.copyto(to_numpy(w), array, casting="no")
         w.publish(name, replace)
         return w
@@ -189,8 +201,8 @@ class Client:
         return self._native.list(prefix)
 
     def stat(self) -> dict[str, Any]:
-        """``{"tensors", "leases", "sessions", "pools": [{"device", "capacity_bytes",
-        "used_bytes"}]}``."""
+        """``{"tensors", "leases", "sessions", "names", "evicted_tensors", "evicted_bytes",
+        "creates_waiting", "pools": [{"device", "capacity_bytes", "used_bytes"}]}``."""
         return self._native.stat()
 
     def flush(self) -> None:

@@ -75,7 +75,7 @@ def test_replace_delete_list_stat(client):
     with pytest.raises(KeyError):
         client.delete("api/list/b")
     stat = client.stat()
-    assert set(stat) == {"tensors", "leases", "sessions", "pools"}
+    assert {"tensors", "leases", "sessions", "pools"} <= set(stat)
     assert stat["pools"][0]["device"] == "cpu"
     assert stat["pools"][0]["capacity_bytes"] == 256 << 20
 

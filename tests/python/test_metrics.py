@@ -127,6 +127,8 @@ def test_families_have_help_and_type_and_the_prefix(daemon):
         "tensorshm_operations": "counter", "tensorshm_allocation_failures": "counter",
         "tensorshm_reclaimed_bytes": "counter", "tensorshm_reclaimed_tensors": "counter",
         "tensorshm_reclaimed_leases": "counter", "tensorshm_acquire_wait_seconds": "histogram",
+        "tensorshm_creates_waiting": "gauge", "tensorshm_evicted_tensors": "counter",
+        "tensorshm_evicted_bytes": "counter",
     }
     for name, kind in expected.items():
         assert m.types.get(name) == kind, (name, m.types.get(name))
@@ -160,7 +162,10 @@ def test_gauges_equal_stat_at_the_same_moment(daemon, client):
     assert m("tensorshm_tensors") == stat["tensors"]
     assert m("tensorshm_leases") == stat["leases"]
     assert m("tensorshm_sessions") == stat["sessions"]
-    assert m("tensorshm_names") == names
+    assert m("tensorshm_names") == names == stat["names"]
+    assert m("tensorshm_creates_waiting") == stat["creates_waiting"]
+    assert m("tensorshm_evicted_tensors_total") == stat["evicted_tensors"]
+    assert m("tensorshm_evicted_bytes_total") == stat["evicted_bytes"]
     assert stat["leases"] >= 1 and stat["tensors"] >= 3 and names >= 2
     assert len(stat["pools"]) == 1
     for pool in stat["pools"]:
@@ -391,3 +396,52 @@ def test_sigterm_stops_the_metrics_server_too():
         assert d.stop() == 0
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5)
+
+
+def test_evictions_and_waiting_creates_equal_stat():
+    """--evict lru and a create waiting for memory: the figures follow Stat's."""
+    mib = 1 << 20
+    d = Daemon(f"metrics-evict-{os.getpid()}"[:20], host_pool="4Mi",
+               extra_args=("--segment-size", "4Mi", "--evict", "lru", "--metrics", "127.0.0.1:0",
+                           "--log-level", "info"))
+    try:
+        port = int(_logged(d, r"metrics: serving http://127\.0\.0\.1:(\d+)/metrics")[1])
+        client = tensorshm.connect(d.socket, client_name="pytest")
+        for i in range(4):
+            client.put(f"e{i}", np.full(mib, i, dtype=np.uint8))
+        # The pool is full of unleased tensors: a 2 MiB create evicts the two oldest.
+        made = client.create((2 * mib,), "uint8")
+        stat = quiet_stat(client)
+        m = Scrape(port)
+        assert stat["evicted_tensors"] == 2 and stat["evicted_bytes"] == 2 * mib
+        assert m("tensorshm_evicted_tensors_total") == 2
+        assert m("tensorshm_evicted_bytes_total") == 2 * mib
+        assert m("tensorshm_names") == stat["names"] == 2
+
+        # Now everything is leased or unpublished: a create with a timeout waits.
+        held = [client.get("e2"), client.get("e3")]
+        waiter = tensorshm.connect(d.socket, client_name="waiter")
+        outcome: dict = {}
+
+        def create() -> None:
+            try:
+                outcome["value"] = waiter.create((mib,), "uint8", timeout=60)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                outcome["error"] = e
+
+        import threading
+        thread = threading.Thread(target=create)
+        thread.start()
+        assert wait_for(lambda: client.stat()["creates_waiting"] == 1)
+        assert Scrape(port)("tensorshm_creates_waiting") == 1
+        del made  # the unpublished 2 MiB buffer goes: the waiting create fits
+        thread.join(timeout=60)
+        assert "error" not in outcome, outcome
+        assert quiet_stat(client)["creates_waiting"] == 0
+        after = Scrape(port)
+        assert after("tensorshm_creates_waiting") == 0
+        assert after("tensorshm_evicted_tensors_total") == 2  # leased ones were not evicted
+        assert after.ops("create") >= 2
+        del held, outcome
+    finally:
+        assert d.stop() == 0

@@ -1,0 +1,326 @@
+// Creates that wait for memory (CreateRequest.wait_ms): when the pool cannot hold the buffer,
+// the create is a reactor on a first-come-first-served queue, tried again whenever memory may
+// have come free (UnlockAndFinish sees the catalog's release epoch move), and finished by
+// success, its deadline (ExpireWaiters), its cancellation, its session's end or BeginShutdown.
+// No thread waits with it.
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/check.h"
+#include "common/grpc_status.h"
+#include "common/wire.h"
+#include "server/log.h"
+#include "server/service.h"
+
+namespace tensorshm {
+
+class TensorShmService::CreateWaiter final : public grpc::ServerUnaryReactor {
+ public:
+  CreateWaiter(TensorShmService* service, grpc::CallbackServerContext* context,
+               const v1::CreateRequest* request, v1::CreateResponse* response)
+      : service(service),
+        context(context),
+        request(request),
+        response(response),
+        wait_ms(request->wait_ms()),
+        started(absl::Now()) {}
+
+  void OnCancel() override { service->CancelCreate(this); }
+  void OnDone() override {
+    service->CreateWaiterDone(this, context->IsCancelled());
+    delete this;
+  }
+
+  // The answer once the wait is over: RESOURCE_EXHAUSTED with the last refusal, how long it
+  // waited and the pool's usage now (`usage`).
+  grpc::Status Expired(const std::string& usage) const {
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat(
+            refusal.message(), "; waited ",
+            absl::FormatDuration(absl::Trunc(absl::Now() - started, absl::Milliseconds(1))),
+            " for memory to be freed (",
+            wait_ms > 0 ? absl::StrCat("wait_ms = ", wait_ms)
+                        : std::string("until the call's deadline"),
+            "); ", usage, "; delete or release tensors, or raise the pool's size"));
+  }
+
+  TensorShmService* const service;
+  grpc::CallbackServerContext* const context;
+  const v1::CreateRequest* const request;  // gRPC's, until the call is finished
+  v1::CreateResponse* const response;
+  const int64_t wait_ms;
+  const absl::Time started;
+  absl::Time deadline = absl::InfiniteFuture();
+  // Counted against --uid-waiters while queued (UidLimits has its own lock).
+  std::optional<UidLimits::WaitCharge> wait_charge;
+
+  // Under the service's mu_.
+  bool listed = false;  // on the queue: not finished yet
+  PoolKey key;
+  uint64_t session_id = 0;
+  std::string token;
+  absl::Status refusal;           // the last RESOURCE_EXHAUSTED the create got
+  std::vector<uint64_t> created;  // the buffers the answer carried, once created
+  std::list<CreateWaiter*>::iterator in_queue;
+  std::multimap<absl::Time, CreateWaiter*>::iterator by_deadline;  // if deadline is finite
+};
+
+namespace {
+
+// The call's deadline; gRPC reports "no deadline" as a far-future time point that absl cannot
+// represent exactly.
+absl::Time CallDeadline(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  return deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)
+             ? absl::InfiniteFuture()
+             : absl::FromChrono(deadline);
+}
+
+// Ids of the tensors a create's answer carries (its own and the stocked ones).
+std::vector<uint64_t> CreatedIds(const v1::CreateResponse& response) {
+  std::vector<uint64_t> ids = {response.tensor_id()};
+  for (const v1::StockedBuffer& stocked : response.stocked()) ids.push_back(stocked.tensor_id());
+  return ids;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerContext* context,
+                                                          const v1::CreateRequest* request,
+                                                          v1::CreateResponse* response) {
+  auto* waiter = new CreateWaiter(this, context, request, response);
+  const absl::Time call_deadline = CallDeadline(*context);
+  waiter->deadline =
+      waiter->wait_ms > 0
+          ? std::min(call_deadline, waiter->started + absl::Milliseconds(waiter->wait_ms))
+          : call_deadline;
+  bool answered_later = false;
+  const grpc::Status status = [&]() -> grpc::Status {
+    absl::StatusOr<PeerCredentials> peer = Admit(*context);
+    if (!peer.ok()) return ToGrpcStatus(peer.status());
+    ServiceLock lock(this);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    if (!session.ok()) return ToGrpcStatus(session.status());
+    waiter->token = (*session)->token;
+    SegmentGrowth growth;
+    bool pool_full = false;
+    absl::Status created =
+        CreateFor(**session, *request, response, &growth, /*waited=*/false, &pool_full);
+    if (growth.needed() || growth.busy()) {
+      // A pool must grow first: GrowPools answers it (or queues it if still full).
+      if (shutting_down_)
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+      pending_creates_.push_back(PendingCreate{waiter, waiter->token, request, response, waiter});
+      creates_pending_.Signal();
+      answered_later = true;
+      return grpc::Status::OK;
+    }
+    if (created.ok()) {
+      waiter->created = CreatedIds(*response);
+      return grpc::Status::OK;
+    }
+    if (!pool_full) return ToGrpcStatus(created);
+    if (shutting_down_)
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+    if (context->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "create cancelled by the client");
+    }
+    if (absl::Now() >= waiter->deadline) return ToGrpcStatus(created);
+    if (absl::Status s = AddCreateWaiter(waiter, **session, created); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
+    answered_later = true;  // queued: whoever takes it off the queue finishes it
+    return grpc::Status::OK;
+  }();
+  if (!answered_later) {
+    metrics_.CountOp(MetricOp::kCreate, static_cast<absl::StatusCode>(status.error_code()));
+    waiter->Finish(status);
+  }
+  // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
+  // this returns.
+  return waiter;
+}
+
+void TensorShmService::FinishCreate(CreateWaiter* waiter, grpc::Status status) {
+  metrics_.CountOp(MetricOp::kCreate, static_cast<absl::StatusCode>(status.error_code()));
+  finishing_.emplace_back(waiter, std::move(status));
+}
+
+absl::Status TensorShmService::AddCreateWaiter(CreateWaiter* waiter,
+                                               const tensorshm::Session& session,
+                                               const absl::Status& refusal) {
+  absl::StatusOr<UidLimits::WaitCharge> charge = uid_limits_.StartWait(session.uid);
+  if (!charge.ok()) return charge.status();
+  waiter->wait_charge = *std::move(charge);
+  DLDevice device =
+      waiter->request->has_device() ? FromWire(waiter->request->device()) : DLDevice{kDLCPU, 0};
+  if (!waiter->request->device_uuid().empty()) {
+    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, waiter->request->device_uuid());
+    TSM_CHECK(ordinal.ok());  // CreateFor resolved it
+    device.device_id = *ordinal;
+  }
+  waiter->key =
+      PoolKey{device.device_type, device.device_id, device.device_type == kDLCPU ? session.uid : 0};
+  waiter->session_id = session.id;
+  waiter->token = session.token;
+  waiter->refusal = refusal;
+  waiter->in_queue = creates_waiting_.insert(creates_waiting_.end(), waiter);
+  if (waiter->deadline != absl::InfiniteFuture()) {
+    waiter->by_deadline = creates_by_deadline_.emplace(waiter->deadline, waiter);
+    // The timer sleeps until the earliest deadline: wake it (it looks at both kinds of waiter).
+    next_deadline_.Signal();
+  }
+  waiter->listed = true;
+  TSM_LOG(kDebug) << "session " << session.id << ": create waits for memory (" << refusal.message()
+                  << ")";
+  return absl::OkStatus();
+}
+
+void TensorShmService::RemoveCreateWaiter(CreateWaiter* waiter) {
+  TSM_CHECK(waiter->listed);
+  waiter->listed = false;
+  waiter->wait_charge.reset();
+  creates_waiting_.erase(waiter->in_queue);
+  if (waiter->deadline != absl::InfiniteFuture()) creates_by_deadline_.erase(waiter->by_deadline);
+  // The creates behind it no longer wait for it.
+  retry_creates_ = true;
+}
+
+absl::Status TensorShmService::CheckCreateQueue(const PoolKey& key) const {
+  int64_t ahead = 0;
+  for (const CreateWaiter* waiter : creates_waiting_) ahead += waiter->key == key ? 1 : 0;
+  if (ahead == 0) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      PoolUsage(key), ": ", ahead, " earlier create", ahead == 1 ? " waits" : "s wait",
+      " for memory", key.device_type == kDLCPU ? absl::StrCat(" of uid ", key.uid) : "",
+      ", and creates are served in order (a create with a timeout queues behind them)"));
+}
+
+std::string TensorShmService::PoolUsage(const PoolKey& key) const {
+  if (key.device_type == kDLCUDA) {
+    const CudaPool* pool = catalog_->cuda_pool(key.device_id);
+    if (pool == nullptr) return absl::StrCat("cuda:", key.device_id, " pool: none");
+    return absl::StrCat("cuda:", key.device_id, " pool: ", pool->used_bytes(), " of ",
+                        pool->capacity_bytes(), " bytes used");
+  }
+  const HostPool& pool = catalog_->host_pool();
+  return absl::StrCat("host pool: ", pool.used_bytes(), " of ", pool.capacity_bytes(),
+                      " bytes used");
+}
+
+void TensorShmService::RetryWaitingCreates() {
+  retry_creates_ = false;
+  std::set<PoolKey> blocked;  // keys whose earliest waiting create still does not fit
+  for (auto it = creates_waiting_.begin(); it != creates_waiting_.end();) {
+    CreateWaiter* waiter = *it++;
+    if (blocked.count(waiter->key) > 0) continue;
+    // A waiting create's session is alive: CloseSession takes its creates off first.
+    tensorshm::Session* session = sessions_.Find(waiter->token);
+    TSM_CHECK(session != nullptr);
+    SegmentGrowth growth;
+    bool pool_full = false;
+    waiter->response->Clear();
+    const absl::Status status = CreateFor(*session, *waiter->request, waiter->response, &growth,
+                                          /*waited=*/true, &pool_full);
+    if (growth.needed() || growth.busy()) {
+      RemoveCreateWaiter(waiter);
+      pending_creates_.push_back(
+          PendingCreate{waiter, waiter->token, waiter->request, waiter->response, waiter});
+      creates_pending_.Signal();
+      continue;
+    }
+    if (pool_full) {
+      waiter->refusal = status;
+      blocked.insert(waiter->key);
+      continue;
+    }
+    RemoveCreateWaiter(waiter);
+    if (status.ok()) {
+      waiter->created = CreatedIds(*waiter->response);
+      TSM_LOG(kDebug) << "session " << waiter->session_id << ": waiting create served after "
+                      << absl::FormatDuration(absl::Now() - waiter->started);
+    }
+    FinishCreate(waiter, ToGrpcStatus(status));
+  }
+  // Retried now: what a retry itself freed (an eviction) needs no other round.
+  retry_creates_ = false;
+  retried_epoch_ = catalog_->release_epoch();
+}
+
+bool TensorShmService::ExpireCreates(absl::Time now) {
+  bool expired = false;
+  while (!creates_by_deadline_.empty() && creates_by_deadline_.begin()->first <= now) {
+    CreateWaiter* waiter = creates_by_deadline_.begin()->second;
+    RemoveCreateWaiter(waiter);
+    FinishCreate(waiter, waiter->Expired(PoolUsage(waiter->key)));
+    expired = true;
+  }
+  return expired;
+}
+
+absl::Time TensorShmService::NextCreateDeadline() const {
+  return creates_by_deadline_.empty() ? absl::InfiniteFuture()
+                                      : creates_by_deadline_.begin()->first;
+}
+
+void TensorShmService::FailSessionCreates(uint64_t session_id, const std::string& token) {
+  const grpc::Status status = ToGrpcStatus(NoSession(token));
+  for (auto it = creates_waiting_.begin(); it != creates_waiting_.end();) {
+    CreateWaiter* waiter = *it++;
+    if (waiter->session_id != session_id) continue;
+    RemoveCreateWaiter(waiter);
+    FinishCreate(waiter, status);
+  }
+}
+
+void TensorShmService::FailWaitingCreates(const grpc::Status& status) {
+  while (!creates_waiting_.empty()) {
+    CreateWaiter* waiter = creates_waiting_.front();
+    RemoveCreateWaiter(waiter);
+    FinishCreate(waiter, status);
+  }
+}
+
+void TensorShmService::CancelCreate(CreateWaiter* waiter) {
+  ServiceLock lock(this);
+  if (!waiter->listed) return;  // finished already, or being finished
+  RemoveCreateWaiter(waiter);
+  FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED, "create cancelled by the client"));
+}
+
+void TensorShmService::CreateWaiterDone(CreateWaiter* waiter, bool cancelled) {
+  ServiceLock lock(this);
+  TSM_CHECK(!waiter->listed);
+  if (!cancelled || waiter->created.empty()) return;
+  // Created, but the client gave up on the call before the answer reached it: nobody knows the
+  // buffers' ids, so nobody would publish or drop them before the session ends.
+  tensorshm::Session* session = sessions_.Find(waiter->token);
+  if (session == nullptr) return;  // ended: its unpublished tensors went with it
+  for (uint64_t id : waiter->created) {
+    if (session->unpublished.count(id) == 0) continue;
+    if (catalog_->Abandon(session->id, id).ok()) session->ForgetUnpublished(id);
+  }
+}
+
+void TensorShmService::FinishGrownCreate(CreateWaiter* waiter, const absl::Status& status,
+                                         bool pool_full) {
+  if (status.ok()) {
+    waiter->created = CreatedIds(*waiter->response);
+  } else if (pool_full && !shutting_down_ && absl::Now() < waiter->deadline &&
+             !waiter->context->IsCancelled()) {
+    // The segment it waited for went to others: it waits for memory as any create.
+    tensorshm::Session* session = sessions_.Find(waiter->token);
+    if (session != nullptr) {
+      absl::Status queued = AddCreateWaiter(waiter, *session, status);
+      if (queued.ok()) return;
+      FinishCreate(waiter, ToGrpcStatus(queued));
+      return;
+    }
+  }
+  FinishCreate(waiter, ToGrpcStatus(status));
+}
+
+}  // namespace tensorshm
