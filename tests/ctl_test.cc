@@ -343,6 +343,11 @@ TEST(CtlUsageTest, UnknownSubcommandMissingNameAndBadOptionsExitTwo) {
   EXPECT_EQ(extra.exit_code, 2);
   EXPECT_TRUE(absl::StrContains(extra.err, "b")) << extra.err;
 
+  CtlRun bad_name = RunCtl(dir, {"inspect", "../etc"});
+  EXPECT_EQ(bad_name.exit_code, 2);
+  EXPECT_TRUE(absl::StartsWith(bad_name.err, "tensorshmctl: inspect: NAME ")) << bad_name.err;
+  std::cout << bad_name.err;
+
   CtlRun help = RunCtl(dir, {"sessions", "--help"});
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_TRUE(absl::StrContains(help.out, "docs/tensorshmctl.md")) << help.out;

@@ -9,7 +9,8 @@
 //     health           exit 0 only when the daemon answers the gRPC health check SERVING
 //
 // Exit status: 0 done; 1 the daemon refused or could not be reached (health: not serving), with
-// a one-line reason on stderr; 2 bad usage. JSON keys: docs/tensorshmctl.md.
+// a one-line reason on stderr; 2 bad usage (a NAME no tensor can have included). JSON keys:
+// docs/tensorshmctl.md.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -29,6 +30,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/name.h"
 #include "common/socket_path.h"
 #include "tensorshm/client.h"
 #include "tools/ctl/health.h"
@@ -260,6 +262,19 @@ int Main(int argc, char** argv) {
       std::cerr << "tensorshmctl: " << e.what() << " (see " << help << ")" << std::endl;
     }
     return kExitUsage;
+  }
+
+  // A NAME or PREFIX no tensor can have is the caller's mistake, told before any connection.
+  for (CLI::App* sub : {ls, inspect, rm}) {
+    if (!sub->parsed()) continue;
+    const bool prefix = sub == ls;
+    const absl::Status valid = prefix ? ValidateNamePrefix(command.target, "PREFIX")
+                                      : ValidateName(command.target, "NAME");
+    if (!valid.ok()) {
+      std::cerr << "tensorshmctl: " << sub->get_name() << ": " << valid.message()
+                << " (see tensorshmctl " << sub->get_name() << " --help)" << std::endl;
+      return kExitUsage;
+    }
   }
 
   GlobalOptions options;
