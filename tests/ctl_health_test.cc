@@ -26,14 +26,21 @@ namespace {
 
 constexpr int kNobody = 65534;
 
-// A scratch directory of this test's own.
-std::string ScratchDir(const std::string& name) {
-  const std::string dir = absl::StrCat(std::filesystem::temp_directory_path().string(),
-                                       "/tsmtest-ctl-health-", name, "-", getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
+// A scratch directory of this test's own, removed when it goes out of scope.
+class Scratch {
+ public:
+  explicit Scratch(const std::string& name)
+      : dir_(absl::StrCat(std::filesystem::temp_directory_path().string(), "/tsmtest-ctl-health-",
+                          name, "-", getpid())) {
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  ~Scratch() { std::filesystem::remove_all(dir_); }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+};
 
 // A Unix socket at `path` that listens and never accepts: the kernel completes connections
 // (backlog), nobody speaks. The credentials the kernel reports for it are those of the process
@@ -162,7 +169,8 @@ TEST(CtlHealthTest, DaemonStoppedWithSigtermExitsOne) {
 }
 
 TEST(CtlHealthTest, SocketNobodyAnswersTimesOut) {
-  const std::string dir = ScratchDir("silent");
+  Scratch scratch("silent");
+  const std::string& dir = scratch.dir();
   const std::string path = dir + "/silent.sock";
   SilentListener listener(path);
   CtlRun run = RunCtl(dir, {"--socket", path, "--timeout", "300ms", "health"});
@@ -176,11 +184,11 @@ TEST(CtlHealthTest, SocketNobodyAnswersTimesOut) {
   EXPECT_EQ(ls.exit_code, 1);
   EXPECT_TRUE(absl::StartsWith(ls.err, "tensorshmctl: ls: ")) << ls.err;
   std::cout << ls.err;
-  std::filesystem::remove_all(dir);
 }
 
 TEST(CtlHealthTest, NotServingExitsOne) {
-  const std::string dir = ScratchDir("notserving");
+  Scratch scratch("notserving");
+  const std::string& dir = scratch.dir();
   const std::string path = dir + "/health.sock";
   // A gRPC server of the TensorShm service (every method unimplemented) whose health this test
   // sets: the daemon itself says NOT_SERVING only while it stops, too briefly to catch.
@@ -201,14 +209,14 @@ TEST(CtlHealthTest, NotServingExitsOne) {
   EXPECT_TRUE(absl::StrContains(stopping.err, "answers NOT_SERVING")) << stopping.err;
   std::cout << stopping.err;
   server->Shutdown();
-  std::filesystem::remove_all(dir);
 }
 
 // The same server check as the client library's: a socket served by another uid is refused
 // unless --server-uid names it.
 TEST(CtlHealthTest, SocketServedByAnotherUidIsRefusedUnlessServerUidNamesIt) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to serve a socket as uid 65534";
-  const std::string dir = ScratchDir("untrusted");
+  Scratch scratch("untrusted");
+  const std::string& dir = scratch.dir();
   const std::string path = dir + "/other.sock";
   SilentListener listener(path, kNobody);
   ASSERT_TRUE(listener.WaitListening(path));
@@ -223,7 +231,6 @@ TEST(CtlHealthTest, SocketServedByAnotherUidIsRefusedUnlessServerUidNamesIt) {
       RunCtl(dir, {"--socket", path, "--timeout", "300ms", "--server-uid", "65534", "health"});
   EXPECT_EQ(trusted.exit_code, 1);
   EXPECT_TRUE(absl::StrContains(trusted.err, "DEADLINE_EXCEEDED")) << trusted.err;
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
