@@ -679,6 +679,11 @@ absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
     out.strides.assign(info.desc().strides().begin(), info.desc().strides().end());
     out.nbytes = info.desc().nbytes();
     out.leases = info.leases();
+    out.byte_offset = info.desc().byte_offset();
+    out.dlpack_flags = info.desc().flags();
+    out.published_unix_ms = info.published_unix_ms();
+    out.publisher_uid = info.publisher_uid();
+    out.publisher_pid = info.publisher_pid();
   }
   return result;
 }
@@ -701,10 +706,41 @@ absl::StatusOr<ServerStats> Client::Stat() {
   stats.evicted_bytes = response.evicted_bytes();
   stats.creates_waiting = response.creates_waiting();
   for (const v1::PoolStats& pool : response.pools()) {
-    stats.pools.push_back(
-        PoolStats{FromWire(pool.device()), pool.capacity_bytes(), pool.used_bytes()});
+    stats.pools.push_back(PoolStats{FromWire(pool.device()), pool.capacity_bytes(),
+                                    pool.used_bytes(), pool.segments()});
   }
   return stats;
+}
+
+absl::StatusOr<std::vector<SessionInfo>> Client::Sessions() {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
+  grpc::ClientContext context;
+  core_->PrepareContext(context, kCallTimeout);
+  v1::SessionsResponse response;
+  if (absl::Status s =
+          FromGrpcStatus(core_->stub()->Sessions(&context, v1::SessionsRequest(), &response));
+      !s.ok()) {
+    return s;
+  }
+  std::vector<SessionInfo> result;
+  for (const v1::SessionInfo& info : response.sessions()) {
+    SessionInfo& out = result.emplace_back();
+    out.session_id = info.session_id();
+    out.pid = info.pid();
+    out.uid = info.uid();
+    out.gid = info.gid();
+    out.client_name = info.client_name();
+    out.client_version = info.client_version();
+    out.rpc_leases = info.rpc_leases();
+    out.page_leases = info.page_leases();
+    out.unpublished_tensors = info.unpublished_tensors();
+    out.unpublished_bytes = info.unpublished_bytes();
+    out.waiting_acquires = info.waiting_acquires();
+    out.opened_unix_ms = info.opened_unix_ms();
+    out.own = info.own();
+    out.redacted = info.redacted();
+  }
+  return result;
 }
 
 // ---- WritableTensor ----

@@ -91,7 +91,11 @@ struct TensorRecord {
   uint64_t dlpack_flags;  // DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED or 0
   uint32_t owner_uid;     // uid of the creating (and publishing) session
   uint32_t reserved0;
-  uint8_t reserved[160];
+  // When Publish bound the name (Unix epoch, ms, the daemon's clock); written before the state
+  // word commits the publish. 0: unknown (records written before this field existed held zeros
+  // here, so no layout version change). Informational only: recovery takes it as it is, bounded.
+  int64_t published_unix_ms;
+  uint8_t reserved[152];
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -129,7 +133,8 @@ static_assert(offsetof(TensorRecord, strides) == 336);
 static_assert(offsetof(TensorRecord, name) == 592);
 static_assert(offsetof(TensorRecord, dlpack_flags) == 848);
 static_assert(offsetof(TensorRecord, owner_uid) == 856);
-static_assert(offsetof(TensorRecord, reserved) == 864);
+static_assert(offsetof(TensorRecord, published_unix_ms) == 864);
+static_assert(offsetof(TensorRecord, reserved) == 872);
 
 // Byte offset of the first TensorRecord, and the whole segment's size, for `record_count`.
 constexpr uint64_t RecordsOffset() {

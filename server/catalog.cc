@@ -6,6 +6,8 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/check.h"
 #include "common/dtype.h"
 #include "common/fast_path_layout.h"
@@ -205,6 +207,11 @@ bool Catalog::Restore(uint32_t slot, const TensorRecord& record, RecordState sta
   tensor.recovered = true;
   tensor.publish_seq = record.publish_seq;
   tensor.last_use = absl::Now();  // use_seq 0: older than anything this daemon saw used
+  // Shown to operators only; a time past now (a wrong clock, a scribbled record) is unknown.
+  if (!unpublished && record.published_unix_ms > 0 &&
+      record.published_unix_ms <= absl::ToUnixMillis(absl::Now())) {
+    tensor.published_unix_ms = record.published_unix_ms;
+  }
   tensor.record_state = state;
   tensor.record_name = name;
   tensors_.emplace(tensor.id, std::move(tensor));
@@ -624,7 +631,7 @@ absl::Status Catalog::EndGrowth(SegmentGrowth& growth) {
 }
 
 absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::string& name,
-                              bool replace, std::string ready_event) {
+                              bool replace, std::string ready_event, int64_t publisher_pid) {
   absl::StatusOr<std::map<uint64_t, Tensor>::iterator> it = FindUnpublished(session, tensor_id);
   if (!it.ok()) return it.status();
   Tensor& tensor = (*it)->second;
@@ -644,6 +651,9 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   tensor.record_name = name;
   tensor.publish_seq = TakePublishSeq();
   record.publish_seq = tensor.publish_seq;
+  tensor.published_unix_ms = absl::ToUnixMillis(absl::Now());
+  record.published_unix_ms = tensor.published_unix_ms;
+  tensor.publisher_pid = publisher_pid;
   tensor.sealed = true;
   tensor.owner_session = 0;
   tensor.name = name;

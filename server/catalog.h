@@ -45,6 +45,10 @@ struct Tensor {
   std::string ready_event;     // CUDA: the producer's CUipcEventHandle, recorded at publish
   std::string name;            // bound name; empty when unbound
   int64_t leases = 0;
+  // When Publish bound it (Unix epoch, ms); 0 until published, or unknown after a recovery.
+  int64_t published_unix_ms = 0;
+  // The publishing process (SO_PEERCRED); 0 when unknown (recovered, or not visible).
+  int64_t publisher_pid = 0;
   // What the daemon wrote into its TensorRecord, beyond the fields above: the record must keep
   // saying so (see Catalog::Verify).
   uint64_t publish_seq = 0;                       // 0 until published
@@ -163,8 +167,9 @@ class Catalog {
   // published, ALREADY_EXISTS if `name` is bound and !replace. With replace, the old tensor is
   // unbound and freed once unleased. REQUIRES: name valid.
   // `ready_event`: for a CUDA tensor, the producer's event handle that acquirers wait on.
+  // `publisher_pid`: the publishing process, kept for List (0: unknown).
   absl::Status Publish(uint64_t session, uint64_t tensor_id, const std::string& name, bool replace,
-                       std::string ready_event = "");
+                       std::string ready_event = "", int64_t publisher_pid = 0);
 
   // Gives the unpublished host tensor `tensor_id` of `session` a new dtype, shape and strides
   // (empty: C-contiguous) over the same buffer: how a stocked buffer becomes the tensor its
@@ -195,6 +200,8 @@ class Catalog {
   // Leases of `tensor` of both kinds; all leases of both kinds.
   int64_t LeaseCount(const Tensor& tensor) const;
   int64_t PageLeaseCount() const;
+  // Slots of `session`'s lease page holding a tensor now; 0 if it has no page.
+  int64_t PageLeasesOf(uint64_t session) const { return lease_board_.SlotsHeld(session); }
 
   // The index clients read (descriptor through the memory channel).
   const CatalogIndex& index() const { return index_; }

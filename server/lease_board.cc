@@ -61,4 +61,15 @@ std::unordered_map<uint64_t, int64_t> LeaseBoard::Held() const {
   return held;
 }
 
+int64_t LeaseBoard::SlotsHeld(uint64_t session_id) const {
+  auto it = pages_.find(session_id);
+  if (it == pages_.end()) return 0;
+  const LeasePage& page = PageOf(it->second);
+  int64_t held = 0;
+  for (uint32_t i = 1; i < kLeaseSlots; ++i) {
+    if (page.slots[i].load(std::memory_order_seq_cst) != 0) ++held;
+  }
+  return held;
+}
+
 }  // namespace tensorshm

@@ -30,6 +30,8 @@ class LeaseBoard {
   bool Holds(uint64_t tensor_id) const;
   // Every tensor id some page holds, with the number of slots holding it (loaded as Holds).
   std::unordered_map<uint64_t, int64_t> Held() const;
+  // Slots of session `session_id`'s page holding a tensor (loaded as Holds); 0 without a page.
+  int64_t SlotsHeld(uint64_t session_id) const;
 
   size_t page_count() const { return pages_.size(); }
 

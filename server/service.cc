@@ -297,6 +297,8 @@ absl::StatusOr<v1::SessionResponse> TensorShmService::OpenSession(
     absl::StatusOr<UidLimits::SessionCharge> charge = uid_limits_.OpenSession(peer.uid);
     if (!charge.ok()) return charge.status();
     tensorshm::Session& session = sessions_.Open(open.pid(), open.client_name(), context.peer());
+    session.client_version = open.client_version();
+    session.opened_at = absl::Now();
     session.uid_charge = *std::move(charge);
     session.uid = peer.uid;
     session.gid = peer.gid;
@@ -710,7 +712,7 @@ absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
     if (absl::Status s = session.uid_charge.AddLeases(); !s.ok()) return s;
   }
   absl::Status s = catalog_->Publish(session.id, request.tensor_id(), request.name(),
-                                     request.replace(), request.ready_event());
+                                     request.replace(), request.ready_event(), session.pid);
   if (!s.ok()) {
     if (request.acquire()) session.uid_charge.DropLeases();
     return s;
@@ -757,7 +759,8 @@ grpc::ServerUnaryReactor* TensorShmService::List(grpc::CallbackServerContext* co
                                                  const v1::ListRequest* request,
                                                  v1::ListResponse* response) {
   const absl::Status status = [&]() -> absl::Status {
-    if (absl::Status s = Admit(*context).status(); !s.ok()) return s;
+    absl::StatusOr<PeerCredentials> peer = Admit(*context);
+    if (!peer.ok()) return peer.status();
     if (absl::Status s = ValidateNamePrefix(request->prefix()); !s.ok()) return s;
     ServiceLock lock(this);
     for (const Tensor* tensor : catalog_->List(request->prefix())) {
@@ -765,6 +768,9 @@ grpc::ServerUnaryReactor* TensorShmService::List(grpc::CallbackServerContext* co
       info->set_name(tensor->name);
       info->set_tensor_id(tensor->id);
       info->set_leases(catalog_->LeaseCount(*tensor));
+      info->set_published_unix_ms(tensor->published_unix_ms);
+      info->set_publisher_uid(tensor->owner_uid);
+      if (SeesDetailsOf(*peer, tensor->owner_uid)) info->set_publisher_pid(tensor->publisher_pid);
       Describe(*tensor, info->mutable_desc(), nullptr);
     }
     return absl::OkStatus();

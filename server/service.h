@@ -104,6 +104,10 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   grpc::ServerUnaryReactor* Stat(grpc::CallbackServerContext* context,
                                  const v1::StatRequest* request,
                                  v1::StatResponse* response) override;
+  // service_sessions.cc
+  grpc::ServerUnaryReactor* Sessions(grpc::CallbackServerContext* context,
+                                     const v1::SessionsRequest* request,
+                                     v1::SessionsResponse* response) override;
 
  private:
   class SessionReactor;  // service_reactors.cc
@@ -193,6 +197,10 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // OK if `session` may delete or replace `tensor`: its publisher's uid, or the daemon's.
   absl::Status MayChange(const tensorshm::Session& session, const Tensor& tensor,
                          absl::string_view verb) const;
+  // Whether `caller` sees every detail of what uid `uid`'s processes do (their pids, client
+  // names): true for that uid itself, the daemon's uid and root, and without a policy. See
+  // SessionsRequest in the .proto for why others see less.
+  bool SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const;
   // The caller's credentials if the policy admits it; PERMISSION_DENIED otherwise.
   absl::StatusOr<PeerCredentials> Admit(const grpc::ServerContextBase& context) const;
   // The session named by the call's metadata. INVALID_ARGUMENT if the metadata is missing,

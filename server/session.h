@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "server/uid_limits.h"
 
 namespace tensorshm {
@@ -23,6 +24,8 @@ struct Session {
   uint32_t uid = 0;      // from SO_PEERCRED
   uint32_t gid = 0;
   std::string client_name;
+  std::string client_version;  // what the client said (SessionOpen.client_version)
+  absl::Time opened_at;
   std::string peer;
   std::map<uint64_t, uint64_t> leases;       // lease id -> tensor id
   std::map<uint64_t, uint64_t> unpublished;  // tensor id -> buffer bytes, created, unpublished
@@ -61,6 +64,9 @@ class SessionTable {
   void Close(uint64_t id);
   // A fresh lease id, unique for the daemon's lifetime.
   uint64_t NextLeaseId() { return next_lease_id_++; }
+
+  // Every open session, by id.
+  const std::map<uint64_t, std::unique_ptr<Session>>& by_id() const { return by_id_; }
 
   int64_t size() const { return static_cast<int64_t>(by_id_.size()); }
   int64_t lease_count() const;

@@ -61,13 +61,21 @@ struct TensorInfo {
   std::vector<int64_t> shape = {};
   std::vector<int64_t> strides;
   int64_t nbytes = 0;
-  int64_t leases = 0;
+  int64_t leases = 0;  // every client's leases on it, RPC and fast path together
+  uint64_t byte_offset = 0;
+  uint64_t dlpack_flags = 0;  // DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED or 0
+  // When it was published, by the daemon's clock (Unix epoch, ms); 0 if the daemon does not know.
+  int64_t published_unix_ms = 0;
+  uint32_t publisher_uid = 0;
+  // 0 if the daemon does not know, or does not tell this uid (another uid's tensor).
+  int64_t publisher_pid = 0;
 };
 
 struct PoolStats {
   DLDevice device{};
   int64_t capacity_bytes = 0;
   int64_t used_bytes = 0;
+  int64_t segments = 0;
 };
 
 struct ServerStats {
@@ -79,6 +87,26 @@ struct ServerStats {
   int64_t evicted_tensors = 0;  // evicted by --evict lru since the daemon started
   int64_t evicted_bytes = 0;    // their buffers' bytes
   int64_t creates_waiting = 0;  // creates waiting for memory now (Create with a timeout)
+};
+
+// One client session of the daemon (Client::Sessions). A session of another uid than the
+// caller's comes `redacted` (unless the caller is the daemon's uid or root): pid, gid, client
+// name and version are then 0 / empty.
+struct SessionInfo {
+  uint64_t session_id = 0;
+  int64_t pid = 0;
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+  std::string client_name;
+  std::string client_version;
+  int64_t rpc_leases = 0;   // leases taken over RPC
+  int64_t page_leases = 0;  // lease page slots its fast path holds
+  int64_t unpublished_tensors = 0;
+  int64_t unpublished_bytes = 0;
+  int64_t waiting_acquires = 0;
+  int64_t opened_unix_ms = 0;  // by the daemon's clock
+  bool own = false;            // this Client's own session
+  bool redacted = false;
 };
 
 // A CUDA stream (CUstream) as this API takes one, so that this header needs no cuda.h.
@@ -259,6 +287,9 @@ class Client {
   absl::Status Delete(std::string_view name);
   absl::StatusOr<std::vector<TensorInfo>> List(std::string_view prefix = "");
   absl::StatusOr<ServerStats> Stat();
+  // Every session the daemon has open, this one included (own), by session id.
+  // PERMISSION_DENIED if the daemon does not admit this uid.
+  absl::StatusOr<std::vector<SessionInfo>> Sessions();
 
   // For bindings: copies `bytes` from device memory `src` to device memory `dst` on this
   // process's CUDA device `ordinal`, asynchronously on `stream`.
