@@ -79,7 +79,7 @@ LABEL org.opencontainers.image.title="tensorshm" \
 STOPSIGNAL SIGTERM
 # tensorshmctl reads TENSORSHM_SOCKET; exit 0 only while the daemon is SERVING.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-  CMD ["/usr/local/bin/tensorshmctl", "health"]
+  CMD ["/usr/local/bin/tensorshmctl", "--timeout", "2s", "health"]
 ENTRYPOINT ["/usr/local/bin/tensorshmd"]
 # memfd segments by default: a `docker run` without --shm-size (64 MiB of /dev/shm) still gets
 # the 1 GiB default pool. For segments that survive a daemon crash, run with e.g.

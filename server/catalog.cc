@@ -193,6 +193,16 @@ bool Catalog::Restore(uint32_t slot, const TensorRecord& record, RecordState sta
   tensor.slot = slot;
   tensor.device = DLDevice{kDLCPU, 0};
   tensor.buffer = Buffer{record.segment_id, record.offset, record.length};
+  if (record.owner_uid != pool_->owner_uid()) {
+    // Another uid's buffers are in segments reserved to it, sealed memfds that nothing outlives.
+    TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
+                      << (unpublished ? "" : absl::StrCat(", \"", LogEscape(name), "\""))
+                      << ") was uid " << record.owner_uid
+                      << "'s, in a memfd segment reserved to that uid, whose memory ended with the "
+                         "old daemon (only the daemon's own uid's tensors survive a restart); "
+                         "dropped";
+    return false;
+  }
   const uint64_t page = HostPool::PageSize();
   if (tensor.buffer.offset % page != 0 || tensor.buffer.length % page != 0 ||
       (tensor.buffer.length > 0 && !pool_->Reserve(tensor.buffer))) {

@@ -116,6 +116,7 @@ class HostPool {
 
   uint64_t capacity_bytes() const { return options_.capacity_bytes; }
   SegmentBacking backing() const { return options_.backing; }
+  uint32_t owner_uid() const { return options_.owner_uid; }
   uint64_t used_bytes() const;
   uint64_t reserved_bytes() const;  // bytes of all segments created so far
   // Segment ids run from 1 to segment_count(); a restart's holes among them are not HasSegment.

@@ -25,7 +25,9 @@ PENDING_FLAGS = {"--config": "tensorshmd --config (TOML) not merged yet",
                  "--metrics": "tensorshmd --metrics not merged yet",
                  "--evict": "tensorshmd --evict not merged yet"}
 SOCKET_ENV = "TENSORSHM_SOCKET"
-HEALTH = ["tensorshmctl", "health"]
+# tensorshmctl gives up (and says why) before the kubelet kills it: --timeout < timeoutSeconds.
+HEALTH_TIMEOUT_SECONDS = 2
+HEALTH = ["tensorshmctl", "--timeout", f"{HEALTH_TIMEOUT_SECONDS}s", "health"]
 
 
 def daemon_binary():
@@ -184,10 +186,12 @@ def test_every_pod_spec_has_a_daemon_or_reaches_one():
 @pytest.mark.parametrize("where,spec,docs", daemon_specs(), ids=DAEMON_IDS)
 def test_probes_exec_tensorshmctl_health(where, spec, docs):
     daemon = daemon_container(spec)
-    for probe in ("readinessProbe", "livenessProbe"):
+    probes = ["readinessProbe", "livenessProbe"] + (["startupProbe"] if "startupProbe" in daemon
+                                                    else [])
+    for probe in probes:
         assert daemon[probe]["exec"]["command"] == HEALTH, f"{where}: {probe}"
-    if "startupProbe" in daemon:
-        assert daemon["startupProbe"]["exec"]["command"] == HEALTH, where
+        # The kubelet's default is 1 s: too short for the command's own timeout to speak first.
+        assert daemon[probe].get("timeoutSeconds", 1) > HEALTH_TIMEOUT_SECONDS, f"{where}: {probe}"
     # tensorshmctl finds the daemon through TENSORSHM_SOCKET in the container's environment.
     assert env_value(daemon, SOCKET_ENV), f"{where}: the probes need {SOCKET_ENV}"
 
