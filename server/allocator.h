@@ -70,6 +70,26 @@ int BestFitSegment(const Segments& segments, uint64_t length) {
   return BestFitSegment(segments, length, [](const auto&) { return true; });
 }
 
+// How many of `buffers` (each with segment_id, offset and length), freed in their order, it takes
+// for a block of `length` bytes to fit in one segment: that count, or -1 if freeing them all is
+// not enough. `allocator_of(segment_id)` is a segment's allocator now: it is copied, never
+// changed (an eviction's trial run).
+template <typename Buffers, typename AllocatorOf>
+int FreesToFitLength(uint64_t length, const Buffers& buffers, AllocatorOf allocator_of) {
+  std::map<uint64_t, BestFitAllocator> trial;  // by segment id: copies, made as needed
+  int freed = 0;
+  for (const auto& buffer : buffers) {
+    ++freed;
+    auto it = trial.find(buffer.segment_id);
+    if (it == trial.end()) {
+      it = trial.emplace(buffer.segment_id, allocator_of(buffer.segment_id)).first;
+    }
+    it->second.Free(buffer.offset, buffer.length);
+    if (it->second.BestFitBlock(length).has_value()) return freed;
+  }
+  return -1;
+}
+
 }  // namespace tensorshm
 
 #endif  // TENSORSHM_SERVER_ALLOCATOR_H_

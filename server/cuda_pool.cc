@@ -105,18 +105,12 @@ void CudaPool::InstallSegment(const DeviceMemory& memory) {
 
 int CudaPool::FreesToFit(uint64_t nbytes, absl::Span<const Buffer> buffers) const {
   const uint64_t length = (nbytes + kCudaAlignment - 1) / kCudaAlignment * kCudaAlignment;
-  std::map<uint64_t, BestFitAllocator> trial;  // by segment id: copies, made as needed
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    const Buffer& buffer = buffers[i];
+  for (const Buffer& buffer : buffers) {
     TSM_CHECK(buffer.segment_id >= 1 && buffer.segment_id <= segments_.size());
-    auto it = trial.find(buffer.segment_id);
-    if (it == trial.end()) {
-      it = trial.emplace(buffer.segment_id, segments_[buffer.segment_id - 1].allocator).first;
-    }
-    it->second.Free(buffer.offset, buffer.length);
-    if (it->second.BestFitBlock(length).has_value()) return static_cast<int>(i) + 1;
   }
-  return -1;
+  return FreesToFitLength(length, buffers, [this](uint64_t segment_id) -> const BestFitAllocator& {
+    return segments_[segment_id - 1].allocator;
+  });
 }
 
 absl::StatusOr<Buffer> CudaPool::Allocate(uint64_t nbytes, GrowthRequest* growth) {

@@ -269,18 +269,12 @@ void HostPool::Free(const Buffer& buffer) {
 int HostPool::FreesToFit(uint64_t nbytes, uint32_t uid, absl::Span<const Buffer> buffers) const {
   const uint64_t page = PageSize();
   const uint64_t length = (nbytes + page - 1) / page * page;
-  std::map<uint64_t, BestFitAllocator> trial;  // by segment id: copies, made as needed
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    const Buffer& buffer = buffers[i];
+  for (const Buffer& buffer : buffers) {
     TSM_CHECK(HasSegment(buffer.segment_id) && SegmentOwner(buffer.segment_id) == uid);
-    auto it = trial.find(buffer.segment_id);
-    if (it == trial.end()) {
-      it = trial.emplace(buffer.segment_id, segments_[buffer.segment_id - 1].allocator).first;
-    }
-    it->second.Free(buffer.offset, buffer.length);
-    if (it->second.BestFitBlock(length).has_value()) return static_cast<int>(i) + 1;
   }
-  return -1;
+  return FreesToFitLength(length, buffers, [this](uint64_t segment_id) -> const BestFitAllocator& {
+    return segments_[segment_id - 1].allocator;
+  });
 }
 
 const ShmSegment& HostPool::Segment(uint64_t segment_id) const {
