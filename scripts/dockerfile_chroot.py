@@ -14,6 +14,7 @@ kept as a tarball keyed by those steps' text, as Docker's layer cache would, so 
 
 import ctypes
 import fnmatch
+import glob
 import hashlib
 import json
 import os
@@ -24,7 +25,33 @@ import subprocess
 import sys
 import time
 
-MIRROR = os.environ.get("TSM_DEBIAN_MIRROR", "")
+
+
+def host_debian_mirror() -> str:
+    """The Debian archive this machine's apt uses (deb822 .sources or sources.list): the
+    chroots fetch from where the host already does. TSM_DEBIAN_MIRROR overrides it."""
+    if os.environ.get("TSM_DEBIAN_MIRROR"):
+        return os.environ["TSM_DEBIAN_MIRROR"]
+    candidates = []
+    for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
+        with open(path) as f:
+            for line in f:
+                if line.startswith("URIs:"):
+                    candidates += line.split()[1:]
+    for path in ["/etc/apt/sources.list"] + sorted(glob.glob("/etc/apt/sources.list.d/*.list")):
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) >= 3 and fields[0] == "deb":
+                        candidates.append(fields[2] if fields[1].startswith("[") else fields[1])
+    for uri in candidates:
+        if uri.rstrip("/").endswith("/debian"):  # the main archive, not -security or others
+            return uri
+    sys.exit("test-container: no Debian archive in /etc/apt's sources; set TSM_DEBIAN_MIRROR")
+
+
+MIRROR = host_debian_mirror()
 SUITE = "bookworm"
 # The images the official ones are built from (debuerreotype: a minbase debootstrap; -slim drops
 # documentation, which changes nothing a build or the daemon uses).
