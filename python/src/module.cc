@@ -192,7 +192,8 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
           Describe(self), " is read-only shared memory; a pre-1.0 DLPack capsule (max_version=",
           nb::repr(max_version).c_str(),
           ") cannot say so, and copy=False forbids a private copy. Pass max_version=(1, 0) or "
-          "later (numpy >= 2.1, torch >= 2.4), or copy=None/True for a private copy."));
+          "later (numpy >= 2.1, torch >= 2.4), or ",
+          cuda ? "dl_device=(1, 0) for a host copy." : "copy=None/True for a private copy."));
     }
     if (cuda) {
       RaiseBufferError(absl::StrCat(
