@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-torch test-gpu test-asan test-tsan check-thread-safety fuzz bench install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz bench install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -47,11 +47,21 @@ test-python: build python
 	$(PYTEST) tests/gpu
 	$(PYTEST) tests/deploy
 
-# Installs torch (CPU build from PyPI) into .venv and runs the Python tests, torch's included.
-test-torch: build python
-	$(VENV_PY) -c 'import torch' 2>/dev/null || $(VENV_PY) -m pip install -q torch
-	$(PYTEST) tests/python
-	$(PYTEST) tests/gpu
+# The tests that need an optional package (torch, JAX, pyarrow, nanoarrow: the pytest marker
+# `ecosystem`, given by tests/python/conftest.py to every test that uses one) and mypy --strict on
+# examples/ against the installed stubs. scripts/requirements-ecosystem.txt is installed into
+# .venv only when one of them does not import. TSM_REQUIRE_ECOSYSTEM=1 makes a missing package
+# or any skipped test a failure: a run that skipped does not pass.
+ECOSYSTEM_IMPORTS = import torch, jax, pyarrow, nanoarrow, tvm_ffi, mypy
+test-ecosystem: build python
+	@$(VENV_PY) -c '$(ECOSYSTEM_IMPORTS)' 2>/dev/null || { \
+	  echo "test-ecosystem: installing scripts/requirements-ecosystem.txt into .venv"; \
+	  $(VENV_PY) -m pip install -q -r scripts/requirements-ecosystem.txt; }
+	TSM_REQUIRE_ECOSYSTEM=1 $(PYTEST) -m ecosystem tests/python
+	$(VENV_PY) -m mypy --strict examples
+
+# The same as test-ecosystem (torch's tests are ecosystem tests); kept for old habits.
+test-torch: test-ecosystem
 
 # The real-GPU test alone (torch on CUDA; needs a GPU, the driver and torch with CUDA).
 test-gpu: build python

@@ -181,12 +181,29 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
     }
     return nb::steal(capsule);
   }
+  // A pre-1.0 capsule cannot say "read-only", and a consumer may write through it into memory
+  // other processes read. With copy=None (the array API's "reuse if possible, copy otherwise")
+  // such a consumer (JAX passes only stream=) gets a private host copy it owns; copy=False
+  // refuses. A CUDA tensor is not copied behind the consumer's back: the copy would be on the
+  // host, not on the device __dlpack_device__ names, so that asks for dl_device=(1, 0).
   if (read_only && !want_copy) {
-    RaiseBufferError(absl::StrCat(
-        Describe(self),
-        " is read-only shared memory, and a pre-1.0 DLPack capsule (max_version=None) cannot "
-        "say so: a consumer could write into memory other processes read. Use a consumer "
-        "that passes max_version=(1, 0) or later (numpy >= 2.1, torch >= 2.4), or copy=True."));
+    if (!copy.is_none()) {
+      RaiseBufferError(absl::StrCat(
+          Describe(self), " is read-only shared memory; a pre-1.0 DLPack capsule (max_version=",
+          nb::repr(max_version).c_str(),
+          ") cannot say so, and copy=False forbids a private copy. Pass max_version=(1, 0) or "
+          "later (numpy >= 2.1, torch >= 2.4), or ",
+          cuda ? "dl_device=(1, 0) for a host copy." : "copy=None/True for a private copy."));
+    }
+    if (cuda) {
+      RaiseBufferError(absl::StrCat(
+          Describe(self), " is read-only ", DeviceName(device),
+          " memory, and a pre-1.0 DLPack capsule (max_version=", nb::repr(max_version).c_str(),
+          ") cannot say so; tensorshm makes no device copies. Use a consumer that passes "
+          "max_version=(1, 0) or later (torch >= 2.4, cupy >= 13), or ask for a host copy "
+          "with dl_device=(1, 0)."));
+    }
+    want_copy = true;
   }
   DLManagedTensor* managed = Check(ExportLegacy(self.storage, want_copy));
   PyObject* capsule = PyCapsule_New(managed, kLegacy, DestroyCapsule);
@@ -618,7 +635,13 @@ NB_MODULE(_tensorshm, m) {
                               "device memory writable).");
   tensor
       .def("__dlpack__", &DLPack, nb::kw_only(), "stream"_a = nb::none(),
-           "max_version"_a = nb::none(), "dl_device"_a = nb::none(), "copy"_a = nb::none())
+           "max_version"_a = nb::none(), "dl_device"_a = nb::none(), "copy"_a = nb::none(),
+           "The tensor as a DLPack capsule. With max_version >= (1, 0): a zero-copy view "
+           "flagged read-only when the tensor is (numpy, torch, tvm-ffi). Without it (JAX, "
+           "pre-1.0 consumers), a legacy capsule cannot say read-only: a published host "
+           "tensor is then handed over as a private copy the consumer owns (copy=False "
+           "refuses), and a published CUDA tensor is refused unless dl_device=(1, 0) asks for "
+           "a host copy. copy=True always copies to host memory.")
       .def("__dlpack_device__",
            [](const PyTensor& t) {
              return std::make_pair(static_cast<int>(t.storage->tensor.device.device_type),

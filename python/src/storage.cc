@@ -92,6 +92,9 @@ absl::StatusOr<Export*> MakeExport(const std::shared_ptr<Storage>& storage, bool
     } else if (span.nbytes > 0) {
       std::memcpy(e->copy, span.start, span.nbytes);
     }
+    // A private copy owes nothing to the source: dropping the storage here gives its lease back
+    // as soon as the tensor goes, however long the consumer keeps the copy.
+    e->storage.reset();
     tensor.data = e->copy;
     tensor.device = DLDevice{kDLCPU, 0};
     tensor.byte_offset = static_cast<uint64_t>(span.element0);
@@ -114,7 +117,9 @@ absl::Status Storage::LeaseStatus() const {
   if (lease) return tensorshm::LeaseStatus(versioned);
   if (versioned != nullptr && versioned->deleter == DeleteVersioned) {
     // One of our exports, back through the exchange API: its storage holds what keeps it.
-    return static_cast<const Export*>(versioned->manager_ctx)->storage->LeaseStatus();
+    // A private copy (no storage) is alive on its own.
+    const Export* e = static_cast<const Export*>(versioned->manager_ctx);
+    return e->storage != nullptr ? e->storage->LeaseStatus() : absl::OkStatus();
   }
   return absl::OkStatus();
 }

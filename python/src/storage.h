@@ -56,7 +56,8 @@ StorageSpan SpanOf(const DLTensor& tensor, bool subbyte_padded);
 
 // A new DLManagedTensorVersioned viewing `storage` (flags as storage->flags), or a private host
 // copy of its bytes when `copy` (flags IS_COPIED, writable; a CUDA lease is copied to the host
-// after its ready event). Its deleter is noexcept, needs no GIL. Errors only from copying.
+// after its ready event; the copy keeps no reference to `storage`, so holds no lease). Its deleter
+// is noexcept, needs no GIL. Errors only from copying.
 absl::StatusOr<DLManagedTensorVersioned*> ExportVersioned(const std::shared_ptr<Storage>& storage,
                                                           bool copy);
 // The same as a pre-1.0 DLManagedTensor (no flags: the caller checks writability).

@@ -14,7 +14,16 @@ class Tensor:
         max_version: tuple[int, int] | None = None,
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
-    ) -> Any: ...
+    ) -> Any:
+        """The tensor as a DLPack capsule.
+
+        With ``max_version >= (1, 0)`` (numpy, torch, tvm-ffi): a zero-copy view, flagged
+        read-only when the tensor is. Without it (JAX and other pre-1.0 consumers) the legacy
+        capsule cannot say read-only, so a published host tensor is handed over as a private
+        copy the consumer owns (``copy=False`` refuses with BufferError), and a published CUDA
+        tensor is refused unless ``dl_device=(1, 0)`` asks for a host copy. ``copy=True``
+        always makes a host copy.
+        """
     def __dlpack_device__(self) -> tuple[int, int]: ...
     @property
     def shape(self) -> tuple[int, ...]: ...

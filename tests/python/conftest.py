@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import pytest
 
@@ -88,3 +92,82 @@ def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Comple
     """Runs `code` in a fresh interpreter (a separate client process)."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+# ---- the ecosystem tests (make test-ecosystem) ----
+#
+# A test is an ecosystem test when it is marked `ecosystem` (pytestmark = pytest.mark.ecosystem),
+# when its module holds one of the optional packages below at module level (e.g.
+# `torch = pytest.importorskip("torch")`), or when its function imports one or importorskips it.
+# `pytest -m ecosystem` selects them. With TSM_REQUIRE_ECOSYSTEM=1 (make test-ecosystem) every
+# package below must import, and a skipped test fails: a run that skipped must not pass.
+
+OPTIONAL_PACKAGES = ("torch", "jax", "pyarrow", "nanoarrow")
+REQUIRED_IN_ECOSYSTEM_RUN = OPTIONAL_PACKAGES + ("tvm_ffi",)
+_OPTIONAL_USE = re.compile(
+    r"importorskip\(\s*[\"'](%s)\b|^\s*(import|from)\s+(%s)\b"
+    % ("|".join(OPTIONAL_PACKAGES), "|".join(OPTIONAL_PACKAGES)), re.MULTILINE)
+
+
+def _require_ecosystem() -> bool:
+    return os.environ.get("TSM_REQUIRE_ECOSYSTEM", "") not in ("", "0")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "ecosystem: needs an optional package (torch, jax, pyarrow, nanoarrow); "
+        "make test-ecosystem runs these with skips turned into failures")
+    if _require_ecosystem():
+        missing = []
+        for package in REQUIRED_IN_ECOSYSTEM_RUN:
+            try:
+                importlib.import_module(package)
+            except Exception as error:  # noqa: BLE001 - any failure to import counts
+                missing.append(f"{package} ({type(error).__name__}: {error})")
+        if missing:
+            pytest.exit("TSM_REQUIRE_ECOSYSTEM=1 but these do not import from .venv: "
+                        + ", ".join(missing) + "; install scripts/requirements-ecosystem.txt "
+                        "(make test-ecosystem does)", 2)
+
+
+def _uses_optional_package(item) -> bool:
+    module = getattr(item, "module", None)
+    if module is not None:
+        for value in vars(module).values():
+            if isinstance(value, types.ModuleType) and \
+                    value.__name__.split(".")[0] in OPTIONAL_PACKAGES:
+                return True
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    return _OPTIONAL_USE.search(source) is not None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.get_closest_marker("ecosystem") is None and _uses_optional_package(item):
+            item.add_marker(pytest.mark.ecosystem)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if _require_ecosystem() and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped in an ecosystem run (TSM_REQUIRE_ECOSYSTEM=1): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if _require_ecosystem() and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"module skipped in an ecosystem run (TSM_REQUIRE_ECOSYSTEM=1): {reason}"

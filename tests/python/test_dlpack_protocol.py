@@ -40,6 +40,19 @@ def capsule_flags(capsule) -> int:
     return ctypes.c_uint64.from_address(address + 24).value
 
 
+def legacy_data_ptr(capsule) -> int:
+    """dl_tensor.data of the DLManagedTensor in a "dltensor" capsule (plus its byte_offset)."""
+    import ctypes
+
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype = ctypes.c_void_p
+    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    address = get_pointer(capsule, b"dltensor")
+    # DLTensor: data, device (8), ndim (4) + dtype (4), shape, strides, byte_offset (uint64).
+    data = ctypes.c_void_p.from_address(address).value or 0
+    return data + ctypes.c_uint64.from_address(address + 40).value
+
+
 def shm_mapping_of(address: int) -> tuple[str, str]:
     """(permissions, path) of the mapping of this process that holds `address`."""
     with open("/proc/self/maps") as maps:
@@ -98,13 +111,20 @@ def test_versioned_capsule_carries_read_only(sealed):
     assert capsule_flags(capsule) & READ_ONLY
 
 
-def test_legacy_capsule_only_for_writable_tensors(client, sealed):
-    with pytest.raises(BufferError, match="read-only"):
-        sealed.__dlpack__()
-    with pytest.raises(BufferError):
-        sealed.__dlpack__(max_version=(0, 8))
+def test_legacy_capsule_of_a_sealed_tensor_is_a_private_copy(client, sealed):
+    # A pre-1.0 capsule cannot say read-only: copy=None gets a copy, copy=False is refused.
+    for capsule in (sealed.__dlpack__(), sealed.__dlpack__(max_version=(0, 8))):
+        assert capsule_name(capsule) == "dltensor"
+        assert legacy_data_ptr(capsule) != sealed._data_ptr
+    with pytest.raises(BufferError, match="copy=False"):
+        sealed.__dlpack__(copy=False)
+    with pytest.raises(BufferError, match=r"max_version=\(0, 8\)"):
+        sealed.__dlpack__(max_version=(0, 8), copy=False)
+    # A writable tensor has nothing to protect: its legacy capsule is zero-copy.
     w = client.create((2,), "int8")
-    assert capsule_name(w.__dlpack__()) == "dltensor"
+    capsule = w.__dlpack__()
+    assert capsule_name(capsule) == "dltensor"
+    assert legacy_data_ptr(capsule) == w._data_ptr
 
 
 def test_copy_true_gives_a_private_writable_copy(sealed):
