@@ -185,8 +185,10 @@ class Client:
                 if arrow:
                     return self._put_arrow(name, obj, replace, timeout)
                 raise
-            except (TypeError, NotImplementedError):
-                if arrow:  # e.g. pyarrow refusing arrays with nulls: the Arrow path says why
+            except Exception:
+                # e.g. pyarrow refusing arrays with nulls: the Arrow path says why, or copies
+                # what DLPack could not export.
+                if arrow:
                     return self._put_arrow(name, obj, replace, timeout)
                 raise
             return self._native.put_capsule(name, capsule, replace, timeout)
