@@ -104,6 +104,7 @@ def test_pa_array_is_a_zero_copy_fixed_shape_tensor_array(client, dtype):
     assert a.storage.values.buffers()[1].address == t._data_ptr
     out = a.to_numpy_ndarray()
     assert out.dtype == np.dtype(dtype) and out.shape == (4, 2, 3)
+    assert out.ctypes.data == t._data_ptr  # still the shared memory
     np.testing.assert_array_equal(out, data)
 
 
