@@ -61,9 +61,21 @@ struct Lease {
   std::shared_ptr<const SegmentMapping> mapping;  // host tensors: the segment the data lies in
   int cuda_ordinal = -1;                          // CUDA tensors: this process's device ordinal
   std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
+  // ReadyEvent: the event opened from `ready_event` on first call, kept until the lease ends.
+  Mutex event_mu;
+  CUevent opened_event ABSL_GUARDED_BY(event_mu) = nullptr;
+  bool own_event ABSL_GUARDED_BY(event_mu) = false;
 };
 
 void ReleaseLease(Lease* lease) noexcept {
+  {
+    MutexLock lock(&lease->event_mu);
+    // A forked child leaves the driver alone (the event is the parent's business).
+    if (lease->opened_event != nullptr && !lease->core->forked()) {
+      lease->core->cuda().CloseEvent(lease->cuda_ordinal, lease->ready_event, lease->opened_event,
+                                     lease->own_event);
+    }
+  }
   if (lease->core->forked()) {
     // The lease is the parent's: the child only lets go of its own copy of the tensor.
     KeepForever(std::move(lease->core));
@@ -299,6 +311,24 @@ absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
   return lease.core->LeaseStatus(lease.key);
 }
 
+absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
+    return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
+  }
+  auto& lease = *static_cast<Lease*>(tensor->manager_ctx);
+  if (lease.ready_event.empty()) return nullptr;
+  MutexLock lock(&lease.event_mu);
+  if (lease.opened_event == nullptr) {
+    bool own = false;
+    absl::StatusOr<CUevent> event =
+        lease.core->cuda().OpenEvent(lease.cuda_ordinal, lease.ready_event, &own);
+    if (!event.ok()) return event.status();
+    lease.opened_event = *event;
+    lease.own_event = own;
+  }
+  return static_cast<const void*>(&lease.opened_event);
+}
+
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
   if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
     return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
@@ -406,6 +436,12 @@ absl::Status Client::CopyOnDevice(int ordinal, void* dst, const void* src, size_
   return core_->cuda().CopyDeviceToDevice(ordinal, reinterpret_cast<CUdeviceptr>(dst),
                                           reinterpret_cast<CUdeviceptr>(src), bytes,
                                           static_cast<CUstream>(stream));
+}
+
+absl::Status Client::StreamWaitEvent(int ordinal, CudaStream stream, void* event) {
+  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
+  return core_->cuda().StreamWaitEvent(ordinal, static_cast<CUstream>(stream),
+                                       static_cast<CUevent>(event));
 }
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {

@@ -230,6 +230,49 @@ absl::Status CudaState::WaitReady(int ordinal, const std::string& handle, bool h
   return status;
 }
 
+absl::StatusOr<CUevent> CudaState::OpenEvent(int ordinal, const std::string& handle, bool* own) {
+  return InContext(ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<CUevent> {
+    if (auto it = events_.find(handle); it != events_.end()) {
+      // Recorded by this process (CUDA opens no IPC handle where it was exported): counted as a
+      // wait in progress, so that no sweep destroys it while the caller keeps it.
+      ++it->second.waits;
+      *own = true;
+      return it->second.event;
+    }
+    CUipcEventHandle ipc;
+    if (handle.size() != sizeof(ipc.reserved)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ready_event: ", handle.size(), " bytes; a CUipcEventHandle has ", sizeof(ipc.reserved)));
+    }
+    std::memcpy(ipc.reserved, handle.data(), sizeof(ipc.reserved));
+    CUevent event;
+    if (absl::Status s = TSM_CU(driver_, ordinal, cuIpcOpenEventHandle, &event, ipc); !s.ok()) {
+      return s;
+    }
+    *own = false;
+    return event;
+  });
+}
+
+void CudaState::CloseEvent(int ordinal, const std::string& handle, CUevent event, bool own) {
+  MutexLock lock(&mu_);
+  if (own) {
+    if (auto it = events_.find(handle); it != events_.end()) --it->second.waits;
+    return;
+  }
+  if (driver_ == nullptr) return;
+  if (auto context = contexts_.find(ordinal); context != contexts_.end()) {
+    ScopedContext scope(driver_, context->second);
+    driver_->cuEventDestroy_v2(event);
+  }
+}
+
+absl::Status CudaState::StreamWaitEvent(int ordinal, CUstream stream, CUevent event) {
+  return InContext(ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return TSM_CU(driver_, ordinal, cuStreamWaitEvent, stream, event, 0);
+  });
+}
+
 absl::Status CudaState::CopyDeviceToDevice(int ordinal, CUdeviceptr dst, CUdeviceptr src,
                                            size_t bytes, CUstream stream) {
   return InContext(ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -66,6 +66,18 @@ class CudaState {
   absl::Status WaitReady(int ordinal, const std::string& handle, bool host_wait, CUstream stream)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Opens the event exported as `handle` for as long as the caller keeps it: an event this
+  // process recorded is used as it is (and kept from sweeps until CloseEvent), another process's
+  // is opened (cuIpcOpenEventHandle). `*own` says which, for CloseEvent.
+  absl::StatusOr<CUevent> OpenEvent(int ordinal, const std::string& handle, bool* own)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Lets go of an event OpenEvent returned. Safe on any thread.
+  void CloseEvent(int ordinal, const std::string& handle, CUevent event, bool own)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // `stream` of device `ordinal` waits for `event` (cuStreamWaitEvent).
+  absl::Status StreamWaitEvent(int ordinal, CUstream stream, CUevent event)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Device-to-device / device-to-host copies in device `ordinal`'s context.
   absl::Status CopyDeviceToDevice(int ordinal, CUdeviceptr dst, CUdeviceptr src, size_t bytes,
                                   CUstream stream) ABSL_LOCKS_EXCLUDED(mu_);

@@ -135,6 +135,14 @@ struct ReadySync {
 // tensor that did not come from a tensorshm Client.
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync);
 
+// For bindings that hand the ready event on (the Arrow C Device Data Interface's sync_event): a
+// pointer to a CUevent, opened in this process on first call and valid as long as `tensor`'s
+// lease is held (destroyed, or given back to this process's producer side, when it ends); a
+// consumer waits on it (cuStreamWaitEvent) before using the tensor. nullptr for host tensors and
+// CUDA tensors published without an event. INVALID_ARGUMENT for a tensor that did not come from a
+// tensorshm Client; errors of the driver opening the event. Thread-safe.
+absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor);
+
 // Whether an acquired tensor's lease still holds: OK while the daemon keeps the tensor's memory
 // for it. DATA_LOSS once the daemon restarted and did not take the lease back (a clean restart,
 // or a recovery whose grace period ended before this client reconnected): the tensor stays
@@ -295,6 +303,9 @@ class Client {
   // process's CUDA device `ordinal`, asynchronously on `stream`.
   absl::Status CopyOnDevice(int ordinal, void* dst, const void* src, size_t bytes,
                             CudaStream stream);
+  // For bindings: makes `stream` of this process's CUDA device `ordinal` wait for `event` (a
+  // CUevent of this process, e.g. an Arrow C Device Data Interface sync_event's target).
+  absl::Status StreamWaitEvent(int ordinal, CudaStream stream, void* event);
 
   // Blocks until every release queued before the call has been applied by the daemon. Returns
   // the first refusal the daemon reported for those releases, DATA_LOSS if since the last Flush

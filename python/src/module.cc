@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "arrow.h"
 #include "common/dtype.h"
 #include "common/wire.h"
 #include "copy_in.h"
@@ -383,10 +384,6 @@ PyType_Slot raw_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(RawGetBuffe
 
 // ---- Client ----
 
-struct PyClient {
-  std::shared_ptr<Client> client;
-};
-
 absl::Duration TimeoutFrom(const std::optional<double>& seconds) {
   if (!seconds.has_value()) return absl::InfiniteDuration();
   if (std::isnan(*seconds) || *seconds < 0) {
@@ -713,6 +710,7 @@ NB_MODULE(_tensorshm, m) {
   // The DLPack 1.3 C exchange API, on the type (consumers look it up on type(obj)).
   tensor.attr("__dlpack_c_exchange_api__") = nb::steal(
       PyCapsule_New(const_cast<DLPackExchangeAPI*>(ExchangeApi()), "dlpack_exchange_api", nullptr));
+  DefineArrowExports(tensor);
 
   nb::class_<PyWritableTensor, PyTensor>(m, "WritableTensor",
                                          "A tensor being filled; publish() seals it.")
@@ -721,7 +719,9 @@ NB_MODULE(_tensorshm, m) {
         return !t.storage->writable.has_value() || t.storage->writable->published();
       });
 
-  nb::class_<PyClient>(m, "_Client")
+  nb::class_<PyClient> client(m, "_Client");
+  DefineArrowImport(client);
+  client
       .def_static(
           "connect",
           [](const std::optional<std::string>& socket, const std::optional<std::string>& name,

@@ -21,6 +21,11 @@ struct PyWritableTensor : PyTensor {
   std::shared_ptr<Client> client;
 };
 
+// tensorshm._tensorshm._Client. Thread-safe (Client is).
+struct PyClient {
+  std::shared_ptr<Client> client;
+};
+
 // The client the DLPack exchange API's allocator creates tensors through: the last one connected
 // in this process that is still alive. Thread-safe.
 void SetAllocatorClient(const std::shared_ptr<Client>& client);

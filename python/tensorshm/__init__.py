@@ -150,6 +150,14 @@ class Client:
         A C-contiguous CUDA tensor is copied device to device into the daemon's pool on that GPU,
         on the producer's stream, and published with a ready event.
 
+        Objects without a DLPack export (or whose DLPack export fails) that export an Arrow
+        array of the canonical extension type ``arrow.fixed_shape_tensor``
+        (``__arrow_c_device_array__`` or ``__arrow_c_array__``: pyarrow's
+        FixedShapeTensorArray, nanoarrow arrays, ...) are copied into a tensor of shape
+        ``(len(array), *element_shape)``; arrays with nulls, of other types or with a
+        non-identity ``permutation`` are refused with InvalidArgumentError saying why. CUDA
+        arrays are copied after their ``sync_event``.
+
         ``timeout``: how long the copy's buffer may wait for memory in a full pool, as
         ``create``'s.
         """
@@ -164,6 +172,7 @@ class Client:
             api = getattr(cls, "__c_dlpack_exchange_api__", None)
         if api is not None:
             return self._native.put_exchange(name, obj, api, replace, timeout)
+        arrow = _exports_arrow_array(obj)
         if hasattr(obj, "__dlpack__"):
             try:
                 try:
@@ -173,14 +182,42 @@ class Client:
             except BufferError:
                 if _is_numpy_array(obj):
                     return self._put_numpy(name, obj, replace, timeout)
+                if arrow:
+                    return self._put_arrow(name, obj, replace, timeout)
+                raise
+            except Exception:
+                # e.g. pyarrow refusing arrays with nulls: the Arrow path says why, or copies
+                # what DLPack could not export.
+                if arrow:
+                    return self._put_arrow(name, obj, replace, timeout)
                 raise
             return self._native.put_capsule(name, capsule, replace, timeout)
+        if arrow:
+            return self._put_arrow(name, obj, replace, timeout)
         if type(obj).__name__ == "PyCapsule":
             return self._native.put_capsule(name, obj, replace, timeout)
+        if hasattr(obj, "__arrow_c_stream__"):
+            raise TypeError(
+                f"put({name!r}, ...): {cls.__module__}.{cls.__qualname__} exports an Arrow "
+                "stream (e.g. a ChunkedArray or a Table), not one array: pass one array "
+                "(e.g. chunked.combine_chunks())"
+            )
         raise TypeError(
             f"put({name!r}, ...): {cls.__module__}.{cls.__qualname__} is not a DLPack producer "
-            "(no __dlpack_c_exchange_api__ or __dlpack__)"
+            "(no __dlpack_c_exchange_api__ or __dlpack__) and exports no Arrow array "
+            "(__arrow_c_device_array__ or __arrow_c_array__)"
         )
+
+    def _put_arrow(self, name: str, obj: Any, replace: bool,
+                   timeout: float | None = 0) -> Tensor:
+        """Copy an Arrow array of type arrow.fixed_shape_tensor into a new tensor; the Arrow
+        array is released once copied."""
+        if hasattr(obj, "__arrow_c_device_array__"):
+            schema, array = obj.__arrow_c_device_array__()
+        else:
+            schema, array = obj.__arrow_c_array__()
+        capsule = self._native.arrow_to_dlpack(schema, array)
+        return self._native.put_capsule(name, capsule, replace, timeout)
 
     def _put_numpy(self, name: str, array: Any, replace: bool,
                    timeout: float | None = 0) -> Tensor:
@@ -221,6 +258,10 @@ class Client:
 def _is_numpy_scalar(obj: Any) -> bool:
     np = sys.modules.get("numpy")
     return np is not None and isinstance(obj, np.generic)
+
+
+def _exports_arrow_array(obj: Any) -> bool:
+    return hasattr(obj, "__arrow_c_device_array__") or hasattr(obj, "__arrow_c_array__")
 
 
 def _is_numpy_array(obj: Any) -> bool:
