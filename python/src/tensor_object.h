@@ -16,15 +16,35 @@ struct PyTensor {
   std::string name;  // the published name; empty for unpublished and foreign tensors
 };
 
+// A Python client's connection, shared with the writable tensors it created (which publish
+// through it). Guarded by the GIL.
+struct ClientState {
+  std::shared_ptr<Client> client;  // null once closed
+  std::string socket;
+  std::string session_id;  // kept for messages after close
+  uint64_t daemon_instance = 0;
+};
+
 // A tensor being filled; publish() seals it.
 struct PyWritableTensor : PyTensor {
-  std::shared_ptr<Client> client;
+  std::shared_ptr<ClientState> client;
 };
+
+// `tensor`'s storage; raises tensorshm.ReleasedError naming the tensor once it was released
+// (release() or the end of its with block). REQUIRES the GIL; a caller that releases the GIL
+// copies the shared_ptr first (another thread may release the tensor meanwhile).
+const std::shared_ptr<Storage>& Live(const PyTensor& tensor);
+// As Live, for C callbacks that return -1 with a Python exception set: nullptr, and the
+// ReleasedError set, if `tensor` was released.
+const std::shared_ptr<Storage>* LiveOrSetError(const PyTensor& tensor);
 
 // The client the DLPack exchange API's allocator creates tensors through: the last one connected
 // in this process that is still alive. Thread-safe.
 void SetAllocatorClient(const std::shared_ptr<Client>& client);
 std::shared_ptr<Client> AllocatorClient();
+// After `client` was closed: the allocator no longer creates through it (nor, until another
+// client connects, through any).
+void ForgetAllocatorClient(const Client* client);
 // In a child of fork(), with no other thread running yet: forgets the parent's client (it cannot
 // allocate here) and re-creates the lock, which a parent thread may have held at the fork.
 void ForgetAllocatorClientAfterFork();
