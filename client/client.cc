@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/cancel.h"
 #include "client/client_core.h"
 #include "client/cuda_state.h"
 #include "client/daemon_connection.h"
@@ -42,6 +43,11 @@ constexpr absl::Duration kConnectRetry = absl::Milliseconds(20);
 
 // Data pointer of empty tensors: non-null and 256-byte aligned, never read.
 alignas(256) const char kEmptyData[256] = {};
+
+absl::Status Cancelled(std::string_view what) {
+  return absl::CancelledError(
+      absl::StrCat(View(what), ": the wait was cancelled (WaitCanceller::Cancel)"));
+}
 
 }  // namespace
 // ---- Acquired tensors ----
@@ -221,9 +227,10 @@ absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync) {
                                       static_cast<CUstream>(sync.stream));
 }
 
+// `cancel` (may be null) ends a wait with CANCELLED.
 absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<ClientCore>& core,
                                                     std::string_view name, absl::Duration timeout,
-                                                    ReadySync sync) {
+                                                    ReadySync sync, CancelState* cancel) {
   if (absl::Status s = core->CheckProcess(); !s.ok()) return s;
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
   if (timeout < absl::ZeroDuration()) {
@@ -235,6 +242,12 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
   if (std::shared_ptr<FastPath> fast = core->fast_path(); fast != nullptr) {
     const absl::Time deadline =
         timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+    // Registered for the loop: Cancel wakes the futex sleep (a wake-up lost just before the
+    // sleep begins costs at most one sleep, kLongestSleep in fast_path.cc).
+    ScopedWait waiting(timeout == absl::ZeroDuration() ? nullptr : cancel,
+                       CancelState::Wait{nullptr, fast.get()});
+    const std::string what = absl::StrCat("name = \"", View(name), "\"");
+    if (!waiting.registered()) return Cancelled(what);
     while (true) {
       const uint32_t seen = fast->publishes();
       FastPath::Leased leased;
@@ -255,6 +268,7 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
             "name = \"", View(name), "\": not published within ", absl::FormatDuration(timeout)));
       }
       if (absl::Status s = core->CheckProcess(); !s.ok()) return s;
+      if (cancel != nullptr && cancel->cancelled()) return Cancelled(what);
       fast->WaitForPublish(seen, deadline - now);
     }
     if (timeout != absl::InfiniteDuration()) {
@@ -274,9 +288,16 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
     core->PrepareContext(context, timeout + kCallTimeout);
   }
   v1::AcquireResponse response;
-  if (absl::Status s = FromGrpcStatus(core->stub()->Acquire(&context, request, &response));
-      !s.ok()) {
-    return s;
+  {
+    ScopedWait waiting(timeout == absl::ZeroDuration() ? nullptr : cancel,
+                       CancelState::Wait{&context, nullptr});
+    if (!waiting.registered()) return Cancelled(absl::StrCat("name = \"", View(name), "\""));
+    absl::Status s = FromGrpcStatus(core->stub()->Acquire(&context, request, &response));
+    // A cancelled call leaves no lease: the daemon drops what it granted a call that failed.
+    if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) {
+      return Cancelled(absl::StrCat("name = \"", View(name), "\""));
+    }
+    if (!s.ok()) return s;
   }
   absl::StatusOr<std::unique_ptr<Lease>> lease = MakeLease(core, response);
   if (!lease.ok()) return lease.status();
@@ -362,7 +383,8 @@ absl::Status ChannelOrRpc(ClientCore& core, v1::ChannelRequest& call,
 // The gRPC Create of `request`, waiting up to `timeout` (> 0; infinite: until the call ends) in
 // the daemon for memory to be freed.
 absl::Status CreateWaiting(ClientCore& core, const v1::CreateRequest& request,
-                           absl::Duration timeout, v1::CreateResponse* response) {
+                           absl::Duration timeout, CancelState* cancel,
+                           v1::CreateResponse* response) {
   v1::CreateRequest waiting = request;
   grpc::ClientContext context;
   if (timeout == absl::InfiniteDuration()) {
@@ -374,7 +396,12 @@ absl::Status CreateWaiting(ClientCore& core, const v1::CreateRequest& request,
     // The call's own deadline leaves room for the daemon to answer RESOURCE_EXHAUSTED itself.
     core.PrepareContext(context, timeout + kCallTimeout);
   }
-  return FromGrpcStatus(core.stub()->Create(&context, waiting, response));
+  ScopedWait wait(cancel, CancelState::Wait{&context, nullptr});
+  if (!wait.registered()) return Cancelled("create");
+  absl::Status s = FromGrpcStatus(core.stub()->Create(&context, waiting, response));
+  // The daemon frees what it made for a call that failed.
+  if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) return Cancelled("create");
+  return s;
 }
 
 }  // namespace
@@ -425,6 +452,10 @@ Client::~Client() {
 
 std::string Client::session_id() const { return core_->session_id(); }
 
+uint64_t Client::daemon_instance() const { return core_->daemon_instance(); }
+
+const std::string& Client::socket() const { return core_->socket(); }
+
 absl::Status Client::Flush() {
   if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   return core_->Flush();
@@ -449,6 +480,16 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
 }
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout) {
+  return CreateImpl(spec, timeout, nullptr);
+}
+
+absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout,
+                                              const WaitCanceller& cancel) {
+  return CreateImpl(spec, timeout, cancel.state_.get());
+}
+
+absl::StatusOr<WritableTensor> Client::CreateImpl(const TensorSpec& spec, absl::Duration timeout,
+                                                  CancelState* cancel) {
   if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
   // A host tensor whose buffer length is in stock is made here, without asking the daemon.
   uint64_t stock_length = 0;
@@ -506,7 +547,7 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Dura
   if (absl::IsResourceExhausted(created) && timeout > absl::ZeroDuration()) {
     // The memory channel's creates never wait: the gRPC Create does, in the daemon.
     response.Clear();
-    created = CreateWaiting(*core_, request, timeout, &response);
+    created = CreateWaiting(*core_, request, timeout, cancel, &response);
   }
   if (!created.ok()) return created;
   core_->AddStock(response.stocked());
@@ -664,7 +705,18 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
 
 absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
                                                           absl::Duration timeout, ReadySync sync) {
-  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout, sync);
+  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout, sync, nullptr);
+  if (!lease.ok()) return lease.status();
+  Lease* raw = lease->release();
+  raw->versioned.deleter = DeleteVersioned;
+  return &raw->versioned;
+}
+
+absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
+                                                          absl::Duration timeout, ReadySync sync,
+                                                          const WaitCanceller& cancel) {
+  absl::StatusOr<std::unique_ptr<Lease>> lease =
+      AcquireLease(core_, name, timeout, sync, cancel.state_.get());
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->versioned.deleter = DeleteVersioned;
@@ -673,7 +725,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
 
 absl::StatusOr<DLManagedTensor*> Client::AcquireLegacy(std::string_view name,
                                                        absl::Duration timeout, ReadySync sync) {
-  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout, sync);
+  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout, sync, nullptr);
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->legacy.deleter = DeleteLegacy;

@@ -98,6 +98,7 @@ absl::Status ClientCore::Open(bool reattach) {
   {
     MutexLock lock(&mu_);
     session_id_ = answer.session_id();
+    daemon_instance_ = answer.instance_id();
     if (reattach) {
       // Batches numbered before now went to the old session, which will never acknowledge them
       // (one may have failed on the broken stream): Flush must not wait for them.
@@ -283,6 +284,11 @@ void ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration tim
 std::string ClientCore::session_id() const {
   MutexLock lock(&mu_);
   return session_id_;
+}
+
+uint64_t ClientCore::daemon_instance() const {
+  MutexLock lock(&mu_);
+  return daemon_instance_;
 }
 
 absl::Status ClientCore::CheckProcess() const {

@@ -151,6 +151,7 @@ class ClientCore {
   // they wait for the next session that has one). Cheap when there are few.
   void SweepReadyEvents() ABSL_LOCKS_EXCLUDED(mu_);
   std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t daemon_instance() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket() const { return socket_; }
 
  private:
@@ -199,6 +200,7 @@ class ClientCore {
   CondVar work_;   // the sender has something to do
   CondVar acked_;  // a batch was acknowledged, or the stream broke
   std::string session_id_ ABSL_GUARDED_BY(mu_);
+  uint64_t daemon_instance_ ABSL_GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, HeldLease> held_ ABSL_GUARDED_BY(mu_);  // by client-side key
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
   // Unpublished tensors the daemon knows as ours: client-side key -> tensor id.

@@ -308,4 +308,9 @@ void FastPath::WaitForPublish(uint32_t seen, absl::Duration timeout) const {
   syscall(SYS_futex, &word, FUTEX_WAIT, seen, &relative, nullptr, 0);
 }
 
+void FastPath::WakePublishWaiters() const {
+  // FUTEX_WAKE only reads the word: the read-only mapping of the index serves.
+  syscall(SYS_futex, &index_header().publishes, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
 }  // namespace tensorshm

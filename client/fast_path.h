@@ -92,6 +92,9 @@ class FastPath {
   // Sleeps until the daemon bumps the word from `seen`, or `timeout` passes (at most), or a
   // signal interrupts; spins briefly first.
   void WaitForPublish(uint32_t seen, absl::Duration timeout) const;
+  // Wakes the threads sleeping in WaitForPublish (every process's: they look again and, with
+  // nothing published, sleep again), for a wait cancelled in this process.
+  void WakePublishWaiters() const;
   uint64_t instance_id() const { return index_header().instance_id; }
 
  private:

@@ -157,6 +157,7 @@ absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src,
                         size_t bytes);
 
 class ClientCore;
+class CancelState;
 namespace v1 {
 class AcquireResponse;
 }  // namespace v1
@@ -210,6 +211,27 @@ class WritableTensor {
   uint64_t buffer_offset_ = 0;
 };
 
+// Cancels waits: pass one to Acquire or Create (with a timeout), from any number of threads,
+// and call Cancel() from any thread to wake them. Copies share one state. Thread-safe.
+//
+//   tensorshm::WaitCanceller cancel;
+//   std::thread waiter([&] { auto t = client->Acquire("x", absl::InfiniteDuration(),
+//                                                     tensorshm::ReadySync::Host(), cancel); });
+//   cancel.Cancel();  // the Acquire answers CANCELLED, holding no lease
+class WaitCanceller {
+ public:
+  WaitCanceller();
+  // Wakes every call waiting with this canceller now (it answers CANCELLED, and the daemon
+  // keeps no lease or buffer for it), and makes every later call given it answer CANCELLED
+  // before waiting. A call whose answer was already on its way may still succeed. Idempotent.
+  void Cancel() const;
+  bool cancelled() const;
+
+ private:
+  friend class Client;
+  std::shared_ptr<CancelState> state_;
+};
+
 // A connection to tensorshmd: one session. Thread-safe. Tensors acquired through it stay valid
 // after the Client is destroyed, until their deleters run; the session stays open until then.
 //
@@ -255,6 +277,9 @@ class Client {
   // queue behind it, and those without a timeout fail at once. Quotas (--session-quota,
   // --uid-quota) never wait; a waiting create counts against --uid-waiters.
   absl::StatusOr<WritableTensor> Create(const TensorSpec& spec, absl::Duration timeout);
+  // As Create with a timeout; `cancel`.Cancel() ends the wait for memory with CANCELLED.
+  absl::StatusOr<WritableTensor> Create(const TensorSpec& spec, absl::Duration timeout,
+                                        const WaitCanceller& cancel);
 
   // Seals `tensor` and binds it to `name`, dropping the writable mapping. ALREADY_EXISTS if
   // `name` is bound and !replace; with replace the old tensor lives on for its leases.
@@ -286,6 +311,10 @@ class Client {
   absl::StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name,
                                                     absl::Duration timeout = absl::ZeroDuration(),
                                                     ReadySync sync = ReadySync::Host());
+  // As Acquire; `cancel`.Cancel() ends the wait for a publish with CANCELLED (promptly: a wait
+  // in the daemon is cancelled, one on the fast path woken), and no lease is left behind.
+  absl::StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name, absl::Duration timeout,
+                                                    ReadySync sync, const WaitCanceller& cancel);
   // As Acquire, as a pre-1.0 DLManagedTensor (which cannot say it is read-only).
   absl::StatusOr<DLManagedTensor*> AcquireLegacy(std::string_view name,
                                                  absl::Duration timeout = absl::ZeroDuration(),
@@ -316,9 +345,15 @@ class Client {
 
   // The session id the daemon assigned (a new one after reconnecting to a restarted daemon).
   std::string session_id() const;
+  // The daemon instance serving the session (SessionOpened.instance_id: a new one after the
+  // daemon restarted), and the socket path the client connects to.
+  uint64_t daemon_instance() const;
+  const std::string& socket() const;
 
  private:
   explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
+  absl::StatusOr<WritableTensor> CreateImpl(const TensorSpec& spec, absl::Duration timeout,
+                                            CancelState* cancel);
   // Publish, filling *acquired (when not null) with the lease the daemon took in the same step.
   absl::Status PublishImpl(WritableTensor& tensor, std::string_view name, bool replace,
                            CudaStream ready_stream, v1::AcquireResponse* acquired);

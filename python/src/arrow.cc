@@ -487,13 +487,17 @@ void CheckRequestedSchema(nb::handle requested_schema) {
 }
 
 nb::object ArrowCSchema(const PyTensor& self) {
-  Check(CheckExportable(*self.storage, Describe(self)));
-  return SchemaCapsule(*self.storage);
+  const Storage& storage = *Live(self);
+  Check(CheckExportable(storage, Describe(self)));
+  return SchemaCapsule(storage);
 }
 
 nb::tuple ArrowCArray(const PyTensor& self, nb::handle requested_schema) {
   CheckRequestedSchema(requested_schema);
-  const Storage& storage = *self.storage;
+  // A copy holding the storage: a release() in another thread while the GIL is let go cannot
+  // free it.
+  const std::shared_ptr<Storage> pinned = Live(self);
+  const Storage& storage = *pinned;
   Check(CheckExportable(storage, Describe(self)));
   if (storage.tensor.device.device_type != kDLCPU) {
     Raise(absl::InvalidArgumentError(
@@ -504,7 +508,7 @@ nb::tuple ArrowCArray(const PyTensor& self, nb::handle requested_schema) {
   }
   nb::object schema = SchemaCapsule(storage);
   auto* array = new ArrowArray{};
-  FillArray(self.storage, array);
+  FillArray(pinned, array);
   PyObject* capsule = PyCapsule_New(array, kArrayCapsule, DestroyArrayCapsule);
   if (capsule == nullptr) {
     array->release(array);
@@ -529,7 +533,10 @@ nb::tuple ArrowCDeviceArray(const PyTensor& self, nb::handle requested_schema, n
     throw nb::python_error();
   }
   CheckRequestedSchema(requested_schema);
-  const Storage& storage = *self.storage;
+  // A copy holding the storage: a release() in another thread while the GIL is let go cannot
+  // free it.
+  const std::shared_ptr<Storage> pinned = Live(self);
+  const Storage& storage = *pinned;
   Check(CheckExportable(storage, Describe(self)));
   const DLDevice device = storage.tensor.device;
   const void* sync_event = nullptr;
@@ -537,7 +544,7 @@ nb::tuple ArrowCDeviceArray(const PyTensor& self, nb::handle requested_schema, n
     // The ready event the producer recorded at publish: the consumer waits on it (a CUevent*).
     absl::StatusOr<const void*> event;
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       event = ReadyEvent(storage.versioned);
     }
     sync_event = Check(std::move(event));
@@ -547,7 +554,7 @@ nb::tuple ArrowCDeviceArray(const PyTensor& self, nb::handle requested_schema, n
   }
   nb::object schema = SchemaCapsule(storage);
   auto* array = new ArrowDeviceArray{};
-  FillArray(self.storage, &array->array);
+  FillArray(pinned, &array->array);
   if (device.device_type == kDLCUDA) {
     array->device_type = ARROW_DEVICE_CUDA;
     array->device_id = device.device_id;
@@ -741,6 +748,7 @@ absl::StatusOr<DLManagedTensorVersioned*> ImportArray(const ArrowSchema& schema,
 }
 
 nb::object ArrowToDLPack(PyClient& self, nb::handle schema_capsule, nb::handle array_capsule) {
+  const std::shared_ptr<Client> client = Live(*self.state);
   if (!PyCapsule_IsValid(schema_capsule.ptr(), kSchemaCapsule)) {
     throw nb::type_error("schema: expected a PyCapsule named \"arrow_schema\"");
   }
@@ -786,8 +794,8 @@ nb::object ArrowToDLPack(PyClient& self, nb::handle schema_capsule, nb::handle a
     void* event = *static_cast<void**>(sync_event);
     absl::Status waited;
     {
-      nb::gil_scoped_release release;
-      waited = self.client->StreamWaitEvent(device.device_id, kLegacyDefaultStream, event);
+      ReleaseGil release;
+      waited = client->StreamWaitEvent(device.device_id, kLegacyDefaultStream, event);
     }
     if (!waited.ok()) {
       moved.release(&moved);

@@ -39,7 +39,8 @@ void CopyStrided(const char* element0, const int64_t* shape, const int64_t* stri
 }  // namespace
 
 absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags,
-                                      CudaStream stream, absl::Duration timeout) {
+                                      CudaStream stream, absl::Duration timeout,
+                                      const WaitCanceller* cancel) {
   const bool cuda = source.device.device_type == kDLCUDA;
   if (source.device.device_type != kDLCPU && source.device.device_type != kDLCUDAHost && !cuda) {
     return absl::FailedPreconditionError(absl::StrCat("device = ", DeviceName(source.device),
@@ -68,7 +69,8 @@ absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, ui
     }
     spec.device = source.device;
   }
-  absl::StatusOr<WritableTensor> tensor = client.Create(spec, timeout);
+  absl::StatusOr<WritableTensor> tensor =
+      cancel != nullptr ? client.Create(spec, timeout, *cancel) : client.Create(spec, timeout);
   if (!tensor.ok()) return tensor.status();
   if (tensor->nbytes() == 0) return tensor;
   if (cuda) {

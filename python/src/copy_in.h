@@ -15,10 +15,12 @@ namespace tensorshm::python {
 // packed sub-byte source that is not contiguous; FAILED_PRECONDITION for non-CPU memory; errors
 // of Client::Create. Safe without the GIL as long as `source` stays valid.
 // CUDA sources (contiguous only) are copied device to device on `stream`, on the same device.
-// `timeout`: how long the create may wait for memory in a full pool (see Client::Create).
+// `timeout`: how long the create may wait for memory in a full pool (see Client::Create);
+// `cancel`, if given, ends that wait.
 absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags,
                                       CudaStream stream = kLegacyDefaultStream,
-                                      absl::Duration timeout = absl::ZeroDuration());
+                                      absl::Duration timeout = absl::ZeroDuration(),
+                                      const WaitCanceller* cancel = nullptr);
 
 }  // namespace tensorshm::python
 

@@ -68,7 +68,9 @@ int ManagedFromPy(void* py_object, DLManagedTensorVersioned** out) {
   if (!nb::isinstance<PyTensor>(handle)) {
     return PyFail(PyExc_TypeError, "tensorshm exchange API: not a tensorshm tensor");
   }
-  *out = *ExportVersioned(nb::inst_ptr<PyTensor>(handle)->storage, /*copy=*/false);
+  const std::shared_ptr<Storage>* storage = LiveOrSetError(*nb::inst_ptr<PyTensor>(handle));
+  if (storage == nullptr) return -1;
+  *out = *ExportVersioned(*storage, /*copy=*/false);
   return 0;
 }
 
@@ -106,7 +108,9 @@ int DLTensorFromPy(void* py_object, DLTensor* out) {
   if (!nb::isinstance<PyTensor>(handle)) {
     return PyFail(PyExc_TypeError, "tensorshm exchange API: not a tensorshm tensor");
   }
-  *out = nb::inst_ptr<PyTensor>(handle)->storage->tensor;
+  const std::shared_ptr<Storage>* storage = LiveOrSetError(*nb::inst_ptr<PyTensor>(handle));
+  if (storage == nullptr) return -1;
+  *out = (*storage)->tensor;
   return 0;
 }
 
@@ -136,6 +140,13 @@ DLPackExchangeAPI MakeApi() {
 void SetAllocatorClient(const std::shared_ptr<Client>& client) {
   MutexLock lock(&allocator_mu);
   allocator_client = client;
+}
+
+void ForgetAllocatorClient(const Client* client) {
+  MutexLock lock(&allocator_mu);
+  // Compared by address without locking: an expired pointer cannot be `client`, still open.
+  std::shared_ptr<Client> current = allocator_client.lock();
+  if (current.get() == client) allocator_client.reset();
 }
 
 std::shared_ptr<Client> AllocatorClient() {

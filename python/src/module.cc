@@ -10,12 +10,15 @@
 
 #include <cmath>
 #include <cstring>
+#include <list>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "arrow.h"
 #include "common/dtype.h"
+#include "common/name.h"
 #include "common/wire.h"
 #include "copy_in.h"
 #include "exchange_api.h"
@@ -55,9 +58,64 @@ void Check(const absl::Status& status) {
   if (!status.ok()) Raise(status);
 }
 
+// ---- the GIL, and interpreter exit ----
+//
+// A thread that takes the GIL back once the interpreter is finalizing is ended by
+// PyThread_exit_thread (Python < 3.14): pthread_exit's forced unwind through C++ frames (a
+// noexcept destructor, nanobind's dispatch) aborts the process. So at exit, before threading
+// joins its threads (_cancel_waits_at_exit, from threading's atexit hook), waits are cancelled
+// and the hook waits for every call without the GIL to take it back; from then on this module
+// no longer lets go of the GIL, and later waits fail at once. Guarded by the GIL.
+bool exiting = false;
+int released_regions = 0;  // ReleaseGil scopes in progress
+
+}  // namespace
+
+ReleaseGil::ReleaseGil() {
+  if (exiting) return;
+  ++released_regions;
+  state_ = PyEval_SaveThread();
+}
+
+ReleaseGil::~ReleaseGil() {
+  if (state_ == nullptr) return;
+  PyEval_RestoreThread(static_cast<PyThreadState*>(state_));
+  --released_regions;
+}
+
+namespace {
+
 std::string Describe(const PyTensor& t) {
   return t.name.empty() ? std::string("tensor") : absl::StrCat("tensor \"", t.name, "\"");
 }
+
+// Sets tensorshm._errors.`error` (a class name) with `message` as the current Python exception.
+void SetError(const char* error, const std::string& message) {
+  nb::object cls = nb::module_::import_("tensorshm._errors").attr(error);
+  PyErr_SetString(cls.ptr(), message.c_str());
+}
+
+std::string ReleasedMessage(const PyTensor& t) {
+  return absl::StrCat(
+      t.name.empty() ? std::string("tensor") : absl::StrCat("tensor '", t.name, "'"),
+      " was released (release() or the end of its with block): get it again");
+}
+
+}  // namespace
+
+const std::shared_ptr<Storage>* LiveOrSetError(const PyTensor& tensor) {
+  if (tensor.storage != nullptr) return &tensor.storage;
+  SetError("ReleasedError", ReleasedMessage(tensor));
+  return nullptr;
+}
+
+const std::shared_ptr<Storage>& Live(const PyTensor& tensor) {
+  const std::shared_ptr<Storage>* storage = LiveOrSetError(tensor);
+  if (storage == nullptr) throw nb::python_error();
+  return *storage;
+}
+
+namespace {
 
 // ---- storage from the sources a Python tensor can have ----
 
@@ -161,7 +219,7 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
   if (cuda && !want_copy && consumer_stream.has_value() && self.storage->lease) {
     absl::Status s;
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       s = WaitReady(self.storage->versioned, ReadySync::Stream(*consumer_stream));
     }
     Check(s);
@@ -268,10 +326,18 @@ const char* BufferFormat(const DLDataType& dtype) {
   return nullptr;
 }
 
-// Exports `storage`'s tensor as a Py_buffer on behalf of `owner`.
-int ExportBuffer(PyObject* owner, const Storage& storage, const std::string& what, Py_buffer* view,
-                 int flags, bool raw) {
+// What a Py_buffer's `internal` holds: its shape and strides, and the storage it views, so that
+// the view stays valid when its tensor is released while the view lives.
+struct BufferInternal {
+  std::vector<Py_ssize_t> dims;
+  std::shared_ptr<Storage> storage;
+};
+
+// Exports `storage_ptr`'s tensor as a Py_buffer on behalf of `owner`.
+int ExportBuffer(PyObject* owner, const std::shared_ptr<Storage>& storage_ptr,
+                 const std::string& what, Py_buffer* view, int flags, bool raw) {
   view->obj = nullptr;
+  const Storage& storage = *storage_ptr;
   const DLTensor& t = storage.tensor;
   const bool read_only = (storage.flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
   const bool padded = (storage.flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
@@ -285,7 +351,8 @@ int ExportBuffer(PyObject* owner, const Storage& storage, const std::string& wha
   if (t.device.device_type != kDLCPU) {
     return fail(what + " is on " + DeviceName(t.device) + ", not in host memory");
   }
-  auto* internal = new std::vector<Py_ssize_t>();
+  auto* holder = new BufferInternal{{}, storage_ptr};
+  std::vector<Py_ssize_t>* internal = &holder->dims;
   if (raw) {
     const StorageSpan span = SpanOf(t, padded);
     view->buf = const_cast<char*>(span.start);
@@ -299,7 +366,7 @@ int ExportBuffer(PyObject* owner, const Storage& storage, const std::string& wha
   } else {
     const char* format = BufferFormat(t.dtype);
     if (format == nullptr) {
-      delete internal;
+      delete holder;
       return fail(what + " has dtype " + DataTypeName(t.dtype) +
                   ", which the buffer protocol cannot describe; use tensorshm.to_numpy(t) or "
                   "np.from_dlpack(t)");
@@ -319,19 +386,19 @@ int ExportBuffer(PyObject* owner, const Storage& storage, const std::string& wha
       numel *= t.shape[i];
     }
     if ((flags & PyBUF_C_CONTIGUOUS) == PyBUF_C_CONTIGUOUS && !c_contiguous) {
-      delete internal;
+      delete holder;
       return fail(what + " is not C-contiguous");
     }
     if ((flags & PyBUF_F_CONTIGUOUS) == PyBUF_F_CONTIGUOUS && !f_contiguous) {
-      delete internal;
+      delete holder;
       return fail(what + " is not Fortran-contiguous");
     }
     if ((flags & PyBUF_ANY_CONTIGUOUS) == PyBUF_ANY_CONTIGUOUS && !c_contiguous && !f_contiguous) {
-      delete internal;
+      delete holder;
       return fail(what + " is not contiguous");
     }
     if ((flags & PyBUF_STRIDES) != PyBUF_STRIDES && !c_contiguous) {
-      delete internal;
+      delete holder;
       return fail(what + " is strided and the consumer did not ask for strides");
     }
     view->buf = static_cast<char*>(t.data) + t.byte_offset;
@@ -349,19 +416,24 @@ int ExportBuffer(PyObject* owner, const Storage& storage, const std::string& wha
   }
   view->readonly = read_only ? 1 : 0;
   view->suboffsets = nullptr;
-  view->internal = internal;
+  view->internal = holder;
   view->obj = owner;
   Py_INCREF(owner);
   return 0;
 }
 
 void ReleaseBuffer(PyObject*, Py_buffer* view) {
-  delete static_cast<std::vector<Py_ssize_t>*>(view->internal);
+  delete static_cast<BufferInternal*>(view->internal);  // possibly the storage's last reference
 }
 
 int TensorGetBuffer(PyObject* self, Py_buffer* view, int flags) {
   const PyTensor* t = nb::inst_ptr<PyTensor>(nb::handle(self));
-  return ExportBuffer(self, *t->storage, Describe(*t), view, flags, /*raw=*/false);
+  const std::shared_ptr<Storage>* storage = LiveOrSetError(*t);
+  if (storage == nullptr) {
+    view->obj = nullptr;
+    return -1;
+  }
+  return ExportBuffer(self, *storage, Describe(*t), view, flags, /*raw=*/false);
 }
 
 // The bytes of a tensor's storage, 1-d, for building numpy views of dtypes the buffer protocol
@@ -372,7 +444,7 @@ struct RawStorage {
 
 int RawGetBuffer(PyObject* self, Py_buffer* view, int flags) {
   const RawStorage* raw = nb::inst_ptr<RawStorage>(nb::handle(self));
-  return ExportBuffer(self, *raw->storage, "tensor storage", view, flags, /*raw=*/true);
+  return ExportBuffer(self, raw->storage, "tensor storage", view, flags, /*raw=*/true);
 }
 
 PyType_Slot tensor_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(TensorGetBuffer)},
@@ -383,6 +455,68 @@ PyType_Slot raw_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(RawGetBuffe
                            {0, nullptr}};
 
 // ---- Client ----
+
+// Calls in progress that may wait (for a publish, or for memory), each with the canceller that
+// wakes it and the client it runs on: close() cancels its client's, interpreter exit all.
+// Guarded by the GIL.
+struct WaitingCall {
+  const ClientState* client;
+  WaitCanceller cancel;
+};
+std::list<WaitingCall>& WaitingCalls() {
+  static auto* calls = new std::list<WaitingCall>;  // never destroyed: used at exit
+  return *calls;
+}
+
+std::string DescribeClient(const ClientState& state) {
+  return absl::StrCat("tensorshm client of session ", state.session_id,
+                      " (tensorshmd at unix:", state.socket, ")");
+}
+
+}  // namespace
+
+std::shared_ptr<Client> Live(const ClientState& state) {
+  if (state.client == nullptr) {
+    SetError("ClosedError",
+             DescribeClient(state) + " is closed: connect again with tensorshm.connect()");
+    throw nb::python_error();
+  }
+  return state.client;
+}
+
+namespace {
+
+// Runs `call(cancel)` (which may wait) with the GIL released, registered so that close() and
+// interpreter exit can wake it. `given`: the caller's canceller (asyncio), else a fresh one.
+// A wait that ends CANCELLED raises ClosedError if its client was closed meanwhile, else
+// CancelledError (saying why if the interpreter is exiting).
+template <typename T, typename Call>
+T RunWaiting(const ClientState& state, const std::optional<WaitCanceller>& given, Call&& call) {
+  WaitCanceller cancel = given.has_value() ? *given : WaitCanceller();
+  if (exiting) cancel.Cancel();
+  std::list<WaitingCall>& calls = WaitingCalls();
+  auto it = calls.insert(calls.end(), WaitingCall{&state, cancel});
+  T result;
+  {
+    ReleaseGil release;
+    result = call(cancel);
+  }
+  calls.erase(it);
+  if (!result.ok() && absl::IsCancelled(result.status())) {
+    if (state.client == nullptr) {
+      SetError("ClosedError",
+               absl::StrCat(result.status().message(), ", as the ", DescribeClient(state),
+                            " was closed (close() or the end of its with block)"));
+      throw nb::python_error();
+    }
+    if (exiting) {
+      SetError("CancelledError",
+               absl::StrCat(result.status().message(), ": the Python interpreter is exiting"));
+      throw nb::python_error();
+    }
+  }
+  return result;
+}
 
 absl::Duration TimeoutFrom(const std::optional<double>& seconds) {
   if (!seconds.has_value()) return absl::InfiniteDuration();
@@ -407,13 +541,19 @@ DLDevice ParseDevice(const std::string& device) {
       absl::StrCat("device = \"", device, "\": expected \"cpu\", \"cuda\" or \"cuda:N\"")));
 }
 
-PyTensor Get(PyClient& self, const std::string& name, const std::optional<double>& timeout) {
+PyTensor Get(PyClient& self, const std::string& name, const std::optional<double>& timeout,
+             const std::optional<WaitCanceller>& cancel) {
   const absl::Duration wait = TimeoutFrom(timeout);
+  std::shared_ptr<Client> client = Live(*self.state);
   absl::StatusOr<DLManagedTensorVersioned*> lease;
-  {
-    nb::gil_scoped_release release;
-    // CUDA tensors: consumers' streams wait for the ready event in __dlpack__.
-    lease = self.client->Acquire(name, wait, ReadySync::None());
+  // CUDA tensors: consumers' streams wait for the ready event in __dlpack__.
+  if (wait == absl::ZeroDuration()) {
+    ReleaseGil release;
+    lease = client->Acquire(name, wait, ReadySync::None());
+  } else {
+    lease = RunWaiting<absl::StatusOr<DLManagedTensorVersioned*>>(
+        *self.state, cancel,
+        [&](const WaitCanceller& c) { return client->Acquire(name, wait, ReadySync::None(), c); });
   }
   return PyTensor{FromLease(Check(std::move(lease))), name};
 }
@@ -421,7 +561,8 @@ PyTensor Get(PyClient& self, const std::string& name, const std::optional<double
 PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const std::string& dtype,
                         const std::optional<std::vector<int64_t>>& strides,
                         const std::string& device, bool subbyte_padded,
-                        const std::optional<double>& timeout) {
+                        const std::optional<double>& timeout,
+                        const std::optional<WaitCanceller>& cancel) {
   const absl::Duration wait = TimeoutFrom(timeout);
   TensorSpec spec;
   spec.dtype = Check(ParseDataType(dtype));
@@ -429,27 +570,33 @@ PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const
   if (strides.has_value()) spec.strides = *strides;
   spec.device = ParseDevice(device);
   spec.subbyte_padded = subbyte_padded;
+  std::shared_ptr<Client> client = Live(*self.state);
   absl::StatusOr<WritableTensor> tensor;
-  {
-    nb::gil_scoped_release release;
-    tensor = self.client->Create(spec, wait);
+  if (wait == absl::ZeroDuration()) {
+    ReleaseGil release;
+    tensor = client->Create(spec, wait);
+  } else {
+    tensor = RunWaiting<absl::StatusOr<WritableTensor>>(
+        *self.state, cancel, [&](const WaitCanceller& c) { return client->Create(spec, wait, c); });
   }
   PyWritableTensor out;
   out.storage = FromWritable(Check(std::move(tensor)));
-  out.client = self.client;
+  out.client = self.state;
   return out;
 }
 
 // Publishes `tensor` and returns the sealed tensor holding a lease on it.
 void PublishWritable(PyWritableTensor& self, const std::string& name, bool replace) {
-  Storage& storage = *self.storage;
+  const std::shared_ptr<Storage> pinned = Live(self);
+  Storage& storage = *pinned;
   if (!storage.writable.has_value() || storage.writable->published()) {
     Raise(absl::FailedPreconditionError(absl::StrCat(Describe(self), ": already published")));
   }
+  std::shared_ptr<Client> client = Live(*self.client);
   absl::StatusOr<DLManagedTensorVersioned*> lease;
   {
-    nb::gil_scoped_release release;
-    lease = self.client->PublishAndAcquire(*storage.writable, name, replace);
+    ReleaseGil release;
+    lease = client->PublishAndAcquire(*storage.writable, name, replace);
   }
   DLManagedTensorVersioned* held = Check(std::move(lease));
   // Sealed: views taken while writing stay valid (the lease keeps the buffer) but read-only.
@@ -462,29 +609,35 @@ void PublishWritable(PyWritableTensor& self, const std::string& name, bool repla
 
 // Copies `source` into a new tensor and publishes it. CUDA sources are copied on `stream` (the
 // stream their producer's work is ordered on), which the ready event is then recorded on.
+// `cancel`: the caller's canceller for the wait for memory (only with release_gil: a wait with
+// the GIL held cannot be cancelled from Python).
 PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor& source,
                          uint64_t flags, bool replace, absl::Duration timeout, bool release_gil,
-                         CudaStream stream = kLegacyDefaultStream) {
-  absl::StatusOr<DLManagedTensorVersioned*> lease;
-  auto run = [&] {
-    absl::StatusOr<WritableTensor> tensor = CopyIn(*self.client, source, flags, stream, timeout);
-    if (!tensor.ok()) {
-      lease = tensor.status();
-      return;
-    }
-    lease = self.client->PublishAndAcquire(*tensor, name, replace, stream);
+                         CudaStream stream = kLegacyDefaultStream,
+                         const std::optional<WaitCanceller>& cancel = std::nullopt) {
+  std::shared_ptr<Client> client = Live(*self.state);
+  using Result = absl::StatusOr<DLManagedTensorVersioned*>;
+  auto run = [&](const WaitCanceller* c) -> Result {
+    absl::StatusOr<WritableTensor> tensor = CopyIn(*client, source, flags, stream, timeout, c);
+    if (!tensor.ok()) return tensor.status();
+    return client->PublishAndAcquire(*tensor, name, replace, stream);
   };
-  if (release_gil) {
-    nb::gil_scoped_release release;
-    run();
+  Result lease;
+  if (!release_gil) {
+    lease = run(nullptr);
+  } else if (timeout == absl::ZeroDuration()) {
+    ReleaseGil release;
+    lease = run(nullptr);
   } else {
-    run();
+    lease =
+        RunWaiting<Result>(*self.state, cancel, [&](const WaitCanceller& c) { return run(&c); });
   }
   return PyTensor{FromLease(Check(std::move(lease))), name};
 }
 
 PyTensor PutCapsule(PyClient& self, const std::string& name, nb::handle capsule, bool replace,
-                    const std::optional<double>& timeout) {
+                    const std::optional<double>& timeout,
+                    const std::optional<WaitCanceller>& cancel) {
   const absl::Duration wait = TimeoutFrom(timeout);
   PyObject* object = capsule.ptr();
   if (PyCapsule_IsValid(object, kVersioned)) {
@@ -501,7 +654,8 @@ PyTensor PutCapsule(PyClient& self, const std::string& name, nb::handle capsule,
         managed, [](DLManagedTensorVersioned* m) {
           if (m->deleter != nullptr) m->deleter(m);
         });
-    return PutFromDLTensor(self, name, managed->dl_tensor, managed->flags, replace, wait, true);
+    return PutFromDLTensor(self, name, managed->dl_tensor, managed->flags, replace, wait, true,
+                           kLegacyDefaultStream, cancel);
   }
   if (PyCapsule_IsValid(object, kLegacy)) {
     auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(object, kLegacy));
@@ -511,7 +665,8 @@ PyTensor PutCapsule(PyClient& self, const std::string& name, nb::handle capsule,
                                                                          if (m->deleter != nullptr)
                                                                            m->deleter(m);
                                                                        });
-    return PutFromDLTensor(self, name, managed->dl_tensor, 0, replace, wait, true);
+    return PutFromDLTensor(self, name, managed->dl_tensor, 0, replace, wait, true,
+                           kLegacyDefaultStream, cancel);
   }
   if (PyCapsule_IsValid(object, kUsedVersioned) || PyCapsule_IsValid(object, kUsedLegacy)) {
     throw nb::value_error("DLPack capsule already consumed: a capsule can be consumed only once");
@@ -568,10 +723,11 @@ PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb
 }
 
 nb::dict StatDict(PyClient& self) {
+  std::shared_ptr<Client> client = Live(*self.state);
   absl::StatusOr<ServerStats> stats;
   {
-    nb::gil_scoped_release release;
-    stats = self.client->Stat();
+    ReleaseGil release;
+    stats = client->Stat();
   }
   ServerStats s = Check(std::move(stats));
   nb::dict out;
@@ -594,12 +750,14 @@ nb::dict StatDict(PyClient& self) {
   return out;
 }
 
+absl::StatusOr<std::vector<TensorInfo>> List(PyClient& self, const std::string& prefix) {
+  std::shared_ptr<Client> client = Live(*self.state);
+  ReleaseGil release;
+  return client->List(prefix);
+}
+
 nb::list ListDicts(PyClient& self, const std::string& prefix) {
-  absl::StatusOr<std::vector<TensorInfo>> listed;
-  {
-    nb::gil_scoped_release release;
-    listed = self.client->List(prefix);
-  }
+  absl::StatusOr<std::vector<TensorInfo>> listed = List(self, prefix);
   nb::list out;
   for (const TensorInfo& info : Check(std::move(listed))) {
     nb::dict d;
@@ -614,7 +772,53 @@ nb::list ListDicts(PyClient& self, const std::string& prefix) {
   return out;
 }
 
-nb::tuple ShapeOf(const PyTensor& t) { return nb::tuple(nb::cast(t.storage->shape)); }
+// Names starting with `prefix`, in name order.
+std::vector<std::string> Keys(PyClient& self, const std::string& prefix) {
+  std::vector<TensorInfo> listed = Check(List(self, prefix));
+  std::vector<std::string> names;
+  names.reserve(listed.size());
+  for (TensorInfo& info : listed) names.push_back(std::move(info.name));
+  return names;
+}
+
+// Whether `name` is published (taking no lease). False for a name that could not be published.
+bool Contains(PyClient& self, const std::string& name) {
+  if (!ValidateName(name).ok()) {
+    Live(*self.state);  // a closed client still says so
+    return false;
+  }
+  for (const TensorInfo& info : Check(List(self, name))) {
+    if (info.name == name) return true;
+  }
+  return false;
+}
+
+// Ends the client: waits in other threads are woken (they raise ClosedError), later calls raise
+// ClosedError, and the session closes once the tensors taken from it are released.
+void CloseClient(PyClient& self) {
+  ClientState& state = *self.state;
+  if (state.client == nullptr) return;
+  state.session_id = state.client->session_id();
+  state.daemon_instance = state.client->daemon_instance();
+  std::shared_ptr<Client> client = std::move(state.client);
+  ForgetAllocatorClient(client.get());
+  for (WaitingCall& call : WaitingCalls()) {
+    if (call.client == &state) call.cancel.Cancel();
+  }
+  ReleaseGil release;
+  client.reset();  // the last reference, unless a call in progress holds one: it ends with it
+}
+
+std::string ClientRepr(const PyClient& self) {
+  const ClientState& state = *self.state;
+  const bool closed = state.client == nullptr;
+  return absl::StrCat("tensorshm.Client(socket='", state.socket, "', session_id='",
+                      closed ? state.session_id : state.client->session_id(), "', daemon_instance=",
+                      closed ? state.daemon_instance : state.client->daemon_instance(),
+                      closed ? ", closed" : "", ")");
+}
+
+nb::tuple ShapeOf(const PyTensor& t) { return nb::tuple(nb::cast(Live(t)->shape)); }
 
 }  // namespace
 }  // namespace tensorshm::python
@@ -631,33 +835,40 @@ NB_MODULE(_tensorshm, m) {
                               "for CUDA tensors the read-only flag is advisory, as CUDA IPC maps "
                               "device memory writable).");
   tensor
-      .def("__dlpack__", &DLPack, nb::kw_only(), "stream"_a = nb::none(),
-           "max_version"_a = nb::none(), "dl_device"_a = nb::none(), "copy"_a = nb::none(),
-           "The tensor as a DLPack capsule. With max_version >= (1, 0): a zero-copy view "
-           "flagged read-only when the tensor is (numpy, torch, tvm-ffi). Without it (JAX, "
-           "pre-1.0 consumers), a legacy capsule cannot say read-only: a published host "
-           "tensor is then handed over as a private copy the consumer owns (copy=False "
-           "refuses), and a published CUDA tensor is refused unless dl_device=(1, 0) asks for "
-           "a host copy. copy=True always copies to host memory.")
+      .def(
+          "__dlpack__",
+          [](const PyTensor& t, nb::handle stream, nb::handle max_version, nb::handle dl_device,
+             nb::handle copy) {
+            // A copy holding the storage: a release() in another thread while DLPack waits
+            // without the GIL cannot free it.
+            PyTensor pinned{Live(t), t.name};
+            return DLPack(pinned, stream, max_version, dl_device, copy);
+          },
+          nb::kw_only(), "stream"_a = nb::none(), "max_version"_a = nb::none(),
+          "dl_device"_a = nb::none(), "copy"_a = nb::none(),
+          "The tensor as a DLPack capsule. With max_version >= (1, 0): a zero-copy view "
+          "flagged read-only when the tensor is (numpy, torch, tvm-ffi). Without it (JAX, "
+          "pre-1.0 consumers), a legacy capsule cannot say read-only: a published host "
+          "tensor is then handed over as a private copy the consumer owns (copy=False "
+          "refuses), and a published CUDA tensor is refused unless dl_device=(1, 0) asks for "
+          "a host copy. copy=True always copies to host memory.")
       .def("__dlpack_device__",
            [](const PyTensor& t) {
-             return std::make_pair(static_cast<int>(t.storage->tensor.device.device_type),
-                                   static_cast<int>(t.storage->tensor.device.device_id));
+             return std::make_pair(static_cast<int>(Live(t)->tensor.device.device_type),
+                                   static_cast<int>(Live(t)->tensor.device.device_id));
            })
       .def_prop_ro("shape", &ShapeOf)
       .def_prop_ro("strides",
-                   [](const PyTensor& t) { return nb::tuple(nb::cast(t.storage->strides)); })
-      .def_prop_ro(
-          "dtype",
-          [](const PyTensor& t) { return tensorshm::DataTypeName(t.storage->tensor.dtype); })
-      .def_prop_ro(
-          "device",
-          [](const PyTensor& t) { return tensorshm::DeviceName(t.storage->tensor.device); })
+                   [](const PyTensor& t) { return nb::tuple(nb::cast(Live(t)->strides)); })
+      .def_prop_ro("dtype",
+                   [](const PyTensor& t) { return tensorshm::DataTypeName(Live(t)->tensor.dtype); })
+      .def_prop_ro("device",
+                   [](const PyTensor& t) { return tensorshm::DeviceName(Live(t)->tensor.device); })
       .def_prop_ro("nbytes",
                    [](const PyTensor& t) {
                      const bool padded =
-                         (t.storage->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
-                     return SpanOf(t.storage->tensor, padded).nbytes;
+                         (Live(t)->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
+                     return SpanOf(Live(t)->tensor, padded).nbytes;
                    })
       .def_prop_ro("name",
                    [](const PyTensor& t) -> std::optional<std::string> {
@@ -666,13 +877,13 @@ NB_MODULE(_tensorshm, m) {
                    })
       .def_prop_ro(
           "read_only",
-          [](const PyTensor& t) { return (t.storage->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0; })
+          [](const PyTensor& t) { return (Live(t)->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0; })
       .def_prop_ro("subbyte_padded",
                    [](const PyTensor& t) {
-                     return (t.storage->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
+                     return (Live(t)->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
                    })
       .def_prop_ro(
-          "alive", [](const PyTensor& t) { return t.storage->LeaseStatus().ok(); },
+          "alive", [](const PyTensor& t) { return Live(t)->LeaseStatus().ok(); },
           "Whether tensorshmd still reserves this tensor's memory for it. False once a restarted "
           "daemon did not take the tensor's lease back (the memory stays mapped and readable, but "
           "its bytes are no longer guaranteed), and in a process forked from the one that "
@@ -680,23 +891,57 @@ NB_MODULE(_tensorshm, m) {
           "tensors that hold no lease: foreign tensors, and unpublished writable tensors (a "
           "restarted daemon that did not take one back makes its publish() raise DataLossError).")
       .def(
-          "check", [](const PyTensor& t) { Check(t.storage->LeaseStatus()); },
+          "check", [](const PyTensor& t) { Check(Live(t)->LeaseStatus()); },
           "Returns None while the tensor is alive; otherwise raises DataLossError (a restarted "
           "daemon did not take its lease back) or FailedPreconditionError (in a forked child: "
           "connect and get it again there).")
       .def_prop_ro("_data_ptr",
                    [](const PyTensor& t) {
-                     return reinterpret_cast<uintptr_t>(t.storage->tensor.data) +
-                            t.storage->tensor.byte_offset;
+                     return reinterpret_cast<uintptr_t>(Live(t)->tensor.data) +
+                            Live(t)->tensor.byte_offset;
                    })
       .def("_raw_storage",
            [](const PyTensor& t) {
-             const bool padded =
-                 (t.storage->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
-             const StorageSpan span = SpanOf(t.storage->tensor, padded);
-             return std::make_pair(RawStorage{t.storage}, span.element0);
+             const std::shared_ptr<Storage>& storage = Live(t);
+             const bool padded = (storage->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
+             const StorageSpan span = SpanOf(storage->tensor, padded);
+             return std::make_pair(RawStorage{storage}, span.element0);
            })
-      .def("__repr__", [](const PyTensor& t) {
+      .def(
+          "release",
+          [](PyTensor& t) {
+            std::shared_ptr<Storage> storage = std::move(t.storage);
+            // Views exported before (DLPack, the buffer protocol, to_numpy) hold their own
+            // reference: the lease goes back with the last of them.
+            storage.reset();
+          },
+          "Gives the tensor's lease back now (idempotent), instead of when the object is "
+          "garbage collected; an unpublished WritableTensor's buffer is freed. Views already "
+          "exported (np.from_dlpack, torch.from_dlpack, memoryview, np.asarray, "
+          "tensorshm.to_numpy) stay valid and hold the lease until they go. Any later use of "
+          "this object raises ReleasedError.")
+      .def_prop_ro(
+          "released", [](const PyTensor& t) { return t.storage == nullptr; },
+          "Whether release() was called (or the tensor's with block ended).")
+      // numpy swallows a buffer protocol error and makes an object array instead; an error
+      // from __array_interface__ (tried next) it raises. So a released tensor raises
+      // ReleasedError from np.asarray too; a live one has no such attribute (AttributeError).
+      .def_prop_ro("__array_interface__",
+                   [](const PyTensor& t) -> nb::object {
+                     Live(t);
+                     throw nb::attribute_error("__array_interface__");
+                   })
+      .def("__enter__", [](nb::handle self) { return nb::borrow(self); })
+      .def(
+          "__exit__", [](PyTensor& t, nb::handle, nb::handle, nb::handle) { t.storage.reset(); },
+          nb::arg().none(), nb::arg().none(), nb::arg().none())
+      .def("__repr__", [](nb::handle self) {
+        const PyTensor& t = nb::cast<const PyTensor&>(self);
+        if (t.storage == nullptr) {
+          return absl::StrCat(
+              "tensorshm.", nb::isinstance<PyWritableTensor>(self) ? "WritableTensor" : "Tensor",
+              "(", t.name.empty() ? "" : absl::StrCat("name='", t.name, "', "), "released)");
+        }
         const Storage& s = *t.storage;
         return absl::StrCat(
             "tensorshm.",
@@ -716,8 +961,15 @@ NB_MODULE(_tensorshm, m) {
                                          "A tensor being filled; publish() seals it.")
       .def("publish", &PublishWritable, "name"_a, "replace"_a = false)
       .def_prop_ro("published", [](const PyWritableTensor& t) {
-        return !t.storage->writable.has_value() || t.storage->writable->published();
+        const std::shared_ptr<Storage>& storage = Live(t);
+        return !storage->writable.has_value() || storage->writable->published();
       });
+
+  nb::class_<tensorshm::WaitCanceller>(
+      m, "_WaitCanceller", "Cancels the waits it is passed to (tensorshm's asyncio calls).")
+      .def(nb::init<>())
+      .def("cancel", &tensorshm::WaitCanceller::Cancel)
+      .def_prop_ro("cancelled", &tensorshm::WaitCanceller::cancelled);
 
   nb::class_<PyClient> client(m, "_Client");
   DefineArrowImport(client);
@@ -740,44 +992,86 @@ NB_MODULE(_tensorshm, m) {
             }
             absl::StatusOr<std::shared_ptr<Client>> client;
             {
-              nb::gil_scoped_release release;
+              ReleaseGil release;
               client = Client::Connect(options);
             }
-            PyClient out{Check(std::move(client))};
-            SetAllocatorClient(out.client);
-            return out;
+            auto state = std::make_shared<ClientState>();
+            state->client = Check(std::move(client));
+            state->socket = state->client->socket();
+            SetAllocatorClient(state->client);
+            return PyClient{std::move(state)};
           },
           "socket"_a = nb::none(), "client_name"_a = nb::none(), "timeout"_a = 5.0,
           "server_uid"_a = nb::none())
-      .def("get", &Get, "name"_a, "timeout"_a = 0.0)
+      .def("get", &Get, "name"_a, "timeout"_a = 0.0, "cancel"_a = nb::none())
       .def("create", &Create, "shape"_a, "dtype"_a, "strides"_a = nb::none(), "device"_a = "cpu",
-           "subbyte_padded"_a = false, "timeout"_a = 0.0)
+           "subbyte_padded"_a = false, "timeout"_a = 0.0, "cancel"_a = nb::none())
       .def("put_capsule", &PutCapsule, "name"_a, "capsule"_a, "replace"_a = false,
-           "timeout"_a = 0.0)
+           "timeout"_a = 0.0, "cancel"_a = nb::none())
       .def("put_exchange", &PutExchange, "name"_a, "obj"_a, "api"_a, "replace"_a = false,
            "timeout"_a = 0.0)
       .def("delete",
            [](PyClient& self, const std::string& name) {
+             std::shared_ptr<Client> client = Live(*self.state);
              absl::Status status;
              {
-               nb::gil_scoped_release release;
-               status = self.client->Delete(name);
+               ReleaseGil release;
+               status = client->Delete(name);
              }
              Check(status);
            })
       .def("list", &ListDicts, "prefix"_a = "")
+      .def("keys", &Keys, "prefix"_a = "")
+      .def("contains", &Contains, "name"_a)
       .def("stat", &StatDict)
       .def("flush",
            [](PyClient& self) {
+             std::shared_ptr<Client> client = Live(*self.state);
              absl::Status status;
              {
-               nb::gil_scoped_release release;
-               status = self.client->Flush();
+               ReleaseGil release;
+               status = client->Flush();
              }
              Check(status);
            })
-      .def_prop_ro("session_id", [](const PyClient& self) { return self.client->session_id(); });
+      .def("close", &CloseClient)
+      .def_prop_ro("closed", [](const PyClient& self) { return self.state->client == nullptr; })
+      .def_prop_ro("session_id",
+                   [](const PyClient& self) {
+                     const ClientState& state = *self.state;
+                     return state.client == nullptr ? state.session_id : state.client->session_id();
+                   })
+      .def_prop_ro("daemon_instance",
+                   [](const PyClient& self) {
+                     const ClientState& state = *self.state;
+                     return state.client == nullptr ? state.daemon_instance
+                                                    : state.client->daemon_instance();
+                   })
+      .def_prop_ro("socket", [](const PyClient& self) { return self.state->socket; })
+      .def("__repr__", &ClientRepr);
 
+  m.def(
+      "_cancel_waits_at_exit",
+      [] {
+        exiting = true;
+        for (WaitingCall& call : WaitingCalls()) call.cancel.Cancel();
+        // The woken calls (and any other without the GIL) take it back and return. Bounded: a
+        // call that does not come back (a daemon that stopped answering) is left to its fate.
+        const absl::Time deadline = absl::Now() + absl::Seconds(5);
+        while (released_regions > 0 && absl::Now() < deadline) {
+          PyThreadState* state = PyEval_SaveThread();
+          absl::SleepFor(absl::Milliseconds(1));
+          PyEval_RestoreThread(state);
+        }
+      },
+      "At interpreter exit: wakes every waiting get/create/put (they raise CancelledError), "
+      "waits for calls in progress to return, and makes later waits raise at once.");
+
+  m.def(
+      "_quiet_leak_warnings", [] { nb::set_leak_warnings(false); },
+      "At exit, when daemon threads are still alive: nanobind would report the tensors and "
+      "clients they hold as leaked. Safe to leave: the process is exiting, and the daemon takes "
+      "a session's leases and buffers back when its connection closes.");
   m.def("_after_fork_in_child", &ForgetAllocatorClientAfterFork,
         "Called in a child of os.fork(): forgets the parent's allocator client.");
   m.def("_exchange_api_calls", [] {

@@ -16,20 +16,58 @@ struct PyTensor {
   std::string name;  // the published name; empty for unpublished and foreign tensors
 };
 
-// A tensor being filled; publish() seals it.
-struct PyWritableTensor : PyTensor {
-  std::shared_ptr<Client> client;
+// A Python client's connection, shared with the writable tensors it created (which publish
+// through it). Guarded by the GIL.
+struct ClientState {
+  std::shared_ptr<Client> client;  // null once closed
+  std::string socket;
+  std::string session_id;  // kept for messages after close
+  uint64_t daemon_instance = 0;
 };
 
-// tensorshm._tensorshm._Client. Thread-safe (Client is).
-struct PyClient {
-  std::shared_ptr<Client> client;
+// A tensor being filled; publish() seals it.
+struct PyWritableTensor : PyTensor {
+  std::shared_ptr<ClientState> client;
 };
+
+// As nb::gil_scoped_release, counted so that interpreter exit can wait for every call that let go
+// of the GIL to take it back; a no-op once the interpreter is exiting (module.cc says why). Use
+// it, not nb::gil_scoped_release, around every call that may block.
+class ReleaseGil {
+ public:
+  ReleaseGil();
+  ~ReleaseGil();
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+
+ private:
+  void* state_ = nullptr;  // the PyThreadState saved, or null if the GIL was kept
+};
+
+// tensorshm._tensorshm._Client.
+struct PyClient {
+  std::shared_ptr<ClientState> state;
+};
+
+// The client to make a call through, for the duration of the call: a close() in another thread
+// meanwhile cannot free it. Raises tensorshm.ClosedError once closed. REQUIRES the GIL.
+std::shared_ptr<Client> Live(const ClientState& state);
+
+// `tensor`'s storage; raises tensorshm.ReleasedError naming the tensor once it was released
+// (release() or the end of its with block). REQUIRES the GIL; a caller that releases the GIL
+// copies the shared_ptr first (another thread may release the tensor meanwhile).
+const std::shared_ptr<Storage>& Live(const PyTensor& tensor);
+// As Live, for C callbacks that return -1 with a Python exception set: nullptr, and the
+// ReleasedError set, if `tensor` was released.
+const std::shared_ptr<Storage>* LiveOrSetError(const PyTensor& tensor);
 
 // The client the DLPack exchange API's allocator creates tensors through: the last one connected
 // in this process that is still alive. Thread-safe.
 void SetAllocatorClient(const std::shared_ptr<Client>& client);
 std::shared_ptr<Client> AllocatorClient();
+// After `client` was closed: the allocator no longer creates through it (nor, until another
+// client connects, through any).
+void ForgetAllocatorClient(const Client* client);
 // In a child of fork(), with no other thread running yet: forgets the parent's client (it cannot
 // allocate here) and re-creates the lock, which a parent thread may have held at the fork.
 void ForgetAllocatorClientAfterFork();

@@ -1,22 +1,27 @@
 """tensorshm: share tensors between processes through shared memory, zero-copy, over DLPack.
 
     import tensorshm, numpy as np
-    client = tensorshm.connect()
-    client.put("batch/17", np.arange(12, dtype=np.float32).reshape(3, 4))
-    t = client.get("batch/17")          # zero-copy, read-only
-    a = np.from_dlpack(t)               # or torch.from_dlpack(t), tvm_ffi.from_dlpack(t)
+    with tensorshm.connect() as client:
+        client.put("batch/17", np.arange(12, dtype=np.float32).reshape(3, 4))
+        with client.get("batch/17") as t:   # zero-copy, read-only; the lease ends with the block
+            a = np.from_dlpack(t)           # or torch.from_dlpack(t), tvm_ffi.from_dlpack(t)
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import os
 import sys
-from typing import Any
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from . import _tensorshm
 from ._errors import (
     AlreadyExistsError,
     CancelledError,
+    ClosedError,
     ConnectionError,
     DataLossError,
     Error,
@@ -25,6 +30,7 @@ from ._errors import (
     InvalidArgumentError,
     NotFoundError,
     PermissionError,
+    ReleasedError,
     ResourceExhaustedError,
     TimeoutError,
     UnimplementedError,
@@ -36,6 +42,7 @@ __all__ = [
     "AlreadyExistsError",
     "CancelledError",
     "Client",
+    "ClosedError",
     "ConnectionError",
     "DataLossError",
     "Error",
@@ -44,6 +51,7 @@ __all__ = [
     "InvalidArgumentError",
     "NotFoundError",
     "PermissionError",
+    "ReleasedError",
     "ResourceExhaustedError",
     "Tensor",
     "TimeoutError",
@@ -56,6 +64,8 @@ __all__ = [
 __version__ = "0.1.0"
 
 _DLPACK_VERSION = (1, 3)
+
+_T = TypeVar("_T")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -78,8 +88,20 @@ def _dtype_name(dtype: Any) -> str:
 class Client:
     """A connection (one session) to tensorshmd. Thread-safe.
 
+        with tensorshm.connect() as client:     # close() at the end of the block
+            client["x"] = np.zeros(4)           # put("x", ..., replace=True)
+            t = client["x"]                     # get("x"): NotFoundError (a KeyError) if absent
+            "x" in client, client.keys("batch/"), del client["x"]
+
     Tensors obtained through a client stay valid after it is closed or garbage collected, until
-    they themselves are released.
+    they themselves are released (``t.release()``, the end of ``with t:``, or garbage
+    collection); the session ends once the client is closed and they are all released.
+
+    Dict-like access works on the daemon's names, which other processes change at any time:
+    ``name in client`` and ``keys()`` are snapshots, and iterating over a client iterates over
+    one ``keys()`` snapshot. There is no ``len(client)``: with it an empty daemon would make the
+    client falsy (``if client:``), and the count would be stale at once; use
+    ``len(client.keys())``.
 
     If the daemon restarts, the client reconnects on its own (a new ``session_id``); calls made
     meanwhile raise ConnectionError or FailedPreconditionError and may be retried. Tensors stay
@@ -97,7 +119,40 @@ class Client:
 
     @property
     def session_id(self) -> str:
+        """The session id the daemon assigned (a new one after a daemon restart)."""
         return self._native.session_id
+
+    @property
+    def socket(self) -> str:
+        """The path of the daemon's Unix socket this client connects to."""
+        return self._native.socket
+
+    @property
+    def daemon_instance(self) -> int:
+        """The daemon instance serving the session (a new one after a daemon restart)."""
+        return self._native.daemon_instance
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (or the client's ``with`` block ended)."""
+        return self._native.closed
+
+    def close(self) -> None:
+        """End this client now (idempotent).
+
+        A ``get`` (or a ``create``/``put`` waiting for memory) in progress in another thread is
+        woken and raises ClosedError; every later call raises ClosedError, naming the session.
+        Tensors and writable tensors taken from the client stay valid and readable (an
+        unpublished writable tensor can no longer be published); the session closes as soon as
+        they are all released, at once if none is held.
+        """
+        self._native.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def create(self, shape: Any, dtype: Any = "float32", device: str = "cpu", *,
                strides: Any = None, subbyte_padded: bool | None = None,
@@ -135,9 +190,106 @@ class Client:
         CUDA IPC opens the device memory writable, so nothing stops a write through the pointer.
 
         ``timeout``: 0 raises NotFoundError at once if the name is not published; seconds waits
-        that long for a publish (then TimeoutError); None waits until it is published.
+        that long for a publish (then TimeoutError); None waits until it is published. A wait
+        raises ClosedError if the client is closed meanwhile, and CancelledError if the
+        interpreter exits meanwhile (waits are cancelled then, so that threads blocked in get do
+        not keep the process from exiting).
+
+        Use ``with client.get(name) as t:`` (or ``t.release()``) to give the lease back early.
         """
         return self._native.get(name, None if timeout is None else float(timeout))
+
+    def get_many(self, names: Iterable[str], timeout: float | None = 0) -> list[Tensor]:
+        """The tensors published as ``names``, in that order, waiting for all of them.
+
+        ``timeout`` bounds the whole call (one deadline, not one per name): 0 raises at once if
+        one is not published, seconds waits up to that long in all (then TimeoutError), None
+        waits until all are published. On any failure no lease is kept (those already got are
+        released) and the error, of the same class as ``get``'s, names the name that failed.
+        """
+        return self._get_many(list(names), timeout, None)
+
+    def _get_many(self, names: list[str], timeout: float | None,
+                  cancel: _tensorshm._WaitCanceller | None) -> list[Tensor]:
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        got: list[Tensor] = []
+        index = 0
+        try:
+            for index, name in enumerate(names):
+                if deadline is None:
+                    left: float | None = None
+                elif timeout == 0:
+                    left = 0.0
+                else:
+                    # Still a wait (TimeoutError, not NotFoundError) once the deadline passed.
+                    left = max(deadline - time.monotonic(), 1e-6)
+                got.append(self._native.get(name, left, cancel))
+        except Error as e:
+            for tensor in got:
+                tensor.release()
+            raise type(e)(
+                f"get_many: name = {names[index]!r} (#{index} of {len(names)} names, "
+                f"timeout={timeout}) failed: {e.message}; the {len(got)} tensors got before it "
+                "were released",
+                e.code,
+            ) from e
+        except BaseException:
+            for tensor in got:
+                tensor.release()
+            raise
+        return got
+
+    async def aget(self, name: str, timeout: float | None = 0) -> Tensor:
+        """``get`` for asyncio: the wait runs in a worker thread without the GIL, so the event
+        loop keeps running. Cancelling the awaiting task wakes the wait at once (it does not
+        run to its timeout) and keeps no lease: the cancellation completes once the wait ended
+        and anything it got was released."""
+        t = None if timeout is None else float(timeout)
+        return await _off_loop(lambda cancel: self._native.get(name, t, cancel),
+                               lambda tensor: tensor.release())
+
+    async def aget_many(self, names: Iterable[str], timeout: float | None = 0) -> list[Tensor]:
+        """``get_many`` for asyncio, as ``aget``: cancellable, never blocking the loop."""
+        listed = list(names)
+        return await _off_loop(lambda cancel: self._get_many(listed, timeout, cancel),
+                               _release_all)
+
+    async def aput(self, name: str, obj: Any, replace: bool = False, *,
+                   timeout: float | None = 0) -> Tensor:
+        """``put`` for asyncio: the copy (and a wait for memory, with ``timeout``) runs in a
+        worker thread with the GIL released, so the event loop keeps running. Cancellable: a
+        wait for memory is woken at once; a put that completed anyway is released (the name
+        stays published, as after a put)."""
+        return await _off_loop(
+            lambda cancel: self._put(name, obj, replace, timeout, cancel),
+            lambda tensor: tensor.release())
+
+    def __getitem__(self, name: str) -> Tensor:
+        """``client[name]``: ``get(name)``; NotFoundError (a KeyError) if not published."""
+        return self.get(name)
+
+    def __setitem__(self, name: str, obj: Any) -> None:
+        """``client[name] = obj``: ``put(name, obj, replace=True)``, keeping no lease."""
+        self.put(name, obj, replace=True).release()
+
+    def __delitem__(self, name: str) -> None:
+        """``del client[name]``: ``delete(name)``; NotFoundError (a KeyError) if not published."""
+        self.delete(name)
+
+    def __contains__(self, name: object) -> bool:
+        """``name in client``: whether ``name`` is published now, taking no lease. False for
+        anything that is not a publishable name."""
+        if not isinstance(name, str):
+            return False
+        return self._native.contains(name)
+
+    def __iter__(self) -> Iterator[str]:
+        """Iterates over a snapshot of the published names (``keys()``), in name order."""
+        return iter(self.keys())
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """The published names starting with ``prefix``, in name order (a snapshot)."""
+        return self._native.keys(prefix)
 
     def put(self, name: str, obj: Any, replace: bool = False, *,
             timeout: float | None = 0) -> Tensor:
@@ -160,7 +312,16 @@ class Client:
 
         ``timeout``: how long the copy's buffer may wait for memory in a full pool, as
         ``create``'s.
+
+        Use ``with client.put(name, obj) as t:`` (or ``t.release()``) to give the lease back
+        early.
         """
+        return self._put(name, obj, replace, timeout, None)
+
+    def _put(self, name: str, obj: Any, replace: bool, timeout: float | None,
+             cancel: _tensorshm._WaitCanceller | None) -> Tensor:
+        """put; with ``cancel`` (aput, in a worker thread) the owned ``__dlpack__`` export is
+        preferred, as its copy runs with the GIL released."""
         timeout = None if timeout is None else float(timeout)
         if _is_numpy_scalar(obj):
             import numpy as np
@@ -170,7 +331,7 @@ class Client:
         api = getattr(cls, "__dlpack_c_exchange_api__", None)
         if api is None:
             api = getattr(cls, "__c_dlpack_exchange_api__", None)
-        if api is not None:
+        if api is not None and (cancel is None or not hasattr(obj, "__dlpack__")):
             return self._native.put_exchange(name, obj, api, replace, timeout)
         arrow = _exports_arrow_array(obj)
         if hasattr(obj, "__dlpack__"):
@@ -183,19 +344,19 @@ class Client:
                 if _is_numpy_array(obj):
                     return self._put_numpy(name, obj, replace, timeout)
                 if arrow:
-                    return self._put_arrow(name, obj, replace, timeout)
+                    return self._put_arrow(name, obj, replace, timeout, cancel)
                 raise
             except Exception:
                 # e.g. pyarrow refusing arrays with nulls: the Arrow path says why, or copies
                 # what DLPack could not export.
                 if arrow:
-                    return self._put_arrow(name, obj, replace, timeout)
+                    return self._put_arrow(name, obj, replace, timeout, cancel)
                 raise
-            return self._native.put_capsule(name, capsule, replace, timeout)
+            return self._native.put_capsule(name, capsule, replace, timeout, cancel)
         if arrow:
-            return self._put_arrow(name, obj, replace, timeout)
+            return self._put_arrow(name, obj, replace, timeout, cancel)
         if type(obj).__name__ == "PyCapsule":
-            return self._native.put_capsule(name, obj, replace, timeout)
+            return self._native.put_capsule(name, obj, replace, timeout, cancel)
         if hasattr(obj, "__arrow_c_stream__"):
             raise TypeError(
                 f"put({name!r}, ...): {cls.__module__}.{cls.__qualname__} exports an Arrow "
@@ -208,8 +369,8 @@ class Client:
             "(__arrow_c_device_array__ or __arrow_c_array__)"
         )
 
-    def _put_arrow(self, name: str, obj: Any, replace: bool,
-                   timeout: float | None = 0) -> Tensor:
+    def _put_arrow(self, name: str, obj: Any, replace: bool, timeout: float | None,
+                   cancel: _tensorshm._WaitCanceller | None) -> Tensor:
         """Copy an Arrow array of type arrow.fixed_shape_tensor into a new tensor; the Arrow
         array is released once copied."""
         if hasattr(obj, "__arrow_c_device_array__"):
@@ -217,7 +378,7 @@ class Client:
         else:
             schema, array = obj.__arrow_c_array__()
         capsule = self._native.arrow_to_dlpack(schema, array)
-        return self._native.put_capsule(name, capsule, replace, timeout)
+        return self._native.put_capsule(name, capsule, replace, timeout, cancel)
 
     def _put_numpy(self, name: str, array: Any, replace: bool,
                    timeout: float | None = 0) -> Tensor:
@@ -252,7 +413,8 @@ class Client:
         self._native.flush()
 
     def __repr__(self) -> str:
-        return f"tensorshm.Client(session_id={self.session_id!r})"
+        """``tensorshm.Client(socket=..., session_id=..., daemon_instance=...[, closed])``."""
+        return repr(self._native)
 
 
 def _is_numpy_scalar(obj: Any) -> bool:
@@ -268,6 +430,79 @@ def _is_numpy_array(obj: Any) -> bool:
     cls = type(obj)
     return cls.__module__ == "numpy" and cls.__name__ == "ndarray"
 
+
+def _release_all(tensors: list[Tensor]) -> None:
+    for tensor in tensors:
+        tensor.release()
+
+
+async def _off_loop(call: Callable[[_tensorshm._WaitCanceller], _T],
+                    release: Callable[[_T], None]) -> _T:
+    """Runs ``call(cancel)`` in a worker thread (its own: a wait may last, and must not hold up
+    other calls) and awaits its result without blocking the loop. Cancelling the awaiting task
+    cancels the wait, waits for the call to end (promptly), and ``release``s what it got."""
+    loop = asyncio.get_running_loop()
+    cancel = _tensorshm._WaitCanceller()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def deliver(result: Any, error: BaseException | None) -> None:
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def work() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = call(cancel)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            error = e
+        try:
+            loop.call_soon_threadsafe(deliver, result, error)
+        except RuntimeError:  # the loop is closed: nobody takes the result
+            if error is None:
+                release(result)
+
+    threading.Thread(target=work, name="tensorshm-async", daemon=True).start()
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        cancel.cancel()
+        while not done.done():
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                continue
+            except BaseException:  # noqa: BLE001 - the call failed: nothing to release
+                break
+        if done.exception() is None:
+            release(done.result())
+        raise
+
+
+# At interpreter exit, before threading joins non-daemon threads: waits in progress (get,
+# create or put with a timeout) are woken and raise CancelledError, and later ones raise it at
+# once, so that a thread blocked in get(name, timeout=None) cannot keep the process from
+# exiting, and daemon threads let go of what they hold before finalization.
+try:
+    threading._register_atexit(_tensorshm._cancel_waits_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover - older or exiting interpreters
+    atexit.register(_tensorshm._cancel_waits_at_exit)
+
+
+
+def _at_exit() -> None:
+    """After threading joined its threads: a thread still alive is a daemon thread, which
+    finalization freezes with whatever it holds (tensors, clients). nanobind would report those
+    as leaked at teardown; they are not (the process is exiting, and the daemon reclaims the
+    session's leases and buffers when its connection closes), so its warnings are turned off
+    then, and only then."""
+    if threading.active_count() > 1:
+        _tensorshm._quiet_leak_warnings()
+
+
+atexit.register(_at_exit)
 
 # In a child of fork(), the client the DLPack exchange API's allocator creates tensors through is
 # the parent's (it cannot allocate there), and a parent thread may have held the lock around it.

@@ -55,6 +55,17 @@ class FailedPreconditionError(Error):
     code = 9
 
 
+class ClosedError(FailedPreconditionError, ValueError):
+    """A call on a closed Client (``close()`` or the end of its ``with`` block), or on a writable
+    tensor whose client was closed; also what a ``get`` waiting in another thread raises when
+    its client is closed. The message names the session and socket. Connect again."""
+
+
+class ReleasedError(FailedPreconditionError, ValueError):
+    """A use of a tensor after its ``release()`` (or the end of its ``with`` block). Views
+    exported before the release stay valid; get the tensor again to use it."""
+
+
 class UnimplementedError(Error, NotImplementedError):
     code = 12
 
