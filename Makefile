@@ -58,7 +58,7 @@ test-ecosystem: build python
 	  echo "test-ecosystem: installing scripts/requirements-ecosystem.txt into .venv"; \
 	  $(VENV_PY) -m pip install -q -r scripts/requirements-ecosystem.txt; }
 	TSM_REQUIRE_ECOSYSTEM=1 $(PYTEST) -m ecosystem tests/python
-	$(VENV_PY) -m mypy --strict examples
+	$(VENV_PY) -m mypy --strict examples python/tensorshm
 
 # The same as test-ecosystem (torch's tests are ecosystem tests); kept for old habits.
 test-torch: test-ecosystem

@@ -58,7 +58,8 @@ class SharedBatches(torch.utils.data.Dataset[str]):
             raise RuntimeError("SharedBatches runs in DataLoader workers (num_workers > 0), "
                                "whose worker_init_fn connects them")
         name = f"{self.prefix}/{index}"
-        _worker_client.put(name, make_batch(index, self.batch_size), replace=True)
+        # put(name, batch, replace=True), keeping no lease here: the main process's get takes one.
+        _worker_client[name] = make_batch(index, self.batch_size)
         return name
 
 
@@ -82,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
 
-    client = tensorshm.connect(args.socket, client_name="dataloader-main")
     dataset = SharedBatches(args.socket, args.prefix, args.batches, args.batch_size)
     # batch_size=None: each item already is a batch (a name); nothing is collated or copied.
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.workers,
@@ -90,17 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     checksum = 0
     norms = 0.0
     start = time.perf_counter()
-    for index, name in enumerate(loader):
-        tensor = client.get(name, timeout=30)
-        x = torch.from_dlpack(tensor)  # zero-copy: the worker's published pages
-        expected = torch.from_numpy(make_batch(index, args.batch_size))
-        if name != f"{args.prefix}/{index}" or not torch.equal(x, expected):
-            print(f"batch {index} ({name}) differs from make_batch({index})", file=sys.stderr)
-            return 1
-        norms += float(torch.linalg.vector_norm(x, dim=1).mean())  # "use" the batch
-        checksum += int(x.sum(dtype=torch.float64).item())
-        client.delete(name)
-        del x, tensor
+    with tensorshm.connect(args.socket, client_name="dataloader-main") as client:
+        for index, name in enumerate(loader):
+            with client[name] as tensor:  # published before the worker yielded its name
+                x = torch.from_dlpack(tensor)  # zero-copy: the worker's published pages
+                expected = torch.from_numpy(make_batch(index, args.batch_size))
+                if name != f"{args.prefix}/{index}" or not torch.equal(x, expected):
+                    print(f"batch {index} ({name}) differs from make_batch({index})",
+                          file=sys.stderr)
+                    return 1
+                norms += float(torch.linalg.vector_norm(x, dim=1).mean())  # "use" the batch
+                checksum += int(x.sum(dtype=torch.float64).item())
+                del x
+            del client[name]
     elapsed = time.perf_counter() - start
     want = sum(int(make_batch(i, args.batch_size).sum(dtype=np.int64))
                for i in range(args.batches))

@@ -44,9 +44,10 @@ def expected_checksum(batches: int, batch_size: int) -> int:
 
 
 def produce(client: tensorshm.Client, prefix: str, batches: int, batch_size: int) -> None:
-    """Publish every batch (replace: a batch left by an interrupted run is overwritten)."""
+    """Publish every batch (replace: a batch left by an interrupted run is overwritten; item
+    assignment is put(..., replace=True) keeping no lease in this process)."""
     for i in range(batches):
-        client.put(f"{prefix}/{i}", make_batch(i, batch_size), replace=True)
+        client[f"{prefix}/{i}"] = make_batch(i, batch_size)
 
 
 def consume(client: tensorshm.Client, prefix: str, batches: int, timeout: float) -> int:
@@ -62,17 +63,20 @@ def consume(client: tensorshm.Client, prefix: str, batches: int, timeout: float)
     with torch.inference_mode():
         for i in range(batches):
             name = f"{prefix}/{i}"
-            tensor = client.get(name, timeout=timeout)  # waits until the producer publishes it
-            if i == 0:
-                start = time.perf_counter()  # the rate counts from the first batch on
-            x = torch.from_dlpack(tensor)
-            if x.data_ptr() != tensor._data_ptr:
-                raise SystemExit(f"{name}: torch.from_dlpack copied the batch; expected zero-copy")
+            # Waits until the producer publishes it; the with block gives the lease back at its
+            # end, and `x`, a view, holds its own until it goes.
+            with client.get(name, timeout=timeout) as tensor:
+                if i == 0:
+                    start = time.perf_counter()  # the rate counts from the first batch on
+                x = torch.from_dlpack(tensor)
+                if x.data_ptr() != tensor._data_ptr:
+                    raise SystemExit(f"{name}: torch.from_dlpack copied the batch; expected "
+                                     "zero-copy")
             logits = model(x)
             predicted += torch.bincount(logits.argmax(dim=1), minlength=CLASSES)
             checksum += int(x.sum(dtype=torch.float64).item())
-            client.delete(name)  # the name goes now; the memory once `x` and `tensor` go
-            del x, tensor
+            del client[name]  # the name goes now; the memory once `x` goes
+            del x
     elapsed = time.perf_counter() - start
     rate = (batches - 1) / elapsed if batches > 1 and elapsed > 0 else 0.0
     print(f"consumer: {batches} batches, {rate:.1f} batches/s after the first; "
@@ -92,22 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=["both", "producer", "consumer"], default="both",
                         help="both: start a producer process and consume in this one")
     args = parser.parse_args(argv)
-    client = tensorshm.connect(args.socket)
-    if args.role == "producer":
-        produce(client, args.prefix, args.batches, args.batch_size)
-        return 0
-    producer = None
-    if args.role == "both":
-        command = [sys.executable, __file__, "--role", "producer", "--batches", str(args.batches),
-                   "--batch-size", str(args.batch_size), "--prefix", args.prefix]
-        if args.socket is not None:
-            command += ["--socket", args.socket]
-        producer = subprocess.Popen(command)
-    try:
-        checksum = consume(client, args.prefix, args.batches, args.timeout)
-    finally:
-        if producer is not None:
-            producer.wait(timeout=60)
+    with tensorshm.connect(args.socket) as client:  # closes the session at the end
+        if args.role == "producer":
+            produce(client, args.prefix, args.batches, args.batch_size)
+            return 0
+        producer = None
+        if args.role == "both":
+            command = [sys.executable, __file__, "--role", "producer", "--batches",
+                       str(args.batches), "--batch-size", str(args.batch_size), "--prefix",
+                       args.prefix]
+            if args.socket is not None:
+                command += ["--socket", args.socket]
+            producer = subprocess.Popen(command)
+        try:
+            checksum = consume(client, args.prefix, args.batches, args.timeout)
+        finally:
+            if producer is not None:
+                producer.wait(timeout=60)
     if producer is not None and producer.returncode != 0:
         print(f"producer exited with {producer.returncode}", file=sys.stderr)
         return 1

@@ -70,11 +70,12 @@ _T = TypeVar("_T")
 
 def _dtype_name(dtype: Any) -> str:
     """A tensorshm dtype name from a string, a numpy dtype, or a numpy / ml_dtypes scalar type."""
+    name: str | None
     if isinstance(dtype, str):
         name = dtype
     else:
         name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None)
-        if name is None:
+        if not isinstance(name, str):
             try:
                 import numpy as np
 

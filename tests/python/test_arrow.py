@@ -309,3 +309,17 @@ def test_put_refuses_other_arrow_data_saying_why(client):
     del capsule
     with pytest.raises(tensorshm.InvalidArgumentError, match="already consumed"):
         client._native.arrow_to_dlpack(schema, array)
+
+
+def test_arrow_exports_outlive_release_and_a_released_tensor_refuses_them(client):
+    data = np.arange(12, dtype=np.int32).reshape(4, 3)
+    client.put("arrow/released", data, replace=True)
+    with client.get("arrow/released") as t:
+        a = pa.array(t)  # holds its own lease
+        schema, array = t.__arrow_c_device_array__()
+    for export in ("__arrow_c_schema__", "__arrow_c_array__", "__arrow_c_device_array__"):
+        with pytest.raises(tensorshm.ReleasedError, match="'arrow/released' was released"):
+            getattr(t, export)()
+    np.testing.assert_array_equal(a.to_numpy_ndarray(), data)
+    imported = pa.Array._import_from_c_device_capsule(schema, array)
+    np.testing.assert_array_equal(imported.to_numpy_ndarray(), data)
