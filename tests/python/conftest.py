@@ -78,6 +78,23 @@ def client(daemon):
     yield c
 
 
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The emulated CUDA driver (tests/fake_cuda) names its device memory and events
+    /dev/shm/tsmfakecu.<pid>.*; a process that exits holding one (a producer child whose event
+    outlives it, as a real driver's would not) leaves the file behind. Remove those of this
+    process and of processes that are gone."""
+    for path in pathlib.Path("/dev/shm").glob("tsmfakecu.*.*"):
+        pid = path.name.split(".")[1]
+        if not pid.isdigit():
+            continue
+        if int(pid) != os.getpid() and os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def wait_for(predicate, timeout: float = 10.0) -> bool:
     """Polls `predicate` until true (bounded; the daemon reclaims within milliseconds)."""
     deadline = time.monotonic() + timeout
