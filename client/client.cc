@@ -45,8 +45,7 @@ constexpr absl::Duration kConnectRetry = absl::Milliseconds(20);
 alignas(256) const char kEmptyData[256] = {};
 
 absl::Status Cancelled(std::string_view what) {
-  return absl::CancelledError(
-      absl::StrCat(View(what), ": the wait was cancelled (WaitCanceller::Cancel)"));
+  return absl::CancelledError(absl::StrCat(View(what), ": the wait was cancelled"));
 }
 
 }  // namespace

@@ -668,6 +668,12 @@ absl::StatusOr<DLManagedTensorVersioned*> ImportArray(const ArrowSchema& schema,
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "Arrow schema of format \"", format, "\" has ", schema.n_children, " children, not 1")));
   }
+  if (schema.children[0]->dictionary != nullptr || schema.dictionary != nullptr) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "Arrow schema of format \"", format,
+        "\" is dictionary-encoded (a non-null dictionary): put() takes plain values; decode it "
+        "first (e.g. pyarrow's dictionary_decode)")));
+  }
   const char* child_format = schema.children[0]->format;
   absl::StatusOr<DLDataType> dtype = DataTypeOfFormat(child_format != nullptr ? child_format : "");
   if (!dtype.ok()) return fail(dtype.status());
@@ -713,9 +719,13 @@ absl::StatusOr<DLManagedTensorVersioned*> ImportArray(const ArrowSchema& schema,
     return fail(s);
   }
   if (list.length < 0 || list.offset < 0 || values.offset < 0) {
-    return fail(absl::InvalidArgumentError(absl::StrCat("Arrow array length = ", list.length,
-                                                        ", offset = ", list.offset,
-                                                        ", values offset = ", values.offset)));
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("Arrow array length = ", list.length, ", offset = ", list.offset,
+                     ", values offset = ", values.offset, ": each must be >= 0")));
+  }
+  if (list.dictionary != nullptr || values.dictionary != nullptr) {
+    return fail(absl::InvalidArgumentError(
+        "the Arrow array has a dictionary (dictionary-encoded values): put() takes plain values"));
   }
   if (values.n_buffers != 2 || (values.buffers[1] == nullptr && list.length * list_size > 0)) {
     return fail(absl::InvalidArgumentError(
@@ -748,7 +758,7 @@ absl::StatusOr<DLManagedTensorVersioned*> ImportArray(const ArrowSchema& schema,
 }
 
 nb::object ArrowToDLPack(PyClient& self, nb::handle schema_capsule, nb::handle array_capsule) {
-  const std::shared_ptr<Client> client = Live(*self.state);
+  const ClientRef client = Live(*self.state);
   if (!PyCapsule_IsValid(schema_capsule.ptr(), kSchemaCapsule)) {
     throw nb::type_error("schema: expected a PyCapsule named \"arrow_schema\"");
   }

@@ -475,13 +475,13 @@ std::string DescribeClient(const ClientState& state) {
 
 }  // namespace
 
-std::shared_ptr<Client> Live(const ClientState& state) {
+ClientRef Live(const ClientState& state) {
   if (state.client == nullptr) {
     SetError("ClosedError",
              DescribeClient(state) + " is closed: connect again with tensorshm.connect()");
     throw nb::python_error();
   }
-  return state.client;
+  return ClientRef(state.client);
 }
 
 namespace {
@@ -544,7 +544,7 @@ DLDevice ParseDevice(const std::string& device) {
 PyTensor Get(PyClient& self, const std::string& name, const std::optional<double>& timeout,
              const std::optional<WaitCanceller>& cancel) {
   const absl::Duration wait = TimeoutFrom(timeout);
-  std::shared_ptr<Client> client = Live(*self.state);
+  ClientRef client = Live(*self.state);
   absl::StatusOr<DLManagedTensorVersioned*> lease;
   // CUDA tensors: consumers' streams wait for the ready event in __dlpack__.
   if (wait == absl::ZeroDuration()) {
@@ -570,7 +570,7 @@ PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const
   if (strides.has_value()) spec.strides = *strides;
   spec.device = ParseDevice(device);
   spec.subbyte_padded = subbyte_padded;
-  std::shared_ptr<Client> client = Live(*self.state);
+  ClientRef client = Live(*self.state);
   absl::StatusOr<WritableTensor> tensor;
   if (wait == absl::ZeroDuration()) {
     ReleaseGil release;
@@ -592,7 +592,7 @@ void PublishWritable(PyWritableTensor& self, const std::string& name, bool repla
   if (!storage.writable.has_value() || storage.writable->published()) {
     Raise(absl::FailedPreconditionError(absl::StrCat(Describe(self), ": already published")));
   }
-  std::shared_ptr<Client> client = Live(*self.client);
+  ClientRef client = Live(*self.client);
   absl::StatusOr<DLManagedTensorVersioned*> lease;
   {
     ReleaseGil release;
@@ -615,7 +615,7 @@ PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor
                          uint64_t flags, bool replace, absl::Duration timeout, bool release_gil,
                          CudaStream stream = kLegacyDefaultStream,
                          const std::optional<WaitCanceller>& cancel = std::nullopt) {
-  std::shared_ptr<Client> client = Live(*self.state);
+  ClientRef client = Live(*self.state);
   using Result = absl::StatusOr<DLManagedTensorVersioned*>;
   auto run = [&](const WaitCanceller* c) -> Result {
     absl::StatusOr<WritableTensor> tensor = CopyIn(*client, source, flags, stream, timeout, c);
@@ -703,8 +703,12 @@ PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb
     }
     return stream;
   };
-  if (api->dltensor_from_py_object_no_sync != nullptr) {
-    // Non-owning and valid only until we return: copy with the GIL held and `obj` referenced.
+  // The non-owning view is valid only while we hold the GIL, so its copy runs with the GIL held:
+  // only when the put does not wait for memory (a wait with the GIL held would stop every other
+  // thread, and close() could not wake it). Waiting puts take the owning export and wait through
+  // RunWaiting, without the GIL and cancellable.
+  if (api->dltensor_from_py_object_no_sync != nullptr &&
+      (wait == absl::ZeroDuration() || api->managed_tensor_from_py_object_no_sync == nullptr)) {
     DLTensor view{};
     if (api->dltensor_from_py_object_no_sync(obj.ptr(), &view) != 0) throw nb::python_error();
     return PutFromDLTensor(self, name, view, 0, replace, wait, /*release_gil=*/false,
@@ -723,7 +727,7 @@ PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb
 }
 
 nb::dict StatDict(PyClient& self) {
-  std::shared_ptr<Client> client = Live(*self.state);
+  ClientRef client = Live(*self.state);
   absl::StatusOr<ServerStats> stats;
   {
     ReleaseGil release;
@@ -751,7 +755,7 @@ nb::dict StatDict(PyClient& self) {
 }
 
 absl::StatusOr<std::vector<TensorInfo>> List(PyClient& self, const std::string& prefix) {
-  std::shared_ptr<Client> client = Live(*self.state);
+  ClientRef client = Live(*self.state);
   ReleaseGil release;
   return client->List(prefix);
 }
@@ -1012,7 +1016,7 @@ NB_MODULE(_tensorshm, m) {
            "timeout"_a = 0.0)
       .def("delete",
            [](PyClient& self, const std::string& name) {
-             std::shared_ptr<Client> client = Live(*self.state);
+             ClientRef client = Live(*self.state);
              absl::Status status;
              {
                ReleaseGil release;
@@ -1026,7 +1030,7 @@ NB_MODULE(_tensorshm, m) {
       .def("stat", &StatDict)
       .def("flush",
            [](PyClient& self) {
-             std::shared_ptr<Client> client = Live(*self.state);
+             ClientRef client = Live(*self.state);
              absl::Status status;
              {
                ReleaseGil release;

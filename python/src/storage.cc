@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 
 namespace tensorshm::python {
@@ -80,6 +81,11 @@ absl::StatusOr<Export*> MakeExport(const std::shared_ptr<Storage>& storage, bool
     // 256-byte aligned like tensorshm's own buffers; aligned_alloc wants a multiple of it.
     const size_t size = static_cast<size_t>((span.nbytes + 255) / 256 * 256);
     e->copy = std::aligned_alloc(256, size == 0 ? 256 : size);
+    if (e->copy == nullptr) {
+      FreeExport(e);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("a private host copy of ", span.nbytes, " bytes: out of memory"));
+    }
     if (span.nbytes > 0 && tensor.device.device_type == kDLCUDA) {
       absl::Status copied =
           storage->lease

@@ -49,9 +49,32 @@ struct PyClient {
   std::shared_ptr<ClientState> state;
 };
 
-// The client to make a call through, for the duration of the call: a close() in another thread
-// meanwhile cannot free it. Raises tensorshm.ClosedError once closed. REQUIRES the GIL.
-std::shared_ptr<Client> Live(const ClientState& state);
+// A client held for the duration of one call, so that a close() in another thread meanwhile
+// cannot free it under the call. If close() ran meanwhile, this is the last reference, and
+// ~Client closes the session over the socket: it is then dropped without the GIL. REQUIRES the
+// GIL (to construct and destroy).
+class ClientRef {
+ public:
+  explicit ClientRef(std::shared_ptr<Client> client) : client_(std::move(client)) {}
+  ClientRef(ClientRef&&) = default;
+  ClientRef& operator=(ClientRef&&) = delete;
+  ClientRef(const ClientRef&) = delete;
+  ClientRef& operator=(const ClientRef&) = delete;
+  ~ClientRef() {
+    if (client_ != nullptr && client_.use_count() == 1) {
+      ReleaseGil release;
+      client_.reset();
+    }
+  }
+  Client* operator->() const { return client_.get(); }
+  Client& operator*() const { return *client_; }
+
+ private:
+  std::shared_ptr<Client> client_;
+};
+
+// The client to make a call through (see ClientRef). Raises tensorshm.ClosedError once closed.
+ClientRef Live(const ClientState& state);
 
 // `tensor`'s storage; raises tensorshm.ReleasedError naming the tensor once it was released
 // (release() or the end of its with block). REQUIRES the GIL; a caller that releases the GIL

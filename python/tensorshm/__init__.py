@@ -174,6 +174,11 @@ class Client:
         ending, a client leaving, an eviction) before raising it; None waits until memory comes.
         Waiting creates are served in order, per pool.
         """
+        return self._create(shape, dtype, device, strides, subbyte_padded, timeout, None)
+
+    def _create(self, shape: Any, dtype: Any, device: str, strides: Any,
+                subbyte_padded: bool | None, timeout: float | None,
+                cancel: _tensorshm._WaitCanceller | None) -> WritableTensor:
         if isinstance(shape, int):
             shape = (shape,)
         name = _dtype_name(dtype)
@@ -181,7 +186,7 @@ class Client:
         padded = bits < 8 if subbyte_padded is None else subbyte_padded
         return self._native.create(
             [int(d) for d in shape], name, None if strides is None else [int(s) for s in strides],
-            device, padded, None if timeout is None else float(timeout),
+            device, padded, None if timeout is None else float(timeout), cancel,
         )
 
     def get(self, name: str, timeout: float | None = 0) -> Tensor:
@@ -343,7 +348,7 @@ class Client:
                     capsule = obj.__dlpack__()
             except BufferError:
                 if _is_numpy_array(obj):
-                    return self._put_numpy(name, obj, replace, timeout)
+                    return self._put_numpy(name, obj, replace, timeout, cancel)
                 if arrow:
                     return self._put_arrow(name, obj, replace, timeout, cancel)
                 raise
@@ -381,12 +386,12 @@ class Client:
         capsule = self._native.arrow_to_dlpack(schema, array)
         return self._native.put_capsule(name, capsule, replace, timeout, cancel)
 
-    def _put_numpy(self, name: str, array: Any, replace: bool,
-                   timeout: float | None = 0) -> Tensor:
+    def _put_numpy(self, name: str, array: Any, replace: bool, timeout: float | None,
+                   cancel: _tensorshm._WaitCanceller | None) -> Tensor:
         """numpy arrays of ml_dtypes types, which numpy's __dlpack__ refuses: copy through a view."""
         import numpy as np
 
-        w = self.create(array.shape, array.dtype.name, timeout=timeout)
+        w = self._create(array.shape, array.dtype.name, "cpu", None, None, timeout, cancel)
         np.copyto(to_numpy(w), array, casting="no")
         w.publish(name, replace)
         return w

@@ -1,0 +1,94 @@
+"""put()s that wait for memory in a full pool let go of the GIL and can be woken, whichever way
+the producer exports: torch through the DLPack C exchange API, numpy arrays of ml_dtypes types
+through a view of a created tensor. Whether a put waits is read from stat()["creates_waiting"]."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tensorshm
+from conftest import Daemon, wait_for
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def full(request):
+    """A daemon whose one 4 MiB segment is taken by a leased tensor, and a client."""
+    d = Daemon(f"waitput{request.node.name[5:13]}", host_pool="4Mi",
+               extra_args=("--segment-size", "4Mi"))
+    client = tensorshm.connect(d.socket)
+    hog = client.put("hog", np.zeros(4 * MIB, np.uint8))
+    yield d, client
+    hog.release()
+    client.close()
+    assert d.stop() == 0
+
+
+def _in_thread(fn):
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_waiting_torch_put_lets_other_threads_run(full):
+    torch = pytest.importorskip("torch", reason="torch is not installed in .venv (make test-ecosystem installs it)")
+    _, client = full
+    ticks = 0
+    stop = threading.Event()
+
+    def tick():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            stop.wait(0.001)
+
+    # Bounded, so that a put holding the GIL fails the test (ResourceExhaustedError after 20 s,
+    # no tick meanwhile) instead of hanging it.
+    thread, outcome = _in_thread(lambda: client.put("t", torch.ones(MIB // 2), timeout=20))
+    assert wait_for(lambda: client.stat()["creates_waiting"] == 1)
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    # The ticker runs while the put waits in the daemon: the put does not hold the GIL.
+    assert wait_for(lambda: ticks >= 20)
+    assert thread.is_alive() and client.stat()["creates_waiting"] == 1
+    stop.set()
+    ticker.join()
+    client.close()  # wakes it
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), tensorshm.ClosedError), outcome
+
+
+def test_cancelling_an_aput_of_an_ml_dtypes_array_is_prompt(full):
+    _, client = full
+    source = np.ones(MIB, dtype=ml_dtypes.bfloat16)  # numpy's __dlpack__ refuses bfloat16
+
+    async def main():
+        task = asyncio.ensure_future(client.aput("b", source, timeout=None))
+        while client.stat()["creates_waiting"] == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return client.stat()["creates_waiting"]
+
+    # Bounded: an uncancellable wait would block the loop's thread until memory comes (never).
+    thread, outcome = _in_thread(lambda: asyncio.run(main()))
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the cancelled aput kept waiting for memory"
+    assert outcome == {"value": 0}, outcome
+    assert "b" not in client
