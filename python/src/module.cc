@@ -923,7 +923,10 @@ NB_MODULE(_tensorshm, m) {
           "garbage collected; an unpublished WritableTensor's buffer is freed. Views already "
           "exported (np.from_dlpack, torch.from_dlpack, memoryview, np.asarray, "
           "tensorshm.to_numpy) stay valid and hold the lease until they go. Any later use of "
-          "this object raises ReleasedError.")
+          "this object raises ReleasedError. The one exception: a non-owning DLTensor view "
+          "taken through the C exchange API's dltensor_from_py_object_no_sync is valid only "
+          "while the object is alive and not released, so don't release a tensor in one thread "
+          "while a C consumer works on such a view of it in another.")
       .def_prop_ro(
           "released", [](const PyTensor& t) { return t.storage == nullptr; },
           "Whether release() was called (or the tensor's with block ended).")

@@ -76,7 +76,9 @@ class Tensor:
     def __buffer__(self, flags: int) -> memoryview: ...
     def release(self) -> None:
         """Gives the lease back now (idempotent); views already exported stay valid and hold
-        it until they go. Any later use raises ReleasedError."""
+        it until they go. Any later use raises ReleasedError. Exception: a non-owning view from
+        the C exchange API's dltensor_from_py_object_no_sync is valid only while this object is
+        alive and not released."""
     @property
     def released(self) -> bool: ...
     def __enter__(self) -> Self: ...
