@@ -226,10 +226,12 @@ absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync) {
                                       static_cast<CUstream>(sync.stream));
 }
 
-// `cancel` (may be null) ends a wait with CANCELLED.
+// `cancel` (may be null) ends a wait with CANCELLED. `local_only`: answer from the fast path or
+// not at all (UNAVAILABLE where only the daemon could), with no call and no wait (timeout 0).
 absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<ClientCore>& core,
                                                     std::string_view name, absl::Duration timeout,
-                                                    ReadySync sync, CancelState* cancel) {
+                                                    ReadySync sync, CancelState* cancel,
+                                                    bool local_only = false) {
   if (absl::Status s = core->CheckProcess(); !s.ok()) return s;
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
   if (timeout < absl::ZeroDuration()) {
@@ -273,6 +275,10 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
     if (timeout != absl::InfiniteDuration()) {
       timeout = std::max(absl::ZeroDuration(), deadline - absl::Now());
     }
+  }
+  if (local_only) {
+    return absl::UnavailableError(absl::StrCat(
+        "name = \"", View(name), "\": the fast path cannot answer; ask the daemon (Acquire)"));
   }
   v1::AcquireRequest request;
   request.set_name(std::string(name));
@@ -716,6 +722,15 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
                                                           const WaitCanceller& cancel) {
   absl::StatusOr<std::unique_ptr<Lease>> lease =
       AcquireLease(core_, name, timeout, sync, cancel.state_.get());
+  if (!lease.ok()) return lease.status();
+  Lease* raw = lease->release();
+  raw->versioned.deleter = DeleteVersioned;
+  return &raw->versioned;
+}
+
+absl::StatusOr<DLManagedTensorVersioned*> Client::TryAcquireLocal(std::string_view name) {
+  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(
+      core_, name, absl::ZeroDuration(), ReadySync::None(), nullptr, /*local_only=*/true);
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->versioned.deleter = DeleteVersioned;

@@ -143,5 +143,37 @@ TEST_F(WaitCancelTest, DaemonInstanceAndSocket) {
   EXPECT_NE((*second)->session_id(), client_->session_id());
 }
 
+// TryAcquireLocal (asyncio's aget calls it on the event loop's thread): the fast path's answer
+// or none, never a call to the daemon or a wait.
+TEST_F(WaitCancelTest, TryAcquireLocalAnswersFromTheFastPathOrNotAtAll) {
+  TensorSpec spec;
+  spec.dtype = DLDataType{kDLFloat, 32, 1};
+  spec.shape = {16};
+  absl::StatusOr<WritableTensor> w = client_->Create(spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  static_cast<float*>(w->data())[3] = 42.0f;
+  ASSERT_TRUE(client_->Publish(*w, "local").ok());
+
+  absl::StatusOr<DLManagedTensorVersioned*> local = client_->TryAcquireLocal("local");
+  ASSERT_TRUE(local.ok()) << local.status();
+  const DLTensor& t = (*local)->dl_tensor;
+  EXPECT_EQ(static_cast<const float*>(t.data)[3], 42.0f);
+  EXPECT_NE((*local)->flags & DLPACK_FLAG_BITMASK_READ_ONLY, 0u);
+  EXPECT_EQ(Stats().leases, 1);  // a real lease, given back by its deleter
+  (*local)->deleter(*local);
+  EXPECT_EQ(Stats().leases, 0);
+
+  absl::StatusOr<DLManagedTensorVersioned*> missing = client_->TryAcquireLocal("missing");
+  EXPECT_TRUE(absl::IsNotFound(missing.status())) << missing.status();
+
+  // With the daemon stopped the fast path cannot answer, and nothing goes to the (absent) daemon.
+  daemon_->process().Kill(SIGTERM);
+  ASSERT_TRUE(daemon_->process().Wait(absl::Seconds(30)).ok());
+  absl::StatusOr<DLManagedTensorVersioned*> gone = client_->TryAcquireLocal("local");
+  EXPECT_TRUE(absl::IsUnavailable(gone.status())) << gone.status();
+  EXPECT_NE(gone.status().message().find("the fast path cannot answer"), std::string_view::npos)
+      << gone.status();
+}
+
 }  // namespace
 }  // namespace tensorshm::testing

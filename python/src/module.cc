@@ -1011,6 +1011,19 @@ NB_MODULE(_tensorshm, m) {
           "socket"_a = nb::none(), "client_name"_a = nb::none(), "timeout"_a = 5.0,
           "server_uid"_a = nb::none())
       .def("get", &Get, "name"_a, "timeout"_a = 0.0, "cancel"_a = nb::none())
+      .def(
+          "try_get_local",
+          [](PyClient& self, const std::string& name) -> std::optional<PyTensor> {
+            ClientRef client = Live(*self.state);
+            absl::StatusOr<DLManagedTensorVersioned*> lease = client->TryAcquireLocal(name);
+            if (absl::IsUnavailable(lease.status()) || absl::IsNotFound(lease.status())) {
+              return std::nullopt;
+            }
+            return PyTensor{FromLease(Check(std::move(lease))), name};
+          },
+          "name"_a,
+          "The tensor from this process's fast path, without a call to the daemon or a wait "
+          "(the GIL is kept: it takes microseconds); None where only get() can answer.")
       .def("create", &Create, "shape"_a, "dtype"_a, "strides"_a = nb::none(), "device"_a = "cpu",
            "subbyte_padded"_a = false, "timeout"_a = 0.0, "cancel"_a = nb::none())
       .def("put_capsule", &PutCapsule, "name"_a, "capsule"_a, "replace"_a = false,

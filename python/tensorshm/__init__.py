@@ -249,7 +249,12 @@ class Client:
         """``get`` for asyncio: the wait runs in a worker thread without the GIL, so the event
         loop keeps running. Cancelling the awaiting task wakes the wait at once (it does not
         run to its timeout) and keeps no lease: the cancellation completes once the wait ended
-        and anything it got was released."""
+        and anything it got was released. A host tensor that is already published is taken
+        from the fast path on the loop's thread (microseconds, no call to the daemon); only
+        what the fast path cannot answer goes to the worker thread."""
+        tensor = self._native.try_get_local(name)
+        if tensor is not None:
+            return tensor
         t = None if timeout is None else float(timeout)
         return await _off_loop(lambda cancel: self._native.get(name, t, cancel),
                                lambda tensor: tensor.release())

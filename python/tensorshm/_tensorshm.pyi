@@ -102,6 +102,9 @@ class _Client:
                 timeout: float = 5.0, server_uid: int | None = None) -> _Client: ...
     def get(self, name: str, timeout: float | None = 0.0,
             cancel: _WaitCanceller | None = None) -> Tensor: ...
+    def try_get_local(self, name: str) -> Tensor | None:
+        """The tensor from the fast path, with no call to the daemon and no wait; None where
+        only get() can answer."""
     def create(self, shape: list[int], dtype: str, strides: list[int] | None = None,
                device: str = "cpu", subbyte_padded: bool = False,
                timeout: float | None = 0.0,

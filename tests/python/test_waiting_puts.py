@@ -92,3 +92,24 @@ def test_cancelling_an_aput_of_an_ml_dtypes_array_is_prompt(full):
     assert not thread.is_alive(), "the cancelled aput kept waiting for memory"
     assert outcome == {"value": 0}, outcome
     assert "b" not in client
+
+
+def test_aget_of_a_published_host_tensor_needs_no_worker_thread(full, monkeypatch):
+    _, client = full
+    started = []
+    real_start = threading.Thread.start
+
+    def counting_start(self):
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counting_start)
+
+    async def main():
+        ready = await client.aget("hog")  # published: the fast path answers on the loop
+        assert ready.shape == (4 * MIB,) and ready.name == "hog"
+        with pytest.raises(tensorshm.NotFoundError):
+            await client.aget("not-yet")  # timeout 0: the worker answers NOT_FOUND
+        return started
+
+    assert asyncio.run(main()) == ["tensorshm-async"]
