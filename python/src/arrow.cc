@@ -17,6 +17,7 @@
 #include "arrow_abi.h"
 #include "common/dtype.h"
 #include "common/wire.h"
+#include "raise_status.h"
 #include "storage.h"
 
 namespace nb = nanobind;
@@ -33,23 +34,6 @@ constexpr char kNameKey[] = "ARROW:extension:name";
 constexpr char kMetadataKey[] = "ARROW:extension:metadata";
 constexpr char kUseDLPack[] =
     "; share it through DLPack instead (np.from_dlpack(t), torch.from_dlpack(t))";
-
-// Raises the tensorshm exception for `status` (tensorshm._errors maps codes to classes).
-[[noreturn]] void Raise(const absl::Status& status) {
-  nb::module_::import_("tensorshm._errors")
-      .attr("_raise_status")(static_cast<int>(status.code()), std::string(status.message()));
-  throw std::runtime_error("tensorshm._errors._raise_status returned");  // unreachable
-}
-
-template <typename T>
-T Check(absl::StatusOr<T> value) {
-  if (!value.ok()) Raise(value.status());
-  return *std::move(value);
-}
-
-void Check(const absl::Status& status) {
-  if (!status.ok()) Raise(status);
-}
 
 // ---- the type: arrow.fixed_shape_tensor over FixedSizeList<T> ----
 

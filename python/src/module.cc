@@ -22,6 +22,7 @@
 #include "common/wire.h"
 #include "copy_in.h"
 #include "exchange_api.h"
+#include "raise_status.h"
 #include "storage.h"
 #include "tensor_object.h"
 
@@ -36,26 +37,9 @@ constexpr char kUsedVersioned[] = "used_dltensor_versioned";
 constexpr char kLegacy[] = "dltensor";
 constexpr char kUsedLegacy[] = "used_dltensor";
 
-// Raises the tensorshm exception for `status` (tensorshm._errors maps codes to classes).
-[[noreturn]] void Raise(const absl::Status& status) {
-  nb::module_::import_("tensorshm._errors")
-      .attr("_raise_status")(static_cast<int>(status.code()), std::string(status.message()));
-  throw std::runtime_error("tensorshm._errors._raise_status returned");  // unreachable
-}
-
 [[noreturn]] void RaiseBufferError(const std::string& message) {
   PyErr_SetString(PyExc_BufferError, message.c_str());
   throw nb::python_error();
-}
-
-template <typename T>
-T Check(absl::StatusOr<T> value) {
-  if (!value.ok()) Raise(value.status());
-  return *std::move(value);
-}
-
-void Check(const absl::Status& status) {
-  if (!status.ok()) Raise(status);
 }
 
 // ---- the GIL, and interpreter exit ----

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 
@@ -93,6 +94,30 @@ def pytest_sessionfinish(session, exitstatus) -> None:
             path.unlink()
         except FileNotFoundError:
             pass
+
+
+@pytest.fixture
+def small_daemon(request):
+    """A daemon of one 4 MiB segment: a 4 MiB tensor fills its pool."""
+    d = Daemon(f"small{request.node.name[5:13]}", host_pool="4Mi",
+               extra_args=("--segment-size", "4Mi"))
+    yield d
+    assert d.stop() == 0
+
+
+def in_thread(fn):
+    """Runs fn() in a daemon thread; returns (thread, outcome dict with "value" or "error")."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:

@@ -54,3 +54,15 @@ class Driver:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
         self._copy(ordinal, fn, out, pointer, nbytes)
         return out.raw
+
+
+def two_device_daemon(name: str, fake_lib: str):
+    """A tensorshmd (conftest.Daemon) on the emulated driver's 2 devices, seen in order, with a
+    16 MiB pool on each: the daemon of the CUDA test modules."""
+    from conftest import Daemon
+
+    return Daemon(name, host_pool="16Mi",
+                  extra_args=("--cuda-pool", "cuda:0=16Mi", "--cuda-pool", "cuda:1=16Mi"),
+                  env={"TENSORSHM_LIBCUDA": fake_lib, "TSM_FAKE_CUDA_DEVICES": "2",
+                       "TSM_FAKE_CUDA_VISIBLE": "0,1"})
+

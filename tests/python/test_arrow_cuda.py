@@ -18,7 +18,7 @@ import pytest
 
 import tensorshm
 
-from conftest import ROOT, Daemon
+from conftest import ROOT
 
 FAKE = os.environ.get("TSM_FAKE_CUDA_LIB", str(ROOT / "build" / "tests" / "libtsm_fake_cuda.so"))
 if not os.path.exists(FAKE):
@@ -29,7 +29,7 @@ if not os.path.exists(FAKE):
 os.environ.update({"TENSORSHM_LIBCUDA": FAKE, "TSM_FAKE_CUDA_DEVICES": "2",
                    "TSM_FAKE_CUDA_VISIBLE": "1,0"})
 
-from fake_cuda import Driver  # noqa: E402 - after the environment is set
+from fake_cuda import Driver, two_device_daemon  # noqa: E402 - after the environment is set
 
 ARROW_DEVICE_CUDA = 2
 
@@ -61,10 +61,7 @@ class DeviceArrow:
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon("arrow-cuda", host_pool="16Mi",
-               extra_args=("--cuda-pool", "cuda:0=16Mi", "--cuda-pool", "cuda:1=16Mi"),
-               env={"TENSORSHM_LIBCUDA": FAKE, "TSM_FAKE_CUDA_DEVICES": "2",
-                    "TSM_FAKE_CUDA_VISIBLE": "0,1"})
+    d = two_device_daemon("arrow-cuda", FAKE)
     yield d
     assert d.stop() == 0
 

@@ -9,33 +9,9 @@ import numpy as np
 import pytest
 
 import tensorshm
-from conftest import Daemon, wait_for
+from conftest import in_thread, wait_for
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def small_daemon(request):
-    # One 4 MiB segment: a 4 MiB tensor fills the pool.
-    d = Daemon(f"fullpool{request.node.name[5:13]}", host_pool="4Mi",
-               extra_args=("--segment-size", "4Mi"))
-    yield d
-    assert d.stop() == 0
-
-
-def _in_thread(fn):
-    """Runs fn() in a thread; returns (thread, outcome dict with "value" or "error")."""
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
 
 
 def test_create_with_timeout_waits_and_succeeds_when_a_lease_ends(small_daemon):
@@ -48,7 +24,7 @@ def test_create_with_timeout_waits_and_succeeds_when_a_lease_ends(small_daemon):
         producer.create((MIB,), "uint8")  # timeout=0: at once, as before
     assert holder.stat()["creates_waiting"] == 0
 
-    thread, outcome = _in_thread(lambda: producer.create((MIB,), "uint8", timeout=60))
+    thread, outcome = in_thread(lambda: producer.create((MIB,), "uint8", timeout=60))
     assert wait_for(lambda: holder.stat()["creates_waiting"] == 1)
     assert not outcome  # still waiting: the pool is still full
     del fill  # the lease ends: the memory is freed
@@ -84,7 +60,7 @@ def test_put_with_timeout_waits_for_a_delete(small_daemon):
     del w
     holder.flush()
     data = np.arange(MIB, dtype=np.uint8)
-    thread, outcome = _in_thread(lambda: producer.put("copy", data, timeout=None))
+    thread, outcome = in_thread(lambda: producer.put("copy", data, timeout=None))
     assert wait_for(lambda: holder.stat()["creates_waiting"] == 1)
     assert not outcome
     holder.delete("fill")

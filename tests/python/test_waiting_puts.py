@@ -12,36 +12,19 @@ import numpy as np
 import pytest
 
 import tensorshm
-from conftest import Daemon, wait_for
+from conftest import in_thread, wait_for
 
 MIB = 1 << 20
 
 
 @pytest.fixture
-def full(request):
-    """A daemon whose one 4 MiB segment is taken by a leased tensor, and a client."""
-    d = Daemon(f"waitput{request.node.name[5:13]}", host_pool="4Mi",
-               extra_args=("--segment-size", "4Mi"))
-    client = tensorshm.connect(d.socket)
+def full(small_daemon):
+    """small_daemon's one 4 MiB segment taken by a leased tensor, and a client."""
+    client = tensorshm.connect(small_daemon.socket)
     hog = client.put("hog", np.zeros(4 * MIB, np.uint8))
-    yield d, client
+    yield small_daemon, client
     hog.release()
     client.close()
-    assert d.stop() == 0
-
-
-def _in_thread(fn):
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 def test_a_waiting_torch_put_lets_other_threads_run(full):
@@ -58,7 +41,7 @@ def test_a_waiting_torch_put_lets_other_threads_run(full):
 
     # Bounded, so that a put holding the GIL fails the test (ResourceExhaustedError after 20 s,
     # no tick meanwhile) instead of hanging it.
-    thread, outcome = _in_thread(lambda: client.put("t", torch.ones(MIB // 2), timeout=20))
+    thread, outcome = in_thread(lambda: client.put("t", torch.ones(MIB // 2), timeout=20))
     assert wait_for(lambda: client.stat()["creates_waiting"] == 1)
     ticker = threading.Thread(target=tick)
     ticker.start()
@@ -87,7 +70,7 @@ def test_cancelling_an_aput_of_an_ml_dtypes_array_is_prompt(full):
         return client.stat()["creates_waiting"]
 
     # Bounded: an uncancellable wait would block the loop's thread until memory comes (never).
-    thread, outcome = _in_thread(lambda: asyncio.run(main()))
+    thread, outcome = in_thread(lambda: asyncio.run(main()))
     thread.join(timeout=60)
     assert not thread.is_alive(), "the cancelled aput kept waiting for memory"
     assert outcome == {"value": 0}, outcome

@@ -1,0 +1,37 @@
+// absl::Status to Python: the tensorshm exception class for each status code.
+#ifndef TENSORSHM_PYTHON_RAISE_STATUS_H_
+#define TENSORSHM_PYTHON_RAISE_STATUS_H_
+
+#include <nanobind/nanobind.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tensorshm::python {
+
+// Raises the tensorshm exception for `status` (tensorshm._errors maps codes to classes).
+// REQUIRES the GIL.
+[[noreturn]] inline void Raise(const absl::Status& status) {
+  nanobind::module_::import_("tensorshm._errors")
+      .attr("_raise_status")(static_cast<int>(status.code()), std::string(status.message()));
+  throw std::runtime_error("tensorshm._errors._raise_status returned");  // unreachable
+}
+
+// The value, or the status raised as above.
+template <typename T>
+T Check(absl::StatusOr<T> value) {
+  if (!value.ok()) Raise(value.status());
+  return *std::move(value);
+}
+
+inline void Check(const absl::Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+}  // namespace tensorshm::python
+
+#endif  // TENSORSHM_PYTHON_RAISE_STATUS_H_
