@@ -710,6 +710,35 @@ PyTensor PutExchange(PyClient& self, const std::string& name, nb::handle obj, nb
                          producer_stream(managed->dl_tensor.device));
 }
 
+nb::list SessionDicts(PyClient& self) {
+  ClientRef client = Live(*self.state);
+  absl::StatusOr<std::vector<SessionInfo>> sessions;
+  {
+    ReleaseGil release;
+    sessions = client->Sessions();
+  }
+  nb::list out;
+  for (const SessionInfo& s : Check(std::move(sessions))) {
+    nb::dict d;
+    d["session_id"] = s.session_id;  // the daemon's number, as tensorshmctl sessions shows it
+    d["pid"] = s.pid;
+    d["uid"] = s.uid;
+    d["gid"] = s.gid;
+    d["client_name"] = s.client_name;
+    d["client_version"] = s.client_version;
+    d["rpc_leases"] = s.rpc_leases;
+    d["page_leases"] = s.page_leases;
+    d["unpublished_tensors"] = s.unpublished_tensors;
+    d["unpublished_bytes"] = s.unpublished_bytes;
+    d["waiting_acquires"] = s.waiting_acquires;
+    d["opened_unix_ms"] = s.opened_unix_ms;
+    d["own"] = s.own;
+    d["redacted"] = s.redacted;
+    out.append(d);
+  }
+  return out;
+}
+
 nb::dict StatDict(PyClient& self) {
   ClientRef client = Live(*self.state);
   absl::StatusOr<ServerStats> stats;
@@ -1028,6 +1057,7 @@ NB_MODULE(_tensorshm, m) {
       .def("keys", &Keys, "prefix"_a = "")
       .def("contains", &Contains, "name"_a)
       .def("stat", &StatDict)
+      .def("sessions", &SessionDicts)
       .def("flush",
            [](PyClient& self) {
              ClientRef client = Live(*self.state);

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import atexit
 import os
 import sys
@@ -413,6 +414,14 @@ class Client:
         """``{"tensors", "leases", "sessions", "names", "evicted_tensors", "evicted_bytes",
         "creates_waiting", "pools": [{"device", "capacity_bytes", "used_bytes"}]}``."""
         return self._native.stat()
+
+    def sessions(self) -> builtins.list[dict[str, Any]]:
+        """Every session the daemon has open, this one included (``own``): ``{"session_id",
+        "pid", "uid", "gid", "client_name", "client_version", "rpc_leases", "page_leases",
+        "unpublished_tensors", "unpublished_bytes", "waiting_acquires", "opened_unix_ms", "own",
+        "redacted"}`` (another uid's sessions come redacted: no pid, gid, name or version),
+        as ``tensorshmctl sessions`` shows them."""
+        return self._native.sessions()
 
     def flush(self) -> None:
         """Wait until every lease released so far has been given back to the daemon.

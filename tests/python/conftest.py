@@ -120,6 +120,16 @@ def in_thread(fn):
     return thread, outcome
 
 
+def own_leases(client) -> int:
+    """The leases this client's session holds (RPC and fast path) once its releases are applied:
+    unlike stat()["leases"], untouched by other sessions (earlier tests' clients end on their
+    own schedule)."""
+    client.flush()
+    own = [s for s in client.sessions() if s["own"]]
+    assert len(own) == 1, own
+    return int(own[0]["rpc_leases"] + own[0]["page_leases"])
+
+
 def wait_for(predicate, timeout: float = 10.0) -> bool:
     """Polls `predicate` until true (bounded; the daemon reclaims within milliseconds)."""
     deadline = time.monotonic() + timeout

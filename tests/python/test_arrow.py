@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import tensorshm
+from conftest import own_leases
 
 pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed (make test-ecosystem)")
 
@@ -22,11 +23,6 @@ ARROW_DEVICE_CPU = 1
 
 DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
           "float32", "float64"]
-
-
-def leases(client) -> int:
-    client.flush()
-    return client.stat()["leases"]
 
 
 class DeviceArray(ctypes.Structure):
@@ -165,7 +161,7 @@ def test_the_lease_is_held_until_arrow_releases_the_array(client):
     name = "arrow/lease"
     data = np.arange(1000, dtype=np.float64).reshape(100, 10)
     client.put(name, data, replace=True)
-    baseline = leases(client)
+    baseline = own_leases(client)
     t = client.get(name)
     a = pa.array(t)
     device = pa.Array._import_from_c_device_capsule(*t.__arrow_c_device_array__())
@@ -173,29 +169,29 @@ def test_the_lease_is_held_until_arrow_releases_the_array(client):
     gc.collect()
     client.delete(name)
     assert name not in [e["name"] for e in client.list("arrow/")]
-    assert leases(client) == baseline + 1  # the tensor is gone: the Arrow arrays hold its lease
+    assert own_leases(client) == baseline + 1  # the tensor is gone: the Arrow arrays hold its lease
     np.testing.assert_array_equal(a.to_numpy_ndarray(), data)
     del a
     gc.collect()
-    assert leases(client) == baseline + 1
+    assert own_leases(client) == baseline + 1
     del device
     gc.collect()
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
 
 
 def test_unconsumed_capsules_release_the_lease(client):
     name = "arrow/unconsumed"
     client.put(name, np.zeros((3, 3), dtype=np.uint8), replace=True)
-    baseline = leases(client)
+    baseline = own_leases(client)
     t = client.get(name)
     host = t.__arrow_c_array__()
     device = t.__arrow_c_device_array__()
     del t
     gc.collect()
-    assert leases(client) == baseline + 1
+    assert own_leases(client) == baseline + 1
     del host, device
     gc.collect()
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
 
 
 def test_one_and_zero_element_shapes(client):

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 
 import tensorshm
-from conftest import run_python, wait_for
+from conftest import own_leases, run_python, wait_for
 
 # Generous bound for "promptly": the waits cancelled below would otherwise last far longer.
 PROMPT = 10.0
 
 
 def leases(client) -> int:
+    """Every session's leases: for tests that watch another client's session end."""
     client.flush()
     return client.stat()["leases"]
 
@@ -127,26 +128,26 @@ def test_repr_says_socket_session_instance_and_closed(daemon):
 
 def test_release_and_with_give_the_lease_back(client):
     client.put("rel/t", np.arange(10, dtype=np.int64), replace=True)
-    baseline = leases(client)
+    baseline = own_leases(client)
     t = client.get("rel/t")
-    assert leases(client) == baseline + 1
+    assert own_leases(client) == baseline + 1
     t.release()
     t.release()  # idempotent
     assert t.released
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
     with client.get("rel/t") as t2:
-        assert leases(client) == baseline + 1
+        assert own_leases(client) == baseline + 1
         assert not t2.released
     assert t2.released
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
     with client.put("rel/u", np.zeros(3), replace=True) as u:
         assert u.shape == (3,)
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
     with client.create((4,), "float32") as w:
         np.from_dlpack(w)[:] = 1
         w.publish("rel/w", replace=True)
     assert w.released
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
 
 
 def test_a_released_tensor_raises_released_error_everywhere(client):
@@ -181,7 +182,7 @@ def test_a_released_tensor_raises_released_error_everywhere(client):
 def test_views_outlive_release_and_hold_the_lease(client):
     data = np.arange(1000, dtype=np.float32)
     client.put("rel/v", data, replace=True)
-    baseline = leases(client)
+    baseline = own_leases(client)
     t = client.get("rel/v")
     views = {
         "asarray": np.asarray(t),
@@ -191,7 +192,7 @@ def test_views_outlive_release_and_hold_the_lease(client):
     }
     t.release()
     gc.collect()
-    assert leases(client) == baseline + 1  # the views hold it
+    assert own_leases(client) == baseline + 1  # the views hold it
     # Scribble over the pool in between: a view over unmapped or reused memory would show it.
     for i in range(4):
         client.put(f"rel/other{i}", np.full(1000, -1.0, dtype=np.float32), replace=True)
@@ -201,7 +202,7 @@ def test_views_outlive_release_and_hold_the_lease(client):
     for how in list(views):
         del views[how]
         gc.collect()
-        assert leases(client) == (baseline + 1 if views else baseline), how
+        assert own_leases(client) == (baseline + 1 if views else baseline), how
 
 
 def test_an_unpublished_writable_tensor_released_frees_its_buffer(client):
@@ -246,10 +247,10 @@ def test_dict_like_access(client):
 
 
 def test_contains_and_setitem_take_no_lease(client):
-    baseline = leases(client)
+    baseline = own_leases(client)
     client["dict/c"] = np.ones(4)
     assert "dict/c" in client
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
 
 
 # ---- get_many ----
@@ -278,18 +279,18 @@ def test_get_many_waits_for_all_of_them(client, daemon):
 
 def test_get_many_timeout_bounds_the_whole_call_and_leaves_no_lease(client):
     client.put("many/a", np.zeros(1), replace=True)
-    baseline = leases(client)
+    baseline = own_leases(client)
     start = time.monotonic()
     with pytest.raises(tensorshm.TimeoutError) as info:
         client.get_many(["many/a", "many/x1", "many/x2", "many/x3"], timeout=0.3)
     # One deadline: the first missing name uses it up, the others do not wait 0.3 s each.
     assert time.monotonic() - start < 0.3 * 3
     assert "'many/x1'" in str(info.value) and "#1 of 4" in str(info.value)
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
     with pytest.raises(tensorshm.NotFoundError) as info:
         client.get_many(["many/a", "many/a", "many/none"])
     assert "'many/none'" in str(info.value)
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
 
 
 # ---- asyncio ----
@@ -367,7 +368,7 @@ def test_aget_with_a_timeout_and_aget_many_and_aput(client):
 
 def test_cancelling_aget_many_releases_what_it_got(client):
     client.put("async/a", np.zeros(1), replace=True)
-    baseline = leases(client)
+    baseline = own_leases(client)
 
     async def main() -> None:
         task = asyncio.create_task(client.aget_many(["async/a", "async/never"], timeout=None))
@@ -377,7 +378,7 @@ def test_cancelling_aget_many_releases_what_it_got(client):
             await task
 
     asyncio.run(main())
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
 
 
 # ---- interpreter exit ----
@@ -461,3 +462,15 @@ def test_interpreter_exit_is_clean_whatever_is_held(client, daemon, case):
     assert wait_for(lambda: client.stat()["sessions"] <= sessions)
     assert wait_for(lambda: leases(client) <= baseline)
     assert wait_for(lambda: client.stat()["pools"][0]["used_bytes"] <= used)
+
+
+def test_sessions_lists_this_session_and_its_leases(daemon):
+    with tensorshm.connect(daemon.socket, client_name="sessions-test") as c:
+        t = c.put("sessions/t", np.arange(4), replace=True)
+        own = [s for s in c.sessions() if s["own"]]
+        assert len(own) == 1
+        assert own[0]["client_name"] == "sessions-test" and own[0]["pid"] == os.getpid()
+        assert own[0]["uid"] == os.getuid() and not own[0]["redacted"]
+        assert own[0]["rpc_leases"] + own[0]["page_leases"] == 1  # put()'s tensor
+        t.release()
+        assert own_leases(c) == 0

@@ -24,6 +24,7 @@ from tensorshm import _tensorshm
 from tensorshm._numpy import to_numpy
 
 from cases import make, np_dtype
+from conftest import own_leases
 
 pytestmark = pytest.mark.ecosystem
 
@@ -118,11 +119,6 @@ BY_NAME = {c.name: c for c in CONSUMERS}
 LAYOUTS = ["0d", "empty", "c"]
 
 
-def leases(client: Any) -> int:
-    client.flush()
-    return int(client.stat()["leases"])
-
-
 def _cases() -> list[Any]:
     return [pytest.param(c.name, d, layout, id=f"{c.name}-{d}-{layout}")
             for c in CONSUMERS for d in c.dtypes for layout in LAYOUTS]
@@ -147,19 +143,19 @@ def test_values_and_zero_copy(client, consumer, dtype, layout):
 def test_lease_lives_as_long_as_a_zero_copy_array(client, consumer):
     c = BY_NAME[consumer]
     client.put("consumers/lease", np.arange(100, dtype=np.float32), replace=True)
-    baseline = leases(client)
+    baseline = own_leases(client)
     t = client.get("consumers/lease")
     x = c.convert(t)
     del t
     gc.collect()
     if c.zero_copy:
-        assert leases(client) == baseline + 1  # the array holds the tensor's lease
+        assert own_leases(client) == baseline + 1  # the array holds the tensor's lease
     else:
-        assert leases(client) == baseline  # a private copy holds none
+        assert own_leases(client) == baseline  # a private copy holds none
     c.assert_values(x, np.arange(100, dtype=np.float32))
     del x
     gc.collect()
-    assert leases(client) == baseline
+    assert own_leases(client) == baseline
 
 
 @pytest.mark.parametrize("consumer", ["jnp.from_dlpack", "jax.dlpack.from_dlpack"])
