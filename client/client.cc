@@ -511,13 +511,14 @@ absl::StatusOr<WritableTensor> Client::CreateImpl(const TensorSpec& spec, absl::
         tensor.tensor_id_ = stocked->tensor_id;
         tensor.key_ = core_->AddUnpublished(stocked->tensor_id);
         tensor.stocked_ = true;
-        tensor.mapping_ = stocked->mapping;
-        tensor.mapping_length_ = stock_length;
+        tensor.segment_mapping_ = std::move(stocked->buffer.segment);
+        tensor.buffer_address_ = stocked->buffer.data;
+        tensor.buffer_length_ = stock_length;
         tensor.shape_ = spec.shape;
         tensor.strides_ = std::move(layout->strides);
         tensor.nbytes_ = layout->nbytes;
         tensor.flags_ = spec.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
-        tensor.tensor_.data = stocked->mapping;
+        tensor.tensor_.data = stocked->buffer.data;
         tensor.tensor_.device = spec.device;
         tensor.tensor_.ndim = static_cast<int32_t>(tensor.shape_.size());
         tensor.tensor_.dtype = spec.dtype;
@@ -574,15 +575,16 @@ absl::StatusOr<WritableTensor> Client::CreateImpl(const TensorSpec& spec, absl::
     decoded->device.device_id = buffer->ordinal;
     data = buffer->data;
   } else if (location.length() > 0) {
-    absl::StatusOr<void*> mapping = core_->MapHostBuffer(location);
-    if (!mapping.ok()) return mapping.status();
-    tensor.mapping_ = *mapping;
-    tensor.mapping_length_ = location.length();
+    absl::StatusOr<ClientCore::HostBuffer> mapped = core_->MapHostBuffer(location);
+    if (!mapped.ok()) return mapped.status();
+    tensor.segment_mapping_ = std::move(mapped->segment);
+    tensor.buffer_address_ = mapped->data;
+    tensor.buffer_length_ = location.length();
     tensor.segment_instance_ = location.segment_instance();
     tensor.segment_id_ = location.segment_id();
     tensor.segment_size_ = location.segment_size();
     tensor.buffer_offset_ = location.offset();
-    data = *mapping;
+    data = tensor.buffer_address_;
   }
   tensor.shape_ = std::move(decoded->shape);
   tensor.strides_ = std::move(decoded->strides);
@@ -622,7 +624,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
     lease->fast = fast;
     lease->page_slot = page_slot;
     const char* data = kEmptyData;
-    if (tensor.mapping_length_ > 0) {
+    if (tensor.buffer_length_ > 0) {
       absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core_->MapHostSegment(
           SegmentKey{tensor.segment_instance_, tensor.segment_id_}, tensor.segment_size_);
       if (!mapping.ok()) {
@@ -683,8 +685,8 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
     desc->set_flags(tensor.flags_);
   }
   if (tensor.tensor_.device.device_type == kDLCPU) {
-    request.set_stock(core_->StockWanted(tensor.mapping_length_));
-    request.set_stock_bytes(tensor.mapping_length_);
+    request.set_stock(core_->StockWanted(tensor.buffer_length_));
+    request.set_stock_bytes(tensor.buffer_length_);
   }
   if (tensor.tensor_.device.device_type == kDLCUDA) {
     // Acquirers wait for what was issued on the producer's stream up to here.
@@ -700,7 +702,7 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
     return s;
   }
   core_->AddStock(response.stocked());
-  tensor.Unmap();
+  tensor.tensor_.data = nullptr;  // sealed: no writable pointer from here on
   tensor.published_ = true;
   core_->Published(tensor.key_);
   if (tensor.tensor_.device.device_type == kDLCUDA) core_->SweepReadyEvents();
@@ -860,8 +862,9 @@ WritableTensor& WritableTensor::operator=(WritableTensor&& other) noexcept {
   strides_ = std::move(other.strides_);
   tensor_.shape = shape_.data();
   tensor_.strides = strides_.data();
-  mapping_ = other.mapping_;
-  mapping_length_ = other.mapping_length_;
+  segment_mapping_ = std::move(other.segment_mapping_);
+  buffer_address_ = other.buffer_address_;
+  buffer_length_ = other.buffer_length_;
   nbytes_ = other.nbytes_;
   flags_ = other.flags_;
   published_ = other.published_;
@@ -870,8 +873,8 @@ WritableTensor& WritableTensor::operator=(WritableTensor&& other) noexcept {
   segment_id_ = other.segment_id_;
   segment_size_ = other.segment_size_;
   buffer_offset_ = other.buffer_offset_;
-  other.mapping_ = nullptr;
-  other.mapping_length_ = 0;
+  other.buffer_address_ = nullptr;
+  other.buffer_length_ = 0;
   other.tensor_ = DLTensor{};
   other.published_ = false;
   return *this;
@@ -880,7 +883,10 @@ WritableTensor& WritableTensor::operator=(WritableTensor&& other) noexcept {
 WritableTensor::~WritableTensor() { Reset(); }
 
 void WritableTensor::Reset() {
-  Unmap();
+  tensor_.data = nullptr;
+  segment_mapping_.reset();
+  buffer_address_ = nullptr;
+  buffer_length_ = 0;
   if (core_ != nullptr && core_->forked()) {
     // The parent's tensor: the child drops its own mapping and nothing else.
     KeepForever(std::move(core_));
@@ -895,18 +901,15 @@ void* WritableTensor::data() const {
   return static_cast<char*>(tensor_.data) + tensor_.byte_offset;
 }
 
-std::pair<void*, size_t> WritableTensor::TakeMapping() {
-  std::pair<void*, size_t> taken{mapping_, mapping_length_};
-  mapping_ = nullptr;
-  mapping_length_ = 0;
-  return taken;
-}
-
-void WritableTensor::Unmap() {
-  if (mapping_ != nullptr) munmap(mapping_, mapping_length_);
-  mapping_ = nullptr;
-  mapping_length_ = 0;
-  tensor_.data = nullptr;
+absl::Status WritableTensor::SealViews() {
+  if (!published_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor ", tensor_id_, ": SealViews before Publish"));
+  }
+  if (segment_mapping_ == nullptr || buffer_length_ == 0) return absl::OkStatus();
+  return segment_mapping_->Seal(
+      static_cast<uint64_t>(static_cast<char*>(buffer_address_) - segment_mapping_->address()),
+      buffer_length_);
 }
 
 }  // namespace tensorshm

@@ -168,20 +168,17 @@ uint32_t ClientCore::StockWanted(uint64_t length) const {
 
 void ClientCore::AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked) {
   for (const v1::StockedBuffer& buffer : stocked) {
-    absl::StatusOr<void*> mapping = MapHostBuffer(buffer.location());
-    if (!mapping.ok()) continue;
+    absl::StatusOr<HostBuffer> mapped = MapHostBuffer(buffer.location());
+    if (!mapped.ok()) continue;
     MutexLock lock(&stock_mu_);
     stock_[buffer.location().length()].push_back(
-        StockedBuffer{buffer.tensor_id(), *mapping, buffer.location()});
+        StockedBuffer{buffer.tensor_id(), *std::move(mapped), buffer.location()});
     stock_bytes_ += buffer.location().length();
   }
 }
 
 void ClientCore::DropStock() {
   MutexLock lock(&stock_mu_);
-  for (auto& [length, buffers] : stock_) {
-    for (const StockedBuffer& buffer : buffers) munmap(buffer.mapping, length);
-  }
   stock_.clear();
   stock_bytes_ = 0;
 }
@@ -316,17 +313,22 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
   return segments_.Insert(key, *fd, size);
 }
 
-absl::StatusOr<void*> ClientCore::MapHostBuffer(const v1::Location& location) {
+absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Location& location) {
   const SegmentKey key{location.segment_instance(), location.segment_id()};
-  absl::StatusOr<void*> mapping =
-      segments_.MapWritableRange(key, location.offset(), location.length());
-  if (!absl::IsNotFound(mapping.status())) return mapping;
-  uint64_t size = 0;
-  absl::StatusOr<int> fd =
-      memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/true, &size);
-  if (!fd.ok()) return fd.status();
-  segments_.InsertWritable(key, *fd);
-  return segments_.MapWritableRange(key, location.offset(), location.length());
+  std::shared_ptr<WritableSegment> segment = segments_.FindWritable(key);
+  if (segment == nullptr) {
+    uint64_t size = 0;
+    absl::StatusOr<int> fd =
+        memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/true, &size);
+    if (!fd.ok()) return fd.status();
+    absl::StatusOr<std::shared_ptr<WritableSegment>> inserted =
+        segments_.InsertWritable(key, *fd, size);
+    if (!inserted.ok()) return inserted.status();
+    segment = *std::move(inserted);
+  }
+  absl::StatusOr<char*> data = segment->Prepare(location.offset(), location.length());
+  if (!data.ok()) return data.status();
+  return HostBuffer{std::move(segment), *data};
 }
 
 uint64_t ClientCore::AddLease(uint64_t tensor_id, uint64_t lease_id) {

@@ -106,13 +106,19 @@ class ClientCore {
   // it. An error if the segment is smaller than `size` bytes.
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> MapHostSegment(const SegmentKey& key,
                                                                        uint64_t size);
-  // A writable mapping of exactly `location`'s buffer (this session's own); the caller munmaps.
-  absl::StatusOr<void*> MapHostBuffer(const v1::Location& location);
+  // `location`'s buffer (this session's own) in the writable mapping of its segment, made on
+  // first use and kept: readied for writing (WritableSegment::Prepare). `segment` keeps the
+  // mapping alive.
+  struct HostBuffer {
+    std::shared_ptr<WritableSegment> segment;
+    char* data = nullptr;
+  };
+  absl::StatusOr<HostBuffer> MapHostBuffer(const v1::Location& location);
 
   // Stock: buffers the daemon made ahead of need, mapped writable, by buffer length.
   struct StockedBuffer {
     uint64_t tensor_id = 0;
-    void* mapping = nullptr;  // `length` bytes
+    HostBuffer buffer;  // `length` bytes
     v1::Location location;
   };
   // A stocked buffer of `length` bytes, taken out of the stock; nullopt if there is none.

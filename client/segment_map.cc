@@ -12,6 +12,14 @@
 #include "common/sys_error.h"
 
 namespace tensorshm {
+namespace {
+
+uint64_t PageBytes() {
+  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+}  // namespace
 
 std::string SegmentLabel(const SegmentKey& key) {
   return absl::StrFormat("segment %d (instance %016x)", key.second, key.first);
@@ -19,9 +27,72 @@ std::string SegmentLabel(const SegmentKey& key) {
 
 SegmentMapping::~SegmentMapping() { munmap(const_cast<char*>(address_), size_); }
 
-SegmentMap::~SegmentMap() {
+WritableSegment::WritableSegment(char* address, uint64_t size, std::string label)
+    : address_(address), size_(size), label_(std::move(label)) {
   MutexLock lock(&mu_);
-  for (const auto& [key, fd] : writable_) close(fd);
+  populated_.assign((size + PageBytes() - 1) / PageBytes(), false);
+}
+
+WritableSegment::~WritableSegment() { munmap(address_, size_); }
+
+uint64_t WritableSegment::populated_pages() const {
+  MutexLock lock(&mu_);
+  return populated_count_;
+}
+
+absl::StatusOr<char*> WritableSegment::Prepare(uint64_t offset, uint64_t length) {
+  if (offset > size_ || length > size_ - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(label_, ": buffer [", offset, ", +", length,
+                                                   ") outside its ", size_, " bytes"));
+  }
+  const uint64_t page = PageBytes();
+  MutexLock lock(&mu_);
+  // A sealed buffer that overlaps this one was freed (its views held its lease until they
+  // went): writable again, all of it.
+  auto it = sealed_.upper_bound(offset);
+  if (it != sealed_.begin()) --it;
+  while (it != sealed_.end() && it->first < offset + length) {
+    if (it->first + it->second <= offset) {
+      ++it;
+      continue;
+    }
+    if (mprotect(address_ + it->first, it->second, PROT_READ | PROT_WRITE) != 0) {
+      return ErrnoError("mprotect(PROT_WRITE)", label_, errno);
+    }
+    it = sealed_.erase(it);
+  }
+  // Populates the runs of pages not populated yet: one call each instead of a fault a page.
+  const uint64_t first = offset / page;
+  const uint64_t last = (offset + length + page - 1) / page;
+  for (uint64_t p = first; p < last && can_populate_;) {
+    if (populated_[p]) {
+      ++p;
+      continue;
+    }
+    uint64_t end = p;
+    while (end < last && !populated_[end]) ++end;
+    if (madvise(address_ + p * page, (end - p) * page, MADV_POPULATE_WRITE) != 0) {
+      can_populate_ = false;  // an old kernel (EINVAL): pages fault in as they are written
+      break;
+    }
+    for (uint64_t q = p; q < end; ++q) populated_[q] = true;
+    populated_count_ += end - p;
+    p = end;
+  }
+  return address_ + offset;
+}
+
+absl::Status WritableSegment::Seal(uint64_t offset, uint64_t length) {
+  if (offset > size_ || length > size_ - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(label_, ": buffer [", offset, ", +", length,
+                                                   ") outside its ", size_, " bytes"));
+  }
+  MutexLock lock(&mu_);
+  if (mprotect(address_ + offset, length, PROT_READ) != 0) {
+    return ErrnoError("mprotect(PROT_READ)", label_, errno);
+  }
+  sealed_[offset] = length;
+  return absl::OkStatus();
 }
 
 size_t SegmentMap::size() const {
@@ -54,7 +125,9 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const S
     return absl::FailedPreconditionError(
         absl::StrCat(SegmentLabel(key), ": ", st.st_size, " bytes, daemon says ", size));
   }
-  void* address = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  // Populated now, once: no read of a tensor in it faults later (the daemon reserved every page
+  // at the segment's creation, so this allocates nothing).
+  void* address = mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
   const int err = errno;
   close(fd);
   if (address == MAP_FAILED) return ErrnoError("mmap", SegmentLabel(key), err);
@@ -64,23 +137,23 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const S
   return it->second;  // ours, or the one another thread cached first (ours is unmapped)
 }
 
-absl::StatusOr<void*> SegmentMap::MapWritableRange(const SegmentKey& key, uint64_t offset,
-                                                   uint64_t length) const {
-  // Under the lock: Retain must not close the descriptor between the look-up and the mmap.
+std::shared_ptr<WritableSegment> SegmentMap::FindWritable(const SegmentKey& key) const {
   MutexLock lock(&mu_);
   auto it = writable_.find(key);
-  if (it == writable_.end()) {
-    return absl::NotFoundError(absl::StrCat(SegmentLabel(key), ": no writable descriptor"));
-  }
-  void* address = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, it->second,
-                       static_cast<off_t>(offset));
-  if (address == MAP_FAILED) return ErrnoError("mmap", SegmentLabel(key), errno);
-  return address;
+  return it == writable_.end() ? nullptr : it->second;
 }
 
-void SegmentMap::InsertWritable(const SegmentKey& key, int fd) {
+absl::StatusOr<std::shared_ptr<WritableSegment>> SegmentMap::InsertWritable(const SegmentKey& key,
+                                                                            int fd, uint64_t size) {
+  void* address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (address == MAP_FAILED) return ErrnoError("mmap(PROT_WRITE)", SegmentLabel(key), err);
+  auto mapping =
+      std::make_shared<WritableSegment>(static_cast<char*>(address), size, SegmentLabel(key));
   MutexLock lock(&mu_);
-  if (!writable_.emplace(key, fd).second) close(fd);
+  auto [it, inserted] = writable_.emplace(key, std::move(mapping));
+  return it->second;  // ours, or the one another thread cached first (ours is unmapped)
 }
 
 int SegmentMap::Retain(const std::set<SegmentKey>& live) {
@@ -99,7 +172,6 @@ int SegmentMap::Retain(const std::set<SegmentKey>& live) {
       ++it;
       continue;
     }
-    close(it->second);
     it = writable_.erase(it);
   }
   return dropped;

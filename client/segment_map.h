@@ -9,6 +9,7 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -35,37 +36,79 @@ class SegmentMapping {
   uint64_t size_;
 };
 
-// Read-only mappings and writable descriptors of segments, each made once per segment and
-// cached until Retain drops it or the map is destroyed. Thread-safe.
+// A read-write mapping of a whole host segment holding this process's uid's buffers, made once
+// and kept while the segment lives (the map's cache, or a writable tensor, holds it), so that a
+// buffer handed out again costs no mmap, munmap or page faults: pages stay in this process's page
+// table once written or populated. Thread-safe.
+//
+// Sealing is an API promise, not a mapping property: no client API hands out a pointer into a
+// published tensor's buffer; the producer's process keeps the whole segment mapped read-write (as
+// it holds a read-write descriptor of it anyway). Bindings that keep views of a buffer past its
+// publish make it read-only with Seal, until the buffer is handed out again.
+class WritableSegment {
+ public:
+  WritableSegment(char* address, uint64_t size, std::string label);
+  ~WritableSegment();  // munmaps
+  WritableSegment(const WritableSegment&) = delete;
+  WritableSegment& operator=(const WritableSegment&) = delete;
+  char* address() const { return address_; }
+  uint64_t size() const { return size_; }
+
+  // Readies [offset, offset + length) for a new writable buffer: writable again if a sealed
+  // buffer was there (its views are gone: the buffer was freed to be handed out again), and its
+  // pages populated ahead of the producer's writes (MADV_POPULATE_WRITE, once per page for the
+  // mapping's life). Returns the buffer's address. INVALID_ARGUMENT for a range outside the
+  // segment; errors of mprotect name the segment. A kernel without MADV_POPULATE_WRITE leaves
+  // pages to fault in on first write.
+  absl::StatusOr<char*> Prepare(uint64_t offset, uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
+  // Makes [offset, offset + length) read-only in this process (a write faults) until a Prepare
+  // of a range that overlaps it. REQUIRES: the range was Prepared.
+  absl::Status Seal(uint64_t offset, uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Pages populated so far, for tests.
+  uint64_t populated_pages() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  char* const address_;
+  const uint64_t size_;
+  const std::string label_;
+  mutable Mutex mu_;
+  std::vector<bool> populated_ ABSL_GUARDED_BY(mu_);  // by page
+  uint64_t populated_count_ ABSL_GUARDED_BY(mu_) = 0;
+  bool can_populate_ ABSL_GUARDED_BY(mu_) = true;
+  std::map<uint64_t, uint64_t> sealed_ ABSL_GUARDED_BY(mu_);  // offset -> length
+};
+
+// Read-only mappings and writable mappings of segments, each made once per segment and cached
+// until Retain drops it or the map is destroyed. Thread-safe.
 class SegmentMap {
  public:
   SegmentMap() = default;
   SegmentMap(const SegmentMap&) = delete;
   SegmentMap& operator=(const SegmentMap&) = delete;
-  ~SegmentMap();  // closes the descriptors; mappings go with their last holder
+  ~SegmentMap() = default;  // mappings go with their last holder
 
   // The cached mapping of `key`, or nullptr. FAILED_PRECONDITION if it is smaller than `size`
   // (the daemon's word for the segment's size).
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> Find(const SegmentKey& key,
                                                              uint64_t size) const;
-  // Maps `fd` (read-only, the segment `key`; closed here whatever happens) and caches it. If a
-  // mapping of `key` was cached meanwhile, that one is returned. FAILED_PRECONDITION if the
-  // object is smaller than `size`; other errors name the call and the segment.
+  // Maps `fd` (read-only and populated, the segment `key`; closed here whatever happens) and
+  // caches it. If a mapping of `key` was cached meanwhile, that one is returned.
+  // FAILED_PRECONDITION if the object is smaller than `size`; other errors name the call and the
+  // segment.
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> Insert(const SegmentKey& key, int fd,
                                                                uint64_t size);
 
-  // Maps [offset, offset + length) of segment `key` read-write through its cached writable
-  // descriptor: a producer's own buffer and nothing else. NOT_FOUND if no descriptor of `key` is
-  // cached; other errors name the call and the segment. REQUIRES: offset page-aligned. The
-  // caller munmaps the result.
-  absl::StatusOr<void*> MapWritableRange(const SegmentKey& key, uint64_t offset,
-                                         uint64_t length) const;
-  // Caches `fd` as the writable descriptor of `key` (unless one is cached already, in which case
-  // `fd` is closed).
-  void InsertWritable(const SegmentKey& key, int fd);
+  // The cached writable mapping of segment `key`, or nullptr if there is none.
+  std::shared_ptr<WritableSegment> FindWritable(const SegmentKey& key) const;
+  // Maps `fd` (read-write, `size` bytes of segment `key`; closed here whatever happens) and
+  // caches it; if one was cached meanwhile, that one is returned. Errors name the call and the
+  // segment.
+  absl::StatusOr<std::shared_ptr<WritableSegment>> InsertWritable(const SegmentKey& key, int fd,
+                                                                  uint64_t size);
 
   // Forgets every segment not in `live` (a daemon that restarted serves other memory): its
-  // descriptor is closed, and its mapping goes once no tensor holds it. Returns how many.
+  // mappings go once no tensor holds them. Returns how many read-only mappings it dropped.
   int Retain(const std::set<SegmentKey>& live);
 
   // Number of segments mapped read-only now.
@@ -74,7 +117,7 @@ class SegmentMap {
  private:
   mutable Mutex mu_;
   std::map<SegmentKey, std::shared_ptr<const SegmentMapping>> mappings_ ABSL_GUARDED_BY(mu_);
-  std::map<SegmentKey, int> writable_ ABSL_GUARDED_BY(mu_);
+  std::map<SegmentKey, std::shared_ptr<WritableSegment>> writable_ ABSL_GUARDED_BY(mu_);
 };
 
 // "segment 3 (instance 0x...)", for messages.

@@ -251,13 +251,9 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid, GrowthR
   }
   std::optional<uint64_t> offset = best->allocator.Allocate(length);
   TSM_CHECK(offset.has_value());
-  // Another uid's buffer: no byte of an earlier tensor of that segment may show through.
-  if (uid != options_.owner_uid) {
-    if (absl::Status s = best->shm->Zero(*offset, length); !s.ok()) {
-      best->allocator.Free(*offset, length);
-      return s;
-    }
-  }
+  // Not cleared: the segment holds only `uid`'s buffers, so what shows through is zeros or that
+  // uid's own leftovers, and the producer's warm pages stay in its page table (clearing would
+  // cost a write, or a hole punched and faulted in again, of every page).
   return Buffer{static_cast<uint64_t>(best - segments_.data()) + 1, *offset, length};
 }
 

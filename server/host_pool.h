@@ -44,7 +44,7 @@ struct HostPoolOptions {
   uint64_t capacity_bytes = 0;
   uint64_t segment_bytes = 0;
   SegmentBacking backing = SegmentBacking::kNamed;
-  uint32_t owner_uid = 0;  // the daemon's uid; buffers of any other uid are zeroed when handed out
+  uint32_t owner_uid = 0;  // the daemon's uid
   uint64_t instance = 0;   // this daemon start's id, recorded on the segments it creates
 };
 
@@ -77,11 +77,11 @@ class HostPool {
 
   // Returns a buffer of at least `nbytes` (rounded up to whole pages) for `uid`, taken best-fit
   // from that uid's segments or, failing that, from a new segment of its own while the capacity
-  // allows. A buffer for a uid other than the owner's reads as zeros. RESOURCE_EXHAUSTED naming
-  // the requested, free and largest-free sizes when nothing fits. REQUIRES: nbytes > 0.
-  // With `growth`, a new segment is not made here: UNAVAILABLE, with `*growth` saying which
-  // segment to make (BeginGrowth, MakeSegment, EndGrowth) or that another caller is making one.
-  // REQUIRES (without `growth`): no growth under way.
+  // allows. Not cleared: it holds zeros or bytes of earlier buffers of the same uid.
+  // RESOURCE_EXHAUSTED naming the requested, free and largest-free sizes when nothing fits.
+  // REQUIRES: nbytes > 0. With `growth`, a new segment is not made here: UNAVAILABLE, with
+  // `*growth` saying which segment to make (BeginGrowth, MakeSegment, EndGrowth) or that another
+  // caller is making one. REQUIRES (without `growth`): no growth under way.
   absl::StatusOr<Buffer> Allocate(uint64_t nbytes, uint32_t uid, GrowthRequest* growth = nullptr);
 
   // Growing the pool outside the caller's lock: BeginGrowth marks the pool as growing (until

@@ -163,14 +163,6 @@ absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
   return fd;
 }
 
-absl::Status ShmSegment::Zero(uint64_t offset, uint64_t length) const {
-  if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
-                static_cast<off_t>(length)) != 0) {
-    return ErrnoError("fallocate(PUNCH_HOLE)", name_, errno);
-  }
-  return Reserve(fd_, name_, offset, length, backing_);
-}
-
 ShmSegment::ShmSegment(ShmSegment&& other) noexcept
     : name_(std::move(other.name_)),
       size_(other.size_),

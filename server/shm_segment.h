@@ -58,11 +58,6 @@ class ShmSegment {
   // anyone but the daemon's uid (the object is mode 0600). Errors name the call and the object.
   absl::StatusOr<int> OpenForClient(bool writable) const;
 
-  // Zeroes [offset, offset + length) and keeps its pages reserved: the pages are punched out and
-  // allocated again, so no old byte is left and nothing is written through a mapping.
-  // RESOURCE_EXHAUSTED if the pages cannot be reserved again.
-  absl::Status Zero(uint64_t offset, uint64_t length) const;
-
   const std::string& name() const { return name_; }
   uint64_t size() const { return size_; }
   SegmentBacking backing() const { return backing_; }
@@ -76,7 +71,7 @@ class ShmSegment {
 
   std::string name_;
   uint64_t size_ = 0;
-  int fd_ = -1;  // read-write, kept for OpenForClient and Zero
+  int fd_ = -1;  // read-write, kept for OpenForClient
   void* address_ = nullptr;
   SegmentBacking backing_ = SegmentBacking::kNamed;
   bool keep_ = false;

@@ -158,12 +158,20 @@ absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src,
 
 class ClientCore;
 class CancelState;
+class WritableSegment;
 namespace v1 {
 class AcquireResponse;
 }  // namespace v1
 
 // A tensor being filled by its producer. Move-only. Dropping it unpublished frees its buffer
 // (asynchronously, through the session stream). Not thread-safe.
+//
+// Its host buffer lies in this process's writable mapping of the whole segment, which the client
+// keeps for the segment's life: a buffer of a size seen before costs no mmap and no page faults.
+// "Sealed" is an API promise: once published, no client API hands out a writable pointer to the
+// buffer (data() is nullptr). A pointer kept from before the publish still writes into it (the
+// producer's process holds a writable descriptor of its own uid's segments, as in Plasma and
+// iceoryx), and consumers would see such writes: don't keep one.
 class WritableTensor {
  public:
   WritableTensor(WritableTensor&& other) noexcept;
@@ -180,17 +188,20 @@ class WritableTensor {
   int64_t nbytes() const { return nbytes_; }
   // DLPack flags describing the storage (DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED or 0).
   uint64_t dlpack_flags() const { return flags_; }
-  // Hands the writable mapping to the caller, who then owns it and must munmap(first, second);
-  // data() keeps pointing into it, and Publish no longer unmaps anything. For bindings that keep
-  // views of the memory alive past publish. {nullptr, 0} if there is no mapping.
-  std::pair<void*, size_t> TakeMapping();
+  // For bindings that keep views of the buffer alive past Publish (they must hold a lease on the
+  // tensor too): makes the buffer read-only in this process, so that a write through such a view
+  // faults (SIGSEGV) instead of changing bytes consumers read, until the buffer is freed and
+  // handed out again. The segment's mapping stays valid while this WritableTensor lives.
+  // FAILED_PRECONDITION before Publish; OK for tensors with no host buffer; errors of mprotect.
+  absl::Status SealViews();
+  // The address the buffer had while writable (nullptr for no host buffer), for such views.
+  void* buffer_address() const { return buffer_address_; }
   bool published() const { return published_; }
 
  private:
   friend class Client;
   WritableTensor() = default;
-  void Unmap();
-  void Reset();  // unmaps, and frees the buffer if unpublished
+  void Reset();  // frees the buffer if unpublished
 
   std::shared_ptr<ClientCore> core_;
   uint64_t tensor_id_ = 0;
@@ -198,8 +209,11 @@ class WritableTensor {
   DLTensor tensor_{};
   std::vector<int64_t> shape_;
   std::vector<int64_t> strides_;
-  void* mapping_ = nullptr;  // the writable mapping of the buffer
-  size_t mapping_length_ = 0;
+  // The segment's writable mapping (host buffers), kept alive by this tensor; the buffer's
+  // address and page-rounded length in it.
+  std::shared_ptr<WritableSegment> segment_mapping_;
+  void* buffer_address_ = nullptr;
+  size_t buffer_length_ = 0;
   int64_t nbytes_ = 0;
   uint64_t flags_ = 0;
   bool published_ = false;
@@ -267,6 +281,12 @@ class Client {
   // RESOURCE_EXHAUSTED if the pool is full, FAILED_PRECONDITION for a device without a pool.
   // A CUDA tensor (device {kDLCUDA, N}, N in this process's numbering) gets a writable device
   // pointer into the daemon's pool for that device.
+  //
+  // What a new buffer holds before the producer writes it is unspecified, within this promise:
+  // zeros (memory never used since its segment was made) or bytes left over from earlier tensors
+  // of the same uid (buffers are reused without clearing: clearing would cost a write of every
+  // byte). Bytes of another uid's tensors never reach it: each uid's buffers lie in segments of
+  // their own. Write every byte you publish.
   absl::StatusOr<WritableTensor> Create(const TensorSpec& spec);
 
   // As Create; when the pool cannot hold the buffer, waits up to `timeout` in the daemon for

@@ -54,9 +54,6 @@ int Allocate(DLTensor* prototype, DLManagedTensorVersioned** out, void* error_ct
   storage->tensor.shape = storage->shape.data();
   storage->tensor.strides = storage->strides.data();
   storage->flags = tensor->dlpack_flags();
-  auto [mapping, length] = tensor->TakeMapping();
-  storage->mapping = mapping;
-  storage->mapping_length = length;
   storage->writable.emplace(*std::move(tensor));
   *out = *ExportVersioned(storage, /*copy=*/false);  // a view cannot fail
   return 0;

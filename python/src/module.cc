@@ -6,7 +6,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
-#include <sys/mman.h>
 
 #include <cmath>
 #include <cstring>
@@ -125,10 +124,8 @@ std::shared_ptr<Storage> FromWritable(WritableTensor tensor) {
   storage->tensor.shape = storage->shape.data();
   storage->tensor.strides = storage->strides.data();
   storage->flags = tensor.dlpack_flags();
-  // The storage keeps the mapping so that views taken before publish stay valid after it.
-  auto [mapping, length] = tensor.TakeMapping();
-  storage->mapping = mapping;
-  storage->mapping_length = length;
+  // The writable tensor stays in the storage, past publish: it keeps its segment's mapping, so
+  // that views taken before publish stay valid after it.
   storage->writable.emplace(std::move(tensor));
   return storage;
 }
@@ -583,8 +580,16 @@ void PublishWritable(PyWritableTensor& self, const std::string& name, bool repla
     lease = client->PublishAndAcquire(*storage.writable, name, replace);
   }
   DLManagedTensorVersioned* held = Check(std::move(lease));
-  // Sealed: views taken while writing stay valid (the lease keeps the buffer) but read-only.
-  if (storage.mapping != nullptr) mprotect(storage.mapping, storage.mapping_length, PROT_READ);
+  // Sealed: views taken while writing stay valid (the lease keeps the buffer) but read-only: a
+  // write through one faults rather than change what consumers read. Without such views (only
+  // this tensor object and `pinned` hold the storage), the buffer stays as it is, and costs no
+  // mprotect now or when it is handed out again.
+  if (pinned.use_count() > 2) {
+    if (absl::Status s = storage.writable->SealViews(); !s.ok()) {
+      held->deleter(held);
+      Raise(s);
+    }
+  }
   storage.versioned = held;
   storage.lease = true;
   storage.flags |= DLPACK_FLAG_BITMASK_READ_ONLY;

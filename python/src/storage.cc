@@ -1,7 +1,5 @@
 #include "storage.h"
 
-#include <sys/mman.h>
-
 #include <cstdlib>
 #include <cstring>
 
@@ -14,7 +12,6 @@ Storage::~Storage() {
   if (versioned != nullptr && versioned->deleter != nullptr) versioned->deleter(versioned);
   if (legacy != nullptr && legacy->deleter != nullptr) legacy->deleter(legacy);
   writable.reset();  // frees the buffer if it was never published
-  if (mapping != nullptr) munmap(mapping, mapping_length);
 }
 
 StorageSpan SpanOf(const DLTensor& tensor, bool subbyte_padded) {

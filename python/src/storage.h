@@ -17,19 +17,18 @@
 namespace tensorshm::python {
 
 // Thread-safe to destroy from any thread, with or without the GIL: destruction queues a lease
-// release, calls a foreign deleter (which takes the GIL itself if it needs it), or unmaps memory.
+// release, calls a foreign deleter (which takes the GIL itself if it needs it), or drops a mapping.
 struct Storage {
   Storage() = default;
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   ~Storage();
 
-  // Exactly one of these owns the memory `tensor` describes (writable also keeps `mapping`).
+  // Exactly one of these owns the memory `tensor` describes (a published `writable` keeps its
+  // segment's mapping, and `versioned` its lease).
   DLManagedTensorVersioned* versioned = nullptr;  // an acquired lease, or a foreign tensor
   DLManagedTensor* legacy = nullptr;              // a foreign pre-1.0 tensor
   std::optional<WritableTensor> writable;         // unpublished (or just published) buffer
-  void* mapping = nullptr;                        // writable mapping, owned here
-  size_t mapping_length = 0;
 
   DLTensor tensor{};           // what exports describe; shape/strides point below or into
   std::vector<int64_t> shape;  // the owner above

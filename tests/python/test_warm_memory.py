@@ -1,0 +1,109 @@
+"""Warm memory (issue 20): producer buffers reused from freed space do not fault, what a new
+buffer holds, and the API-level seal: a view of a writable tensor kept past its publish never
+changes bytes that consumers read."""
+import resource
+import sys
+
+import numpy as np
+
+import tensorshm
+from conftest import run_python
+
+
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_reused_buffer_fills_without_page_faults(client):
+    size = 1 << 20
+    faults = []
+    for i in range(12):
+        w = client.create((size,), "uint8")
+        view = np.from_dlpack(w)
+        before = _minflt()
+        view.fill(i)  # the producer's writes: into pages populated when the buffer was handed out
+        faults.append(_minflt() - before)
+        del view
+        w.publish("warm/reused", replace=True)
+        del w
+        client.delete("warm/reused")
+        client.flush()
+    # Every buffer was populated when handed out: no write faulted. (The first round is left
+    # out: the interpreter's own first run of this loop may fault in its own memory.)
+    assert faults[1:] == [0] * (len(faults) - 1), faults
+
+
+def test_new_buffer_holds_zeros_or_this_uids_leftovers(small_daemon):
+    # A daemon of its own: no other test's leftovers.
+    client = tensorshm.connect(small_daemon.socket)
+    size = 256 << 10
+    client.put("warm/leftover", np.full(size, 0x5A, np.uint8), replace=True)
+    client.delete("warm/leftover")
+    client.flush()
+    for _ in range(4):
+        w = client.create((size,), "uint8")
+        values = set(np.unique(np.from_dlpack(w)).tolist())
+        assert values <= {0, 0x5A}, values
+        del w
+    client.close()
+
+
+VIEW_PAST_PUBLISH = """
+import sys, numpy as np, tensorshm
+client = tensorshm.connect(sys.argv[1])
+w = client.create((4096,), "uint8")
+view = np.from_dlpack(w)
+view[:] = 7
+w.publish("warm/sealed", replace=True)
+print("published; view still says writeable:", view.flags.writeable, flush=True)
+view[0] = 99
+print("wrote through the view", flush=True)
+"""
+
+
+def test_view_kept_past_publish_cannot_change_what_consumers_read(client, daemon):
+    result = run_python(VIEW_PAST_PUBLISH, daemon.socket)
+    assert "published; view still says writeable: True" in result.stdout, result.stderr
+    assert "wrote through the view" not in result.stdout
+    assert result.returncode in (-11, 139), (result.returncode, result.stderr[-2000:])
+    # The consumer reads what was published. (The producer died holding the tensor: it stays
+    # bound to its name.)
+    t = client.get("warm/sealed", timeout=10)
+    assert np.all(np.from_dlpack(t) == 7)
+
+
+REUSE_AFTER_SEAL = """
+import sys, numpy as np, tensorshm
+client = tensorshm.connect(sys.argv[1])
+for round in range(3):
+    w = client.create((1 << 20,), "uint8")
+    view = np.from_dlpack(w)
+    view[:] = round
+    w.publish("warm/resealed", replace=True)   # the view is alive: the buffer is sealed
+    del view, w                                # ... until the views and the lease go
+    client.delete("warm/resealed")
+    client.flush()
+# The same process gets freed, once sealed, buffers again: writable.
+for i in range(4):
+    w = client.create((1 << 20,), "uint8")
+    np.from_dlpack(w)[:] = 40 + i
+    w.publish("warm/resealed", replace=True)
+print("rewrote", flush=True)
+"""
+
+
+def test_a_sealed_buffer_is_writable_again_once_freed_and_handed_out(daemon, client):
+    result = run_python(REUSE_AFTER_SEAL, daemon.socket)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "rewrote" in result.stdout
+    assert np.all(np.from_dlpack(client.get("warm/resealed", timeout=10)) == 43)
+
+
+def test_published_tensor_hands_out_no_writable_pointer(client):
+    w = client.create((16,), "float32")
+    np.from_dlpack(w)[:] = 1.0
+    w.publish("warm/api-sealed", replace=True)
+    # Every export after publish is read-only: numpy, the buffer protocol.
+    assert not np.from_dlpack(w).flags.writeable
+    assert memoryview(w).readonly
+    assert not np.from_dlpack(client.get("warm/api-sealed")).flags.writeable
