@@ -552,8 +552,8 @@ int Driver(const std::string& self, const std::vector<uint64_t>& sizes, int max_
     const int iterations = static_cast<int>(
         std::clamp<uint64_t>((4ull << 30) / std::max<uint64_t>(size, 1), 5, max_iterations));
     Row r = Measure(self, dir, socket, size, iterations);
-    std::printf("%-10s %6d %18s %12s %12s %8.2fx %18s %12s %11s %8.1fx\n",
-                FormatSize(size).c_str(), r.iterations, FormatNs(r.tsm_handoff).c_str(),
+    std::printf("%-10s %6d %18s %12s %12s %8.2fx %18s %12s %11s %8.1fx\n", FormatSize(size).c_str(),
+                r.iterations, FormatNs(r.tsm_handoff).c_str(),
                 Faults(r.producer_faults, r.consumer_faults).c_str(), FormatNs(r.memcpy).c_str(),
                 r.tsm_handoff / r.memcpy, FormatNs(r.tsm_warm).c_str(),
                 FormatNs(r.grpc_bytes).c_str(), FormatNs(r.ping).c_str(),
