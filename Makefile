@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz bench install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz bench bench-python bench-ray install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -129,8 +129,30 @@ fuzz: setup
 test-container:
 	bash scripts/test-container.sh
 
+# Benchmarks, none of them part of `make test`. bench: the C++ handoff_bench (flags in ARGS, e.g.
+# ARGS="--sizes 4Ki,1Gi"). bench-python: bench/py_handoff.py (flags in PY_HANDOFF_ARGS) and
+# bench/dataloader_bench.py (DATALOADER_ARGS), installing torch into .venv first if it does not
+# import. bench-ray: bench/py_handoff.py with its Ray row, run by .venv-ray (Ray in its own
+# virtualenv, made here if missing); once it exists, bench-python finds it too.
+PY_HANDOFF_ARGS ?=
+DATALOADER_ARGS ?=
+BENCH_PY = TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd $(VENV_PY)
+
 bench: build
 	$(BUILD_DIR)/bench/handoff_bench $(ARGS)
+
+bench-python: build python
+	@$(VENV_PY) -c 'import torch' 2>/dev/null || { \
+	  echo "bench-python: installing torch into .venv"; \
+	  $(VENV_PY) -m pip install -q "$$(grep -m1 '^torch' scripts/requirements-ecosystem.txt)"; }
+	$(BENCH_PY) bench/py_handoff.py $(PY_HANDOFF_ARGS)
+	$(BENCH_PY) bench/dataloader_bench.py $(DATALOADER_ARGS)
+
+bench-ray: build python
+	@.venv-ray/bin/python -c 'import ray, numpy' 2>/dev/null || { \
+	  echo "bench-ray: installing ray and numpy into .venv-ray"; \
+	  $${PYTHON:-python3} -m venv .venv-ray && .venv-ray/bin/pip install -q ray numpy; }
+	$(BENCH_PY) bench/py_handoff.py --ray-python $(CURDIR)/.venv-ray/bin/python $(PY_HANDOFF_ARGS)
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)

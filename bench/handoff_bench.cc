@@ -1,16 +1,25 @@
 // handoff_bench: hands a tensor from a producer process to a consumer process through tensorshm,
-// and the same bytes through a gRPC bytes field on the same kind of socket, and prints medians.
+// and the same bytes through a gRPC bytes field on the same kind of socket, and prints medians
+// next to a warm memcpy of the same bytes.
 //
 //   handoff_bench [--sizes 4Ki,1Mi,64Mi,1Gi] [--max-iterations N]
 //
 // tensorshm handoff: producer create + fill + publish -> consumer (already waiting in Acquire)
 //   acquire + read one byte per page. Measured from the producer's start to the consumer's last
-//   read, on CLOCK_MONOTONIC, which both processes share.
+//   read, on CLOCK_MONOTONIC, which both processes share. The first handoff of each size is
+//   printed on its own row ("cold"); the main row is the median of the others (steady state).
+// faults p/c: page faults (getrusage ru_minflt deltas) per handoff, measured inside the producer
+//   around create + fill + publish and inside the consumer around acquire + read + release;
+//   medians of the steady-state handoffs (the cold row: the first handoff's).
+// warm memcpy: a memcpy of the same bytes into an already-touched destination, in a child
+//   process spawned as the producer is; handoff / memcpy is the tensorshm row's ratio to it.
 // tensorshm acquire (warm): the consumer acquiring the same, already published tensor again
 //   and reading one byte per page (segment mapping cached, as in a long-running consumer).
 // gRPC bytes: producer fills a buffer and sends it in a unary call to the consumer's server,
 //   whose handler reads one byte per page; measured from the fill's start to that last read.
-// Both handoff rows leave the same 2 ms idle gap before each handoff (the consumer waiting).
+// No idle gap on either handoff row: the driver starts each handoff as soon as the previous one
+//   has ended (tensorshm: and the consumer has said it is about to wait), and the gRPC row runs
+//   right after the tensorshm row of the same size.
 // empty RPC: round trip of an empty unary call on the same socket: the floor of any RPC.
 //
 // The CUDA row (device memory on cuda:0, where a driver and a device are present; skipped with
@@ -21,6 +30,7 @@
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -85,6 +95,13 @@ std::string FormatNs(double ns) {
   if (ns < 1e6) return absl::StrFormat("%.1f us", ns / 1e3);
   if (ns < 1e9) return absl::StrFormat("%.2f ms", ns / 1e6);
   return absl::StrFormat("%.2f s", ns / 1e9);
+}
+
+// Minor page faults of this process so far.
+int64_t MinorFaults() {
+  rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_minflt;
 }
 
 double Median(std::vector<int64_t> values) {
@@ -175,12 +192,13 @@ int TsmProducer(const std::string& socket, uint64_t size, int iterations) {
   auto client = ConnectOrDie(socket);
   std::string line;
   for (int i = 0; i < iterations && ReadLine(line); ++i) {
+    const int64_t faults = MinorFaults();
     const int64_t start = NowNs();
     auto tensor = client->Create({{kDLUInt, 8, 1}, {static_cast<int64_t>(size)}});
     if (!tensor.ok()) Die(tensor.status());
     std::memset(tensor->data(), i & 0xff, size);
     if (absl::Status s = client->Publish(*tensor, absl::StrFormat("bench/%d", i)); !s.ok()) Die(s);
-    Say(absl::StrFormat("start %d", start));
+    Say(absl::StrFormat("start %d %d", start, MinorFaults() - faults));
   }
   return 0;
 }
@@ -191,11 +209,13 @@ int TsmConsumer(const std::string& socket, uint64_t size, int iterations) {
   for (int i = 0; i < iterations; ++i) {
     const std::string name = absl::StrFormat("bench/%d", i);
     Say("ready");
+    const int64_t faults = MinorFaults();
     auto tensor = client->Acquire(name, absl::InfiniteDuration());
     if (!tensor.ok()) Die(tensor.status());
     sink += TouchPages((*tensor)->dl_tensor.data, size);
     const int64_t end = NowNs();
     (*tensor)->deleter(*tensor);
+    const int64_t consumer_faults = MinorFaults() - faults;
     // Warm: the tensor is published and its segment already mapped.
     const int64_t warm_start = NowNs();
     auto again = client->Acquire(name);
@@ -205,9 +225,29 @@ int TsmConsumer(const std::string& socket, uint64_t size, int iterations) {
     (*again)->deleter(*again);
     if (absl::Status s = client->Delete(name); !s.ok()) Die(s);
     if (absl::Status s = client->Flush(); !s.ok()) Die(s);
-    Say(absl::StrFormat("end %d %d", end, warm));
+    Say(absl::StrFormat("end %d %d %d", end, warm, consumer_faults));
   }
   return sink == 42 ? 1 : 0;  // keeps the reads from being optimised away
+}
+
+// A memcpy of `size` bytes into a destination touched beforehand, `iterations` times; says the
+// median time (and the median page faults per copy, 0 when the destination is warm).
+int WarmMemcpy(uint64_t size, int iterations) {
+  std::vector<unsigned char> source(size, 0x5a), destination(size, 0);
+  std::vector<int64_t> times, faults;
+  uint64_t sink = 0;
+  for (int i = 0; i < iterations; ++i) {
+    source[0] = static_cast<unsigned char>(i);
+    const int64_t faults_before = MinorFaults();
+    const int64_t start = NowNs();
+    std::memcpy(destination.data(), source.data(), size);
+    times.push_back(NowNs() - start);
+    faults.push_back(MinorFaults() - faults_before);
+    sink += destination[i % size];
+  }
+  Say(absl::StrFormat("memcpy %d %d", static_cast<int64_t>(Median(times)),
+                      static_cast<int64_t>(Median(faults))));
+  return sink == 42 ? 1 : 0;
 }
 
 // ---- CUDA roles ----
@@ -367,46 +407,70 @@ int GrpcProducer(const std::string& socket, uint64_t size, int iterations) {
 
 struct Row {
   uint64_t size;
-  int iterations;
-  double tsm_handoff, tsm_warm, grpc_bytes, ping;
+  int iterations;  // steady-state handoffs (after the cold one)
+  double cold_handoff, cold_producer_faults, cold_consumer_faults;
+  double tsm_handoff, producer_faults, consumer_faults, tsm_warm;
+  double memcpy;
+  double grpc_bytes, ping;
 };
 
+// The warm memcpy first, then the tensorshm row and the gRPC row back to back.
 Row Measure(const std::string& self, const std::string& dir, const std::string& tsm_socket,
             uint64_t size, int iterations) {
-  Row row{size, iterations, 0, 0, 0, 0};
+  Row row{};
+  row.size = size;
+  row.iterations = iterations;
   const std::string size_arg = std::to_string(size);
   const std::string iter_arg = std::to_string(iterations);
+  const std::string handoffs_arg = std::to_string(iterations + 1);  // the cold one first
   {
-    Child consumer = Child::Spawn({self, "--role", "tsm-consumer", tsm_socket, size_arg, iter_arg});
-    Child producer = Child::Spawn({self, "--role", "tsm-producer", tsm_socket, size_arg, iter_arg});
-    std::vector<int64_t> handoff, warm;
-    for (int i = 0; i < iterations; ++i) {
-      consumer.Expect("ready");
-      absl::SleepFor(absl::Milliseconds(2));  // let the consumer enter its wait
+    Child copier = Child::Spawn({self, "--role", "memcpy", "-", size_arg, iter_arg});
+    row.memcpy = std::stod(copier.Expect("memcpy").at(0));
+    copier.Finish();
+  }
+  {
+    Child consumer =
+        Child::Spawn({self, "--role", "tsm-consumer", tsm_socket, size_arg, handoffs_arg});
+    Child producer =
+        Child::Spawn({self, "--role", "tsm-producer", tsm_socket, size_arg, handoffs_arg});
+    std::vector<int64_t> handoff, warm, producer_faults, consumer_faults;
+    for (int i = 0; i <= iterations; ++i) {
+      consumer.Expect("ready");  // no idle gap: go at once
       producer.Send("go");
-      const int64_t start = std::stoll(producer.Expect("start").at(0));
+      std::vector<std::string> start = producer.Expect("start");
       std::vector<std::string> end = consumer.Expect("end");
-      handoff.push_back(std::stoll(end.at(0)) - start);
+      const int64_t took = std::stoll(end.at(0)) - std::stoll(start.at(0));
+      if (i == 0) {
+        row.cold_handoff = took;
+        row.cold_producer_faults = std::stod(start.at(1));
+        row.cold_consumer_faults = std::stod(end.at(2));
+        continue;
+      }
+      handoff.push_back(took);
       warm.push_back(std::stoll(end.at(1)));
+      producer_faults.push_back(std::stoll(start.at(1)));
+      consumer_faults.push_back(std::stoll(end.at(2)));
     }
     producer.Finish();
     consumer.Finish();
     row.tsm_handoff = Median(handoff);
     row.tsm_warm = Median(warm);
+    row.producer_faults = Median(producer_faults);
+    row.consumer_faults = Median(consumer_faults);
   }
   {
     const std::string socket = dir + "/bytes.sock";
     std::filesystem::remove(socket);
     Child consumer = Child::Spawn({self, "--role", "grpc-consumer", socket, size_arg, iter_arg});
     consumer.Expect("listening");
-    Child producer = Child::Spawn({self, "--role", "grpc-producer", socket, size_arg, iter_arg});
+    Child producer =
+        Child::Spawn({self, "--role", "grpc-producer", socket, size_arg, handoffs_arg});
     std::vector<int64_t> bytes;
-    for (int i = 0; i < iterations; ++i) {
-      // The same idle gap before each handoff as the tensorshm row has: both consumers wait.
-      absl::SleepFor(absl::Milliseconds(2));
-      producer.Send("go");
+    for (int i = 0; i <= iterations; ++i) {
+      producer.Send("go");  // no idle gap, as in the tensorshm row
       const int64_t start = std::stoll(producer.Expect("start").at(0));
-      bytes.push_back(std::stoll(consumer.Expect("end").at(0)) - start);
+      const int64_t took = std::stoll(consumer.Expect("end").at(0)) - start;
+      if (i > 0) bytes.push_back(took);  // the first call also sets up the connection
     }
     row.ping = std::stod(producer.Expect("ping").at(0));
     producer.Finish();
@@ -414,6 +478,10 @@ Row Measure(const std::string& self, const std::string& dir, const std::string& 
     row.grpc_bytes = Median(bytes);
   }
   return row;
+}
+
+std::string Faults(double producer, double consumer) {
+  return absl::StrFormat("%.0f/%.0f", producer, consumer);
 }
 
 // Prints the CUDA row for `size` (on a daemon with a cuda:0 pool), or why it is skipped.
@@ -469,20 +537,31 @@ int Driver(const std::string& self, const std::vector<uint64_t>& sizes, int max_
   daemon.Expect("tensorshmd");  // its "serving on" line
 
   std::cout << "handoff_bench: producer process -> consumer process, medians; CLOCK_MONOTONIC\n"
-            << "  tensorshm handoff: create + fill + publish -> acquire + read a byte per page\n"
+            << "  tensorshm handoff: create + fill + publish -> acquire + read a byte per page;\n"
+            << "    steady state (a size seen before); the 'cold' row is the first handoff\n"
+            << "  faults p/c: page faults per handoff in the producer / the consumer (ru_minflt)\n"
+            << "  warm memcpy: memcpy of the same bytes into a touched buffer (its own process)\n"
             << "  tensorshm acquire: acquire (warm) + read a byte per page\n"
             << "  gRPC bytes: fill + unary call with a bytes field -> read a byte per page\n"
+            << "  no idle gap before any handoff; the gRPC row runs right after the tensorshm row\n"
             << "  empty RPC: round trip of an empty unary call on the same kind of socket\n\n";
-  std::printf("%-8s %6s %18s %18s %14s %11s %15s\n", "size", "iters", "tensorshm handoff",
-              "tensorshm acquire", "gRPC bytes", "empty RPC", "gRPC / tensorshm");
+  std::printf("%-10s %6s %18s %12s %12s %9s %18s %12s %11s %9s\n", "size", "iters",
+              "tensorshm handoff", "faults p/c", "warm memcpy", "/memcpy", "tensorshm acquire",
+              "gRPC bytes", "empty RPC", "gRPC/tsm");
   for (uint64_t size : sizes) {
     const int iterations = static_cast<int>(
         std::clamp<uint64_t>((4ull << 30) / std::max<uint64_t>(size, 1), 5, max_iterations));
     Row r = Measure(self, dir, socket, size, iterations);
-    std::printf("%-8s %6d %18s %18s %14s %11s %14.1fx\n", FormatSize(size).c_str(), r.iterations,
-                FormatNs(r.tsm_handoff).c_str(), FormatNs(r.tsm_warm).c_str(),
+    std::printf("%-10s %6d %18s %12s %12s %8.2fx %18s %12s %11s %8.1fx\n", FormatSize(size).c_str(),
+                r.iterations, FormatNs(r.tsm_handoff).c_str(),
+                Faults(r.producer_faults, r.consumer_faults).c_str(), FormatNs(r.memcpy).c_str(),
+                r.tsm_handoff / r.memcpy, FormatNs(r.tsm_warm).c_str(),
                 FormatNs(r.grpc_bytes).c_str(), FormatNs(r.ping).c_str(),
                 r.grpc_bytes / r.tsm_handoff);
+    std::printf("%-10s %6d %18s %12s %12s %8.2fx\n", (FormatSize(size) + " cold").c_str(), 1,
+                FormatNs(r.cold_handoff).c_str(),
+                Faults(r.cold_producer_faults, r.cold_consumer_faults).c_str(), "",
+                r.cold_handoff / r.memcpy);
     std::fflush(stdout);
   }
   kill(daemon.pid, SIGTERM);
@@ -505,6 +584,7 @@ int main(int argc, char** argv) {
     const int iterations = std::stoi(argv[5]);
     if (role == "tsm-producer") return TsmProducer(socket, size, iterations);
     if (role == "tsm-consumer") return TsmConsumer(socket, size, iterations);
+    if (role == "memcpy") return WarmMemcpy(size, iterations);
     if (role == "grpc-producer") return GrpcProducer(socket, size, iterations);
     if (role == "grpc-consumer") return GrpcConsumer(socket);
     if (role == "cuda-producer") return CudaProducer(socket, size, iterations);

@@ -1,31 +1,49 @@
 #!/usr/bin/env python3
 """Producer process -> consumer process handoff of a numpy array, through tensorshm and the usual
-alternatives; prints medians and ratios.
+alternatives; prints medians, ratios and page faults next to a warm copy of the same bytes.
 
     python bench/py_handoff.py [--sizes 4Ki,64Ki,1Mi,16Mi,256Mi] [--max-iterations 100]
+                               [--ray-python PATH]
 
 Each handoff starts when the producer holds a ready numpy array and ends when the consumer has
 a numpy array of it and has read one byte per page. Both ends stamp time.monotonic_ns
-(CLOCK_MONOTONIC, shared by the processes).
+(CLOCK_MONOTONIC, shared by the processes). Medians are of the steady state: the first handoff
+of each size (a cold start) is left out. Before each handoff the driver waits 2 ms, the same for
+every method, so that the consumer is waiting.
 
+  warm copy:       np.copyto of the same bytes into an already-touched array, in a child
+                   process spawned as the producers are: the memory-bandwidth floor
   tensorshm:       client.put(name, array) -> consumer waiting in client.get(name, timeout=None),
                    np.from_dlpack (zero-copy)
   shared_memory:   SharedMemory(create) + copy in + (name, shape, dtype) pickled over a Pipe ->
                    consumer attaches, wraps with np.ndarray (zero-copy)
   Pipe pickle:     conn.send(array) -> conn.recv()
   torch.mp:        torch.from_numpy(array).share_memory_() over a torch.multiprocessing queue
-                   (only when torch is installed)
+                   (only when torch imports)
+  Ray:             ray.put(array) in the driver -> an actor's ray.get of the ref (zero-copy from
+                   the object store), on a local Ray started with ray.init(num_cpus=2); run in
+                   --ray-python (or RAY_PYTHON, or .venv-ray/bin/python, or this interpreter when
+                   ray imports here; `make bench-ray` makes .venv-ray)
 
-Then, in one process: a warm client.get + np.from_dlpack + release of a published 4 KiB tensor,
-and 60,000 puts of an 8-byte tensor in a row (replace), each a median.
+Page faults per handoff (getrusage ru_minflt deltas, medians) are measured inside the producer
+around its send (put, copy in, pickle, ...) and inside the consumer around its receive, read and
+release, and printed as producer/consumer.
+
+Then, in one process: a warm client.get + np.from_dlpack + release of a published 4 KiB tensor;
+a put of 1 MiB, put -> delete -> put again (the space reused), next to np.copyto of 1 MiB into
+a warm array, with page faults per put; and 60,000 puts of an 8-byte tensor in a row (replace),
+each a median.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import pathlib
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,6 +76,11 @@ def fmt_ns(ns: float) -> str:
     return f"{ns / 1e9:.2f} s"
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def touch(array) -> int:
     """Reads one byte per page of the array's memory."""
     import numpy as np
@@ -67,6 +90,24 @@ def touch(array) -> int:
 
 
 # ---- producers and consumers (child processes) ----
+# Each sends (monotonic_ns, page faults) per handoff on `report`: the producer its start, the
+# consumer its end.
+
+def copy_child(size, iterations, report):
+    """The warm copy: np.copyto into an array touched beforehand; sends (median ns, faults)."""
+    import numpy as np
+
+    source = np.full(size, 7, dtype=np.uint8)
+    destination = np.zeros(size, dtype=np.uint8)
+    times, faults = [], []
+    for _ in range(iterations):
+        f0 = minor_faults()
+        start = time.monotonic_ns()
+        np.copyto(destination, source)
+        times.append(time.monotonic_ns() - start)
+        faults.append(minor_faults() - f0)
+    report.send((statistics.median(times), statistics.median(faults)))
+
 
 def tsm_producer(socket, size, iterations, go, report):
     import numpy as np
@@ -76,9 +117,10 @@ def tsm_producer(socket, size, iterations, go, report):
     array = np.full(size, 7, dtype=np.uint8)
     for i in range(iterations):
         go.recv()
+        f0 = minor_faults()
         start = time.monotonic_ns()
-        client.put(f"bench/{i}", array)
-        report.send(start)
+        client.put(f"bench/{i}", array).release()
+        report.send((start, minor_faults() - f0))
 
 
 def tsm_consumer(socket, size, iterations, ready, report):
@@ -88,12 +130,14 @@ def tsm_consumer(socket, size, iterations, ready, report):
     client = tensorshm.connect(socket)
     for i in range(iterations):
         ready.send(True)
+        f0 = minor_faults()
         t = client.get(f"bench/{i}", timeout=None)
         touch(np.from_dlpack(t))
         end = time.monotonic_ns()
-        del t
+        t.release()
+        faults = minor_faults() - f0
         client.delete(f"bench/{i}")
-        report.send(end)
+        report.send((end, faults))
 
 
 def shm_producer(size, iterations, go, report, channel):
@@ -103,11 +147,12 @@ def shm_producer(size, iterations, go, report, channel):
     array = np.full(size, 7, dtype=np.uint8)
     for _ in range(iterations):
         go.recv()
+        f0 = minor_faults()
         start = time.monotonic_ns()
         shm = shared_memory.SharedMemory(create=True, size=size)
         np.ndarray(array.shape, array.dtype, buffer=shm.buf)[:] = array
         channel.send((shm.name, array.shape, array.dtype.str))
-        report.send(start)
+        report.send((start, minor_faults() - f0))
         channel.recv()  # the consumer is done with it
         shm.close()
         shm.unlink()
@@ -119,6 +164,7 @@ def shm_consumer(size, iterations, ready, report, channel):
 
     for _ in range(iterations):
         ready.send(True)
+        f0 = minor_faults()
         name, shape, dtype = channel.recv()
         shm = shared_memory.SharedMemory(name=name)
         view = np.ndarray(shape, np.dtype(dtype), buffer=shm.buf)
@@ -126,8 +172,9 @@ def shm_consumer(size, iterations, ready, report, channel):
         end = time.monotonic_ns()
         del view
         shm.close()
+        faults = minor_faults() - f0
         channel.send(True)
-        report.send(end)
+        report.send((end, faults))
 
 
 def pipe_producer(size, iterations, go, report, channel):
@@ -136,17 +183,21 @@ def pipe_producer(size, iterations, go, report, channel):
     array = np.full(size, 7, dtype=np.uint8)
     for _ in range(iterations):
         go.recv()
+        f0 = minor_faults()
         start = time.monotonic_ns()
         channel.send(array)
-        report.send(start)
+        report.send((start, minor_faults() - f0))
 
 
 def pipe_consumer(size, iterations, ready, report, channel):
     for _ in range(iterations):
         ready.send(True)
+        f0 = minor_faults()
         array = channel.recv()
         touch(array)
-        report.send(time.monotonic_ns())
+        end = time.monotonic_ns()
+        del array
+        report.send((end, minor_faults() - f0))
 
 
 def torch_producer(size, iterations, go, report, queue):
@@ -156,42 +207,154 @@ def torch_producer(size, iterations, go, report, queue):
     array = np.full(size, 7, dtype=np.uint8)
     for _ in range(iterations):
         go.recv()
+        f0 = minor_faults()
         start = time.monotonic_ns()
-        queue.put(torch.from_numpy(array).share_memory_())
-        report.send(start)
-        queue_done = go.recv()  # keep the tensor alive until the consumer is done
-        del queue_done
+        tensor = torch.from_numpy(array).share_memory_()
+        queue.put(tensor)
+        report.send((start, minor_faults() - f0))
+        go.recv()  # keep the tensor alive until the consumer is done
+        del tensor
 
 
 def torch_consumer(size, iterations, ready, report, queue):
     for _ in range(iterations):
         ready.send(True)
+        f0 = minor_faults()
         tensor = queue.get()
         touch(tensor.numpy())
         end = time.monotonic_ns()
         del tensor
-        report.send(end)
+        report.send((end, minor_faults() - f0))
+
+
+# ---- Ray (in its own interpreter: --ray-child) ----
+
+def ray_child(spec: dict) -> int:
+    """Runs the Ray handoffs for spec's sizes; prints one JSON object per size, or
+    {"skipped": reason}."""
+    try:
+        import numpy as np
+        import ray
+    except ImportError as e:
+        print(json.dumps({"skipped": f"{e} in {sys.executable}"}), flush=True)
+        return 0
+    largest = max(spec["sizes"])
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=max(2 * largest + (256 << 20), 100 << 20),
+                 _node_ip_address="127.0.0.1")
+    except Exception as e:  # noqa: BLE001 - any failure to start Ray is a reason to skip
+        print(json.dumps({"skipped": f"ray.init failed: {type(e).__name__}: {e}"}), flush=True)
+        return 0
+
+    @ray.remote(num_cpus=1)
+    class Consumer:
+        def consume(self, refs):
+            f0 = minor_faults()
+            array = ray.get(refs[0])
+            touch(array)
+            end = time.monotonic_ns()
+            del array
+            return end, minor_faults() - f0
+
+    consumer = Consumer.remote()
+    ray.get(consumer.consume.remote([ray.put(np.zeros(1, np.uint8))]))  # the actor is up
+    try:
+        for size, iterations in zip(spec["sizes"], spec["iterations"]):
+            array = np.full(size, 7, dtype=np.uint8)
+            times, producer_faults, consumer_faults = [], [], []
+            for _ in range(iterations):
+                time.sleep(0.002)  # the same idle gap as the other methods
+                f0 = minor_faults()
+                start = time.monotonic_ns()
+                ref = ray.put(array)
+                faults = minor_faults() - f0
+                end, actor_faults = ray.get(consumer.consume.remote([ref]))
+                del ref
+                times.append(end - start)
+                producer_faults.append(faults)
+                consumer_faults.append(actor_faults)
+            print(json.dumps({"size": size, "times": times, "producer_faults": producer_faults,
+                              "consumer_faults": consumer_faults}), flush=True)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def ray_python(flag: str | None) -> str | None:
+    """The interpreter to run the Ray row with, or None."""
+    if flag or os.environ.get("RAY_PYTHON"):
+        return flag or os.environ["RAY_PYTHON"]
+    try:
+        import ray  # noqa: F401
+
+        return sys.executable
+    except ImportError:
+        pass
+    venv = ROOT / ".venv-ray" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+def run_ray(python: str | None, sizes, iterations) -> dict:
+    """{size: (times, producer faults, consumer faults)}, or {"skipped": reason}."""
+    if python is None:
+        return {"skipped": "ray does not import here and there is no .venv-ray "
+                           "(make bench-ray, or --ray-python PATH)"}
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    spec = json.dumps({"sizes": sizes, "iterations": iterations})
+    try:
+        run = subprocess.run([python, __file__, "--ray-child", spec], env=env,
+                             capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"skipped": f"{python}: {e}"}
+    results = {}
+    for line in run.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        if "skipped" in row:
+            return row
+        results[row["size"]] = (row["times"], row["producer_faults"], row["consumer_faults"])
+    if run.returncode != 0 and len(results) < len(sizes):
+        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"skipped": f"the Ray run failed (exit {run.returncode}): {tail}"}
+    return results
 
 
 # ---- the driver ----
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--ray-child":
+        return ray_child(json.loads(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4Ki,64Ki,1Mi,16Mi,256Mi")
     parser.add_argument("--max-iterations", type=int, default=100)
+    parser.add_argument("--ray-python", default=None,
+                        help="the interpreter of a venv with ray (default: RAY_PYTHON, this one "
+                             "if ray imports, else .venv-ray/bin/python if present)")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    return drive(sizes, args.max_iterations)
+    return drive(sizes, args.max_iterations, ray_python(args.ray_python))
 
 
-def drive(sizes, max_iterations) -> int:
+def median_after_first(values):
+    """The steady-state median: the first (cold) value left out."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def drive(sizes, max_iterations, ray_interpreter) -> int:
     ctx = mp.get_context("spawn")
     try:
         import torch  # noqa: F401
 
-        have_torch = True
-    except ImportError:
-        have_torch = False
+        torch_skipped = None
+    except ImportError as e:
+        torch_skipped = f"torch does not import ({e})"
+
+    # +1: the cold first handoff, left out of the medians.
+    iterations = {size: max(5, min(max_iterations, (1 << 30) // size)) + 1 for size in sizes}
+    ray_results = run_ray(ray_interpreter, sizes, [iterations[s] for s in sizes])
+    ray_skipped = ray_results.get("skipped")
 
     daemon_dir = tempfile.mkdtemp(prefix="tsm-pybench-")
     socket = os.path.join(daemon_dir, "tensorshm.sock")
@@ -202,47 +365,73 @@ def drive(sizes, max_iterations) -> int:
     while not os.path.exists(socket):
         if daemon.poll() is not None:
             print("tensorshmd did not start", file=sys.stderr)
+            shutil.rmtree(daemon_dir, ignore_errors=True)
             return 1
         time.sleep(0.01)
 
     methods = [("tensorshm", tsm_producer, tsm_consumer, (socket,), None),
                ("shared_memory", shm_producer, shm_consumer, (), "pipe"),
                ("Pipe pickle", pipe_producer, pipe_consumer, (), "pipe")]
-    if have_torch:
+    if torch_skipped is None:
         methods.append(("torch.mp", torch_producer, torch_consumer, (), "torch"))
+    names = [m[0] for m in methods] + ([] if ray_skipped else ["Ray"])
 
     print(__doc__.split("\n\n")[0])
-    print("medians of time.monotonic_ns from the producer's start to the consumer's last read;"
-          " ratio = method / tensorshm")
-    if not have_torch:
-        print("torch.mp: skipped (torch is not installed)")
-    header = f"{'size':>8} {'iters':>6}" + "".join(f" {m[0]:>15}" for m in methods) + \
-        "".join(f" {m[0] + '/tsm':>18}" for m in methods[1:])
+    print("steady-state medians of time.monotonic_ns from the producer's start to the consumer's"
+          " last read; method/tsm = how many times tensorshm is faster; tsm/copy = tensorshm"
+          " over the warm copy")
+    if torch_skipped:
+        print(f"torch.mp: skipped: {torch_skipped}")
+    if ray_skipped:
+        print(f"Ray: skipped: {ray_skipped}")
+    elif ray_interpreter != sys.executable:
+        print(f"Ray: run by {ray_interpreter}")
+    header = f"{'size':>8} {'iters':>6} {'warm copy':>11}" + "".join(f" {n:>13}" for n in names)
+    header += f" {'tsm/copy':>9}" + "".join(f" {n + '/tsm':>17}" for n in names[1:])
     print(header)
+    fault_rows = []
     try:
         for size in sizes:
-            iterations = max(5, min(max_iterations, (1 << 30) // size))
-            medians = []
+            n = iterations[size]
+            copy_ns, copy_faults = warm_copy(ctx, size, n)
+            medians, faults = [], []
             for name, producer, consumer, base_args, channel_kind in methods:
-                medians.append(handoff(ctx, producer, consumer, base_args, channel_kind, size,
-                                       iterations))
-            line = f"{fmt_size(size):>8} {iterations:>6}" + "".join(f" {fmt_ns(m):>15}" for m in medians)
-            line += "".join(f" {m / medians[0]:>17.2f}x" for m in medians[1:])
+                times, pf, cf = handoff(ctx, producer, consumer, base_args, channel_kind, size, n)
+                medians.append(median_after_first(times))
+                faults.append((median_after_first(pf), median_after_first(cf)))
+            if not ray_skipped:
+                times, pf, cf = ray_results[size]
+                medians.append(median_after_first(times))
+                faults.append((median_after_first(pf), median_after_first(cf)))
+            line = f"{fmt_size(size):>8} {n - 1:>6} {fmt_ns(copy_ns):>11}"
+            line += "".join(f" {fmt_ns(m):>13}" for m in medians)
+            line += f" {medians[0] / copy_ns:>8.2f}x"
+            line += "".join(f" {m / medians[0]:>16.2f}x" for m in medians[1:])
             print(line, flush=True)
+            fault_rows.append((size, copy_faults, faults))
+        print("\npage faults per handoff, producer/consumer (steady-state medians of ru_minflt"
+              " deltas)")
+        print(f"{'size':>8} {'warm copy':>11}" + "".join(f" {n:>13}" for n in names))
+        for size, copy_faults, faults in fault_rows:
+            print(f"{fmt_size(size):>8} {copy_faults:>11.0f}"
+                  + "".join(f" {f'{p:.0f}/{c:.0f}':>13}" for p, c in faults))
+        print()
         micro(socket)
     finally:
         daemon.terminate()
         daemon.wait()
+        shutil.rmtree(daemon_dir, ignore_errors=True)
     return 0
 
 
-def micro(socket, gets=20000, puts=60000) -> None:
-    """In this process: a warm get + np.from_dlpack + release, and puts of a tiny tensor."""
+def micro(socket, gets=20000, puts=60000, big_puts=200) -> None:
+    """In this process: a warm get + np.from_dlpack + release; puts of 1 MiB, space reused,
+    against a warm np.copyto; puts of a tiny tensor."""
     import numpy as np
     import tensorshm
 
     client = tensorshm.connect(socket)
-    client.put("micro/warm", np.arange(1024, dtype=np.float32))
+    client.put("micro/warm", np.arange(1024, dtype=np.float32)).release()
     samples = []
     for _ in range(gets):
         start = time.perf_counter_ns()
@@ -252,6 +441,32 @@ def micro(socket, gets=20000, puts=60000) -> None:
         samples.append(time.perf_counter_ns() - start)
     print(f"get + np.from_dlpack + release (warm, 4 KiB): median {fmt_ns(statistics.median(samples))}"
           f" over {gets}")
+
+    array = np.full(1 << 20, 7, dtype=np.uint8)
+    put_ns, put_faults = [], []
+    for _ in range(big_puts + 1):
+        f0 = minor_faults()
+        start = time.perf_counter_ns()
+        t = client.put("micro/1MiB", array)
+        put_ns.append(time.perf_counter_ns() - start)
+        put_faults.append(minor_faults() - f0)
+        t.release()
+        client.delete("micro/1MiB")
+    destination = np.zeros_like(array)
+    copy_ns, copy_faults = [], []
+    for _ in range(big_puts + 1):
+        f0 = minor_faults()
+        start = time.perf_counter_ns()
+        np.copyto(destination, array)
+        copy_ns.append(time.perf_counter_ns() - start)
+        copy_faults.append(minor_faults() - f0)
+    put, copy = median_after_first(put_ns), median_after_first(copy_ns)
+    print(f"put of 1 MiB (put -> delete -> put again, the space reused): median {fmt_ns(put)}, "
+          f"{median_after_first(put_faults):.0f} page faults per put (first put: "
+          f"{fmt_ns(put_ns[0])}, {put_faults[0]} faults); np.copyto of 1 MiB into a warm array: "
+          f"median {fmt_ns(copy)}, {median_after_first(copy_faults):.0f} faults; "
+          f"put/copy {put / copy:.2f}x, over {big_puts}")
+
     tiny = np.zeros(2, dtype=np.float32)
     samples = []
     start_all = time.perf_counter_ns()
@@ -265,7 +480,20 @@ def micro(socket, gets=20000, puts=60000) -> None:
           f"{fmt_ns(statistics.median(samples))} each, {rate:,.0f} puts/s")
 
 
-def handoff(ctx, producer, consumer, base_args, channel_kind, size, iterations) -> float:
+def warm_copy(ctx, size, iterations):
+    """(median ns, median faults) of the warm copy, in a spawned child process."""
+    report_parent, report_child = ctx.Pipe()
+    p = ctx.Process(target=copy_child, args=(size, iterations, report_child))
+    p.start()
+    result = report_parent.recv()
+    p.join()
+    if p.exitcode != 0:
+        raise RuntimeError("copy_child failed")
+    return result
+
+
+def handoff(ctx, producer, consumer, base_args, channel_kind, size, iterations):
+    """Per handoff: the times, the producer's faults, the consumer's faults (lists)."""
     go_parent, go_child = ctx.Pipe()
     ready_parent, ready_child = ctx.Pipe()
     start_parent, start_child = ctx.Pipe()
@@ -285,21 +513,23 @@ def handoff(ctx, producer, consumer, base_args, channel_kind, size, iterations) 
                                            *extra_c))
     p.start()
     c.start()
-    times = []
+    times, producer_faults, consumer_faults = [], [], []
     for _ in range(iterations):
         ready_parent.recv()
         time.sleep(0.002)  # let the consumer enter its wait
         go_parent.send(True)
-        start = start_parent.recv()
-        end = end_parent.recv()
+        start, pf = start_parent.recv()
+        end, cf = end_parent.recv()
         times.append(end - start)
+        producer_faults.append(pf)
+        consumer_faults.append(cf)
         if channel_kind == "torch":
             go_parent.send(True)
     p.join()
     c.join()
     if p.exitcode != 0 or c.exitcode != 0:
         raise RuntimeError(f"{producer.__name__}/{consumer.__name__} failed")
-    return statistics.median(times)
+    return times, producer_faults, consumer_faults
 
 
 if __name__ == "__main__":
