@@ -88,10 +88,19 @@ void TensorShmService::Housekeep() {
     catalog_->Reclaim();
     // --evict lru learns of fast path acquires from the lease pages (Catalog::TouchHeld).
     if (evict_ == EvictPolicy::kLru) catalog_->TouchHeld();
+    FoldFastAcquires();
     catalog_->CheckRecords(kRecordsCheckedPerRound);
     stopping_.WaitWithTimeout(&mu_, absl::Nanoseconds(kHeartbeatIntervalNs));
     if (shutting_down_) return;
   }
+}
+
+void TensorShmService::FoldFastAcquires() {
+  const uint64_t total = catalog_->FastAcquires();
+  // The board's total never decreases.
+  TSM_CHECK(total >= fast_acquires_counted_);
+  metrics_.CountFastAcquires(total - fast_acquires_counted_);
+  fast_acquires_counted_ = total;
 }
 
 absl::Status TensorShmService::NoSession(const std::string& token) {
@@ -652,6 +661,7 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
       TSM_CHECK(catalog_->Abandon(session.id, (*tensor)->id).ok());
       return;
     }
+    catalog_->MarkStocked((*tensor)->id);
     v1::StockedBuffer* buffer = stocked->Add();
     buffer->set_tensor_id((*tensor)->id);
     v1::TensorDesc desc;
@@ -796,6 +806,7 @@ v1::StatResponse TensorShmService::StatSnapshot() {
   v1::StatResponse* response = &stat;
   {
     ServiceLock lock(this);
+    FoldFastAcquires();
     response->set_tensors(catalog_->tensor_count());
     response->set_names(catalog_->name_count());
     response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
@@ -803,11 +814,14 @@ v1::StatResponse TensorShmService::StatSnapshot() {
     response->set_evicted_tensors(catalog_->evicted_tensors());
     response->set_evicted_bytes(catalog_->evicted_bytes());
     response->set_creates_waiting(static_cast<int64_t>(creates_waiting_.size()));
+    response->set_stocked_tensors(catalog_->stocked_tensors());
     const HostPool& pool = catalog_->host_pool();
     v1::PoolStats* stats = response->add_pools();
     ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
     stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
-    stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes()));
+    // Stock is allocated from the pool like any buffer: the pool's own figure holds both.
+    stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()));
+    stats->set_stock_bytes(static_cast<int64_t>(catalog_->stock_bytes()));
     stats->set_segments(static_cast<int64_t>(pool.segment_count()));
     for (const CudaPool* cuda : catalog_->cuda_pools()) {
       v1::PoolStats* device = response->add_pools();

@@ -79,7 +79,9 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   ChannelReply HandleChannel(ChannelConnection& connection, const v1::ChannelRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // What Stat answers, read as Stat reads it (under mu_, briefly), for --metrics.
+  // What Stat answers, read as Stat reads it (under mu_, briefly), for --metrics. Also folds the
+  // fast path acquires counted since the last fold into metrics(), so that the figures rendered
+  // after it hold every acquire made before the call.
   v1::StatResponse StatSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
   // The counters and histogram of --metrics (thread-safe on their own).
   const Metrics& metrics() const { return metrics_; }
@@ -193,6 +195,10 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   absl::Status CreateGrowing(const std::string& token, const absl::Status& gone,
                              const v1::CreateRequest& request, v1::CreateResponse* response,
                              bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Adds the fast path acquires the lease pages counted since the last call to metrics_ (as
+  // acquires answered OK). Called by every housekeeping round and every StatSnapshot.
+  void FoldFastAcquires() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // OK if `session` may delete or replace `tensor`: its publisher's uid, or the daemon's.
   absl::Status MayChange(const tensorshm::Session& session, const Tensor& tensor,
@@ -326,6 +332,8 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // since (those behind it may fit now): either makes UnlockAndFinish retry them.
   uint64_t retried_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   bool retry_creates_ ABSL_GUARDED_BY(mu_) = false;
+  // catalog_->FastAcquires() at the last FoldFastAcquires: what metrics_ holds of them.
+  uint64_t fast_acquires_counted_ ABSL_GUARDED_BY(mu_) = 0;
   EvictPolicy evict_ = EvictPolicy::kNone;  // set before serving
   const uint64_t session_quota_bytes_;
   const AccessPolicy* const policy_;
