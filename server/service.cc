@@ -211,11 +211,17 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
       case v1::ChannelRequest::kFastPath:
         fd = GrantFastPath(*session, request.fast_path(), reply.response.mutable_fast_path());
         break;
-      case v1::ChannelRequest::kCreate:
-        return CreateGrowing(connection.session_token,
-                             absl::FailedPreconditionError(
-                                 "kind: the session this channel is bound to has ended; reconnect"),
-                             request.create(), reply.response.mutable_created());
+      case v1::ChannelRequest::kCreate: {
+        SegmentGrowth growth;
+        absl::Status created =
+            CreateFor(*session, request.create(), reply.response.mutable_created(), &growth);
+        if (!growth.needed() && !growth.busy()) return created;
+        // This thread serves every client's channel: it never makes a segment (posix_fallocate,
+        // cuMemAlloc), nor waits for one. UNAVAILABLE sends the client to the gRPC Create, which
+        // GrowPools answers once the pool has grown.
+        return absl::UnavailableError(
+            "create: the pool must grow first; the gRPC Create waits for that");
+      }
       case v1::ChannelRequest::kPublish:
         return PublishFor(*session, request.publish(), reply.response.mutable_published());
       case v1::ChannelRequest::kDelete:
@@ -522,7 +528,9 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
 void TensorShmService::GrowPools() {
   while (true) {
     ServiceLock lock(this);
-    while (pending_creates_.empty() && !shutting_down_) creates_pending_.Wait(&mu_);
+    while (pending_creates_.empty() && grow_ahead_.empty() && !shutting_down_) {
+      creates_pending_.Wait(&mu_);
+    }
     if (shutting_down_) {
       for (const PendingCreate& create : pending_creates_) {
         metrics_.CountOp(MetricOp::kCreate, absl::StatusCode::kUnavailable);
@@ -531,6 +539,13 @@ void TensorShmService::GrowPools() {
       }
       pending_creates_.clear();
       return;
+    }
+    if (pending_creates_.empty()) {
+      // Nothing waits for a segment now: grow ahead of need.
+      const uint32_t uid = *grow_ahead_.begin();
+      grow_ahead_.erase(grow_ahead_.begin());
+      GrowAheadNow(uid);
+      continue;
     }
     const PendingCreate create = pending_creates_.front();
     pending_creates_.pop_front();
@@ -571,6 +586,37 @@ absl::Status TensorShmService::CreateGrowing(const std::string& token, const abs
     grown_.SignalAll();
     if (absl::IsResourceExhausted(grown)) metrics_.CountAllocationFailure(AllocationFailure::kPool);
     if (!grown.ok()) return grown;
+  }
+}
+
+void TensorShmService::GrowAhead(uint32_t uid) {
+  if (shutting_down_ || !catalog_->host_pool().PlanAhead(uid).has_value()) return;
+  if (grow_ahead_.insert(uid).second) creates_pending_.Signal();
+}
+
+void TensorShmService::GrowAheadNow(uint32_t uid) {
+  std::optional<GrowthRequest> plan = catalog_->host_pool().PlanAhead(uid);
+  if (!plan.has_value()) return;  // grown meanwhile, or room was freed or taken
+  SegmentGrowth growth;
+  growth.cuda_ordinal = -1;
+  growth.request = *plan;
+  catalog_->BeginGrowth(growth);
+  UnlockAndFinish();
+  growth.Make();
+  mu_.lock();
+  const absl::Status grown = catalog_->EndGrowth(growth);
+  grown_.SignalAll();
+  if (grown.ok()) {
+    retry_creates_ = true;  // a waiting create of that uid may fit now
+    return;
+  }
+  // Creates still grow the pool on demand; an operator hears of this once (e.g. /dev/shm full).
+  if (!warned_growth_ahead_) {
+    warned_growth_ahead_ = true;
+    TSM_LOG(kWarning) << "host pool: growing segment " << plan->segment_id << " (" << plan->size
+                      << " bytes) ahead of need for uid " << uid << " failed: " << grown
+                      << "; creates will grow the pool as they need it "
+                      << "(logged once)";
   }
 }
 
@@ -635,6 +681,7 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
   if (request.stock() > 0 && device.device_type == kDLCPU && length > 0) {
     Stock(session, length, request.stock(), response->mutable_stocked());
   }
+  if (device.device_type == kDLCPU && length > 0) GrowAhead(session.uid);
   return absl::OkStatus();
 }
 
@@ -736,6 +783,7 @@ absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
   WakeWaiters(request.name());
   if (request.stock() > 0) {
     Stock(session, request.stock_bytes(), request.stock(), response->mutable_stocked());
+    GrowAhead(session.uid);
   }
   return absl::OkStatus();
 }
