@@ -206,11 +206,13 @@ int tsm_stat(tsm_client* client, tsm_stats* out) {
   return Guard("tsm_stat", [&] {
     absl::StatusOr<tensorshm::ServerStats> stats = client->client->Stat();
     if (!stats.ok()) return Fail(stats.status());
-    *out = tsm_stats{stats->tensors, stats->leases, stats->sessions, 0, 0};
+    *out =
+        tsm_stats{stats->tensors, stats->leases, stats->sessions, 0, 0, stats->stocked_tensors, 0};
     for (const tensorshm::PoolStats& pool : stats->pools) {
       if (pool.device.device_type == kDLCPU) {
         out->host_capacity_bytes = pool.capacity_bytes;
         out->host_used_bytes = pool.used_bytes;
+        out->host_stock_bytes = pool.stock_bytes;
       }
     }
     return Check(absl::OkStatus());

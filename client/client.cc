@@ -809,9 +809,10 @@ absl::StatusOr<ServerStats> Client::Stat() {
   stats.evicted_tensors = response.evicted_tensors();
   stats.evicted_bytes = response.evicted_bytes();
   stats.creates_waiting = response.creates_waiting();
+  stats.stocked_tensors = response.stocked_tensors();
   for (const v1::PoolStats& pool : response.pools()) {
     stats.pools.push_back(PoolStats{FromWire(pool.device()), pool.capacity_bytes(),
-                                    pool.used_bytes(), pool.segments()});
+                                    pool.used_bytes(), pool.segments(), pool.stock_bytes()});
   }
   return stats;
 }

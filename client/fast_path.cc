@@ -116,8 +116,10 @@ absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
   fast->buckets_ = reinterpret_cast<const IndexBucket*>(fast->index_ + IndexBucketsOffset());
   fast->entries_ = reinterpret_cast<const IndexEntry*>(fast->index_ + IndexEntriesOffset(buckets));
   MutexLock lock(&fast->mu_);
-  fast->free_slots_.reserve(kLeaseSlots - 1);
-  for (uint32_t slot = kLeaseSlots - 1; slot >= 1; --slot) fast->free_slots_.push_back(slot);
+  fast->free_slots_.reserve(kLeaseSlots - kFirstLeaseSlot);
+  for (uint32_t slot = kLeaseSlots - 1; slot >= kFirstLeaseSlot; --slot) {
+    fast->free_slots_.push_back(slot);
+  }
   return fast;
 }
 
@@ -154,7 +156,7 @@ FastPath::Outcome FastPath::TryAcquire(std::string_view name, Leased* leased) {
   MutexLock lock(&mu_);
   if (retired_ || free_slots_.empty()) return Outcome::kFallback;
   LeasePage& lease_page = page();
-  if (lease_page.slots[0].load(std::memory_order_acquire) == kLeasePageDropped) {
+  if (lease_page.slots[kLeaseDaemonSlot].load(std::memory_order_acquire) == kLeasePageDropped) {
     return Outcome::kFallback;
   }
   for (int attempt = 0; attempt < kSnapshotAttempts; ++attempt) {
@@ -198,6 +200,12 @@ FastPath::Outcome FastPath::TryAcquire(std::string_view name, Leased* leased) {
     free_slots_.pop_back();
     leased->page_slot = page_slot;
     leased->tensor_id = tensor_id;
+    // Tells the daemon (its figures, --evict lru) of this acquire: the ring entry, then the
+    // count that covers it. Two plain stores to a line this thread owns.
+    lease_page.slots[kLeaseRecentSlot + acquires_ % kLeaseRecentSlots].store(
+        tensor_id, std::memory_order_relaxed);
+    ++acquires_;
+    lease_page.slots[kLeaseAcquireCountSlot].store(acquires_, std::memory_order_release);
     return Outcome::kLeased;
   }
   return Outcome::kFallback;
@@ -251,7 +259,7 @@ bool FastPath::Describe(uint32_t record_slot, uint64_t tensor_id, std::string_vi
 bool FastPath::Pin(uint64_t tensor_id, uint32_t* page_slot) {
   MutexLock lock(&mu_);
   if (retired_ || free_slots_.empty() ||
-      page().slots[0].load(std::memory_order_acquire) == kLeasePageDropped) {
+      page().slots[kLeaseDaemonSlot].load(std::memory_order_acquire) == kLeasePageDropped) {
     return false;
   }
   *page_slot = free_slots_.back();
@@ -286,7 +294,7 @@ int FastPath::Retire(const std::function<uint64_t(uint64_t tensor_id)>& convert)
   std::vector<bool> free(kLeaseSlots, false);
   for (uint32_t slot : free_slots_) free[slot] = true;
   int converted = 0;
-  for (uint32_t slot = 1; slot < kLeaseSlots; ++slot) {
+  for (uint32_t slot = kFirstLeaseSlot; slot < kLeaseSlots; ++slot) {
     if (free[slot]) continue;
     converted_keys_[slot] = convert(page().slots[slot].load(std::memory_order_relaxed));
     ++converted;

@@ -121,6 +121,9 @@ class FastPath {
   std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> converted_keys_ ABSL_GUARDED_BY(mu_);  // by slot, after Retire
   bool retired_ ABSL_GUARDED_BY(mu_) = false;
+  // Acquires TryAcquire served, as stored in the lease page's kLeaseAcquireCountSlot (kept here:
+  // the page's word is only ever written by this process).
+  uint64_t acquires_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace tensorshm

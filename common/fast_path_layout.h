@@ -27,7 +27,10 @@
 namespace tensorshm {
 
 inline constexpr uint64_t kIndexMagic = 0x315844494d534e54ull;  // "TNSMIDX1", little-endian
-inline constexpr uint32_t kIndexLayoutVersion = 1;
+// The version of the whole fast path's layout: the index and the lease pages (a client checks it
+// once, in the index header, before it uses either). 2: lease pages carry the fast acquire
+// count and the recent ring (kLeaseAcquireCountSlot, kLeaseRecentSlot).
+inline constexpr uint32_t kIndexLayoutVersion = 2;
 inline constexpr uint32_t kIndexHeaderBytes = 256;
 
 // The daemon stores its CLOCK_MONOTONIC time in `heartbeat_ns` this often; a client that finds
@@ -106,16 +109,30 @@ inline uint64_t NameHash(const char* name, size_t length) {
 // client sets and clears them; the daemon only reads them. Set or clear, never a counter: a
 // client that dies mid-operation leaves nothing ambiguous, and its page is dropped whole.
 //
-// Slot 0 is the daemon's word, never a lease: kLeasePageDropped once the session ended, after
-// which the page protects nothing and the client uses the RPCs.
+// The first kFirstLeaseSlot words are no leases:
+// - slot 0 (kLeaseDaemonSlot) is the daemon's word: kLeasePageDropped once the session ended,
+//   after which the page protects nothing and the client uses the RPCs;
+// - slot 1 (kLeaseAcquireCountSlot) is the client's count of the acquires its fast path served
+//   (only the client writes it, one store per acquire, from 0 upwards);
+// - slots 2 to 7 (kLeaseRecentSlot, kLeaseRecentSlots) are a ring of the tensor ids of its latest
+//   fast acquires: acquire number n (counted from 0) stores its id in slot
+//   kLeaseRecentSlot + n % kLeaseRecentSlots, before the count becomes n + 1 (release).
+// The daemon reads the count and the ring for its figures and --evict lru's recency, and trusts
+// them as no more than numbers a client wrote (see LeaseBoard).
 inline constexpr uint32_t kLeasePageBytes = 4096;
 inline constexpr uint32_t kLeaseSlots = kLeasePageBytes / sizeof(uint64_t);
 inline constexpr uint64_t kLeasePageDropped = ~uint64_t{0};
+inline constexpr uint32_t kLeaseDaemonSlot = 0;
+inline constexpr uint32_t kLeaseAcquireCountSlot = 1;
+inline constexpr uint32_t kLeaseRecentSlot = 2;
+inline constexpr uint32_t kLeaseRecentSlots = 6;
+inline constexpr uint32_t kFirstLeaseSlot = kLeaseRecentSlot + kLeaseRecentSlots;
 
 struct LeasePage {
   std::atomic<uint64_t> slots[kLeaseSlots];
 };
 static_assert(std::is_standard_layout_v<LeasePage> && sizeof(LeasePage) == kLeasePageBytes);
+static_assert(kFirstLeaseSlot == 8 && kFirstLeaseSlot < kLeaseSlots);
 
 }  // namespace tensorshm
 

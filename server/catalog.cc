@@ -664,6 +664,7 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   tensor.published_unix_ms = absl::ToUnixMillis(absl::Now());
   record.published_unix_ms = tensor.published_unix_ms;
   tensor.publisher_pid = publisher_pid;
+  Unstock(tensor);
   tensor.sealed = true;
   tensor.owner_session = 0;
   tensor.name = name;
@@ -788,7 +789,27 @@ std::vector<const Tensor*> Catalog::List(const std::string& prefix) const {
   return found;
 }
 
+void Catalog::MarkStocked(uint64_t tensor_id) {
+  auto it = tensors_.find(tensor_id);
+  TSM_CHECK(it != tensors_.end());
+  Tensor& tensor = it->second;
+  TSM_CHECK(!tensor.sealed && !tensor.stocked && tensor.device.device_type == kDLCPU &&
+            tensor.buffer.length > 0);
+  tensor.stocked = true;
+  ++stocked_tensors_;
+  stock_bytes_ += tensor.buffer.length;
+}
+
+void Catalog::Unstock(Tensor& tensor) {
+  if (!tensor.stocked) return;
+  tensor.stocked = false;
+  TSM_CHECK(stocked_tensors_ > 0 && stock_bytes_ >= tensor.buffer.length);
+  --stocked_tensors_;
+  stock_bytes_ -= tensor.buffer.length;
+}
+
 void Catalog::Free(std::map<uint64_t, Tensor>::iterator it) {
+  Unstock(it->second);
   // The record goes free before the memory is reused, so a restart never sees two live records
   // over one buffer.
   WriteRecordState(it->second, RecordState::kFree);

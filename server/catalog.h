@@ -61,6 +61,9 @@ struct Tensor {
   uint64_t use_seq = 0;
   absl::Time last_use = absl::InfinitePast();
   bool acquired = false;  // seen acquired (an RPC lease, or a lease page slot) since publish
+  // A stocked buffer (CreateRequest.stock) not yet published: memory made ahead of need, which
+  // Stat reports as stock rather than used (see Catalog::MarkStocked).
+  bool stocked = false;
 };
 
 // A pool segment that Create needs, made outside the caller's lock: Create fills `request` (and
@@ -179,6 +182,16 @@ class Catalog {
                        absl::Span<const int64_t> shape, absl::Span<const int64_t> strides,
                        bool subbyte_padded);
 
+  // Marks `tensor_id`, an unpublished host tensor with a buffer that Create just made, as stock:
+  // from now until it is published or freed it counts in stock_bytes() and stocked_tensors().
+  // The daemon cannot tell when a client takes a stocked buffer to fill it (it takes it without
+  // a call), so a buffer being filled stays stock until its publish.
+  // REQUIRES: such a tensor, not marked yet.
+  void MarkStocked(uint64_t tensor_id);
+  // Stocked buffers now: their count and the bytes of their buffers (all in the host pool).
+  int64_t stocked_tensors() const { return stocked_tensors_; }
+  uint64_t stock_bytes() const { return stock_bytes_; }
+
   // The sealed tensor bound to `name`, or nullptr.
   const Tensor* Find(const std::string& name) const;
   const Tensor* FindId(uint64_t tensor_id) const;
@@ -202,6 +215,9 @@ class Catalog {
   int64_t PageLeaseCount() const;
   // Slots of `session`'s lease page holding a tensor now; 0 if it has no page.
   int64_t PageLeasesOf(uint64_t session) const { return lease_board_.SlotsHeld(session); }
+  // Acquires the clients' fast paths served since the catalog was made, as their lease pages
+  // count them (see LeaseBoard::FastAcquires): never decreasing.
+  uint64_t FastAcquires() { return lease_board_.FastAcquires(); }
 
   // The index clients read (descriptor through the memory channel).
   const CatalogIndex& index() const { return index_; }
@@ -253,10 +269,17 @@ class Catalog {
                                                const DLDevice& device, bool subbyte_padded,
                                                uint32_t owner_uid, SegmentGrowth* growth);
 
-  // Counts every tensor some lease page holds now as used now: how --evict lru learns of fast
-  // path acquires, which never reach the daemon (called every housekeeping round). A tensor that
-  // a page held at the last call and none holds now may have become evictable: it moves
-  // release_epoch().
+  // Counts as used now every tensor some lease page holds now, and every tensor the pages' recent
+  // rings name (the latest fast acquires since the last call, see LeaseBoard::TakeRecent): how
+  // --evict lru learns of fast path acquires, which never reach the daemon (called every
+  // housekeeping round). The cheapest honest reading of the pages: a round reads each page's
+  // slots (as Reclaim does anyway) and at most kLeaseRecentSlots ring entries, and the client
+  // pays two stores per acquire. What it misses: a tensor acquired and released between two
+  // rounds by a session that made more than kLeaseRecentSlots fast acquires after it in that
+  // round; its recency is then that of its last acquire seen, or its publish. Recency is only as
+  // fine as a round (kHeartbeatIntervalNs). A client can name any tensor id in its page; that
+  // only makes the tensor look used, which a lease would do too. A tensor that a page held at the
+  // last call and none holds now may have become evictable: it moves release_epoch().
   void TouchHeld();
 
   // Moves whenever memory may have become available to a create: a buffer freed, a tensor's
@@ -285,6 +308,8 @@ class Catalog {
   // lease page holds it (then it is retired).
   void FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it);
   void Free(std::map<uint64_t, Tensor>::iterator it);
+  // Takes `tensor` out of the stock figures if it is stocked (published or freed).
+  void Unstock(Tensor& tensor);
   // The unpublished tensor `tensor_id` of `session`: NOT_FOUND, FAILED_PRECONDITION (published)
   // or PERMISSION_DENIED (another session's) otherwise.
   absl::StatusOr<std::map<uint64_t, Tensor>::iterator> FindUnpublished(uint64_t session,
@@ -340,6 +365,8 @@ class Catalog {
   std::set<uint64_t> held_last_;  // what lease pages held at the last TouchHeld
   int64_t evicted_tensors_ = 0;
   int64_t evicted_bytes_ = 0;
+  int64_t stocked_tensors_ = 0;  // tensors with `stocked` set, and their buffers' bytes
+  uint64_t stock_bytes_ = 0;
 };
 
 }  // namespace tensorshm

@@ -27,6 +27,10 @@ void Catalog::TouchHeld() {
     auto it = tensors_.find(id);
     if (it != tensors_.end() && it->second.sealed) Touch(it->second);
   }
+  for (uint64_t id : lease_board_.TakeRecent()) {
+    auto it = tensors_.find(id);
+    if (it != tensors_.end() && it->second.sealed) Touch(it->second);
+  }
   for (uint64_t id : held_last_) {
     if (now.count(id) == 0) {
       ++release_epoch_;  // let go of by a page: evictable now, perhaps

@@ -181,6 +181,26 @@ absl::StatusOr<GrowthRequest> HostPool::PlanSegment(uint64_t nbytes, uint64_t le
   return request;
 }
 
+std::optional<GrowthRequest> HostPool::PlanAhead(uint32_t uid) const {
+  if (growing_ || segments_.size() + 2 > kMaxSegments) return std::nullopt;
+  const uint64_t size = options_.segment_bytes;
+  const uint64_t remaining = options_.capacity_bytes - reserved_bytes();
+  if (remaining < size || remaining - size < size) return std::nullopt;
+  bool owns_one = false;
+  for (const PoolSegment& s : segments_) {
+    if (!s.shm || s.owner_uid != uid) continue;
+    owns_one = true;
+    if (s.allocator.largest_free_block() >= size / 2) return std::nullopt;
+  }
+  if (!owns_one) return std::nullopt;
+  GrowthRequest request;
+  request.needed = true;
+  request.segment_id = segments_.size() + 1;
+  request.size = size;
+  request.uid = uid;
+  return request;
+}
+
 absl::StatusOr<ShmSegment> HostPool::MakeSegment(const GrowthRequest& request) const {
   const SegmentBacking backing =
       request.uid == options_.owner_uid ? options_.backing : SegmentBacking::kMemfd;

@@ -93,6 +93,15 @@ class HostPool {
   absl::StatusOr<ShmSegment> MakeSegment(const GrowthRequest& request) const;
   absl::Status EndGrowth(const GrowthRequest& request, absl::StatusOr<ShmSegment> made);
 
+  // Growth ahead of need: the segment (segment_bytes) to make now for `uid`, whose segments hold
+  // no free block of half a segment any more, so that its next creates find room without making
+  // a segment on their path; grown with the protocol above. nullopt while growth is under way,
+  // while `uid`'s segments still hold such a block (or it has none yet: its first segment is
+  // made when it first creates), or when the pool is short: growth ahead never takes the pool's
+  // last segment_bytes of capacity, nor its last segment id. Those stay for creates that need
+  // them now, whatever their uid, since a segment grown for one uid holds only its buffers.
+  std::optional<GrowthRequest> PlanAhead(uint32_t uid) const;
+
   // Returns `buffer` to its segment. REQUIRES: it came from Allocate and is not yet freed.
   void Free(const Buffer& buffer);
 

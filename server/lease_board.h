@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/fast_path_layout.h"
@@ -20,9 +21,20 @@ class LeaseBoard {
   // closes it); the page is made (all slots free) on the first call. Errors as
   // ShmSegment::Create.
   absl::StatusOr<int> Open(uint64_t session_id);
-  // Forgets the page of a session that ended, whatever its slots hold. Returns how many slots
-  // held a tensor (leases its client never released); 0 if the session had no page.
+  // Forgets the page of a session that ended, whatever its slots hold, after folding its fast
+  // acquire count into FastAcquires(). Returns how many slots held a tensor (leases its client
+  // never released); 0 if the session had no page.
   int64_t Drop(uint64_t session_id);
+
+  // The acquires clients' fast paths served since the board was made, as their pages' counts
+  // (kLeaseAcquireCountSlot) say, read now: never decreasing. A count is a number a client wrote,
+  // nothing more: what it adds since the last read is at most kMaxAcquiresPerRead, and a count
+  // lower than the last one read is taken as the page's new starting point, adding nothing.
+  uint64_t FastAcquires();
+  // Tensor ids the recent rings (kLeaseRecentSlot) of pages whose count moved since the last call
+  // name: up to kLeaseRecentSlots per page, the latest acquires. Any id a client wrote may be
+  // among them; ids repeat.
+  std::vector<uint64_t> TakeRecent();
 
   // Whether any page holds `tensor_id`. Its loads are sequentially consistent: called after
   // the tensor was unlinked from the index (a sequentially consistent store), it sees every slot
@@ -35,8 +47,21 @@ class LeaseBoard {
 
   size_t page_count() const { return pages_.size(); }
 
+  // Far more fast acquires than one page's client can make between two reads (the housekeeping
+  // thread reads every page each round, kHeartbeatIntervalNs).
+  static constexpr uint64_t kMaxAcquiresPerRead = uint64_t{1} << 32;
+
  private:
-  std::map<uint64_t, ShmSegment> pages_;  // by session id
+  struct Page {
+    ShmSegment shm;
+    uint64_t acquires_seen = 0;  // its count at the last FastAcquires
+    uint64_t recent_seen = 0;    // its count at the last TakeRecent
+  };
+  // Adds what `page`'s count moved since the last read to fast_acquires_.
+  void FoldAcquires(Page& page);
+
+  std::map<uint64_t, Page> pages_;  // by session id
+  uint64_t fast_acquires_ = 0;
 };
 
 }  // namespace tensorshm

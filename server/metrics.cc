@@ -100,6 +100,12 @@ void Metrics::CountOp(MetricOp op, absl::StatusCode code) {
   ops_[static_cast<int>(op)][CodeIndex(code)].fetch_add(1, std::memory_order_relaxed);
 }
 
+void Metrics::CountFastAcquires(uint64_t count) {
+  ops_[static_cast<int>(MetricOp::kAcquire)][static_cast<int>(absl::StatusCode::kOk)].fetch_add(
+      count, std::memory_order_relaxed);
+  fast_acquires_.fetch_add(count, std::memory_order_relaxed);
+}
+
 void Metrics::CountAllocationFailure(AllocationFailure why) {
   allocation_failures_[static_cast<int>(why)].fetch_add(1, std::memory_order_relaxed);
 }
@@ -197,11 +203,18 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
                pool.capacity_bytes());
   }
   out.Family("tensorshm_pool_used_bytes", "gauge",
-             "Bytes of the pool of a device that tensors (published or not) and stocked buffers "
-             "take.");
+             "Bytes of the pool of a device that tensors (published or not) take; stocked "
+             "buffers are tensorshm_pool_stock_bytes.");
   for (const v1::PoolStats& pool : stat.pools()) {
     out.Sample("tensorshm_pool_used_bytes", {{"device", DeviceName(FromWire(pool.device()))}},
                pool.used_bytes());
+  }
+  out.Family("tensorshm_pool_stock_bytes", "gauge",
+             "Bytes of the pool of a device that stocked buffers take: made ahead of a "
+             "producer's need, stock until published.");
+  for (const v1::PoolStats& pool : stat.pools()) {
+    out.Sample("tensorshm_pool_stock_bytes", {{"device", DeviceName(FromWire(pool.device()))}},
+               pool.stock_bytes());
   }
   out.Family("tensorshm_pool_segments", "gauge",
              "Segments (shm objects, memfds or cuMemAlloc blocks) the pool of a device is made "
@@ -213,6 +226,9 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
   out.Family("tensorshm_tensors", "gauge",
              "Tensors holding memory: published, unpublished, or unbound but still leased.");
   out.Sample("tensorshm_tensors", {}, stat.tensors());
+  out.Family("tensorshm_stocked_tensors", "gauge",
+             "Of tensorshm_tensors, the stocked buffers (unpublished, made ahead of need).");
+  out.Sample("tensorshm_stocked_tensors", {}, stat.stocked_tensors());
   out.Family("tensorshm_names", "gauge", "Names bound to a published tensor.");
   out.Sample("tensorshm_names", {}, stat.names());
   out.Family("tensorshm_leases", "gauge",
@@ -238,8 +254,10 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
 
   out.Family("tensorshm_operations_total", "counter",
              "Requests answered, by operation and gRPC status code: gRPC calls and memory "
-             "channel requests alike. Acquires and waits a client's fast path answers from "
-             "shared memory (host tensors) are not seen by the daemon and not counted.");
+             "channel requests alike. op=\"acquire\",code=\"OK\" includes the acquires a "
+             "client's fast path served from shared memory (host tensors; counted in its lease "
+             "page, read by the daemon); the fast path's misses (NOT_FOUND) and waits are not "
+             "seen.");
   for (int op = 0; op < static_cast<int>(MetricOp::kCount); ++op) {
     for (int code = 0; code < Metrics::kCodes; ++code) {
       const uint64_t count = metrics.ops(static_cast<MetricOp>(op), code);
@@ -251,6 +269,10 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
           count);
     }
   }
+  out.Family("tensorshm_fast_path_acquires_total", "counter",
+             "Of the acquires in tensorshm_operations_total{op=\"acquire\",code=\"OK\"}, those "
+             "clients' fast paths served from shared memory, as their lease pages count them.");
+  out.Sample("tensorshm_fast_path_acquires_total", {}, metrics.fast_acquires());
   out.Family("tensorshm_allocation_failures_total", "counter",
              "Creates refused with RESOURCE_EXHAUSTED: reason=\"pool\" when the pool (or "
              "/dev/shm, or the catalog's --max-tensors records) had no room, \"quota\" when "

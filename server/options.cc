@@ -47,7 +47,7 @@ absl::StatusOr<uint64_t> ParseCount(absl::string_view text, absl::string_view fl
 //   far below; 1024 caps one uid's threads, descriptors and lease pages.
 // - leases 262144 (2^18): an RPC lease costs the daemon about 64 bytes (a map entry in its
 //   session), so a uid at the limit holds about 16 MiB. Most acquires of host tensors take a
-//   lease page slot instead (511 per session, bounded by the session limit); RPC leases are
+//   lease page slot instead (504 per session, bounded by the session limit); RPC leases are
 //   CUDA tensors and the fallback, and a program holding a quarter of a million of them at once
 //   is not a plausible single user. A reconnecting client's held_tensor_ids list is bounded by
 //   the same number.

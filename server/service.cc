@@ -88,10 +88,19 @@ void TensorShmService::Housekeep() {
     catalog_->Reclaim();
     // --evict lru learns of fast path acquires from the lease pages (Catalog::TouchHeld).
     if (evict_ == EvictPolicy::kLru) catalog_->TouchHeld();
+    FoldFastAcquires();
     catalog_->CheckRecords(kRecordsCheckedPerRound);
     stopping_.WaitWithTimeout(&mu_, absl::Nanoseconds(kHeartbeatIntervalNs));
     if (shutting_down_) return;
   }
+}
+
+void TensorShmService::FoldFastAcquires() {
+  const uint64_t total = catalog_->FastAcquires();
+  // The board's total never decreases.
+  TSM_CHECK(total >= fast_acquires_counted_);
+  metrics_.CountFastAcquires(total - fast_acquires_counted_);
+  fast_acquires_counted_ = total;
 }
 
 absl::Status TensorShmService::NoSession(const std::string& token) {
@@ -202,11 +211,17 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
       case v1::ChannelRequest::kFastPath:
         fd = GrantFastPath(*session, request.fast_path(), reply.response.mutable_fast_path());
         break;
-      case v1::ChannelRequest::kCreate:
-        return CreateGrowing(connection.session_token,
-                             absl::FailedPreconditionError(
-                                 "kind: the session this channel is bound to has ended; reconnect"),
-                             request.create(), reply.response.mutable_created());
+      case v1::ChannelRequest::kCreate: {
+        SegmentGrowth growth;
+        absl::Status created =
+            CreateFor(*session, request.create(), reply.response.mutable_created(), &growth);
+        if (!growth.needed() && !growth.busy()) return created;
+        // This thread serves every client's channel: it never makes a segment (posix_fallocate,
+        // cuMemAlloc), nor waits for one. UNAVAILABLE sends the client to the gRPC Create, which
+        // GrowPools answers once the pool has grown.
+        return absl::UnavailableError(
+            "create: the pool must grow first; the gRPC Create waits for that");
+      }
       case v1::ChannelRequest::kPublish:
         return PublishFor(*session, request.publish(), reply.response.mutable_published());
       case v1::ChannelRequest::kDelete:
@@ -513,7 +528,9 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
 void TensorShmService::GrowPools() {
   while (true) {
     ServiceLock lock(this);
-    while (pending_creates_.empty() && !shutting_down_) creates_pending_.Wait(&mu_);
+    while (pending_creates_.empty() && grow_ahead_.empty() && !shutting_down_) {
+      creates_pending_.Wait(&mu_);
+    }
     if (shutting_down_) {
       for (const PendingCreate& create : pending_creates_) {
         metrics_.CountOp(MetricOp::kCreate, absl::StatusCode::kUnavailable);
@@ -522,6 +539,13 @@ void TensorShmService::GrowPools() {
       }
       pending_creates_.clear();
       return;
+    }
+    if (pending_creates_.empty()) {
+      // Nothing waits for a segment now: grow ahead of need.
+      const uint32_t uid = *grow_ahead_.begin();
+      grow_ahead_.erase(grow_ahead_.begin());
+      GrowAheadNow(uid);
+      continue;
     }
     const PendingCreate create = pending_creates_.front();
     pending_creates_.pop_front();
@@ -562,6 +586,37 @@ absl::Status TensorShmService::CreateGrowing(const std::string& token, const abs
     grown_.SignalAll();
     if (absl::IsResourceExhausted(grown)) metrics_.CountAllocationFailure(AllocationFailure::kPool);
     if (!grown.ok()) return grown;
+  }
+}
+
+void TensorShmService::GrowAhead(uint32_t uid) {
+  if (shutting_down_ || !catalog_->host_pool().PlanAhead(uid).has_value()) return;
+  if (grow_ahead_.insert(uid).second) creates_pending_.Signal();
+}
+
+void TensorShmService::GrowAheadNow(uint32_t uid) {
+  std::optional<GrowthRequest> plan = catalog_->host_pool().PlanAhead(uid);
+  if (!plan.has_value()) return;  // grown meanwhile, or room was freed or taken
+  SegmentGrowth growth;
+  growth.cuda_ordinal = -1;
+  growth.request = *plan;
+  catalog_->BeginGrowth(growth);
+  UnlockAndFinish();
+  growth.Make();
+  mu_.lock();
+  const absl::Status grown = catalog_->EndGrowth(growth);
+  grown_.SignalAll();
+  if (grown.ok()) {
+    retry_creates_ = true;  // a waiting create of that uid may fit now
+    return;
+  }
+  // Creates still grow the pool on demand; an operator hears of this once (e.g. /dev/shm full).
+  if (!warned_growth_ahead_) {
+    warned_growth_ahead_ = true;
+    TSM_LOG(kWarning) << "host pool: growing segment " << plan->segment_id << " (" << plan->size
+                      << " bytes) ahead of need for uid " << uid << " failed: " << grown
+                      << "; creates will grow the pool as they need it "
+                      << "(logged once)";
   }
 }
 
@@ -626,6 +681,7 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
   if (request.stock() > 0 && device.device_type == kDLCPU && length > 0) {
     Stock(session, length, request.stock(), response->mutable_stocked());
   }
+  if (device.device_type == kDLCPU && length > 0) GrowAhead(session.uid);
   return absl::OkStatus();
 }
 
@@ -652,6 +708,7 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
       TSM_CHECK(catalog_->Abandon(session.id, (*tensor)->id).ok());
       return;
     }
+    catalog_->MarkStocked((*tensor)->id);
     v1::StockedBuffer* buffer = stocked->Add();
     buffer->set_tensor_id((*tensor)->id);
     v1::TensorDesc desc;
@@ -726,6 +783,7 @@ absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
   WakeWaiters(request.name());
   if (request.stock() > 0) {
     Stock(session, request.stock_bytes(), request.stock(), response->mutable_stocked());
+    GrowAhead(session.uid);
   }
   return absl::OkStatus();
 }
@@ -796,6 +854,7 @@ v1::StatResponse TensorShmService::StatSnapshot() {
   v1::StatResponse* response = &stat;
   {
     ServiceLock lock(this);
+    FoldFastAcquires();
     response->set_tensors(catalog_->tensor_count());
     response->set_names(catalog_->name_count());
     response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
@@ -803,11 +862,14 @@ v1::StatResponse TensorShmService::StatSnapshot() {
     response->set_evicted_tensors(catalog_->evicted_tensors());
     response->set_evicted_bytes(catalog_->evicted_bytes());
     response->set_creates_waiting(static_cast<int64_t>(creates_waiting_.size()));
+    response->set_stocked_tensors(catalog_->stocked_tensors());
     const HostPool& pool = catalog_->host_pool();
     v1::PoolStats* stats = response->add_pools();
     ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
     stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
-    stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes()));
+    // Stock is allocated from the pool like any buffer: the pool's own figure holds both.
+    stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()));
+    stats->set_stock_bytes(static_cast<int64_t>(catalog_->stock_bytes()));
     stats->set_segments(static_cast<int64_t>(pool.segment_count()));
     for (const CudaPool* cuda : catalog_->cuda_pools()) {
       v1::PoolStats* device = response->add_pools();

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -31,7 +32,9 @@ inline constexpr char kSessionMetadataKey[] = "tensorshm-session";
 
 // Thread-safe. gRPC's callback API: no call holds a thread while it waits. Unary calls are
 // answered on the gRPC thread that runs them (under mu_ for the catalog and sessions), except a
-// create that needs a new pool segment, which GrowPools answers once it is made; a Session
+// create that needs a new pool segment, which GrowPools answers once it is made (GrowPools is
+// the only thread that makes segments once the service runs, also ahead of need: see
+// GrowAhead); a Session
 // stream is a reactor that reads one request, answers it and reads the next; an Acquire that
 // waits for a publish is a reactor on its name's waiter list, finished by that publish, its
 // deadline (ExpireWaiters), its cancellation, its session's end or BeginShutdown. Reactors are
@@ -60,7 +63,8 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
 
   // Answers the gRPC creates that need a pool to grow, one at a time, until BeginShutdown (then
   // those still queued get UNAVAILABLE): making a segment takes long, and gRPC runs every call
-  // of the service on a few threads, none of which may wait for it. Runs on a thread of its own.
+  // of the service on a few threads, none of which may wait for it. When no create waits for it,
+  // grows the host pool ahead of need for the uids GrowAhead named. Runs on a thread of its own.
   void GrowPools() ABSL_LOCKS_EXCLUDED(mu_);
 
   // After a restart's grace period: frees unbound tensors nobody came back for.
@@ -79,7 +83,9 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   ChannelReply HandleChannel(ChannelConnection& connection, const v1::ChannelRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // What Stat answers, read as Stat reads it (under mu_, briefly), for --metrics.
+  // What Stat answers, read as Stat reads it (under mu_, briefly), for --metrics. Also folds the
+  // fast path acquires counted since the last fold into metrics(), so that the figures rendered
+  // after it hold every acquire made before the call.
   v1::StatResponse StatSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
   // The counters and histogram of --metrics (thread-safe on their own).
   const Metrics& metrics() const { return metrics_; }
@@ -188,11 +194,15 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // CreateFor for the session with `token` that grows a pool when it must: the segment is made
   // with mu_ released, then the create is tried again, the session looked up again (it may have
   // ended meanwhile: `gone` is returned then). Blocks while another caller grows the pool, and
-  // while it grows one: for the memory channel's thread and GrowPools only.
+  // while it grows one: for GrowPools only.
   // `pool_full`, if set, as CreateFor's.
   absl::Status CreateGrowing(const std::string& token, const absl::Status& gone,
                              const v1::CreateRequest& request, v1::CreateResponse* response,
                              bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Adds the fast path acquires the lease pages counted since the last call to metrics_ (as
+  // acquires answered OK). Called by every housekeeping round and every StatSnapshot.
+  void FoldFastAcquires() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // OK if `session` may delete or replace `tensor`: its publisher's uid, or the daemon's.
   absl::Status MayChange(const tensorshm::Session& session, const Tensor& tensor,
@@ -238,6 +248,13 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
                          bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
                           v1::PublishResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After an allocation in `uid`'s host segments: if the host pool plans growth ahead of need for
+  // it (HostPool::PlanAhead), names it for GrowPools, which makes the segment in the background.
+  void GrowAhead(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // GrowPools' growth ahead for `uid`, if the pool still plans it: makes the segment with mu_
+  // released (no create waits for it, so a failure is logged, not answered).
+  void GrowAheadNow(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
   // need (CreateRequest.stock), fewer when the pool is short; none under a session quota. Stock
   // never grows a pool: it takes what the segments made so far hold.
@@ -315,7 +332,10 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
     CreateWaiter* waiter = nullptr;  // set when the create may wait for memory
   };
   std::deque<PendingCreate> pending_creates_ ABSL_GUARDED_BY(mu_);
-  CondVar creates_pending_;  // signalled when a create is queued, and on shutdown
+  CondVar creates_pending_;  // signalled when a create or a growth ahead is queued, and on shutdown
+  // Uids whose host segments GrowPools is to grow ahead of need (GrowAhead).
+  std::set<uint32_t> grow_ahead_ ABSL_GUARDED_BY(mu_);
+  bool warned_growth_ahead_ ABSL_GUARDED_BY(mu_) = false;  // a failed growth ahead was logged
   // Reactors to finish once mu_ is released (ServiceLock), with their status.
   std::vector<std::pair<grpc::ServerUnaryReactor*, grpc::Status>> finishing_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
@@ -326,6 +346,8 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // since (those behind it may fit now): either makes UnlockAndFinish retry them.
   uint64_t retried_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   bool retry_creates_ ABSL_GUARDED_BY(mu_) = false;
+  // catalog_->FastAcquires() at the last FoldFastAcquires: what metrics_ holds of them.
+  uint64_t fast_acquires_counted_ ABSL_GUARDED_BY(mu_) = 0;
   EvictPolicy evict_ = EvictPolicy::kNone;  // set before serving
   const uint64_t session_quota_bytes_;
   const AccessPolicy* const policy_;

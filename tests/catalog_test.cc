@@ -289,7 +289,7 @@ TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
   const uint64_t a_id = (*a)->id;
   const uint64_t used = catalog_->host_pool().used_bytes();
   ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
-  mapped.page().slots[5].store(a_id);
+  mapped.page().slots[kFirstLeaseSlot + 3].store(a_id);
   EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(a_id)), 1);
   EXPECT_EQ(catalog_->PageLeaseCount(), 1);
 
@@ -300,7 +300,7 @@ TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
   EXPECT_EQ(catalog_->Reclaim(), 0);
   EXPECT_EQ(catalog_->host_pool().used_bytes(), used);
 
-  mapped.page().slots[5].store(0);
+  mapped.page().slots[kFirstLeaseSlot + 3].store(0);
   EXPECT_EQ(catalog_->Reclaim(), 1);
   EXPECT_EQ(catalog_->FindId(a_id), nullptr);
   EXPECT_EQ(catalog_->retired_count(), 0u);
@@ -315,13 +315,103 @@ TEST_F(CatalogTest, DroppedLeasePageFreesWhatOnlyItHeldAndTellsItsClient) {
   ASSERT_TRUE(a.ok());
   const uint64_t a_id = (*a)->id;
   ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
-  mapped.page().slots[1].store(a_id);
+  mapped.page().slots[kFirstLeaseSlot].store(a_id);
   ASSERT_TRUE(catalog_->Delete("x").ok());
   ASSERT_NE(catalog_->FindId(a_id), nullptr);
   catalog_->DropLeasePage(7);
-  EXPECT_EQ(mapped.page().slots[0].load(), kLeasePageDropped);
+  EXPECT_EQ(mapped.page().slots[kLeaseDaemonSlot].load(), kLeasePageDropped);
   EXPECT_EQ(catalog_->Reclaim(), 1);
   EXPECT_EQ(catalog_->FindId(a_id), nullptr);
+}
+
+// The words before kFirstLeaseSlot are no leases: a count and a ring of ids there pin nothing.
+TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  ASSERT_TRUE(fd.ok());
+  MappedPage mapped(*fd);
+  absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
+  ASSERT_TRUE(a.ok());
+  const uint64_t a_id = (*a)->id;
+  ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
+  for (uint32_t slot = 1; slot < kFirstLeaseSlot; ++slot) mapped.page().slots[slot].store(a_id);
+  EXPECT_EQ(catalog_->PageLeaseCount(), 0);
+  EXPECT_EQ(catalog_->PageLeasesOf(7), 0);
+  ASSERT_TRUE(catalog_->Delete("x").ok());
+  EXPECT_EQ(catalog_->FindId(a_id), nullptr) << "freed at once: no lease slot holds it";
+}
+
+// Fast acquire counts are numbers a client wrote: summed over pages (a dropped page's too),
+// never decreasing, and a count that goes back or leaps is taken sanely.
+TEST_F(CatalogTest, FastAcquireCountsAddUpNeverDecreaseAndAreClamped) {
+  absl::StatusOr<int> fd7 = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd8 = catalog_->OpenLeasePage(8);
+  ASSERT_TRUE(fd7.ok() && fd8.ok());
+  MappedPage page7(*fd7);
+  MappedPage page8(*fd8);
+  EXPECT_EQ(catalog_->FastAcquires(), 0u);
+  page7.page().slots[kLeaseAcquireCountSlot].store(5);
+  page8.page().slots[kLeaseAcquireCountSlot].store(3);
+  EXPECT_EQ(catalog_->FastAcquires(), 8u);
+  EXPECT_EQ(catalog_->FastAcquires(), 8u) << "read twice, counted once";
+  // A count that goes back adds nothing, and the page counts on from there.
+  page7.page().slots[kLeaseAcquireCountSlot].store(2);
+  EXPECT_EQ(catalog_->FastAcquires(), 8u);
+  page7.page().slots[kLeaseAcquireCountSlot].store(4);
+  EXPECT_EQ(catalog_->FastAcquires(), 10u);
+  // A leap adds at most kMaxAcquiresPerRead.
+  page8.page().slots[kLeaseAcquireCountSlot].store(~uint64_t{0});
+  EXPECT_EQ(catalog_->FastAcquires(), 10u + LeaseBoard::kMaxAcquiresPerRead);
+  // What a page counted before its session ended stays counted.
+  page7.page().slots[kLeaseAcquireCountSlot].store(9);
+  catalog_->DropLeasePage(7);
+  EXPECT_EQ(catalog_->FastAcquires(), 15u + LeaseBoard::kMaxAcquiresPerRead);
+}
+
+// --evict lru: a tensor acquired and released between two rounds (only the recent ring says
+// so) counts as used at the round that read the ring.
+TEST_F(CatalogTest, RecentRingMarksTensorsUsedThoughNoSlotHoldsThem) {
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  ASSERT_TRUE(fd.ok());
+  MappedPage mapped(*fd);
+  std::vector<uint64_t> ids;
+  for (const char* name : {"old", "new"}) {
+    absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {4}, {}, kCpu);
+    ASSERT_TRUE(t.ok());
+    ids.push_back((*t)->id);
+    ASSERT_TRUE(catalog_->Publish(1, (*t)->id, name, false).ok());
+  }
+  catalog_->TouchHeld();
+  const uint64_t new_seq = catalog_->FindId(ids[1])->use_seq;
+  ASSERT_GT(new_seq, catalog_->FindId(ids[0])->use_seq);
+  // "old" acquired and released in the fast path: ring entry 0, count 1.
+  mapped.page().slots[kLeaseRecentSlot].store(ids[0]);
+  mapped.page().slots[kLeaseAcquireCountSlot].store(1);
+  catalog_->TouchHeld();
+  EXPECT_GT(catalog_->FindId(ids[0])->use_seq, new_seq);
+  EXPECT_TRUE(catalog_->FindId(ids[0])->acquired);
+  // Read once: the next round, with the count unchanged, touches nothing.
+  const uint64_t old_seq = catalog_->FindId(ids[0])->use_seq;
+  catalog_->TouchHeld();
+  EXPECT_EQ(catalog_->FindId(ids[0])->use_seq, old_seq);
+}
+
+// Stocked buffers are stock until published or freed.
+TEST_F(CatalogTest, StockIsCountedUntilPublishedOrFreed) {
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<const Tensor*> t =
+        catalog_->Create(1, DLDataType{kDLUInt, 8, 1}, {4096}, {}, kCpu);
+    ASSERT_TRUE(t.ok());
+    ids.push_back((*t)->id);
+    catalog_->MarkStocked((*t)->id);
+  }
+  EXPECT_EQ(catalog_->stocked_tensors(), 3);
+  EXPECT_EQ(catalog_->stock_bytes(), 3u * 4096);
+  ASSERT_TRUE(catalog_->Publish(1, ids[0], "made", false).ok());
+  ASSERT_TRUE(catalog_->Abandon(1, ids[1]).ok());
+  EXPECT_EQ(catalog_->stocked_tensors(), 1);
+  EXPECT_EQ(catalog_->stock_bytes(), 4096u);
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 2u * 4096) << "stock is allocated from the pool";
 }
 
 TEST_F(CatalogTest, ReshapeGivesAStockedBufferItsDescriptorOnlyIfItFits) {

@@ -103,6 +103,8 @@ TEST_F(CtlTest, StatusReportsPoolsTensorsNamesLeasesAndSessions) {
   EXPECT_GE(pool["used_bytes"].get<int64_t>(), 40 + 2000);
   EXPECT_EQ(pool["segments"], stats->pools[0].segments);
   EXPECT_GE(pool["segments"].get<int64_t>(), 1);
+  EXPECT_EQ(pool["stock_bytes"], stats->pools[0].stock_bytes);
+  EXPECT_EQ(report["stocked_tensors"], stats->stocked_tensors);
 
   CtlRun text = Ctl({"status"});
   ASSERT_EQ(text.exit_code, 0) << text.err;
@@ -111,6 +113,8 @@ TEST_F(CtlTest, StatusReportsPoolsTensorsNamesLeasesAndSessions) {
   EXPECT_EQ(LineWith(text.out, "leases"), "leases    1");
   EXPECT_TRUE(absl::StartsWith(LineWith(text.out, "cpu "), "cpu     64.0 MiB")) << text.out;
   EXPECT_TRUE(absl::StrContains(text.out, "DEVICE  CAPACITY")) << text.out;
+  EXPECT_TRUE(absl::StrContains(text.out, "USE%  STOCK")) << text.out;
+  EXPECT_EQ(LineWith(text.out, "stocked"), "stocked   0") << text.out;
   (*held)->deleter(*held);
 }
 

@@ -38,7 +38,7 @@ class FastPathTest : public ::testing::Test {
   std::shared_ptr<Client> client_;
 };
 
-// A lease page has 511 slots; the leases after that are the daemon's, and all count the same.
+// A lease page has 504 lease slots; the leases after that are the daemon's, and all count the same.
 TEST_F(FastPathTest, MoreLeasesThanALeasePageHoldsAreTakenByRpc) {
   absl::StatusOr<WritableTensor> w = client_->Create({{kDLInt, 32, 1}, {256}});
   ASSERT_TRUE(w.ok()) << w.status();

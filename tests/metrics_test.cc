@@ -163,6 +163,30 @@ TEST(MetricsRender, OperationsByOpAndCode) {
   EXPECT_EQ(samples["tensorshm_reclaimed_leases_total"], "3");
 }
 
+TEST(MetricsRender, FastAcquiresAreAcquiresAnsweredOkAndCountedApart) {
+  Metrics metrics;
+  metrics.CountOp(MetricOp::kAcquire, absl::StatusCode::kOk);
+  metrics.CountFastAcquires(40);
+  metrics.CountFastAcquires(2);
+  std::map<std::string, std::string> samples =
+      Samples(RenderMetrics(SomeStat(), metrics, MetricsInfo{"v", 0}));
+  EXPECT_EQ(samples["tensorshm_operations_total{op=\"acquire\",code=\"OK\"}"], "43");
+  EXPECT_EQ(samples["tensorshm_fast_path_acquires_total"], "42");
+}
+
+TEST(MetricsRender, StockIsApartFromUsed) {
+  v1::StatResponse stat = SomeStat();
+  stat.set_stocked_tensors(3);
+  stat.mutable_pools(0)->set_stock_bytes(12288);
+  Metrics metrics;
+  std::map<std::string, std::string> samples =
+      Samples(RenderMetrics(stat, metrics, MetricsInfo{"v", 0}));
+  EXPECT_EQ(samples["tensorshm_stocked_tensors"], "3");
+  EXPECT_EQ(samples["tensorshm_pool_stock_bytes{device=\"cpu\"}"], "12288");
+  EXPECT_EQ(samples["tensorshm_pool_used_bytes{device=\"cpu\"}"], "4096");
+  EXPECT_EQ(samples["tensorshm_pool_stock_bytes{device=\"cuda:0\"}"], "0");
+}
+
 TEST(MetricsRender, HistogramBucketsAreCumulativeWithSumAndCount) {
   Metrics metrics;
   for (double seconds : {0.0005, 0.001, 0.003, 0.003, 2.0, 100.0}) {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tests/raw_session.h"
@@ -83,6 +84,81 @@ TEST(PoolGrowthTest, ConcurrentCreatesThatGrowThePoolFillItExactly) {
     }
   }
   EXPECT_EQ(segments, 8);
+}
+
+constexpr int64_t kMiB = 1 << 20;
+
+// The host pool's segment count, as Stat reports it; -1 if Stat fails.
+int64_t Segments(Client& client) {
+  absl::StatusOr<ServerStats> stats = client.Stat();
+  if (!stats.ok() || stats->pools.empty()) return -1;
+  return stats->pools[0].segments;
+}
+
+// Polls until the host pool has `segments` segments, for at most 30 s (a bound, not a timing).
+bool WaitForSegments(Client& client, int64_t segments) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    if (Segments(client) == segments) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return Segments(client) == segments;
+}
+
+absl::StatusOr<WritableTensor> CreateBytes(Client& client, int64_t bytes) {
+  return client.Create(TensorSpec{{kDLUInt, 8, 1}, {bytes}});
+}
+
+// A create that leaves less than half a segment free in its uid's segments makes the daemon grow
+// the pool by one segment in the background: the segment appears with no further create, and
+// the next create finds room in it.
+TEST(PoolGrowthTest, ACreateThatLeavesLessThanHalfASegmentFreeGrowsThePoolAhead) {
+  absl::StatusOr<TestDaemon> daemon =
+      TestDaemon::Start("growahead", {"--host-pool", "64Mi", "--segment-size", "4Mi"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  absl::StatusOr<std::shared_ptr<Client>> client =
+      Client::Connect(ClientOptions{daemon->socket(), "pool_growth_test"});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_EQ(Segments(**client), 1);
+  // 1 MiB leaves 3 MiB free: no growth. 2 MiB more leave 1 MiB: one segment ahead.
+  absl::StatusOr<WritableTensor> small = CreateBytes(**client, kMiB);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(Segments(**client), 1);
+  absl::StatusOr<WritableTensor> more = CreateBytes(**client, 2 * kMiB);
+  ASSERT_TRUE(more.ok()) << more.status();
+  ASSERT_TRUE(WaitForSegments(**client, 2)) << Segments(**client) << " segments";
+  // The grown segment takes the next create; it leaves 1 MiB there, so one more grows ahead.
+  absl::StatusOr<WritableTensor> next = CreateBytes(**client, 3 * kMiB);
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_TRUE(WaitForSegments(**client, 3)) << Segments(**client) << " segments";
+  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->pools[0].used_bytes, 6 * kMiB);
+}
+
+// Growth ahead never takes the pool's last segment of capacity: in a pool of two segments the
+// second is made only by the create that needs it (over gRPC: the memory channel's thread makes
+// no segment), and the pool never holds more than --host-pool.
+TEST(PoolGrowthTest, GrowthAheadLeavesTheLastSegmentToTheCreateThatNeedsIt) {
+  absl::StatusOr<TestDaemon> daemon =
+      TestDaemon::Start("growlast", {"--host-pool", "8Mi", "--segment-size", "4Mi"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  absl::StatusOr<std::shared_ptr<Client>> client =
+      Client::Connect(ClientOptions{daemon->socket(), "pool_growth_test"});
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<WritableTensor> held;
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<WritableTensor> w = CreateBytes(**client, 3 * kMiB);
+    ASSERT_TRUE(w.ok()) << i << ": " << w.status();
+    held.push_back(*std::move(w));
+    EXPECT_EQ(Segments(**client), i + 1);
+  }
+  absl::StatusOr<WritableTensor> refused = CreateBytes(**client, 3 * kMiB);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->pools[0].segments, 2);
+  EXPECT_EQ(stats->pools[0].used_bytes, 6 * kMiB);
 }
 
 }  // namespace

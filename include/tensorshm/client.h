@@ -74,8 +74,11 @@ struct TensorInfo {
 struct PoolStats {
   DLDevice device{};
   int64_t capacity_bytes = 0;
-  int64_t used_bytes = 0;
+  int64_t used_bytes = 0;  // what tensors hold, published or not (stock not included)
   int64_t segments = 0;
+  // What stocked buffers hold: buffers the daemon made ahead of a producer's need, counted as
+  // stock until published (a client takes one to fill without telling the daemon). 0 on CUDA.
+  int64_t stock_bytes = 0;
 };
 
 struct ServerStats {
@@ -87,6 +90,7 @@ struct ServerStats {
   int64_t evicted_tensors = 0;  // evicted by --evict lru since the daemon started
   int64_t evicted_bytes = 0;    // their buffers' bytes
   int64_t creates_waiting = 0;  // creates waiting for memory now (Create with a timeout)
+  int64_t stocked_tensors = 0;  // of `tensors`, the stocked buffers (see PoolStats::stock_bytes)
 };
 
 // One client session of the daemon (Client::Sessions). A session of another uid than the

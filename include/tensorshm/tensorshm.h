@@ -43,11 +43,14 @@ typedef struct tsm_client tsm_client;     /* a connection (session); thread-safe
 typedef struct tsm_writable tsm_writable; /* a tensor being filled; not thread-safe */
 
 typedef struct {
-  int64_t tensors;
+  int64_t tensors; /* holding memory: published, unpublished (stocked_tensors included) */
   int64_t leases;
   int64_t sessions;
   int64_t host_capacity_bytes;
-  int64_t host_used_bytes;
+  int64_t host_used_bytes; /* what tensors hold, published or not; stock not included */
+  /* Stocked buffers (made ahead of a producer's need, stock until published) and their bytes. */
+  int64_t stocked_tensors;
+  int64_t host_stock_bytes;
 } tsm_stats;
 
 /* The message of the calling thread's last failure ("" if none). */

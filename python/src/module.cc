@@ -760,12 +760,15 @@ nb::dict StatDict(PyClient& self) {
   out["evicted_tensors"] = s.evicted_tensors;
   out["evicted_bytes"] = s.evicted_bytes;
   out["creates_waiting"] = s.creates_waiting;
+  out["stocked_tensors"] = s.stocked_tensors;
   nb::list pools;
   for (const PoolStats& p : s.pools) {
     nb::dict pool;
     pool["device"] = DeviceName(p.device);
     pool["capacity_bytes"] = p.capacity_bytes;
     pool["used_bytes"] = p.used_bytes;
+    pool["stock_bytes"] = p.stock_bytes;
+    pool["segments"] = p.segments;
     pools.append(pool);
   }
   out["pools"] = pools;

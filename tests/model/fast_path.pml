@@ -130,7 +130,7 @@
  */
 #define NC 2            /* clients */
 #ifndef NS
-#define NS 2            /* lease page slots per client (kLeaseSlots - 1 in the real page): 1 or 2 */
+#define NS 2            /* lease slots per client (kLeaseSlots - kFirstLeaseSlot in the real page): 1 or 2 */
 #endif
 #define NR 2            /* control-segment records (= index entries), reused after a Free */
 #ifndef NPUB
@@ -178,10 +178,12 @@ byte etid[NG * NR];     /* IndexEntry::tensor_id of entry (record slot) r: [g * 
 byte enext[NG * NR];    /* IndexEntry::next */
 
 #define PG(g, c, k) ((((g) * NC) + (c)) * NS + (k))
-byte page[NG * NC * NS];/* LeasePage::slots[1 + k] of client c's page of daemon start g */
+byte page[NG * NC * NS];/* LeasePage::slots[kFirstLeaseSlot + k] of client c's page of daemon start g */
 /* LeasePage::slots[0] (kLeasePageDropped once the session ended) is not modelled: only a live
  * client whose session ended could read it, and here a session ends only when its client is gone
  * (or the daemon restarts, which the client notices through the heartbeat instead). */
+/* Nor are slots 1 to kFirstLeaseSlot - 1 (the client's fast acquire count and recent ring):
+ * the daemon reads them only for its figures and LRU order, never to decide what to free. */
 
 /* ---------------------------------------------------------------------------------------------
  * The daemon's memory: lost when it crashes.

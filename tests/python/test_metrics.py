@@ -128,7 +128,8 @@ def test_families_have_help_and_type_and_the_prefix(daemon):
         "tensorshm_reclaimed_bytes": "counter", "tensorshm_reclaimed_tensors": "counter",
         "tensorshm_reclaimed_leases": "counter", "tensorshm_acquire_wait_seconds": "histogram",
         "tensorshm_creates_waiting": "gauge", "tensorshm_evicted_tensors": "counter",
-        "tensorshm_evicted_bytes": "counter",
+        "tensorshm_evicted_bytes": "counter", "tensorshm_pool_stock_bytes": "gauge",
+        "tensorshm_stocked_tensors": "gauge", "tensorshm_fast_path_acquires": "counter",
     }
     for name, kind in expected.items():
         assert m.types.get(name) == kind, (name, m.types.get(name))
@@ -166,11 +167,14 @@ def test_gauges_equal_stat_at_the_same_moment(daemon, client):
     assert m("tensorshm_creates_waiting") == stat["creates_waiting"]
     assert m("tensorshm_evicted_tensors_total") == stat["evicted_tensors"]
     assert m("tensorshm_evicted_bytes_total") == stat["evicted_bytes"]
+    assert m("tensorshm_stocked_tensors") == stat["stocked_tensors"]
     assert stat["leases"] >= 1 and stat["tensors"] >= 3 and names >= 2
     assert len(stat["pools"]) == 1
     for pool in stat["pools"]:
         assert m("tensorshm_pool_capacity_bytes", device=pool["device"]) == pool["capacity_bytes"]
         assert m("tensorshm_pool_used_bytes", device=pool["device"]) == pool["used_bytes"]
+        assert m("tensorshm_pool_stock_bytes", device=pool["device"]) == pool["stock_bytes"]
+        assert m("tensorshm_pool_segments", device=pool["device"]) == pool["segments"]
         assert m("tensorshm_pool_segments", device=pool["device"]) >= 1
     assert m("tensorshm_pool_capacity_bytes", device="cpu") == POOL
     assert m("tensorshm_pool_used_bytes", device="cpu") > 0
@@ -189,7 +193,8 @@ def test_operations_count_exactly_what_was_done(daemon, client):
     # A put over a name taken: created, then refused at publish.
     with pytest.raises(tensorshm.AlreadyExistsError):
         client.put("metrics/a", np.arange(4000, dtype=np.float64))
-    # Host tensors are acquired in shared memory (the fast path): the daemon sees no Acquire.
+    # Host tensors are acquired in shared memory (the fast path): no Acquire call, but the
+    # client counts it in its lease page, and the daemon reads it there.
     got = client.get("metrics/a")
     with pytest.raises(tensorshm.NotFoundError):
         client.get("metrics/none", timeout=0)
@@ -215,7 +220,9 @@ def test_operations_count_exactly_what_was_done(daemon, client):
     assert moved("delete", "NOT_FOUND") == 1
     assert moved("list") == 1
     assert moved("stat") == stat_calls
-    assert moved("acquire") == 0 and moved("acquire", "NOT_FOUND") == 0
+    assert moved("acquire") == 1 and moved("acquire", "NOT_FOUND") == 0
+    assert (after("tensorshm_fast_path_acquires_total")
+            - before("tensorshm_fast_path_acquires_total")) == 1
     assert moved("session_open") == 0
     assert (after("tensorshm_allocation_failures_total", reason="pool")
             - before("tensorshm_allocation_failures_total", reason="pool")) == 1
@@ -228,6 +235,58 @@ def test_operations_count_exactly_what_was_done(daemon, client):
     del got
     client.delete("metrics/a")
     client.delete("metrics/c")
+
+
+def test_fast_path_acquires_are_counted_as_acquires(daemon, client):
+    settle(client)
+    client.put("metrics/fast", np.arange(100, dtype=np.float32), replace=True)
+    before = scrape(daemon)
+    n = 37
+    held = [client.get("metrics/fast") for _ in range(n)]
+    # They were fast: every lease is a slot of this session's lease page, none the daemon's.
+    own = next(s for s in client.sessions() if s["own"])
+    assert own["page_leases"] == n and own["rpc_leases"] == 0, own
+    del held
+    client.flush()
+    after = scrape(daemon)
+    assert after.ops("acquire") - before.ops("acquire") == n
+    assert (after("tensorshm_fast_path_acquires_total")
+            - before("tensorshm_fast_path_acquires_total")) == n
+    # The daemon answered no Acquire call: only fast acquires moved the count.
+    assert after.ops("acquire", "NOT_FOUND") == before.ops("acquire", "NOT_FOUND")
+    client.delete("metrics/fast")
+
+
+def test_stock_is_reported_apart_from_used(daemon, client):
+    settle(client)
+    before = quiet_stat(client)
+    assert before["stocked_tensors"] == 0 and before["pools"][0]["stock_bytes"] == 0
+    length = 64 << 10  # a page multiple: a buffer is exactly this long
+    # A client asks for stock of a length once it created 8 tensors of it.
+    made = [client.create((length,), "uint8") for _ in range(12)]
+    stat = quiet_stat(client)
+    pool, base = stat["pools"][0], before["pools"][0]
+    stocked = stat["stocked_tensors"]
+    assert stocked > 0, stat
+    assert pool["stock_bytes"] == stocked * length
+    # Buffers taken out of stock (creates 9 to 12) are stock to the daemon until published.
+    assert stat["tensors"] - before["tensors"] == 8 + stocked
+    assert pool["used_bytes"] - base["used_bytes"] == 8 * length
+    m = scrape(daemon)
+    assert m("tensorshm_stocked_tensors") == stocked
+    assert m("tensorshm_pool_stock_bytes", device="cpu") == stocked * length
+    assert m("tensorshm_pool_used_bytes", device="cpu") == pool["used_bytes"]
+
+    for i, w in enumerate(made):
+        w.publish(f"metrics/stock{i}")
+    published = quiet_stat(client)
+    # Published buffers are used, never stock; what is left in stock is still stock. (A publish
+    # of a stocked buffer may ask for more stock.)
+    assert published["pools"][0]["used_bytes"] - base["used_bytes"] == 12 * length
+    assert published["pools"][0]["stock_bytes"] == published["stocked_tensors"] * length
+    assert published["tensors"] - before["tensors"] == 12 + published["stocked_tensors"]
+    for i in range(len(made)):
+        client.delete(f"metrics/stock{i}")
 
 
 def test_acquire_waits_in_the_daemon_are_a_histogram(daemon, client):

@@ -96,10 +96,12 @@ json StatusReport(const ServerStats& stats) {
                      {"device_id", pool.device.device_id},
                      {"capacity_bytes", pool.capacity_bytes},
                      {"used_bytes", pool.used_bytes},
+                     {"stock_bytes", pool.stock_bytes},
                      {"segments", pool.segments}});
   }
   return {{"sessions", stats.sessions},
           {"tensors", stats.tensors},
+          {"stocked_tensors", stats.stocked_tensors},
           {"names", stats.names},
           {"leases", stats.leases},
           {"pools", std::move(pools)}};
@@ -172,15 +174,17 @@ json SessionsReport(const std::vector<SessionInfo>& sessions, int64_t now_unix_m
 std::string StatusText(const json& report) {
   std::string out = Table({{"sessions", report["sessions"].dump()},
                            {"tensors", report["tensors"].dump()},
+                           {"stocked", report["stocked_tensors"].dump()},
                            {"names", report["names"].dump()},
                            {"leases", report["leases"].dump()}});
-  std::vector<std::vector<std::string>> rows = {{"DEVICE", "CAPACITY", "USED", "USE%", "SEGMENTS"}};
+  std::vector<std::vector<std::string>> rows = {
+      {"DEVICE", "CAPACITY", "USED", "USE%", "STOCK", "SEGMENTS"}};
   for (const json& pool : report["pools"]) {
     const int64_t capacity = pool["capacity_bytes"].get<int64_t>();
     const int64_t used = pool["used_bytes"].get<int64_t>();
     rows.push_back({pool["device"].get<std::string>(), FormatBytes(capacity), FormatBytes(used),
                     capacity > 0 ? absl::StrFormat("%.1f%%", 100.0 * used / capacity) : "-",
-                    pool["segments"].dump()});
+                    FormatBytes(pool["stock_bytes"].get<int64_t>()), pool["segments"].dump()});
   }
   return absl::StrCat(out, "\n", Table(rows));
 }
