@@ -251,6 +251,7 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid, GrowthR
                      options_.capacity_bytes, " bytes, --host-pool)"));
   }
   const uint64_t length = (nbytes + page - 1) / page * page;
+  if (std::optional<Buffer> hot = TakeRecentlyFreed(length, uid)) return *hot;
   const int index = BestFitSegment(
       segments_, length, [uid](const PoolSegment& s) { return s.shm && s.owner_uid == uid; });
   PoolSegment* best = index < 0 ? nullptr : &segments_[index];
@@ -279,7 +280,34 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid, GrowthR
 
 void HostPool::Free(const Buffer& buffer) {
   TSM_CHECK(buffer.segment_id >= 1 && buffer.segment_id <= segments_.size());
-  segments_[buffer.segment_id - 1].allocator.Free(buffer.offset, buffer.length);
+  PoolSegment& segment = segments_[buffer.segment_id - 1];
+  segment.allocator.Free(buffer.offset, buffer.length);
+  // Remembered as hot: its pages are likely still in the producer's page table and caches.
+  if (recently_freed_.size() >= kMaxHotLengths &&
+      recently_freed_.count({segment.owner_uid, buffer.length}) == 0) {
+    recently_freed_.clear();  // many lengths: forget them all rather than track an LRU
+  }
+  std::vector<Buffer>& hot = recently_freed_[{segment.owner_uid, buffer.length}];
+  if (hot.size() >= kMaxHotPerLength) hot.erase(hot.begin());
+  hot.push_back(buffer);
+}
+
+std::optional<Buffer> HostPool::TakeRecentlyFreed(uint64_t length, uint32_t uid) {
+  auto it = recently_freed_.find({uid, length});
+  if (it == recently_freed_.end()) return std::nullopt;
+  std::vector<Buffer>& hot = it->second;
+  std::optional<Buffer> taken;
+  while (!hot.empty() && !taken.has_value()) {
+    const Buffer buffer = hot.back();
+    hot.pop_back();
+    // Still free (not merged into a block handed out since): take exactly it.
+    if (HasSegment(buffer.segment_id) && SegmentOwner(buffer.segment_id) == uid &&
+        segments_[buffer.segment_id - 1].allocator.Reserve(buffer.offset, buffer.length)) {
+      taken = buffer;
+    }
+  }
+  if (hot.empty()) recently_freed_.erase(it);
+  return taken;
 }
 
 int HostPool::FreesToFit(uint64_t nbytes, uint32_t uid, absl::Span<const Buffer> buffers) const {

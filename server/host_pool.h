@@ -9,6 +9,7 @@
 #define TENSORSHM_SERVER_HOST_POOL_H_
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -75,7 +76,8 @@ class HostPool {
   // how many records it rewrote.
   int RepairSegmentRecords() const;
 
-  // Returns a buffer of at least `nbytes` (rounded up to whole pages) for `uid`, taken best-fit
+  // Returns a buffer of at least `nbytes` (rounded up to whole pages) for `uid`: the most
+  // recently freed buffer of that length if it is still free (hot memory), else taken best-fit
   // from that uid's segments or, failing that, from a new segment of its own while the capacity
   // allows. Not cleared: it holds zeros or bytes of earlier buffers of the same uid.
   // RESOURCE_EXHAUSTED naming the requested, free and largest-free sizes when nothing fits.
@@ -154,8 +156,18 @@ class HostPool {
 
   HostPoolOptions options_;
   ControlSegment* control_;
+  // The most recently freed buffer of `length` bytes for `uid` that is still free, taken out of
+  // its segment's allocator; nullopt if none is.
+  std::optional<Buffer> TakeRecentlyFreed(uint64_t length, uint32_t uid);
+
+  static constexpr size_t kMaxHotPerLength = 16;
+  static constexpr size_t kMaxHotLengths = 256;
+
   std::vector<PoolSegment> segments_;  // segments_[id - 1]
   bool growing_ = false;               // between BeginGrowth and EndGrowth
+  // Buffers freed lately, by (uid, length), oldest first: Allocate prefers them (hot memory)
+  // over a best fit elsewhere. A hint only: each is checked to be free before it is taken.
+  std::map<std::pair<uint32_t, uint64_t>, std::vector<Buffer>> recently_freed_;
 };
 
 }  // namespace tensorshm
