@@ -171,8 +171,9 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     return give_back(absl::UnimplementedError(
         absl::StrCat("device = ", DeviceName(decoded->device), ": not supported by this client")));
   } else if (location.length() > 0) {
-    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(
-        SegmentKey{location.segment_instance(), location.segment_id()}, location.segment_size());
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
+        core->MapHostSegment(SegmentKey{location.segment_instance(), location.segment_id()},
+                             location.segment_size(), location.offset(), location.length());
     if (!mapping.ok()) return give_back(mapping.status());
     lease->mapping = *std::move(mapping);
     data = lease->mapping->address() + location.offset();
@@ -198,8 +199,8 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
     // The mapping covers what the daemon says the segment holds; the record's byte range must
     // lie inside it (MapHostSegment refuses a segment smaller than `end`).
     const uint64_t end = leased.offset + leased.length;  // no overflow: TryAcquire checked
-    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
-        core->MapHostSegment(SegmentKey{leased.segment_instance, leased.segment_id}, end);
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(
+        SegmentKey{leased.segment_instance, leased.segment_id}, end, leased.offset, leased.length);
     if (mapping.ok() && (*mapping)->size() < end) {
       mapping = absl::FailedPreconditionError("the record's range is outside its segment");
     }
@@ -625,8 +626,9 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
     lease->page_slot = page_slot;
     const char* data = kEmptyData;
     if (tensor.buffer_length_ > 0) {
-      absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core_->MapHostSegment(
-          SegmentKey{tensor.segment_instance_, tensor.segment_id_}, tensor.segment_size_);
+      absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
+          core_->MapHostSegment(SegmentKey{tensor.segment_instance_, tensor.segment_id_},
+                                tensor.segment_size_, tensor.buffer_offset_, tensor.buffer_length_);
       if (!mapping.ok()) {
         core_->ReleasePageLease(*fast, page_slot);
         return mapping.status();

@@ -297,7 +297,7 @@ absl::Status ClientCore::CheckProcess() const {
 }
 
 absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment(
-    const SegmentKey& key, uint64_t segment_size) {
+    const SegmentKey& key, uint64_t segment_size, uint64_t offset, uint64_t length) {
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> found = segments_.Find(key, segment_size);
   if (!found.ok() || *found != nullptr) return found;
   uint64_t size = 0;
@@ -310,7 +310,7 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
                                             " bytes; its location said ", segment_size));
   }
   // The whole segment, as the daemon granted it (at least what the caller needs).
-  return segments_.Insert(key, *fd, size);
+  return segments_.Insert(key, *fd, size, offset, length);
 }
 
 absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Location& location) {

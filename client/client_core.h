@@ -103,9 +103,12 @@ class ClientCore {
 
   // The read-only mapping of the whole host segment `key` (as many bytes as the daemon grants),
   // made on first use from a descriptor the memory channel brings, and shared by every tensor in
-  // it. An error if the segment is smaller than `size` bytes.
+  // it. An error if the segment is smaller than `size` bytes. A new mapping is populated: the
+  // tensor at [offset, offset + length) at once, the rest in the background (SegmentMap::Insert).
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> MapHostSegment(const SegmentKey& key,
-                                                                       uint64_t size);
+                                                                       uint64_t size,
+                                                                       uint64_t offset,
+                                                                       uint64_t length);
   // `location`'s buffer (this session's own) in the writable mapping of its segment, made on
   // first use and kept: readied for writing (WritableSegment::Prepare). `segment` keeps the
   // mapping alive.

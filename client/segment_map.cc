@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -113,7 +115,9 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Find(const Seg
 }
 
 absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const SegmentKey& key,
-                                                                         int fd, uint64_t size) {
+                                                                         int fd, uint64_t size,
+                                                                         uint64_t offset,
+                                                                         uint64_t length) {
   struct stat st;
   if (fstat(fd, &st) != 0) {
     const int err = errno;
@@ -125,16 +129,32 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const S
     return absl::FailedPreconditionError(
         absl::StrCat(SegmentLabel(key), ": ", st.st_size, " bytes, daemon says ", size));
   }
-  // Populated now, once: no read of a tensor in it faults later (the daemon reserved every page
-  // at the segment's creation, so this allocates nothing).
-  void* address = mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+  void* address = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
   const int err = errno;
   close(fd);
   if (address == MAP_FAILED) return ErrnoError("mmap", SegmentLabel(key), err);
   auto mapping = std::make_shared<const SegmentMapping>(static_cast<const char*>(address), size);
-  MutexLock lock(&mu_);
-  auto [it, inserted] = mappings_.emplace(key, mapping);
-  return it->second;  // ours, or the one another thread cached first (ours is unmapped)
+  std::shared_ptr<const SegmentMapping> cached;
+  {
+    MutexLock lock(&mu_);
+    cached = mappings_.emplace(key, mapping).first->second;
+  }
+  if (cached != mapping) return cached;  // another thread cached one first (ours is unmapped)
+  // Populated, so that no read of a tensor in it faults later (the daemon reserved every page at
+  // the segment's creation: this allocates nothing). Failures only leave pages to fault in.
+  const uint64_t page = PageBytes();
+  const uint64_t first = std::min(offset / page * page, size);
+  const uint64_t end = std::min((offset + length + page - 1) / page * page, size);
+  if (end > first) {
+    madvise(const_cast<char*>(mapping->address()) + first, end - first, MADV_POPULATE_READ);
+  }
+  if (size > end - first) {
+    // The rest off the caller's path: a small first tensor does not wait for a large segment.
+    std::thread([mapping] {
+      madvise(const_cast<char*>(mapping->address()), mapping->size(), MADV_POPULATE_READ);
+    }).detach();
+  }
+  return mapping;
 }
 
 std::shared_ptr<WritableSegment> SegmentMap::FindWritable(const SegmentKey& key) const {

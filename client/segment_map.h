@@ -92,12 +92,15 @@ class SegmentMap {
   // (the daemon's word for the segment's size).
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> Find(const SegmentKey& key,
                                                              uint64_t size) const;
-  // Maps `fd` (read-only and populated, the segment `key`; closed here whatever happens) and
-  // caches it. If a mapping of `key` was cached meanwhile, that one is returned.
-  // FAILED_PRECONDITION if the object is smaller than `size`; other errors name the call and the
-  // segment.
+  // Maps `fd` (read-only, the segment `key`; closed here whatever happens) and caches it. If a
+  // mapping of `key` was cached meanwhile, that one is returned. The new mapping is populated
+  // (MADV_POPULATE_READ), so that no read of a tensor in it faults later: [offset, offset +
+  // length), the tensor wanted now, before returning; the whole segment on a detached thread
+  // that holds the mapping until it is done. FAILED_PRECONDITION if the object is smaller than
+  // `size`; other errors name the call and the segment.
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> Insert(const SegmentKey& key, int fd,
-                                                               uint64_t size);
+                                                               uint64_t size, uint64_t offset = 0,
+                                                               uint64_t length = 0);
 
   // The cached writable mapping of segment `key`, or nullptr if there is none.
   std::shared_ptr<WritableSegment> FindWritable(const SegmentKey& key) const;
