@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Checks the fast path's protocol model (tests/model/fast_path.pml) exhaustively with spin:
-#   - the model as written must verify with 0 errors, every reachable state explored, in two
-#     configurations: "clients die" (2 clients with 2 lease slots each, 2 replacements, a client
-#     may die at any point) and "daemon restarts" (the same with 1 lease slot each, and the daemon
-#     may also crash at any point and restart once);
+# Checks the fast path's protocol models exhaustively with spin: tests/model/fast_path.pml (acquire,
+# retire, scan, crash) and tests/model/publish_wake.pml (how a waiting consumer is woken):
+#   - each model as written must verify with 0 errors, every reachable state explored; the fast
+#     path's in two configurations: "clients die" (2 clients with 2 lease slots each, 2
+#     replacements, a client may die at any point) and "daemon restarts" (the same with 1 lease
+#     slot each, and the daemon may also crash at any point and restart once);
 #   - each deliberately broken variant (-DBROKEN_...) must be caught (>= 1 error); its shortest
 #     counterexample is replayed and summarised;
 #   - each witness (-DWITNESS=n) must be reached, showing that the situations the properties are
@@ -17,7 +18,8 @@
 set -u
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-model="$here/fast_path.pml"
+model="$here/fast_path.pml"  # the model of a check; `model=... check ...` names another
+wake_model="$here/publish_wake.pml"
 me=fast_path_model
 
 missing=()
@@ -29,10 +31,12 @@ if [ ${#missing[@]} -gt 0 ]; then
        "gcc; scripts/setup.sh does)." >&2
   exit 1
 fi
-if [ ! -r "$model" ]; then
-  echo "$me: FAILED: $model not readable" >&2
-  exit 1
-fi
+for file in "$model" "$wake_model"; do
+  if [ ! -r "$file" ]; then
+    echo "$me: FAILED: $file not readable" >&2
+    exit 1
+  fi
+done
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/fast_path_model.XXXXXX") || exit 1
 if [ -n "${FAST_PATH_MODEL_KEEP:-}" ]; then
@@ -56,8 +60,8 @@ build() {
   shift 2
   local dir="$work/$name"
   mkdir -p "$dir"
-  cp "$model" "$dir/fast_path.pml"
-  if ! (cd "$dir" && spin -a "$@" fast_path.pml >spin.log 2>&1); then
+  cp "$model" "$dir/model.pml"
+  if ! (cd "$dir" && spin -a "$@" model.pml >spin.log 2>&1); then
     fail "$name: spin -a $* failed:"
     sed 's/^/    /' "$dir/spin.log"
     return 1
@@ -84,13 +88,13 @@ incomplete() {
 replay() {
   local dir=$1
   shift
-  (cd "$dir" && spin -t "$@" fast_path.pml >replay.log 2>&1)
+  (cd "$dir" && spin -t "$@" model.pml >replay.log 2>&1)
   grep 'MSC:' "$dir/replay.log" | sed 's/^ *MSC: /      /'
   local line
-  line=$(sed -n 's/^spin: fast_path.pml:\([0-9]*\), Error: assertion violated.*/\1/p' \
+  line=$(sed -n 's/^spin: model.pml:\([0-9]*\), Error: assertion violated.*/\1/p' \
            "$dir/replay.log" | head -n 1)
   if [ -n "$line" ]; then
-    echo "      => assertion violated at fast_path.pml:$line: $(sed -n "${line}p" "$model" |
+    echo "      => assertion violated at $(basename "$model"):$line: $(sed -n "${line}p" "$model" |
                                                             sed 's/^ *//')"
   fi
 }
@@ -109,7 +113,7 @@ expect_pass() {
   if [ "$e" != 0 ] || incomplete "$dir/pan.log"; then
     fail "$name ($what) [spin $*]: errors: ${e:-?}, or the search did not complete:"
     sed 's/^/    /' "$dir/pan.log"
-    if [ -e "$dir/fast_path.pml.trail" ] && build "$name.shortest" shortest "$@"; then
+    if [ -e "$dir/model.pml.trail" ] && build "$name.shortest" shortest "$@"; then
       (cd "$work/$name.shortest" && ./pan >pan.log 2>&1)
       echo "    shortest counterexample:"
       replay "$work/$name.shortest" "$@"
@@ -129,7 +133,7 @@ expect_caught() {
   local e s
   e=$(errors "$dir/pan.log")
   s=$(stored "$dir/pan.log")
-  if [ -z "$e" ] || [ "$e" -lt 1 ] || [ ! -e "$dir/fast_path.pml.trail" ]; then
+  if [ -z "$e" ] || [ "$e" -lt 1 ] || [ ! -e "$dir/model.pml.trail" ]; then
     fail "$name ($what) [spin $*]: NOT caught (errors: ${e:-?}):"
     sed 's/^/    /' "$dir/pan.log"
     return
@@ -147,9 +151,9 @@ expect_reached() {
   (cd "$dir" && ./pan -m2000000 >pan.log 2>&1)
   local e line=""
   e=$(errors "$dir/pan.log")
-  if [ -n "$e" ] && [ "$e" -ge 1 ] && [ -e "$dir/fast_path.pml.trail" ]; then
-    (cd "$dir" && spin -t "$@" fast_path.pml >replay.log 2>&1)
-    line=$(sed -n 's/^spin: fast_path.pml:\([0-9]*\), Error: assertion violated.*/\1/p' \
+  if [ -n "$e" ] && [ "$e" -ge 1 ] && [ -e "$dir/model.pml.trail" ]; then
+    (cd "$dir" && spin -t "$@" model.pml >replay.log 2>&1)
+    line=$(sed -n 's/^spin: model.pml:\([0-9]*\), Error: assertion violated.*/\1/p' \
              "$dir/replay.log" | head -n 1)
   fi
   if [ -z "$line" ] || ! sed -n "${line}p" "$model" | grep -q 'REACHED('; then
@@ -200,6 +204,24 @@ check w9 reached "W9 a re-registered lease outlives the grace period" \
   "${crash_daemon[@]}" -DWITNESS=9
 check w10 reached "W10 a replaced tensor is kept as recovered in the grace period" \
   "${crash_daemon[@]}" -DWITNESS=10
+early=(-DPRODUCER_WAKE)  # the producer also wakes waiters right after its send
+model=$wake_model check wake pass "correct wake-up model, 2 waiters, a publish may be refused"
+model=$wake_model check wake_early pass "correct wake-up model, the producer wakes early" \
+  "${early[@]}"
+model=$wake_model check wake_bump_first caught "broken: the daemon bumps before it commits" \
+  -DBROKEN_BUMP_BEFORE_COMMIT
+model=$wake_model check wake_seen_late caught "broken: the consumer loads the word after its lookup" \
+  -DBROKEN_SEEN_AFTER_LOOKUP
+model=$wake_model check wake_trust caught "broken: a consumer woken early takes the tensor unlooked" \
+  "${early[@]}" -DBROKEN_TRUST_WAKE
+model=$wake_model check wake_no_daemon caught "broken: the daemon bumps, only the producer wakes" \
+  "${early[@]}" -DBROKEN_NO_DAEMON_WAKE
+model=$wake_model check wake_w1 reached "wake W1 a consumer is woken before the commit" \
+  "${early[@]}" -DWITNESS=1
+model=$wake_model check wake_w2 reached "wake W2 its looks run out and it sleeps again" \
+  "${early[@]}" -DWITNESS=2
+model=$wake_model check wake_w3 reached "wake W3 it sees the bump while it looks" \
+  "${early[@]}" -DWITNESS=3
 wait
 end=$(date +%s)
 
