@@ -2,6 +2,7 @@
 
 #include <dlpack/dlpack.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -22,6 +23,11 @@ constexpr int kSnapshotAttempts = 8;
 // Pause loops before sleeping on the futex word. Short: on a machine with few cores a longer
 // spin (50 us was tried) takes the CPU the producer and the daemon need to publish.
 constexpr int kSpinRounds = 256;
+// After a wake-up that left the word as it was (most likely the daemon's, sent as a publish
+// arrives and before its commit: CatalogIndex::WakeWaiters), how long a waiter looks for the
+// bump before it sleeps again. It yields between looks: on a busy machine the CPU goes to the
+// daemon, which is committing.
+constexpr int64_t kCommitWaitNs = 30'000;
 // The longest futex sleep: waiters look at the daemon's heartbeat at least this often.
 constexpr absl::Duration kLongestSleep = absl::Milliseconds(100);
 
@@ -313,7 +319,12 @@ void FastPath::WaitForPublish(uint32_t seen, absl::Duration timeout) const {
   const timespec relative = absl::ToTimespec(sleep);
   // A shared futex (no FUTEX_PRIVATE_FLAG): the daemon wakes it from its own mapping. EAGAIN
   // (the word moved on), EINTR and ETIMEDOUT all mean: look again.
-  syscall(SYS_futex, &word, FUTEX_WAIT, seen, &relative, nullptr, 0);
+  if (syscall(SYS_futex, &word, FUTEX_WAIT, seen, &relative, nullptr, 0) != 0) return;
+  // Woken with the word unchanged: a publish arrived at the daemon, its commit and bump a few
+  // microseconds behind (or a cancel, or a publish the daemon refuses). Look for the bump for a
+  // bounded time; the caller then looks the name up, and sleeps again on a miss.
+  const int64_t until = MonotonicNow() + std::min(kCommitWaitNs, absl::ToInt64Nanoseconds(sleep));
+  while (word.load(std::memory_order_acquire) == seen && MonotonicNow() < until) sched_yield();
 }
 
 void FastPath::WakePublishWaiters() const {

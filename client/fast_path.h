@@ -90,7 +90,9 @@ class FastPath {
   // The futex word the daemon bumps after every publish.
   uint32_t publishes() const { return index_header().publishes.load(std::memory_order_acquire); }
   // Sleeps until the daemon bumps the word from `seen`, or `timeout` passes (at most), or a
-  // signal interrupts; spins briefly first.
+  // signal interrupts; spins briefly first. Woken without a bump (the daemon wakes waiters as a
+  // publish arrives, before its commit), it looks for the bump up to 30 us more, yielding. The
+  // caller looks at the index again either way: a return says nothing about what is published.
   void WaitForPublish(uint32_t seen, absl::Duration timeout) const;
   // Wakes the threads sleeping in WaitForPublish (every process's: they look again and, with
   // nothing published, sleep again), for a wait cancelled in this process.

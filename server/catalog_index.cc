@@ -98,10 +98,13 @@ void CatalogIndex::Unbind(uint64_t name_hash, uint32_t slot) {
 }
 
 void CatalogIndex::NotifyPublished() {
-  IndexHeader& header = mutable_header();
-  header.publishes.fetch_add(1, std::memory_order_seq_cst);
+  mutable_header().publishes.fetch_add(1, std::memory_order_seq_cst);
+  WakeWaiters();
+}
+
+void CatalogIndex::WakeWaiters() {
   // Not FUTEX_PRIVATE_FLAG: the waiters are other processes mapping the same memfd.
-  syscall(SYS_futex, &header.publishes, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  syscall(SYS_futex, &mutable_header().publishes, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 void CatalogIndex::Heartbeat() {

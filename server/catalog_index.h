@@ -31,8 +31,13 @@ class CatalogIndex {
   // Unlinks record `slot` from the chain of `name_hash`; nothing if it is not there.
   void Unbind(uint64_t name_hash, uint32_t slot);
 
-  // Wakes every client waiting for a publish (FUTEX_WAKE on `publishes`).
+  // Bumps `publishes` and wakes every client waiting for a publish (FUTEX_WAKE).
   void NotifyPublished();
+  // Wakes every waiting client without a bump: a publish has arrived and its commit (and
+  // NotifyPublished) follows within microseconds. A waiter's wake-up from sleep then overlaps
+  // the commit instead of following it; it looks for the bump for a bounded time
+  // (FastPath::WaitForPublish) and sleeps again if none comes (the publish was refused).
+  void WakeWaiters();
   // Stores the daemon's monotonic clock as its sign of life.
   void Heartbeat();
   // Tells clients the daemon is stopping: they use the RPCs from now on.

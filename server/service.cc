@@ -165,6 +165,9 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
     if (policy_ != nullptr) {
       if (absl::Status s = policy_->Admit(connection.peer); !s.ok()) return s;
     }
+    // A consumer waiting for the name wakes while the publish is committed, not after it (the
+    // index's header needs no lock; see CatalogIndex::WakeWaiters).
+    if (request.has_publish()) index_.WakeWaiters();
     ServiceLock lock(this);
     if (request.has_bind()) {
       if (!connection.session_token.empty()) {
