@@ -204,24 +204,20 @@ check w9 reached "W9 a re-registered lease outlives the grace period" \
   "${crash_daemon[@]}" -DWITNESS=9
 check w10 reached "W10 a replaced tensor is kept as recovered in the grace period" \
   "${crash_daemon[@]}" -DWITNESS=10
-early=(-DPRODUCER_WAKE)  # the producer also wakes waiters right after its send
-model=$wake_model check wake pass "correct wake-up model, 2 waiters, a publish may be refused"
-model=$wake_model check wake_early pass "correct wake-up model, the producer wakes early" \
-  "${early[@]}"
+model=$wake_model check wake pass "correct wake-up model, 2 waiters, early wake-up, a refused publish"
+model=$wake_model check wake_producer pass "correct wake-up model, the producer wakes as well" \
+  -DPRODUCER_WAKE
+model=$wake_model check wake_trust caught "broken: a consumer woken early takes the tensor unlooked" \
+  -DBROKEN_TRUST_WAKE
+model=$wake_model check wake_no_bump_wake caught "broken: the daemon bumps without waking" \
+  -DBROKEN_NO_BUMP_WAKE
 model=$wake_model check wake_bump_first caught "broken: the daemon bumps before it commits" \
   -DBROKEN_BUMP_BEFORE_COMMIT
 model=$wake_model check wake_seen_late caught "broken: the consumer loads the word after its lookup" \
   -DBROKEN_SEEN_AFTER_LOOKUP
-model=$wake_model check wake_trust caught "broken: a consumer woken early takes the tensor unlooked" \
-  "${early[@]}" -DBROKEN_TRUST_WAKE
-model=$wake_model check wake_no_daemon caught "broken: the daemon bumps, only the producer wakes" \
-  "${early[@]}" -DBROKEN_NO_DAEMON_WAKE
-model=$wake_model check wake_w1 reached "wake W1 a consumer is woken before the commit" \
-  "${early[@]}" -DWITNESS=1
-model=$wake_model check wake_w2 reached "wake W2 its looks run out and it sleeps again" \
-  "${early[@]}" -DWITNESS=2
-model=$wake_model check wake_w3 reached "wake W3 it sees the bump while it looks" \
-  "${early[@]}" -DWITNESS=3
+model=$wake_model check wake_w1 reached "wake W1 a consumer is woken before the commit" -DWITNESS=1
+model=$wake_model check wake_w2 reached "wake W2 its looks run out and it sleeps again" -DWITNESS=2
+model=$wake_model check wake_w3 reached "wake W3 it sees the bump while it looks" -DWITNESS=3
 wait
 end=$(date +%s)
 

@@ -12,21 +12,19 @@
  *                FUTEX_WAKE wakes every sleeper in one step.
  *   proctype Producer   Client::Publish over the memory channel: sends the request and waits
  *                       for the answer. Its first publish may be refused by the daemon (name
- *                       taken, say); the second is accepted. With -DPRODUCER_WAKE it also
- *                       issues FUTEX_WAKE on the word right after each send (a change measured
- *                       for issue 20 and not adopted: see below); the check covers it so that
- *                       the variant is known safe.
- *   proctype Daemon     ChannelServer -> PublishFor -> Catalog::Publish: an accepted publish is
- *                       committed (record, then index), then CatalogIndex::NotifyPublished bumps
- *                       the word and wakes every sleeper; a refused one changes nothing. Then it
- *                       answers.
+ *                       taken, say); the second is accepted.
+ *   proctype Daemon     TensorShmService::HandleChannel: as a publish arrives, before anything
+ *                       else, CatalogIndex::WakeWaiters (FUTEX_WAKE, no bump). Then PublishFor ->
+ *                       Catalog::Publish: an accepted publish is committed (record, then index),
+ *                       then CatalogIndex::NotifyPublished bumps the word and wakes every sleeper;
+ *                       a refused one changes nothing more. Then it answers.
  *   proctype Consumer   AcquireLease's fast-path loop with FastPath::WaitForPublish: load the
  *                       word (seen), look the name up in the index (TryAcquire: committed or
  *                       not), and on a miss wait: a few looks at the word (kSpinRounds), then
- *                       FUTEX_WAIT(seen) (EAGAIN if the word moved on), then go round again.
- *                       With -DPRODUCER_WAKE, woken with the word unchanged (the producer's early
- *                       wake-up, or a refused publish), it looks at the word for a bounded time
- *                       first (NSPIN looks), as the measured variant did.
+ *                       FUTEX_WAIT(seen) (EAGAIN if the word moved on); woken with the word
+ *                       unchanged (the early wake-up, before the commit, or a refused publish),
+ *                       look at the word for a bounded time (kCommitWaitNs; NSPIN looks here);
+ *                       then go round again.
  *   The futex sleep's timeout (kLongestSleep) is left out: wake-ups alone must suffice.
  *
  * PROPERTIES
@@ -38,12 +36,14 @@
  *   P3 bounded spin: the consumer's looks after an early wake-up are at most NSPIN, then it
  *      looks the name up and sleeps again (by construction; W2 shows that it happens).
  *
- * WHY THE PRODUCER'S EARLY WAKE-UP IS NOT IN THE CODE. Measured on 2 vCPUs (bench/handoff_bench
- * 4 KiB, timestamps per step, the two ways alternating per iteration in one run): neutral woken
- * after the send (a unix socket's send wakes the daemon synchronously onto the producer's CPU,
- * which runs it before the send returns, so the early wake-up comes after the commit), and
- * 10-70 us slower woken before the send (the consumer takes the CPU the send and the daemon
- * need; from an idle vCPU its own wake-up costs as much as the daemon's whole step).
+ * WHY THE DAEMON AND NOT THE PRODUCER WAKES EARLY. Measured on 2 vCPUs (bench/handoff_bench
+ * 4 KiB, timestamps per step, with and without alternating per iteration in one run), a
+ * producer's FUTEX_WAKE was neutral after its send (a unix socket's send wakes the daemon
+ * synchronously onto the producer's CPU and runs it before the send returns: the wake-up came
+ * after the commit) and 10-70 us slower before it (the woken consumer took the CPU the send
+ * and the daemon needed). The daemon's, as the publish arrives, saved 13-17 us of ~170 us on
+ * an idle machine and was neutral on a loaded one. -DPRODUCER_WAKE adds the producer's as well:
+ * still correct.
  *
  * MEMORY MODEL. spin interleaves statements under sequential consistency. In C++ the consumer
  * loads the word (acquire) before its lookup, and the daemon's commit (release and seq_cst
@@ -51,17 +51,16 @@
  * value synchronises with the bump and its lookup sees the commit, as here.
  *
  * Broken variants (check.sh: each must be caught):
+ *   -DBROKEN_TRUST_WAKE          a consumer woken early takes the tensor without looking it up.
+ *   -DBROKEN_NO_BUMP_WAKE        the daemon bumps without waking: the early wake-up only.
  *   -DBROKEN_BUMP_BEFORE_COMMIT  the daemon bumps and wakes before it commits.
  *   -DBROKEN_SEEN_AFTER_LOOKUP   the consumer loads the word after its lookup, not before.
- *   with -DPRODUCER_WAKE:
- *   -DBROKEN_TRUST_WAKE       a consumer woken early takes the tensor without looking it up.
- *   -DBROKEN_NO_DAEMON_WAKE   the daemon bumps the word but leaves waking to the producer.
- * Witnesses -DWITNESS=1..3 with -DPRODUCER_WAKE (REACHED): situations that must occur.
+ * Witnesses -DWITNESS=1..3 (REACHED): situations that must occur.
  */
 
 #define NCONS 2   /* consumers waiting for the name */
 #define NSPIN 2   /* looks at the word after an early wake-up */
-mtype = { PRODUCER, DAEMON };
+mtype = { PRODUCER, DAEMON_EARLY, DAEMON };
 
 byte word;
 bool committed;
@@ -108,6 +107,7 @@ proctype Daemon() {
   bool accept;
   do
   :: request?accept ->
+     FUTEX_WAKE(DAEMON_EARLY);                 /* WakeWaiters, as the publish arrives */
      if
      :: accept ->
 #ifdef BROKEN_BUMP_BEFORE_COMMIT
@@ -119,7 +119,7 @@ proctype Daemon() {
         committed = true;                      /* record, then index entry */
         printf("MSC: daemon commits\n");
         word++;                                /* NotifyPublished: the bump ... */
-#ifndef BROKEN_NO_DAEMON_WAKE
+#ifndef BROKEN_NO_BUMP_WAKE
         FUTEX_WAKE(DAEMON);                  /* ... and the wake-up */
 #endif
 #endif
@@ -169,7 +169,6 @@ proctype Consumer(byte c) {
         };
 end_sleep:
         !asleep[c];
-#ifdef PRODUCER_WAKE
         /* Woken. With the word unchanged: look for the bump for a bounded time. */
         if
         :: word == seen ->
@@ -184,9 +183,6 @@ end_sleep:
            REACHED(3, word != seen)             /* W3: the bump seen while looking */
         :: else -> skip
         fi
-#else
-        skip
-#endif
      fi
   od;
   /* P1: the tensor is taken only once committed. */
