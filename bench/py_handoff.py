@@ -41,6 +41,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+
+# No method here calls BLAS, but numpy's OpenBLAS starts a thread per core that was seen taking
+# ~9% of the CPU while every method ran; on a 2-core machine that skews every row. One thread,
+# for every row alike (children inherit it).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pathlib
 import resource
 import shutil
