@@ -579,17 +579,22 @@ absl::Status TensorShmService::CreateGrowing(const std::string& token, const abs
       continue;
     }
     if (!growth.needed()) return status;
-    // Making a segment reserves all its memory (posix_fallocate, cuMemAlloc): every other call
-    // goes on meanwhile.
-    catalog_->BeginGrowth(growth);
-    UnlockAndFinish();
-    growth.Make();
-    mu_.lock();
-    const absl::Status grown = catalog_->EndGrowth(growth);
-    grown_.SignalAll();
+    const absl::Status grown = GrowUnlocked(growth);
     if (absl::IsResourceExhausted(grown)) metrics_.CountAllocationFailure(AllocationFailure::kPool);
     if (!grown.ok()) return grown;
   }
+}
+
+absl::Status TensorShmService::GrowUnlocked(SegmentGrowth& growth) {
+  // Making a segment reserves all its memory (posix_fallocate, cuMemAlloc): every other call
+  // goes on meanwhile.
+  catalog_->BeginGrowth(growth);
+  UnlockAndFinish();
+  growth.Make();
+  mu_.lock();
+  const absl::Status grown = catalog_->EndGrowth(growth);
+  grown_.SignalAll();
+  return grown;
 }
 
 void TensorShmService::GrowAhead(uint32_t uid) {
@@ -603,12 +608,7 @@ void TensorShmService::GrowAheadNow(uint32_t uid) {
   SegmentGrowth growth;
   growth.cuda_ordinal = -1;
   growth.request = *plan;
-  catalog_->BeginGrowth(growth);
-  UnlockAndFinish();
-  growth.Make();
-  mu_.lock();
-  const absl::Status grown = catalog_->EndGrowth(growth);
-  grown_.SignalAll();
+  const absl::Status grown = GrowUnlocked(growth);
   if (grown.ok()) {
     retry_creates_ = true;  // a waiting create of that uid may fit now
     return;

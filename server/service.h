@@ -254,6 +254,10 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // GrowPools' growth ahead for `uid`, if the pool still plans it: makes the segment with mu_
   // released (no create waits for it, so a failure is logged, not answered).
   void GrowAheadNow(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes the segment `growth` asks for with mu_ released meanwhile (BeginGrowth, Make,
+  // EndGrowth), then wakes the calls waiting for a growth. Returns EndGrowth's status; mu_ is
+  // held again on return. REQUIRES: growth.needed().
+  absl::Status GrowUnlocked(SegmentGrowth& growth) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
   // need (CreateRequest.stock), fewer when the pool is short; none under a session quota. Stock
