@@ -310,7 +310,16 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
                                             " bytes; its location said ", segment_size));
   }
   // The whole segment, as the daemon granted it (at least what the caller needs).
-  return segments_.Insert(key, *fd, size, offset, length);
+  absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
+      segments_.Insert(key, *fd, size, offset, length);
+  if (mapping.ok() && (*mapping)->size() > length) {
+    // The rest of the segment on the sender thread: a small first tensor does not wait for a
+    // large segment, and later reads of it do not fault.
+    MutexLock lock(&mu_);
+    to_populate_.push_back(*mapping);
+    work_.Signal();
+  }
+  return mapping;
 }
 
 absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Location& location) {
@@ -456,11 +465,12 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
   while (true) {
     v1::SessionRequest request;
     uint64_t sequence = 0;
+    std::vector<std::shared_ptr<const SegmentMapping>> populate;
     {
       MutexLock lock(&mu_);
       bool probe = false;
       while (connected_ && pending_leases_.empty() && pending_abandons_.empty() &&
-             !flush_requested_ && !SenderDone()) {
+             to_populate_.empty() && !flush_requested_ && !SenderDone()) {
         // The sync stream says nothing until used, so a daemon gone while this client is idle
         // shows as its connection hung up, or sooner as the index's heartbeat going stale: an
         // empty batch then tells whether the stream lives.
@@ -471,7 +481,9 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
         }
       }
       if (SenderDone()) break;
-      if (connected_) {
+      if (!to_populate_.empty()) {
+        populate.swap(to_populate_);
+      } else if (connected_) {
         sequence = next_sequence_++;
         request.mutable_release()->set_sequence(sequence);
         const bool flush = flush_requested_;
@@ -485,6 +497,10 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
           continue;
         }
       }
+    }
+    if (!populate.empty()) {
+      for (const std::shared_ptr<const SegmentMapping>& mapping : populate) mapping->Populate();
+      continue;
     }
     if (!request.has_release()) {
       if (!Reconnect()) break;

@@ -237,6 +237,8 @@ class ClientCore {
   bool flush_requested_ ABSL_GUARDED_BY(mu_) = false;  // send a batch even if empty
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;       // leases in held_ and unpublished tensors
   std::shared_ptr<FastPath> fast_ ABSL_GUARDED_BY(mu_);
+  // New read-only segment mappings for the sender thread to populate (MapHostSegment).
+  std::vector<std::shared_ptr<const SegmentMapping>> to_populate_ ABSL_GUARDED_BY(mu_);
   mutable Mutex stock_mu_;
   std::map<uint64_t, std::vector<StockedBuffer>> stock_ ABSL_GUARDED_BY(stock_mu_);
   uint64_t stock_bytes_ ABSL_GUARDED_BY(stock_mu_) = 0;

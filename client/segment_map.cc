@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -28,6 +27,10 @@ std::string SegmentLabel(const SegmentKey& key) {
 }
 
 SegmentMapping::~SegmentMapping() { munmap(const_cast<char*>(address_), size_); }
+
+void SegmentMapping::Populate() const {
+  madvise(const_cast<char*>(address_), size_, MADV_POPULATE_READ);
+}
 
 WritableSegment::WritableSegment(char* address, uint64_t size, std::string label)
     : address_(address), size_(size), label_(std::move(label)) {
@@ -147,12 +150,6 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const S
   const uint64_t end = std::min((offset + length + page - 1) / page * page, size);
   if (end > first) {
     madvise(const_cast<char*>(mapping->address()) + first, end - first, MADV_POPULATE_READ);
-  }
-  if (size > end - first) {
-    // The rest off the caller's path: a small first tensor does not wait for a large segment.
-    std::thread([mapping] {
-      madvise(const_cast<char*>(mapping->address()), mapping->size(), MADV_POPULATE_READ);
-    }).detach();
   }
   return mapping;
 }
