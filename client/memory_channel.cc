@@ -79,13 +79,21 @@ namespace {
 // The daemon answers a channel request in tens of microseconds. Looking for the reply that long,
 // yielding the CPU between looks (on a small machine the daemon may be waiting for this very CPU),
 // saves the caller a sleep and a wake-up, which cost about as much again on a virtual machine.
-// Bounded: after kReplySpin the caller sleeps in recvmsg as before.
+// Bounded: after kReplySpin the caller sleeps in recvmsg as before. Adaptive: a look that missed
+// (a busy daemon, a crowded machine) is not tried again for the next kCallsAfterMiss calls, so
+// that many clients of a busy daemon do not spend their CPU looking.
 constexpr absl::Duration kReplySpin = absl::Microseconds(50);
+constexpr int kCallsAfterMiss = 32;
 
-void AwaitReply(int socket) {
+// True if the reply came within kReplySpin.
+bool AwaitReply(int socket) {
   const absl::Time give_up = absl::Now() + kReplySpin;
   pollfd readable{socket, POLLIN, 0};
-  while (poll(&readable, 1, 0) == 0 && absl::Now() < give_up) sched_yield();
+  while (true) {
+    if (poll(&readable, 1, 0) != 0) return true;
+    if (absl::Now() >= give_up) return false;
+    sched_yield();
+  }
 }
 
 }  // namespace
@@ -99,7 +107,11 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& requ
   absl::Status status = SendWithFd(fd_, frame, -1, /*nonblocking=*/false, where);
   std::string body;
   if (status.ok()) {
-    AwaitReply(fd_);
+    if (calls_without_spin_ > 0) {
+      --calls_without_spin_;
+    } else if (!AwaitReply(fd_)) {
+      calls_without_spin_ = kCallsAfterMiss;
+    }
     status = ReceiveFrame(fd_, &body, fd, where);
   }
   v1::ChannelResponse response;

@@ -56,6 +56,7 @@ class MemoryChannel {
   int fd_ ABSL_GUARDED_BY(mu_) = -1;
   std::string bound_token_ ABSL_GUARDED_BY(mu_);
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  int calls_without_spin_ ABSL_GUARDED_BY(mu_) = 0;  // after a look for a reply missed
 };
 
 }  // namespace tensorshm

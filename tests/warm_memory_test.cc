@@ -22,12 +22,12 @@ int64_t MinorFaults() {
   return usage.ru_minflt;
 }
 
-// ASan's shadow memory is mapped lazily: the first check of a new buffer's shadow faults in
-// pages that are not the buffer's. Fault counts are checked in the other builds.
-#if defined(__SANITIZE_ADDRESS__)
+// ASan's and TSan's shadow memory is mapped lazily: the first check of a new buffer's shadow
+// faults in pages that are not the buffer's. Fault counts are checked in the plain build.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr bool kShadowMemory = true;
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
 constexpr bool kShadowMemory = true;
 #else
 constexpr bool kShadowMemory = false;
@@ -36,10 +36,10 @@ constexpr bool kShadowMemory = false;
 constexpr bool kShadowMemory = false;
 #endif
 
-#define SKIP_FAULT_COUNTS_UNDER_ASAN()                                                          \
+#define SKIP_FAULT_COUNTS_UNDER_SANITIZERS()                                                    \
   if (kShadowMemory) {                                                                          \
-    GTEST_SKIP() << "built with AddressSanitizer, whose shadow memory faults in on first use: " \
-                    "page faults are counted in the plain build";                               \
+    GTEST_SKIP() << "built with a sanitizer, whose shadow memory faults in on first use: page " \
+                    "faults are counted in the plain build";                                    \
   }
 
 class WarmMemoryTest : public ::testing::Test {
@@ -74,7 +74,7 @@ class WarmMemoryTest : public ::testing::Test {
 };
 
 TEST_F(WarmMemoryTest, FillingABufferNeverFaults) {
-  SKIP_FAULT_COUNTS_UNDER_ASAN();
+  SKIP_FAULT_COUNTS_UNDER_SANITIZERS();
   // Small (stocked after a few creates), one segment's worth, and larger than a segment (a
   // segment of its own, reused once freed).
   for (int64_t size : {int64_t{4096}, int64_t{1} << 20, int64_t{8} << 20, int64_t{48} << 20}) {
@@ -89,7 +89,7 @@ TEST_F(WarmMemoryTest, FillingABufferNeverFaults) {
 }
 
 TEST_F(WarmMemoryTest, ReadingAnAcquiredTensorNeverFaults) {
-  SKIP_FAULT_COUNTS_UNDER_ASAN();
+  SKIP_FAULT_COUNTS_UNDER_SANITIZERS();
   const int64_t size = int64_t{8} << 20;
   ASSERT_GE(FillAndPublish(size, 0x21, "warm/read"), 0);
   // Another client: a consumer that maps the segment for the first time.
