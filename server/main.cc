@@ -17,13 +17,17 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/cuda_driver.h"
+#include "common/prefix_lock.h"
 #include "common/sys_error.h"
 #include "server/access.h"
 #include "server/catalog.h"
@@ -65,6 +69,34 @@ std::string FormatBytes(uint64_t bytes) {
     ++unit;
   }
   return absl::StrFormat("%.4g %s", value, kUnits[unit]);
+}
+
+// Takes the lock on `prefix` (common/prefix_lock.h) and records this daemon in it. A holder
+// that is starting or stopping (or tensorshmctl removing leftovers) gets a second to let go;
+// FAILED_PRECONDITION naming the prefix and the holder if it is still held then.
+absl::StatusOr<PrefixLock> HoldPrefix(const std::string& prefix, const std::string& socket) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(1);
+  absl::StatusOr<PrefixLock> lock = PrefixLock::Take(prefix, /*create=*/true, geteuid());
+  while (absl::IsUnavailable(lock.status()) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    lock = PrefixLock::Take(prefix, /*create=*/true, geteuid());
+  }
+  if (absl::IsUnavailable(lock.status())) {
+    absl::StatusOr<PrefixHolder> holder = ReadPrefixHolder(prefix);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--shm-prefix ", prefix, ": in use by ",
+        holder.ok() ? DescribeHolder(*holder) : "another process", ", which holds ",
+        PrefixLockPath(prefix),
+        "; one daemon serves a prefix at a time: stop that daemon first to take its tensors "
+        "over, or give this one another --shm-prefix (or none, for a random one)"));
+  }
+  if (!lock.ok()) return lock.status();
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  if (absl::Status s = lock->Record(PrefixHolder{getpid(), host, socket, "serving"}); !s.ok()) {
+    return s;
+  }
+  return lock;
 }
 
 // Threads for gRPC's synchronous services (reflection); the callback service needs none.
@@ -145,6 +177,18 @@ int Run(int argc, char** argv) {
     return 1;
   }
   RaiseOpenFileLimit();
+  // The prefix is this daemon's before anything under it is looked at: a second daemon given a
+  // live daemon's prefix stops here, before it could take (and on its stop remove) the live
+  // daemon's segments. Declared before the catalog, it is released after the segments are gone.
+  std::optional<PrefixLock> prefix_lock;
+  if (!options->memfd_segments) {
+    absl::StatusOr<PrefixLock> lock = HoldPrefix(options->shm_prefix, options->socket);
+    if (!lock.ok()) {
+      std::cerr << "tensorshmd: " << lock.status().message() << "\n";
+      return 1;
+    }
+    prefix_lock = *std::move(lock);
+  }
   // Segments are mode 0600 whoever is admitted: clients get descriptors over the memory channel.
   const CatalogOptions catalog_options{
       options->shm_prefix,
@@ -283,14 +327,22 @@ int Run(int argc, char** argv) {
         (*channels)->Add(fd, peer);
       });
 
-  std::cout << "tensorshmd " << TENSORSHM_VERSION << ": serving on unix:" << options->socket
-            << "; host pool " << FormatBytes(options->host_pool_bytes) << " in "
-            << (options->memfd_segments ? "memfd" : "shm") << " segments of "
-            << FormatBytes(options->segment_bytes) << ", shm prefix /" << options->shm_prefix
-            << (metrics != nullptr
-                    ? "; metrics on http://" + FormatMetricsAddress(metrics->address()) + "/metrics"
-                    : "")
-            << std::endl;
+  // The one line an operator (and a supervisor waiting for readiness) looks for: logged like
+  // every other line, on stderr, and whatever --log-level says. The pool grows by segments of
+  // --segment-size, never larger than the pool itself; a tensor larger than that gets a segment
+  // of its own size.
+  LogLine(LogLevel::kInfo)
+      << "tensorshmd " << TENSORSHM_VERSION << ": serving on unix:" << options->socket
+      << "; host pool " << FormatBytes(options->host_pool_bytes) << " in "
+      << (options->memfd_segments ? "memfd" : "shm") << " segments of up to "
+      << FormatBytes(std::min(options->segment_bytes, options->host_pool_bytes))
+      << (options->segment_bytes < options->host_pool_bytes
+              ? " (a larger tensor gets one of its own size)"
+              : "")
+      << ", shm prefix /" << options->shm_prefix
+      << (metrics != nullptr
+              ? "; metrics on http://" + FormatMetricsAddress(metrics->address()) + "/metrics"
+              : "");
 
   // After the grace period, unbound and unpublished tensors nobody came back for are freed.
   absl::Notification stopping;
@@ -326,7 +378,16 @@ int Run(int argc, char** argv) {
   housekeeper.join();
   waiter_timer.join();
   grower.join();
-  if (options->keep_segments) service.KeepSegments();
+  if (options->keep_segments) {
+    service.KeepSegments();
+    if (prefix_lock) {
+      // The next daemon (and tensorshmctl leftovers) reads who kept the segments.
+      char host[256] = {};
+      gethostname(host, sizeof(host) - 1);
+      (void)prefix_lock->Record(PrefixHolder{getpid(), host, options->socket, "kept"});
+      prefix_lock->Keep();
+    }
+  }
   server.reset();
   listener->reset();  // removes the socket file
   TSM_LOG(kInfo) << "stopped; socket removed, shm segments "
