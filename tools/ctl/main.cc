@@ -7,6 +7,8 @@
 //     sessions         client sessions: pid, uid, client name, leases, unpublished bytes
 //     rm NAME          unbind a name (its memory goes with its last lease)
 //     health           exit 0 only when the daemon answers the gRPC health check SERVING
+//     leftovers [PREFIX] [--remove]
+//                      /dev/shm objects of prefixes no live daemon holds (killed daemons')
 //
 // Exit status: 0 done; 1 the daemon refused or could not be reached (health: not serving), with
 // a one-line reason on stderr; 2 bad usage (a NAME no tensor can have included). JSON keys:
@@ -15,6 +17,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -34,6 +37,7 @@
 #include "common/socket_path.h"
 #include "tensorshm/client.h"
 #include "tools/ctl/health.h"
+#include "tools/ctl/leftovers.h"
 #include "tools/ctl/report.h"
 
 namespace tensorshm::ctl {
@@ -112,6 +116,17 @@ int RunHealth(const GlobalOptions& options) {
     std::cout << "SERVING" << std::endl;
   }
   return status.ok() ? kExitOk : Fail("health", status);
+}
+
+int RunLeftovers(const GlobalOptions& options, const std::string& prefix, bool remove) {
+  bool failed = false;
+  const nlohmann::json report = LeftoversReport(prefix, remove, &failed);
+  options.json ? PrintJson(report) : void(std::cout << LeftoversText(report, remove));
+  if (failed) {
+    std::cerr << "tensorshmctl: leftovers: some objects could not be "
+              << (remove ? "removed" : "checked") << " (see above)" << std::endl;
+  }
+  return failed ? kExitFailed : kExitOk;
 }
 
 struct Command {
@@ -244,7 +259,18 @@ int Main(int argc, char** argv) {
       "health",
       "Exit 0 only if the daemon answers the standard gRPC health check (grpc.health.v1) "
       "SERVING, else 1 with the reason. Opens no tensorshm session: for exec probes");
-  for (CLI::App* sub : {status, ls, inspect, sessions, rm, health}) sub->footer(kJsonKeys);
+  CLI::App* leftovers = app.add_subcommand(
+      "leftovers",
+      "The /dev/shm objects of shm prefixes no live tensorshmd holds (a daemon that was killed, "
+      "or stopped with --keep-segments): this user's, every user's as root. Opens no session");
+  std::string leftover_prefix;
+  leftovers->add_option("PREFIX", leftover_prefix, "Only this shm prefix (--shm-prefix)");
+  bool remove_leftovers = false;
+  leftovers->add_flag("--remove", remove_leftovers,
+                      "Remove them (a live daemon's objects are never touched)");
+  for (CLI::App* sub : {status, ls, inspect, sessions, rm, health, leftovers}) {
+    sub->footer(kJsonKeys);
+  }
 
   try {
     app.parse(argc, argv);
@@ -256,8 +282,8 @@ int Main(int argc, char** argv) {
     }
     if (app.get_subcommands().empty() && !app.remaining().empty()) {
       std::cerr << "tensorshmctl: unknown subcommand \"" << app.remaining().front()
-                << "\": use status, ls, inspect, sessions, rm or health (see " << help << ")"
-                << std::endl;
+                << "\": use status, ls, inspect, sessions, rm, health or leftovers (see " << help
+                << ")" << std::endl;
     } else {
       std::cerr << "tensorshmctl: " << e.what() << " (see " << help << ")" << std::endl;
     }
@@ -277,12 +303,24 @@ int Main(int argc, char** argv) {
     }
   }
 
+  if (leftovers->parsed() && !leftover_prefix.empty() &&
+      (leftover_prefix.size() > 48 ||
+       !std::all_of(leftover_prefix.begin(), leftover_prefix.end(),
+                    [](char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_'; }))) {
+    std::cerr << "tensorshmctl: leftovers: PREFIX = \"" << leftover_prefix
+              << "\": an shm prefix is 1-48 characters of [A-Za-z0-9_-] (see tensorshmctl "
+                 "leftovers --help)"
+              << std::endl;
+    return kExitUsage;
+  }
+
   GlobalOptions options;
   options.socket = socket.empty() ? DefaultSocketPath() : socket;
   options.timeout = *ParseTimeout(timeout_text);
   if (*server_uid_option) options.server_uid = server_uid;
   options.json = output == "json";
   if (health->parsed()) return RunHealth(options);
+  if (leftovers->parsed()) return RunLeftovers(options, leftover_prefix, remove_leftovers);
   for (CLI::App* sub : {status, ls, inspect, sessions, rm}) {
     if (sub->parsed()) command.verb = sub->get_name();
   }
