@@ -168,6 +168,16 @@ struct Child {
   }
 };
 
+// Waits until the daemon's socket is there: it logs "serving on" (on stderr) right after.
+void WaitForSocket(const std::string& socket) {
+  for (int i = 0; i < 400; ++i) {
+    if (std::filesystem::exists(socket)) return;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  std::cerr << "tensorshmd did not make " << socket << " within 20 s\n";
+  std::exit(1);
+}
+
 bool ReadLine(std::string& line) { return static_cast<bool>(std::getline(std::cin, line)); }
 
 void Say(const std::string& line) {
@@ -494,8 +504,8 @@ void CudaRow(const std::string& self, const std::string& dir, uint64_t size, int
   const std::string socket = dir + "/cuda.sock";
   Child daemon =
       Child::Spawn({TENSORSHMD_PATH, "--socket", socket, "--host-pool", "64Mi", "--cuda-pool",
-                    absl::StrFormat("cuda:0=%d", size + (64 << 20)), "--log-level", "warning"});
-  daemon.Expect("tensorshmd");
+                    absl::StrFormat("cuda:0=%dB", size + (64 << 20)), "--log-level", "warning"});
+  WaitForSocket(socket);
   const std::string size_arg = std::to_string(size);
   const std::string iter_arg = std::to_string(iterations);
   Child consumer = Child::Spawn({self, "--role", "cuda-consumer", socket, size_arg, iter_arg});
@@ -530,11 +540,11 @@ int Driver(const std::string& self, const std::vector<uint64_t>& sizes, int max_
   const std::string socket = dir + "/tensorshm.sock";
   const uint64_t largest = *std::max_element(sizes.begin(), sizes.end());
   const uint64_t pool = largest + (512ull << 20);
-  std::vector<std::string> argv = {TENSORSHMD_PATH, "--socket",           socket,
-                                   "--host-pool",   std::to_string(pool), "--segment-size",
-                                   "256Mi",         "--log-level",        "warning"};
+  std::vector<std::string> argv = {
+      TENSORSHMD_PATH,  "--socket", socket,        "--host-pool", std::to_string(pool) + "B",
+      "--segment-size", "256Mi",    "--log-level", "warning"};
   Child daemon = Child::Spawn(argv);
-  daemon.Expect("tensorshmd");  // its "serving on" line
+  WaitForSocket(socket);
 
   std::cout << "handoff_bench: producer process -> consumer process, medians; CLOCK_MONOTONIC\n"
             << "  tensorshm handoff: create + fill + publish -> acquire + read a byte per page;\n"

@@ -365,7 +365,7 @@ def drive(sizes, max_iterations, ray_interpreter) -> int:
     socket = os.path.join(daemon_dir, "tensorshm.sock")
     tensorshmd = os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd"))
     pool = 2 * max(sizes) + (256 << 20)
-    daemon = subprocess.Popen([tensorshmd, "--socket", socket, "--host-pool", str(pool),
+    daemon = subprocess.Popen([tensorshmd, "--socket", socket, "--host-pool", f"{pool}B",
                                "--log-level", "warning"], stdout=subprocess.DEVNULL)
     while not os.path.exists(socket):
         if daemon.poll() is not None:

@@ -12,7 +12,7 @@ namespace tensorshm {
 // Reads the TOML file at `path` into flag values, as if each key were given as "--key value":
 //
 //   socket = "/run/tensorshm/tensorshm.sock"
-//   host-pool = "4Gi"          # or a number of bytes: 4294967296
+//   host-pool = "4Gi"          # a size with its unit (a bare number is refused)
 //   max-tensors = 16384
 //   keep-segments = true       # a switch: true or false
 //   allow-uid = [1000, 1001]   # a repeatable flag: an array (or one value)

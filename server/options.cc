@@ -97,21 +97,33 @@ absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view fla
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(flag, " = \"", text, "\": ", why));
   };
+  constexpr absl::string_view kUnits =
+      "units are B (bytes), K, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti (powers of 1024), "
+      "e.g. 64Mi, 4Gi, 4096B";
   absl::string_view digits = text;
-  if (!digits.empty() && (digits.back() == 'B' || digits.back() == 'b')) digits.remove_suffix(1);
+  const bool bytes = !digits.empty() && (digits.back() == 'B' || digits.back() == 'b');
+  if (bytes) digits.remove_suffix(1);
   uint64_t multiplier = 1;
   const bool binary = !digits.empty() && digits.back() == 'i';
   if (binary) digits.remove_suffix(1);
-  if (!digits.empty() && absl::ascii_isalpha(digits.back())) {
+  const bool scaled = !digits.empty() && absl::ascii_isalpha(digits.back());
+  if (scaled) {
     const int power = absl::string_view("KMGT").find(absl::ascii_toupper(digits.back())) + 1;
-    if (power == 0) return bad("unknown size suffix (use K, M, G, T, Ki, Mi, Gi or Ti)");
+    if (power == 0) return bad(absl::StrCat("unknown unit; ", kUnits));
     for (int i = 0; i < power; ++i) multiplier *= binary ? 1024 : 1000;
     digits.remove_suffix(1);
   } else if (binary) {
-    return bad("unknown size suffix (use K, M, G, T, Ki, Mi, Gi or Ti)");
+    return bad(absl::StrCat("unknown unit; ", kUnits));
   }
   uint64_t value;
-  if (digits.empty() || !absl::SimpleAtoi(digits, &value)) return bad("not a size");
+  if (digits.empty() || !absl::ascii_isdigit(digits.front()) || !absl::SimpleAtoi(digits, &value)) {
+    return bad(absl::StrCat("not a size; ", kUnits));
+  }
+  // A bare number was once taken as bytes, so "host-pool = 1024" meant a 4 KiB pool: a size
+  // says its unit (zero aside, the same in every unit).
+  if (!bytes && !scaled && value != 0) {
+    return bad(absl::StrCat("a size needs a unit (", value, "B if bytes are meant); ", kUnits));
+  }
   if (value > kMaxSizeBytes / multiplier) {
     return bad(
         absl::StrCat("too large; at most ", kMaxSizeBytes, " bytes (", kMaxSizeBytes >> 40, "Ti)"));
@@ -166,7 +178,8 @@ const std::vector<FlagSpec>& DaemonFlags() {
        "(default); memfd: anonymous memory, not bound by the size of\n"
        "/dev/shm, lost when the daemon dies (no recovery)"},
       {"shm-prefix", FlagKind::kValue, "P",
-       "prefix of the shm object names (default: tsm-<random>)"},
+       "prefix of the shm object names (default: tsm-<random>); one\n"
+       "daemon per prefix: a prefix a live daemon holds is refused"},
       {"max-tensors", FlagKind::kValue, "N", "tensor records in the catalog (default 4096)"},
       {"session-quota", FlagKind::kValue, "SIZE",
        "most bytes of unpublished buffers one session may hold at once\n"
@@ -278,11 +291,13 @@ std::unique_ptr<CLI::App> BuildApp(CommandLine* line) {
       ->type_name("FILE");
   app->add_flag("-h,--help", line->help, "this text");
   app->footer(
-      "Sizes take K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024) suffixes.\n"
+      "Sizes need a unit: B (bytes), K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of\n"
+      "1024), e.g. 64Mi, 4Gi, 4096B; a bare number (0 aside) is refused.\n"
       "SIGTERM or SIGINT stops serving, closes sessions, removes the socket and the shm\n"
       "segments (unless --keep-segments), and exits 0. Started with the --shm-prefix of a daemon\n"
       "that was killed (or kept its segments), tensorshmd re-opens its segments and serves\n"
-      "every published tensor again.");
+      "every published tensor again; tensorshmctl leftovers lists (and --remove removes) the\n"
+      "segments of killed daemons nobody restarted.");
   return app;
 }
 

@@ -56,9 +56,10 @@ struct DaemonOptions {
 // to it, never wraps, and it fits an off_t.
 inline constexpr uint64_t kMaxSizeBytes = uint64_t{1} << 62;
 
-// Parses "64Mi", "1G", "4096", "2Ki" (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024; a
-// trailing "B" is allowed), at most kMaxSizeBytes. INVALID_ARGUMENT naming `flag` and the text
-// otherwise.
+// Parses "64Mi", "1G", "2Ki", "4096B" (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024, B is
+// bytes; "MiB", "GB" and the like also do), at most kMaxSizeBytes. A number without a unit is
+// refused ("0" aside): "1024" was once bytes where "1024Mi" was meant. INVALID_ARGUMENT naming
+// `flag`, the text and the units otherwise.
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text, absl::string_view flag);
 
 // Whether /dev/shm (`shm`, as statvfs reports it) can hold a pool of `pool_bytes` and a catalog

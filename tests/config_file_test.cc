@@ -2,16 +2,21 @@
 // line overrides, what it refuses, and a real daemon started from one.
 #include "server/config_file.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "server/options.h"
 #include "tensorshm/client.h"
@@ -52,7 +57,7 @@ TEST_F(ConfigFileTest, EveryKindOfKeySetsItsFlag) {
   const std::string path = Write(R"(# a daemon for the tests
 socket = "/run/tensorshm/x.sock"
 host-pool = "3Gi"
-segment-size = 67108864
+segment-size = "67108864B"
 max-tensors = 100
 keep-segments = true
 shm-prefix = "fixed"
@@ -101,7 +106,10 @@ TEST_F(ConfigFileTest, BadFilesAreRefusedNamingFileKeyAndValue) {
     std::vector<std::string> expected;  // each is in the message
   };
   const std::vector<Case> cases = {
-      {"host-pool = \"12Q\"\n", {"--host-pool = \"12Q\"", "unknown size suffix"}},
+      {"host-pool = \"12Q\"\n", {"--host-pool = \"12Q\"", "unknown unit", "Mi"}},
+      // A number without a unit was once bytes: "host-pool = 1024" made a 4 KiB pool.
+      {"host-pool = 1024\n", {"--host-pool = \"1024\"", "needs a unit", "1024B", "Gi"}},
+      {"segment-size = \"4096\"\n", {"--segment-size = \"4096\"", "needs a unit"}},
       {"hostpool = \"1Gi\"\n", {"unknown key \"hostpool\""}},
       {"[daemon]\nhost-pool = \"1Gi\"\n", {"unknown key \"daemon\""}},
       {"config = \"other.toml\"\n", {"unknown key \"config\""}},
@@ -165,10 +173,53 @@ TEST_F(ConfigFileTest, TheDaemonServesWithTheFilesSettings) {
     ASSERT_TRUE(stats.ok()) << stats.status();
     ASSERT_FALSE(stats->pools.empty());
     EXPECT_EQ(stats->pools[0].capacity_bytes, int64_t{override_pool ? 4 : 8} << 20);
-    // TestDaemon's --log-level warning, after --config, wins over the file's info: no info line.
-    EXPECT_FALSE(absl::StrContains(daemon->process().Output(), " info: "))
+    // TestDaemon's --log-level warning, after --config, wins over the file's info: no info line
+    // but the start-up line, which is logged whatever the level.
+    int info_lines = 0;
+    for (absl::string_view line : absl::StrSplit(daemon->process().Output(), '\n')) {
+      if (absl::StrContains(line, " info: ") && !absl::StrContains(line, ": serving on unix:")) {
+        ++info_lines;
+      }
+    }
+    EXPECT_EQ(info_lines, 0) << daemon->process().Output();
+    // The start-up line says the segment size in effect.
+    EXPECT_TRUE(
+        absl::StrContains(daemon->process().Output(),
+                          "shm segments of up to 2 MiB (a larger tensor gets one of its own size)"))
         << daemon->process().Output();
   }
+}
+
+// The start-up line goes to the log (stderr) like every other line, whatever --log-level, and
+// says the segment size in effect: never larger than the pool (issue 21: with --host-pool 64Mi
+// it said "segments of 256 MiB", on stdout).
+TEST_F(ConfigFileTest, TheStartupLineIsLoggedWithTheSegmentSizeInEffect) {
+  const std::string dir = dir_ + "/startup";
+  std::filesystem::create_directories(dir);
+  const std::string prefix = absl::StrCat("tsmtest-startup-", getpid());
+  absl::StatusOr<testing::ChildProcess> daemon = testing::ChildProcess::Start(
+      {"/bin/sh", "-c",
+       absl::StrCat("exec ", testing::TensorShmdPath(), " --socket ", dir, "/s.sock",
+                    " --shm-prefix ", prefix, " --host-pool 64Mi --log-level error 2>", dir,
+                    "/stderr.log")},
+      dir + "/stdout.log");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  std::string err;
+  for (int i = 0; i < 400 && !absl::StrContains(err, "serving on"); ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+    std::ifstream file(dir + "/stderr.log");
+    err.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  }
+  std::cout << err;
+  EXPECT_TRUE(absl::StrContains(err, " tensorshmd info: tensorshmd ")) << err;
+  EXPECT_TRUE(absl::StrContains(err,
+                                "host pool 64 MiB in shm segments of up to 64 MiB, shm "
+                                "prefix /" +
+                                    prefix))
+      << err;
+  daemon->Kill(SIGTERM);
+  ASSERT_TRUE(daemon->Wait(absl::Seconds(30)).ok());
+  EXPECT_EQ(daemon->Output(), "");  // nothing on stdout
 }
 
 }  // namespace

@@ -39,30 +39,30 @@ TEST(OptionLimitsTest, SizesThatWouldWrapAreRefused) {
   ExpectRefused("--host-pool", "18446744073709551615Ki");
   // Below 2^64, but rounding up to a page (or adding the catalog) would wrap, and an off_t
   // cannot hold them.
-  ExpectRefused("--host-pool", "18446744073709551615");
-  ExpectRefused("--host-pool", "18446744073709547521");
+  ExpectRefused("--host-pool", "18446744073709551615B");
+  ExpectRefused("--host-pool", "18446744073709547521B");
   ExpectRefused("--segment-size", "16777215Ti");
-  ExpectRefused("--session-quota", "9223372036854775808");
-  ExpectRefused("--cuda-segment-size", "18446744073709551615");
-  ExpectRefused("--cuda-pool", "cuda:0=18446744073709551615");
+  ExpectRefused("--session-quota", "9223372036854775808B");
+  ExpectRefused("--cuda-segment-size", "18446744073709551615B");
+  ExpectRefused("--cuda-pool", "cuda:0=18446744073709551615B");
   // Not a number that fits at all.
-  ExpectRefused("--host-pool", "99999999999999999999999");
+  ExpectRefused("--host-pool", "99999999999999999999999B");
 }
 
 TEST(OptionLimitsTest, TheLargestSizeIsTakenAndRoundsWithoutWrapping) {
-  const std::string largest = std::to_string(kMaxSizeBytes);
+  const std::string largest = std::to_string(kMaxSizeBytes) + "B";
   absl::StatusOr<DaemonOptions> options =
       Parse({"--host-pool", largest, "--segment-size", "4194304Ti", "--cuda-pool",
-             "cuda:0=" + std::to_string(kMaxSizeBytes - 1)});
+             "cuda:0=" + std::to_string(kMaxSizeBytes - 1) + "B"});
   ASSERT_TRUE(options.ok()) << options.status();
   EXPECT_EQ(options->host_pool_bytes, kMaxSizeBytes);
   EXPECT_EQ(options->segment_bytes, kMaxSizeBytes);
   EXPECT_EQ(options->cuda_pools.at(0).bytes, kMaxSizeBytes);  // rounded up to 256 bytes
   // One byte less rounds up to a page, not past it.
-  options = Parse({"--host-pool", std::to_string(kMaxSizeBytes - 1)});
+  options = Parse({"--host-pool", std::to_string(kMaxSizeBytes - 1) + "B"});
   ASSERT_TRUE(options.ok()) << options.status();
   EXPECT_EQ(options->host_pool_bytes, kMaxSizeBytes);
-  ExpectRefused("--host-pool", std::to_string(kMaxSizeBytes + 1));
+  ExpectRefused("--host-pool", std::to_string(kMaxSizeBytes + 1) + "B");
 }
 
 TEST(OptionLimitsTest, CountsOutOfRangeAreRefused) {

@@ -1,13 +1,17 @@
 #include "server/options.h"
 
+#include <iostream>
+
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace tensorshm {
 namespace {
 
 TEST(ParseSizeTest, SuffixesArePowersOfTenOrTwo) {
-  EXPECT_EQ(*ParseSize("4096", "--x"), 4096u);
+  EXPECT_EQ(*ParseSize("4096B", "--x"), 4096u);
+  EXPECT_EQ(*ParseSize("0", "--x"), 0u);  // zero needs no unit
   EXPECT_EQ(*ParseSize("1K", "--x"), 1000u);
   EXPECT_EQ(*ParseSize("1Ki", "--x"), 1024u);
   EXPECT_EQ(*ParseSize("64Mi", "--x"), 64u << 20);
@@ -23,6 +27,30 @@ TEST(ParseSizeTest, BadSizesNameFlagAndValue) {
     EXPECT_TRUE(absl::StartsWith(size.status().message(), absl::StrCat("--host-pool = \"", bad)))
         << size.status();
   }
+}
+
+// A bare number was once taken as bytes ("--host-pool 1024": a 4 KiB pool); every size flag
+// now refuses it, naming the flag, the value and the units it takes.
+TEST(ParseSizeTest, EverySizeFlagRefusesANumberWithoutUnit) {
+  for (const char* flag :
+       {"--host-pool", "--segment-size", "--session-quota", "--uid-quota", "--cuda-segment-size"}) {
+    const char* argv[] = {"tensorshmd", flag, "1024"};
+    absl::StatusOr<DaemonOptions> options = ParseOptions(3, const_cast<char**>(argv));
+    ASSERT_FALSE(options.ok()) << flag;
+    const std::string message(options.status().message());
+    std::cout << message << "\n";
+    EXPECT_TRUE(absl::StartsWith(message, absl::StrCat(flag, " = \"1024\": a size needs a unit")))
+        << message;
+    for (const char* unit : {"1024B", "Ki", "Mi", "Gi"}) {
+      EXPECT_TRUE(absl::StrContains(message, unit)) << message;
+    }
+  }
+  const char* argv[] = {"tensorshmd", "--cuda-pool", "cuda:0=1024"};
+  absl::StatusOr<DaemonOptions> options = ParseOptions(3, const_cast<char**>(argv));
+  ASSERT_FALSE(options.ok());
+  EXPECT_TRUE(absl::StrContains(options.status().message(), "--cuda-pool = \"cuda:0=1024\""))
+      << options.status();
+  EXPECT_TRUE(absl::StrContains(options.status().message(), "needs a unit")) << options.status();
 }
 
 TEST(ParseOptionsTest, DefaultsAndFlags) {
@@ -78,7 +106,7 @@ TEST(ParseOptionsTest, RandomPrefixByDefaultAndBadFlagsRefused) {
 
 TEST(ParseOptionsTest, CudaPoolsAreRepeatableOnePerDevice) {
   const char* argv[] = {"tensorshmd",          "--cuda-pool",
-                        "cuda:0=1Gi",          "--cuda-pool=cuda:3=1000",
+                        "cuda:0=1Gi",          "--cuda-pool=cuda:3=1000B",
                         "--cuda-segment-size", "256Mi"};
   absl::StatusOr<DaemonOptions> options = ParseOptions(6, const_cast<char**>(argv));
   ASSERT_TRUE(options.ok()) << options.status();

@@ -430,7 +430,10 @@ def test_toml_config_keys_are_daemon_flags(where, text, tmp_path):
     unknown = {f"--{k}" for k in config} - flags
     assert not unknown - PENDING_FLAGS.keys(), f"{where}: keys that are no flag: {unknown}"
     for key, value in config.items():
-        if key in ("host-pool", "segment-size", "session-quota", "uid-quota"):
+        if key in ("host-pool", "segment-size", "session-quota", "uid-quota", "cuda-segment-size"):
+            # The daemon refuses a size without a unit (a bare number once meant bytes).
+            assert re.fullmatch(r"\d+([KMGT]i?B?|B)", str(value)) or value in ("0", 0), \
+                f"{where}: {key} = {value!r} needs a unit (Mi, Gi, ...)"
             parse_size(value)
     if "--config" not in flags:
         pytest.skip(PENDING_FLAGS["--config"])

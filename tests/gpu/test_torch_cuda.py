@@ -55,7 +55,7 @@ def daemon():
     tensorshmd = os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd"))
     process = subprocess.Popen(
         [tensorshmd, "--socket", socket, "--host-pool", "64Mi", "--cuda-pool",
-         f"cuda:0={SIZE + (256 << 20)}", "--log-level", "warning"],
+         f"cuda:0={SIZE + (256 << 20)}B", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while not os.path.exists(socket):
