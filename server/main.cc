@@ -93,8 +93,10 @@ absl::StatusOr<PrefixLock> HoldPrefix(const std::string& prefix, const std::stri
   if (!lock.ok()) return lock.status();
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
+  // The record is for people (the lock is the flock): a /dev/shm too full for it is no reason
+  // not to serve.
   if (absl::Status s = lock->Record(PrefixHolder{getpid(), host, socket, "serving"}); !s.ok()) {
-    return s;
+    TSM_LOG(kWarning) << "cannot record this daemon in its prefix's lock file: " << s.message();
   }
   return lock;
 }

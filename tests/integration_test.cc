@@ -750,7 +750,7 @@ TEST(AccessTest, AllowedUidProducesInItsOwnSegmentsAndEverySegmentIsPrivate) {
     EXPECT_EQ(st.st_uid, 0u) << entry.path();
     ++objects;
   }
-  EXPECT_EQ(objects, 2);  // the catalog and the daemon uid's segment
+  EXPECT_EQ(objects, 3);  // the prefix's lock file, the catalog and the daemon uid's segment
 }
 
 TEST(DaemonStartTest, RefusesASecondDaemonOnTheSameSocket) {
