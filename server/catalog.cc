@@ -627,7 +627,7 @@ void Catalog::BeginGrowth(SegmentGrowth& growth) {
     pool->BeginGrowth();
     growth.cuda_pool = pool;
   } else {
-    pool_->BeginGrowth();
+    pool_->BeginGrowth(growth.request);
     growth.host_pool = &*pool_;
   }
 }

@@ -293,6 +293,7 @@ class Catalog {
   int64_t tensor_count() const { return static_cast<int64_t>(tensors_.size()); }
   int64_t name_count() const { return static_cast<int64_t>(names_.size()); }
   const HostPool& host_pool() const { return *pool_; }
+  HostPool& mutable_host_pool() { return *pool_; }
   const ControlSegment& control() const { return control_; }
 
  private:

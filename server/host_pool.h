@@ -1,16 +1,29 @@
 // The host pool: shm segments (named or memfd), grown one at a time up to the configured
-// capacity, each with a best-fit allocator. Every segment holds the buffers of one uid: the
-// daemon's own uid shares the first segments; each other admitted uid gets segments of its own,
-// so that a writable descriptor of a segment never exposes another uid's tensors. Another uid's
-// segments are always memfds sealed against resizing, whatever the pool's backing: a descriptor
-// it can write through must not let it shrink or grow an object others map (or that a restarted
-// daemon checks); the price is that its tensors do not survive the daemon.
+// capacity, each with a best-fit allocator. Every segment holds the buffers of one uid: each
+// admitted uid gets segments of its own, so that a writable descriptor of a segment never exposes
+// another uid's tensors. Another uid's segments are always memfds sealed against resizing,
+// whatever the pool's backing: a descriptor it can write through must not let it shrink or grow
+// an object others map (or that a restarted daemon checks); the price is that its tensors do not
+// survive the daemon.
+//
+// Sharing between uids (README "How a pool is shared between uids"): the uids sharing the pool
+// are those with an open session that has created host tensors, those whose segments hold live
+// buffers, and the uid asking. A uid's segments never grow past its fair share, the capacity
+// divided by that count; its segments grow in steps (the first min(segment size, max(capacity/4,
+// 4 MiB)), then twice its largest segment, at most the segment size), each cut to what its share
+// still allows. When a uid within its share needs room that the pool no longer has, empty
+// segments (no live buffer, no stock) of other uids are given back first, then its own. A
+// segment given back is emptied (its pages punched out, so clients still mapping it hold no
+// memory) and closed; its id is reused later under a new segment instance, so a client's mapping
+// cached under the old (instance, id) never aliases the new object.
 #ifndef TENSORSHM_SERVER_HOST_POOL_H_
 #define TENSORSHM_SERVER_HOST_POOL_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -91,18 +104,38 @@ class HostPool {
   // every other call (it reads only what the pool fixed at its creation); EndGrowth adds what
   // MakeSegment made, or returns its error. REQUIRES: `request` is the one Allocate gave, with
   // `needed`; BeginGrowth before, and EndGrowth after, MakeSegment.
-  void BeginGrowth() { growing_ = true; }
+  // BeginGrowth gives back the empty segments whose room the new segment needs (see the file
+  // comment).
+  void BeginGrowth(const GrowthRequest& request) {
+    MakeRoom(request);
+    growing_ = true;
+  }
   absl::StatusOr<ShmSegment> MakeSegment(const GrowthRequest& request) const;
   absl::Status EndGrowth(const GrowthRequest& request, absl::StatusOr<ShmSegment> made);
 
-  // Growth ahead of need: the segment (segment_bytes) to make now for `uid`, whose segments hold
-  // no free block of half a segment any more, so that its next creates find room without making
-  // a segment on their path; grown with the protocol above. nullopt while growth is under way,
-  // while `uid`'s segments still hold such a block (or it has none yet: its first segment is
-  // made when it first creates), or when the pool is short: growth ahead never takes the pool's
-  // last segment_bytes of capacity, nor its last segment id. Those stay for creates that need
-  // them now, whatever their uid, since a segment grown for one uid holds only its buffers.
+  // Growth ahead of need: the segment (Step(uid), cut to its fair share) to make now for `uid`,
+  // whose segments hold no free block of half its largest segment any more, so that its next
+  // creates find room without making a segment on their path; grown with the protocol above.
+  // nullopt while growth is under way, while `uid`'s segments still hold such a block (or it has
+  // none yet: its first segment is made when it first creates), when its share is used up, or
+  // when the pool is short: growth ahead gives no segment back, and never takes the pool's last
+  // step of capacity, nor its last segment id. Those stay for creates that need them now,
+  // whatever their uid, since a segment grown for one uid holds only its buffers.
   std::optional<GrowthRequest> PlanAhead(uint32_t uid) const;
+
+  // Who shares the pool besides the uids whose segments hold buffers: `creating` returns the uids
+  // with an open session that creates host tensors (called under the caller's lock; must not call
+  // back into the pool). Without it only holders and the asking uid count.
+  void set_creating_uids(std::function<std::set<uint32_t>()> creating) {
+    creating_uids_ = std::move(creating);
+  }
+  // The bytes of segments `uid` may hold now: capacity / (number of uids sharing the pool,
+  // counting `uid`), rounded down to whole pages.
+  uint64_t FairShare(uint32_t uid) const;
+  // The bytes of the segments holding `uid`'s buffers.
+  uint64_t ReservedBy(uint32_t uid) const;
+  // Segments given back so far (see the file comment).
+  int64_t segments_given_back() const { return segments_given_back_; }
 
   // Returns `buffer` to its segment. REQUIRES: it came from Allocate and is not yet freed.
   void Free(const Buffer& buffer);
@@ -144,11 +177,30 @@ class HostPool {
   };
   HostPool(HostPoolOptions options, ControlSegment* control)
       : options_(std::move(options)), control_(control) {}
-  // The next segment for an allocation of `length` bytes for `uid`, if the capacity and the
-  // segment table allow it; RESOURCE_EXHAUSTED (naming sizes) otherwise.
+  // The next segment for an allocation of `length` bytes for `uid`, if its fair share, the
+  // capacity (counting the empty segments that can be given back) and the segment table allow
+  // it; RESOURCE_EXHAUSTED (naming sizes) otherwise. Changes nothing: MakeRoom gives the
+  // segments back when the growth begins.
   absl::StatusOr<GrowthRequest> PlanSegment(uint64_t nbytes, uint64_t length, uint32_t uid) const;
-  // The first segment: min(segment_bytes, capacity_bytes) bytes for the owner uid.
+  // Gives back the empty segments whose room `request` (from PlanSegment or PlanAhead, with
+  // nothing changed since) needs: first `uid`'s own if it would pass its share, then other
+  // uids' (largest first), then its own.
+  void MakeRoom(const GrowthRequest& request);
+  // The first segment: Step(owner uid) bytes for the owner uid.
   GrowthRequest FirstSegment() const;
+  // The size of `uid`'s next segment before its share and the capacity cut it: the first step, or
+  // twice its largest segment, at most the segment size.
+  uint64_t Step(uint32_t uid) const;
+  // The lowest id free for a new segment (a hole left by a segment given back or lost in a
+  // restart, else the next one); 0 if the segment table is full.
+  uint64_t FreeSegmentId() const;
+  // Whether `segment` is live and holds no buffer.
+  static bool IsEmpty(const PoolSegment& segment) {
+    return segment.shm.has_value() &&
+           segment.allocator.free_bytes() == segment.allocator.capacity();
+  }
+  // Gives empty segment `index` back (see the file comment) for `for_uid`.
+  void GiveBack(size_t index, uint32_t for_uid);
   // Creates and adds segment `request` at once (the pool's first segment, growth without a
   // GrowthRequest).
   absl::Status AddSegment(const GrowthRequest& request);
@@ -165,6 +217,9 @@ class HostPool {
 
   std::vector<PoolSegment> segments_;  // segments_[id - 1]
   bool growing_ = false;               // between BeginGrowth and EndGrowth
+  std::function<std::set<uint32_t>()> creating_uids_;
+  int64_t segments_given_back_ = 0;
+  uint64_t reused_ids_ = 0;  // ids reused so far: each reuse gets a segment instance of its own
   // Buffers freed lately, by (uid, length), oldest first: Allocate prefers them (hot memory)
   // over a best fit elsewhere. A hint only: each is checked to be free before it is taken.
   std::map<std::pair<uint32_t, uint64_t>, std::vector<Buffer>> recently_freed_;

@@ -44,7 +44,10 @@ TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t se
       session_quota_bytes_(session_quota_bytes),
       policy_(policy),
       peers_(peers),
-      uid_limits_(uid_limits) {}
+      uid_limits_(uid_limits) {
+  // The host pool is shared evenly between the uids creating tensors (HostPool::FairShare).
+  catalog_->mutable_host_pool().set_creating_uids([this] { return uid_limits_.CreatingUids(); });
+}
 
 absl::Status TensorShmService::MayChange(const tensorshm::Session& session, const Tensor& tensor,
                                          absl::string_view verb) const {
@@ -646,6 +649,8 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
       return s;
     }
   }
+  // From its first host create on, the session's uid shares the host pool with the others.
+  if (device.device_type == kDLCPU) session.uid_charge.MarkCreating();
   absl::StatusOr<const Tensor*> tensor = catalog_->Create(
       session.id, *dtype, shape, strides, device, request.subbyte_padded(), session.uid, growth);
   if (absl::IsResourceExhausted(tensor.status()) && catalog_->retired_count() > 0 &&
@@ -699,6 +704,12 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
       uid_limits_.config().unpublished_bytes > 0 || length == 0 || length > kMaxStockedBytes ||
       pool.used_bytes() + (count + 0ull) * length > pool.capacity_bytes() / 8 * 7) {
     return;
+  }
+  // Nor past an eighth of the uid's fair share: stock keeps a segment from being given back to
+  // another uid, and a client takes its stock without a call, so it cannot be taken back.
+  if ((count + 0ull) * length > pool.FairShare(session.uid) / 8) {
+    count = static_cast<uint32_t>(pool.FairShare(session.uid) / 8 / length);
+    if (count == 0) return;
   }
   const int64_t elements = static_cast<int64_t>(length);
   for (uint32_t i = 0; i < count; ++i) {

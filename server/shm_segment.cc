@@ -193,6 +193,14 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
 
 ShmSegment::~ShmSegment() { Reset(); }
 
+absl::Status ShmSegment::Discard() {
+  if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size_)) !=
+      0) {
+    return ErrnoError("fallocate(PUNCH_HOLE)", name_, errno);
+  }
+  return absl::OkStatus();
+}
+
 void ShmSegment::Reset() {
   if (address_ != nullptr) munmap(address_, size_);
   address_ = nullptr;

@@ -53,6 +53,11 @@ class ShmSegment {
   // Leaves a named object in place when this is destroyed (--keep-segments).
   void Keep() { keep_ = true; }
 
+  // Frees every page of the object (punches it out; the size stays), whoever maps it: a segment
+  // given back to the pool keeps no memory for clients that still map it. Errors name the call
+  // and the object.
+  absl::Status Discard();
+
   // A new descriptor of the object for a client (close-on-exec; the caller closes it):
   // read-only, or read-write. A read-only one cannot be mapped writable nor reopened writable by
   // anyone but the daemon's uid (the object is mode 0600). Errors name the call and the object.

@@ -15,6 +15,8 @@ uint64_t* UidLimits::Counter(UidUsage& usage, Kind kind) {
       return &usage.leases;
     case Kind::kWaiter:
       return &usage.waiters;
+    case Kind::kCreating:
+      return &usage.creating_sessions;
     case Kind::kBytes:
       break;
   }
@@ -29,6 +31,8 @@ uint64_t UidLimits::Limit(Kind kind) const {
       return config_.leases;
     case Kind::kWaiter:
       return config_.waiters;
+    case Kind::kCreating:
+      return 0;
     case Kind::kBytes:
       break;
   }
@@ -61,6 +65,15 @@ UidUsage UidLimits::Usage(uint32_t uid) const {
   MutexLock lock(&mu_);
   auto it = usage_.find(uid);
   return it == usage_.end() ? UidUsage{} : it->second;
+}
+
+std::set<uint32_t> UidLimits::CreatingUids() const {
+  MutexLock lock(&mu_);
+  std::set<uint32_t> uids;
+  for (const auto& [uid, usage] : usage_) {
+    if (usage.creating_sessions > 0) uids.insert(uid);
+  }
+  return uids;
 }
 
 size_t UidLimits::uid_count() const {
@@ -99,6 +112,8 @@ absl::Status UidLimits::Add(uint32_t uid, Kind kind, uint64_t amount) {
       return absl::ResourceExhaustedError(absl::StrCat(
           who, current, " bytes of unpublished tensors held, ", amount, " more requested, limit ",
           limit, " bytes (--uid-quota); publish or drop some first"));
+    case Kind::kCreating:
+      break;  // not limited
   }
   return absl::InternalError("unreachable");
 }
@@ -121,7 +136,8 @@ UidLimits::SessionCharge::SessionCharge(SessionCharge&& other) noexcept
     : limits_(std::exchange(other.limits_, nullptr)),
       uid_(other.uid_),
       leases_(std::exchange(other.leases_, 0)),
-      bytes_(std::exchange(other.bytes_, 0)) {}
+      bytes_(std::exchange(other.bytes_, 0)),
+      creating_(std::exchange(other.creating_, false)) {}
 
 UidLimits::SessionCharge& UidLimits::SessionCharge::operator=(SessionCharge&& other) noexcept {
   if (this != &other) {
@@ -130,6 +146,7 @@ UidLimits::SessionCharge& UidLimits::SessionCharge::operator=(SessionCharge&& ot
     uid_ = other.uid_;
     leases_ = std::exchange(other.leases_, 0);
     bytes_ = std::exchange(other.bytes_, 0);
+    creating_ = std::exchange(other.creating_, false);
   }
   return *this;
 }
@@ -140,11 +157,13 @@ void UidLimits::SessionCharge::Release() {
   if (limits_ != nullptr) {
     limits_->Drop(uid_, Kind::kLease, leases_);
     limits_->Drop(uid_, Kind::kBytes, bytes_);
+    if (creating_) limits_->Drop(uid_, Kind::kCreating, 1);
     limits_->Drop(uid_, Kind::kSession, 1);
   }
   limits_ = nullptr;
   leases_ = 0;
   bytes_ = 0;
+  creating_ = false;
 }
 
 absl::Status UidLimits::SessionCharge::AddLeases(uint64_t count) {
@@ -173,6 +192,12 @@ void UidLimits::SessionCharge::DropUnpublished(uint64_t bytes) {
   TSM_CHECK(bytes <= bytes_);
   bytes_ -= bytes;
   if (limits_ != nullptr) limits_->Drop(uid_, Kind::kBytes, bytes);
+}
+
+void UidLimits::SessionCharge::MarkCreating() {
+  if (creating_ || limits_ == nullptr) return;
+  TSM_CHECK(limits_->Add(uid_, Kind::kCreating, 1).ok());  // never limited
+  creating_ = true;
 }
 
 // ---- WaitCharge ----

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -29,9 +30,13 @@ struct UidUsage {
   uint64_t leases = 0;
   uint64_t waiters = 0;
   uint64_t unpublished_bytes = 0;
+  // Open sessions that have created host tensors: the uid shares the host pool (see
+  // HostPool::FairShare). Not limited.
+  uint64_t creating_sessions = 0;
 
   bool empty() const {
-    return sessions == 0 && leases == 0 && waiters == 0 && unpublished_bytes == 0;
+    return sessions == 0 && leases == 0 && waiters == 0 && unpublished_bytes == 0 &&
+           creating_sessions == 0;
   }
 };
 
@@ -70,11 +75,13 @@ class UidLimits {
   const UidLimitsConfig& config() const { return config_; }
   // What `uid` holds now (all zero for a uid holding nothing).
   UidUsage Usage(uint32_t uid) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The uids with an open session that has created host tensors (SessionCharge::MarkCreating).
+  std::set<uint32_t> CreatingUids() const ABSL_LOCKS_EXCLUDED(mu_);
   // How many uids hold anything (a uid holding nothing is forgotten).
   size_t uid_count() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  enum class Kind { kSession, kLease, kWaiter, kBytes };
+  enum class Kind { kSession, kLease, kWaiter, kBytes, kCreating };
 
   // The field of `usage` counting `kind`, and the limit of `kind` (0: none).
   static uint64_t* Counter(UidUsage& usage, Kind kind);
@@ -110,6 +117,9 @@ class UidLimits::SessionCharge {
   absl::Status AddUnpublished(uint64_t bytes);
   // REQUIRES: bytes <= unpublished_bytes().
   void DropUnpublished(uint64_t bytes);
+  // Counts this session among its uid's sessions that create host tensors (once; until the
+  // charge is destroyed): the uid then shares the host pool with the others that do.
+  void MarkCreating();
 
   uint64_t leases() const { return leases_; }
   uint64_t unpublished_bytes() const { return bytes_; }
@@ -123,6 +133,7 @@ class UidLimits::SessionCharge {
   uint32_t uid_ = 0;
   uint64_t leases_ = 0;
   uint64_t bytes_ = 0;
+  bool creating_ = false;
 };
 
 // One waiting Acquire call. Move-only; destroying it ends the wait's count.

@@ -200,6 +200,7 @@ TEST_F(CatalogTest, AnotherUidsSegmentIsAMemfdThatRecoveryLeavesAsAHole) {
   EXPECT_EQ(catalog_->host_pool().Segment(1).backing(), SegmentBacking::kNamed);
   EXPECT_EQ(catalog_->host_pool().Segment(2).backing(), SegmentBacking::kMemfd);
   EXPECT_EQ(catalog_->control().segment(1).owner_uid, 1000u);
+  const uint64_t lost_instance = catalog_->host_pool().SegmentInstance(2);
   ASSERT_TRUE(catalog_->Publish(1, own_id, "own", false).ok());
   ASSERT_TRUE(catalog_->Publish(2, other_id, "other", false).ok());
 
@@ -214,10 +215,13 @@ TEST_F(CatalogTest, AnotherUidsSegmentIsAMemfdThatRecoveryLeavesAsAHole) {
   EXPECT_TRUE(catalog_->host_pool().HasSegment(1));
   EXPECT_FALSE(catalog_->host_pool().HasSegment(2));
   EXPECT_EQ(catalog_->host_pool().used_bytes(), 4096u);
-  // uid 1000 produces again, in a new segment of its own.
+  // uid 1000 produces again, in a new segment of its own: the hole's id, under a new instance (a
+  // client's mapping of the lost memfd, keyed by instance and id, is never taken for it).
   absl::StatusOr<const Tensor*> again = catalog_->Create(3, kF32, {8}, {}, kCpu, false, 1000);
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ((*again)->buffer.segment_id, 3u);
+  EXPECT_EQ((*again)->buffer.segment_id, 2u);
+  EXPECT_NE(catalog_->host_pool().SegmentInstance(2), lost_instance);
+  EXPECT_EQ(catalog_->control().segment(1).instance, catalog_->host_pool().SegmentInstance(2));
 }
 
 }  // namespace

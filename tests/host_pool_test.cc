@@ -3,6 +3,11 @@
 
 #include <unistd.h>
 
+#include <map>
+#include <set>
+#include <vector>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/control_segment.h"
@@ -63,6 +68,105 @@ TEST_F(HostPoolTest, TheMostRecentlyFreedBufferOfALengthComesBackFirst) {
   EXPECT_NE(next.offset, b.offset);
   EXPECT_NE(next.offset, c.offset);
   EXPECT_EQ(pool_->used_bytes(), 5 * kMiB);
+}
+
+// A pool of 16 MiB in segments of at most 4 MiB, shared by the owner uid and uid 1000.
+class SharedHostPoolTest : public ::testing::Test {
+ protected:
+  static constexpr uint32_t kOther = 1000;
+  void SetUp() override {
+    const std::string prefix = absl::StrCat("tsmsharedpool", getpid());
+    absl::StatusOr<ControlSegment> control =
+        ControlSegment::Create(prefix, 64, 16 * kMiB, 16 * kMiB, SegmentBacking::kMemfd);
+    ASSERT_TRUE(control.ok()) << control.status();
+    control_.emplace(*std::move(control));
+    HostPoolOptions options;
+    options.shm_prefix = prefix;
+    options.capacity_bytes = 16 * kMiB;
+    options.segment_bytes = 4 * kMiB;
+    options.backing = SegmentBacking::kMemfd;
+    options.owner_uid = getuid();
+    options.instance = 0x1234;
+    absl::StatusOr<HostPool> pool = HostPool::Create(options, &*control_);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_.emplace(*std::move(pool));
+  }
+
+  // Allocates 1 MiB buffers for `uid` until refused; returns them and the refusal.
+  std::vector<Buffer> Fill(uint32_t uid, absl::Status* refusal) {
+    std::vector<Buffer> buffers;
+    while (true) {
+      absl::StatusOr<Buffer> buffer = pool_->Allocate(kMiB, uid);
+      if (!buffer.ok()) {
+        *refusal = buffer.status();
+        return buffers;
+      }
+      buffers.push_back(*buffer);
+    }
+  }
+
+  std::optional<ControlSegment> control_;
+  std::optional<HostPool> pool_;
+};
+
+TEST_F(SharedHostPoolTest, AUidNeverGrowsPastItsFairShareWhileAnotherHoldsBuffers) {
+  const uint32_t owner = getuid();
+  ASSERT_TRUE(pool_->Allocate(kMiB, kOther).ok());
+  EXPECT_EQ(pool_->FairShare(owner), 8 * kMiB);
+  absl::Status refusal;
+  const std::vector<Buffer> owners = Fill(owner, &refusal);
+  EXPECT_EQ(owners.size(), 8u);
+  EXPECT_TRUE(absl::IsResourceExhausted(refusal)) << refusal;
+  EXPECT_TRUE(absl::StrContains(refusal.message(), "fair share of 8388608")) << refusal;
+  EXPECT_EQ(pool_->ReservedBy(owner), 8 * kMiB);
+  // The other uid still has its half.
+  const std::vector<Buffer> others = Fill(kOther, &refusal);
+  EXPECT_EQ(others.size(), 7u);
+  EXPECT_EQ(pool_->reserved_bytes(), 16 * kMiB);
+  // A uid creating (an open session that created) shares the pool before it holds anything.
+  pool_->set_creating_uids([] { return std::set<uint32_t>{kOther, 2000}; });
+  EXPECT_EQ(pool_->FairShare(3000), 16 * kMiB / 4);
+}
+
+TEST_F(SharedHostPoolTest, EmptySegmentsGoBackAndTheirIdsComeBackUnderANewInstance) {
+  const uint32_t owner = getuid();
+  absl::Status refusal;
+  // Alone, the owner takes the whole pool.
+  const std::vector<Buffer> owners = Fill(owner, &refusal);
+  ASSERT_EQ(owners.size(), 16u);
+  std::map<uint64_t, uint64_t> old_instances;  // by id
+  for (uint64_t id = 1; id <= pool_->segment_count(); ++id) {
+    old_instances[id] = pool_->SegmentInstance(id);
+  }
+  // Nothing empty: the other uid gets no room, and nothing is given back.
+  EXPECT_TRUE(absl::IsResourceExhausted(pool_->Allocate(kMiB, kOther).status()));
+  EXPECT_EQ(pool_->segments_given_back(), 0);
+  for (const Buffer& b : owners) pool_->Free(b);
+  // The other uid alone now (the owner holds nothing): it takes the whole pool back.
+  const std::vector<Buffer> others = Fill(kOther, &refusal);
+  EXPECT_EQ(others.size(), 16u);
+  EXPECT_GT(pool_->segments_given_back(), 0);
+  EXPECT_EQ(pool_->ReservedBy(owner), 0u);
+  for (const Buffer& b : others) {
+    ASSERT_TRUE(pool_->HasSegment(b.segment_id));
+    EXPECT_EQ(pool_->SegmentOwner(b.segment_id), kOther);
+    auto old = old_instances.find(b.segment_id);
+    if (old != old_instances.end()) {
+      EXPECT_NE(pool_->SegmentInstance(b.segment_id), old->second);
+    }
+  }
+  // Every record says what the pool holds: live ids as memfds of the other uid, holes as holes.
+  for (uint64_t id = 1; id <= pool_->segment_count(); ++id) {
+    const SegmentRecord& record = control_->segment(static_cast<uint32_t>(id - 1));
+    EXPECT_EQ(record.state.load(), static_cast<uint32_t>(SegmentState::kEphemeral));
+    if (pool_->HasSegment(id)) {
+      EXPECT_EQ(record.instance, pool_->SegmentInstance(id));
+      EXPECT_EQ(record.size, pool_->SegmentSize(id));
+    } else {
+      EXPECT_EQ(record.size, 0u);
+    }
+  }
+  EXPECT_EQ(pool_->RepairSegmentRecords(), 0);
 }
 
 }  // namespace
