@@ -192,8 +192,13 @@ class Clients:
             code = proc.poll()
             if code is not None:
                 self.events.append({"t": now(), "kind": "client_crash", "client": cid,
-                                    "incarnation": self.starts[cid], "code": code})
+                                    "incarnation": self.starts[cid], "code": code,
+                                    "stderr": self.stderr_tail(cid)})
                 self.start(cid)
+
+    def stderr_tail(self, cid: str) -> str:
+        path = self.out / "logs" / f"{cid}.{self.starts[cid]}.stderr"
+        return path.read_text(errors="replace")[-600:]
 
     def _started(self, cid: str) -> bool:
         record = self.out / "records" / f"{cid}.{self.starts[cid]}.jsonl"
@@ -216,7 +221,8 @@ class Clients:
                 code = 0  # stopped before its handler was installed: it held nothing yet
             if code != 0:
                 problems.append({"t": now(), "kind": "client_bad_stop", "client": cid,
-                                 "incarnation": self.starts[cid], "code": code})
+                                 "incarnation": self.starts[cid], "code": code,
+                                 "stderr": self.stderr_tail(cid)})
         return problems
 
 
@@ -229,6 +235,7 @@ class Monitor(threading.Thread):
         self.args, self.d, self.every = args, daemon, every
         self.samples: list[dict] = []   # /proc
         self.probes: list[dict] = []    # ctl and metrics
+        self.pool: list[dict] = []      # ctl status: the pool's used bytes and segments
         self.done = threading.Event()
 
     def proc_sample(self) -> None:
@@ -258,6 +265,10 @@ class Monitor(threading.Thread):
                     ok = False
             self.probes.append({"t": t, "what": f"ctl {what}", "ok": ok,
                                 "msg": "" if ok else (r.stderr or r.stdout)[-300:]})
+            if ok and what == "status":
+                pool = json.loads(r.stdout)["pools"][0]
+                self.pool.append({"t": t, "used_bytes": pool["used_bytes"],
+                                  "segments": pool.get("segments", 0)})
         url = self.d.metrics_url
         t = now()
         try:
@@ -376,7 +387,7 @@ def summarize(args, t0: float, t_end: float, rows, events, restarts, monitor, fi
             for op, values in row["lat"].items():
                 lat_by_minute.setdefault(op, {}).setdefault(int((row["t"] - t0) // 60), []) \
                     .extend(values)
-                lat_by_10s.setdefault(op, {}).setdefault(int((row["t"] - t0) // 10), []) \
+                lat_by_10s.setdefault(op, {}).setdefault(int((row["t"] - t0) // 10) * 10, []) \
                     .extend(values)
         elif kind == "err":
             if row["type"] in RESTART_ERRORS and in_restart(row["t"], restarts):
@@ -407,13 +418,13 @@ def summarize(args, t0: float, t_end: float, rows, events, restarts, monitor, fi
                                "t": probe["t"], "msg": probe["msg"]})
     for event in events:
         if event["kind"] in ("client_crash", "client_bad_stop", "daemon_bad_exit",
-                             "published_tensor_lost"):
+                             "daemon_crash", "published_tensor_lost"):
             unexpected.append({"what": event["kind"], **event})
 
-    def pct(table):
+    def pct(table, unit):
         out = {}
         for op, buckets in sorted(table.items()):
-            out[op] = [{"minute": m, "count": len(v), "p50_ms": percentile(v, 0.5) / 1e3,
+            out[op] = [{unit: m, "count": len(v), "p50_ms": percentile(v, 0.5) / 1e3,
                         "p99_ms": percentile(v, 0.99) / 1e3} for m, v in sorted(buckets.items())]
         return out
 
@@ -489,11 +500,13 @@ def summarize(args, t0: float, t_end: float, rows, events, restarts, monitor, fi
                              "exit_code": r["exit_code"], "down_s": round(r["up"] - r["down"], 2)}
                             for r in restarts],
         "daemon_final_exit_code": daemon_exit_codes[-1] if daemon_exit_codes else None,
+        "pool_max_used_bytes": max((p["used_bytes"] for p in monitor.pool), default=None),
+        "pool_max_segments": max((p["segments"] for p in monitor.pool), default=None),
         "daemon_incarnations": incarnations,
         "daemon_at_same_age": {"age_s": age, "samples": at_age, "drift": drift},
         "daemon_final_idle": final_rss,
-        "latency_per_minute": pct(lat_by_minute),
-        "latency_per_10s": pct(lat_by_10s),
+        "latency_per_minute": pct(lat_by_minute, "minute"),
+        "latency_per_10s": pct(lat_by_10s, "from_s"),
     }
     return summary
 
@@ -516,6 +529,10 @@ def text_summary(s: dict) -> str:
                  f"leases {lk['leaked_leases']}, bytes {lk['leaked_bytes']}, tensors "
                  f"{lk['leaked_tensors']}; after deleting every name: "
                  f"{lk['after_deleting_all']}")
+    if s["pool_max_used_bytes"] is not None:
+        lines.append(f"  pool: at most {s['pool_max_used_bytes'] / 2**20:.1f} MiB used, "
+                     f"{s['pool_max_segments']} segments ({s['host_pool']} pool, "
+                     f"{s['segment_size']} segments)")
     lines.append(f"  client SIGKILLs {s['client_kills']}; daemon restarts "
                  + ", ".join(f"{r['signal']}@{r['at_s']}s (down {r['down_s']} s)"
                              for r in s["daemon_restarts"])
@@ -571,7 +588,7 @@ def plot(s: dict, t0: float, monitor: Monitor, events: list, restarts: list,
     for op, rows in s["latency_per_10s"].items():
         if op not in ("put", "get", "create_publish"):
             continue
-        xs = [r["minute"] * 10 + 5 for r in rows]  # 10-second buckets ("minute" is the bucket)
+        xs = [r["from_s"] + 5 for r in rows]
         ax_lat.plot(xs, [r["p50_ms"] for r in rows], label=f"{op} p50")
         ax_lat.plot(xs, [r["p99_ms"] for r in rows], linestyle="--", label=f"{op} p99")
     ax_lat.set_yscale("log")
@@ -664,6 +681,17 @@ def main() -> int:
                 clients.kill(cid)
                 clients.start(cid)
                 next_kill += args.kill_every * random.uniform(0.75, 1.25)
+            if daemon.process is not None and daemon.process.poll() is not None:
+                # Exited by itself: a crash. Counted, and restarted so the run goes on.
+                down = now()
+                code = daemon.stop(signal.SIGKILL)
+                events.append({"t": down, "kind": "daemon_crash", "code": code,
+                               "incarnation": daemon.incarnation})
+                daemon.start()
+                restarts.append({"down": down, "up": now(), "signal": "crash",
+                                 "exit_code": code})
+                print(f"soak: t={down - t0:.0f} s the daemon exited by itself ({code}); "
+                      "restarted", flush=True)
             if time.monotonic() >= next_restart and deadline - time.monotonic() > 10:
                 clean = len(restarts) == 1
                 sig = signal.SIGTERM if clean else signal.SIGKILL
@@ -687,9 +715,10 @@ def main() -> int:
                 next_restart += args.restart_every
             time.sleep(0.1)
         print(f"soak: t={now() - t0:.0f} s stopping clients", flush=True)
-        events.extend(clients.stop_all())
+        # Samples stop with the load: an idle daemon's fds are not its loaded ones.
         monitor.done.set()
         monitor.join()
+        events.extend(clients.stop_all())
         served = sentinel_ids(args, socket)
         if served != sentinels:
             events.append({"t": now(), "kind": "published_tensor_lost", "before": sentinels,
@@ -726,7 +755,8 @@ def main() -> int:
     text = text_summary(summary)
     (out / "summary.txt").write_text(text)
     (out / "samples.json").write_text(json.dumps(
-        {"t0": t0, "proc": monitor.samples, "probes": monitor.probes, "events": events,
+        {"t0": t0, "proc": monitor.samples, "probes": monitor.probes, "pool": monitor.pool,
+         "events": events,
          "restarts": restarts}) + "\n")
     try:
         plot(summary, t0, monitor, events, restarts, out / "soak.png")
