@@ -593,12 +593,18 @@ def plot(s: dict, t0: float, monitor: Monitor, events: list, restarts: list,
         ax_lat.plot(xs, [r["p99_ms"] for r in rows], linestyle="--", label=f"{op} p99")
     ax_lat.set_yscale("log")
     ax_lat.set_ylabel("latency (ms, 10 s buckets)")
-    ax_lat.legend(fontsize=7, ncol=3)
+    ax_lat.legend(fontsize=7, ncol=3, loc="upper left")
     for inc in sorted({x["incarnation"] for x in monitor.samples}):
         ss = [x for x in monitor.samples if x["incarnation"] == inc]
         ax_rss.plot([x["t"] - t0 for x in ss], [x["rss_kib"] / 1024 for x in ss], color="C0")
         ax_fd.plot([x["t"] - t0 for x in ss], [x["fds"] for x in ss], color="C1")
     ax_rss.set_ylabel("daemon RSS (MiB)")
+    pool = getattr(monitor, "pool", [])
+    if pool:
+        ax_pool = ax_rss.twinx()
+        ax_pool.plot([p["t"] - t0 for p in pool], [p["used_bytes"] / 2**20 for p in pool],
+                     color="gray", alpha=0.5, linewidth=1)
+        ax_pool.set_ylabel("pool used (MiB, gray)")
     ax_fd.set_ylabel("daemon open fds")
     ax_fd.set_xlabel("seconds since start")
     for r in restarts:
