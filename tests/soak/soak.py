@@ -628,7 +628,7 @@ def main() -> int:
     parser.add_argument("--tensorshmd", default=str(ROOT / "build" / "tensorshmd"))
     parser.add_argument("--ctl", default=str(ROOT / "build" / "tensorshmctl"))
     parser.add_argument("--python", default=sys.executable)
-    parser.add_argument("--host-pool", default="1Gi")
+    parser.add_argument("--host-pool", default="512Mi")
     parser.add_argument("--segment-size", default="64Mi")
     parser.add_argument("--names", type=int, default=8, help="names per producer")
     parser.add_argument("--other-uid-max-bytes", type=int, default=1 << 20)

@@ -33,8 +33,9 @@ import pattern  # noqa: E402
 
 import tensorshm  # noqa: E402
 
-# A call that keeps failing is given up after this many tries (each failure is recorded).
-MAX_TRIES = 100
+# A call that keeps failing is given up (the client exits 1, which the driver counts as a crash)
+# after failing for this long; each failure is recorded.
+GIVE_UP_S = 30.0
 RETRY_SLEEP = 0.05
 
 
@@ -74,7 +75,8 @@ def _on_term(signum, frame) -> None:  # noqa: ARG001
 def call(rec: Record, op: str, fn, *, quiet=()):
     """fn() retried while it raises a tensorshm.Error other than those in `quiet` (which are
     answers, not failures, and are raised to the caller). Each failure is recorded."""
-    for _ in range(MAX_TRIES):
+    give_up = time.monotonic() + GIVE_UP_S
+    while time.monotonic() < give_up:
         try:
             return fn()
         except quiet:
@@ -85,8 +87,8 @@ def call(rec: Record, op: str, fn, *, quiet=()):
             if stopping:
                 raise
             time.sleep(RETRY_SLEEP)
-    rec.write(k="err", op=op, type="GaveUp", msg=f"{op}: {MAX_TRIES} tries failed")
-    raise RuntimeError(f"{op}: {MAX_TRIES} tries failed")
+    rec.write(k="err", op=op, type="GaveUp", msg=f"{op}: failed for {GIVE_UP_S:.0f} s")
+    raise RuntimeError(f"{op}: failed for {GIVE_UP_S:.0f} s")
 
 
 def connect(rec: Record, args) -> tensorshm.Client:
