@@ -623,19 +623,25 @@ def plot(s: dict, t0: float, monitor: Monitor, events: list, restarts: list,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=120)
-    parser.add_argument("--out", default=str(ROOT / "build" / "soak"))
+    parser.add_argument("--seconds", type=float, default=120, help="how long the load runs")
+    parser.add_argument("--out", default=str(ROOT / "build" / "soak"),
+                        help="results directory (emptied first)")
     parser.add_argument("--tensorshmd", default=str(ROOT / "build" / "tensorshmd"))
     parser.add_argument("--ctl", default=str(ROOT / "build" / "tensorshmctl"))
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--host-pool", default="512Mi")
     parser.add_argument("--segment-size", default="64Mi")
     parser.add_argument("--names", type=int, default=8, help="names per producer")
-    parser.add_argument("--other-uid-max-bytes", type=int, default=1 << 20)
-    parser.add_argument("--kill-every", type=float, default=2.0)
-    parser.add_argument("--restart-every", type=float, default=60.0)
-    parser.add_argument("--probe-every", type=float, default=3.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--other-uid-max-bytes", type=int, default=1 << 20,
+                        help="largest tensor of uid 65534's producer")
+    parser.add_argument("--kill-every", type=float, default=2.0,
+                        help="seconds between client SIGKILLs (jittered 25%%)")
+    parser.add_argument("--restart-every", type=float, default=60.0,
+                        help="seconds between daemon restarts (at most a third of --seconds)")
+    parser.add_argument("--probe-every", type=float, default=3.0,
+                        help="seconds between tensorshmctl status/ls and /metrics probes")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seeds the clients' choices (default: random, printed)")
     args = parser.parse_args()
     if args.seed is None:
         args.seed = random.SystemRandom().getrandbits(31)
