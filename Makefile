@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz bench bench-python bench-ray install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-ray install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -128,6 +128,21 @@ fuzz: setup
 # (see scripts/test-container.sh); reruns use the cache in /var/cache/tensorshm-test-container.
 test-container:
 	bash scripts/test-container.sh
+
+# The soak (tests/soak/soak.py): one daemon under mixed load for SECONDS seconds, with clients
+# SIGKILLed every ~2 s and the daemon SIGKILLed (once stopped with SIGTERM) and restarted every
+# ~60 s; then wrong bytes, leaked leases and bytes, the daemon's RSS and fds, put/get latency per
+# minute and a plot go to build/soak/ (summary.txt, summary.json, soak.png). Fails on any wrong
+# byte, leak or unexpected failure. matplotlib is installed into .venv only if it does not import.
+# SOAK_ARGS: more flags (tests/soak/soak.py --help), e.g. SOAK_ARGS="--seed 7 --restart-every 300".
+SECONDS ?= 120
+SOAK_ARGS ?=
+soak: build python
+	@$(VENV_PY) -c 'import matplotlib' 2>/dev/null || { \
+	  echo "soak: installing matplotlib into .venv"; $(VENV_PY) -m pip install -q matplotlib; }
+	$(VENV_PY) tests/soak/soak.py --seconds $(SECONDS) --out $(CURDIR)/$(BUILD_DIR)/soak \
+	  --tensorshmd $(CURDIR)/$(BUILD_DIR)/tensorshmd --ctl $(CURDIR)/$(BUILD_DIR)/tensorshmctl \
+	  $(SOAK_ARGS)
 
 # Benchmarks, none of them part of `make test`. bench: the C++ handoff_bench (flags in ARGS, e.g.
 # ARGS="--sizes 4Ki,1Gi"). bench-python: bench/py_handoff.py (flags in PY_HANDOFF_ARGS) and
