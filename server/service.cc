@@ -707,8 +707,9 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
   }
   // Nor past an eighth of the uid's fair share: stock keeps a segment from being given back to
   // another uid, and a client takes its stock without a call, so it cannot be taken back.
-  if ((count + 0ull) * length > pool.FairShare(session.uid) / 8) {
-    count = static_cast<uint32_t>(pool.FairShare(session.uid) / 8 / length);
+  const uint64_t stock_bound = pool.FairShare(session.uid) / 8;
+  if ((count + 0ull) * length > stock_bound) {
+    count = static_cast<uint32_t>(stock_bound / length);
     if (count == 0) return;
   }
   const int64_t elements = static_cast<int64_t>(length);
