@@ -429,12 +429,15 @@ def summarize(args, t0: float, t_end: float, rows, events, restarts, monitor, fi
         return out
 
     # The daemon's memory and descriptors, per incarnation: at start (first sample), at one
-    # minute of age (the first sample at or after 60 s, when the incarnation lived that long),
+    # minute of age (the first sample at or after it, when the incarnation lived that long),
     # and at its end (the last sample before it was stopped).
+    # ("One minute" is 90% of the restart interval when that is shorter, so that incarnations
+    # restarted every 60 s still have it.)
+    minute_age = min(60.0, 0.9 * args.restart_every)
     incarnations = []
     for inc in sorted({s["incarnation"] for s in monitor.samples}):
         ss = [s for s in monitor.samples if s["incarnation"] == inc]
-        minute = next((s for s in ss if s["age"] >= 60), None)
+        minute = next((s for s in ss if s["age"] >= minute_age), None)
         incarnations.append({
             "incarnation": inc, "lived_s": round(ss[-1]["age"], 1),
             "start": {"rss_kib": ss[0]["rss_kib"], "fds": ss[0]["fds"]},
@@ -502,6 +505,7 @@ def summarize(args, t0: float, t_end: float, rows, events, restarts, monitor, fi
         "daemon_final_exit_code": daemon_exit_codes[-1] if daemon_exit_codes else None,
         "pool_max_used_bytes": max((p["used_bytes"] for p in monitor.pool), default=None),
         "pool_max_segments": max((p["segments"] for p in monitor.pool), default=None),
+        "daemon_minute_age_s": minute_age,
         "daemon_incarnations": incarnations,
         "daemon_at_same_age": {"age_s": age, "samples": at_age, "drift": drift},
         "daemon_final_idle": final_rss,
@@ -548,7 +552,8 @@ def text_summary(s: dict) -> str:
         lines.append(f"    {json.dumps(u)[:300]}")
     for w in s["wrong"][:10]:
         lines.append(f"    wrong: {json.dumps(w)[:300]}")
-    lines.append("  daemon per incarnation (RSS MiB / fds): start, first minute, end")
+    lines.append(f"  daemon per incarnation (RSS MiB / fds): start, at {s['daemon_minute_age_s']:.0f} s,"
+                 " end")
     for inc in s["daemon_incarnations"]:
         fm = inc["first_minute"]
         lines.append(f"    #{inc['incarnation']} lived {inc['lived_s']} s: "
