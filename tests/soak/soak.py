@@ -148,7 +148,8 @@ class Clients:
             universe += [f"u0/t{j}" for j in range(args.names // 2)]
         universe += [name for name, _ in SENTINELS]
         for i in range(2):
-            self.specs[f"p{i}"] = ["producer", "--prefix", f"p{i}", "--names", str(args.names)]
+            self.specs[f"p{i}"] = ["producer", "--prefix", f"p{i}", "--names", str(args.names),
+                                   "--corrupt-every", str(args.corrupt_every)]
         if args.other_uid:
             self.specs["u0"] = ["producer", "--prefix", "u0", "--names", str(args.names // 2),
                                 "--max-bytes", str(args.other_uid_max_bytes)]
@@ -478,7 +479,8 @@ def summarize(args, t0: float, t_end: float, rows, events, restarts, monitor, fi
             unexpected.append({"what": f"no {what} in the whole run", "t": t_end})
     if args.other_uid and by_client.get("u0", {}).get("put", 0) == 0:
         unexpected.append({"what": f"uid {NOBODY}'s producer put nothing", "t": t_end})
-    wrong_bytes = counters.get("wrong_bytes", 0)
+    # From the records written at once (a window's counters die with a SIGKILLed client).
+    wrong_bytes = sum(w.get("wrong", w.get("nbytes", 0)) for w in wrong)
     leaks = (final["leaked_leases"] != 0 or final["leaked_bytes"] != 0 or
              final["leaked_tensors"] != 0 or final["leaked_bytes_after_delete"] != 0)
     summary = {
@@ -647,6 +649,9 @@ def main() -> int:
                         help="seconds between tensorshmctl status/ls and /metrics probes")
     parser.add_argument("--seed", type=int, default=None,
                         help="seeds the clients' choices (default: random, printed)")
+    parser.add_argument("--corrupt-every", type=int, default=0,
+                        help="self-test of the checks: the two producers flip one byte of every "
+                        "Nth tensor they put, so the run must fail with wrong bytes")
     args = parser.parse_args()
     if args.seed is None:
         args.seed = random.SystemRandom().getrandbits(31)
