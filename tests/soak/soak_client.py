@@ -105,6 +105,7 @@ def log_uniform_size(rng: random.Random, max_bytes: int) -> int:
 
 def producer(rec: Record, client: tensorshm.Client, args, rng: random.Random) -> None:
     names = [f"{args.prefix}/t{i}" for i in range(args.names)]
+    puts = 0
     while not stopping:
         name = rng.choice(names)
         r = rng.random()
@@ -117,6 +118,10 @@ def producer(rec: Record, client: tensorshm.Client, args, rng: random.Random) ->
             continue
         length = log_uniform_size(rng, args.max_bytes)
         data = pattern.expected(name, rng.getrandbits(64), length)
+        puts += 1
+        if args.corrupt_every and puts % args.corrupt_every == 0:
+            data = data.copy()
+            data[rng.randrange(pattern.HEADER_BYTES, length)] ^= 0x10  # the soak's self-test
         if r < 0.52:
             def put():
                 start = time.perf_counter()
@@ -156,7 +161,7 @@ def verify(rec: Record, t: tensorshm.Tensor, name: str, when: str) -> None:
         return
     rec.count("wrong_tensors")
     rec.count("wrong_bytes", wrong)
-    rec.write(k="wrong", name=name, when=when, nbytes=t.nbytes, detail=detail)
+    rec.write(k="wrong", name=name, when=when, nbytes=t.nbytes, wrong=wrong, detail=detail)
 
 
 def consumer(rec: Record, client: tensorshm.Client, args, rng: random.Random) -> None:
@@ -231,6 +236,8 @@ def main() -> int:
     parser.add_argument("--universe", default="")
     parser.add_argument("--pause", type=float, default=0.02, help="most seconds between ops")
     parser.add_argument("--server-uid", type=int, default=None)
+    parser.add_argument("--corrupt-every", type=int, default=0,
+                        help="self-test: flip one byte of every Nth tensor put (0: never)")
     args = parser.parse_args()
 
     signal.signal(signal.SIGTERM, _on_term)
