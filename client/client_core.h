@@ -79,8 +79,10 @@ class ClientCore {
   // Runs `attempt` (a callable returning absl::Status or absl::StatusOr<T>) on the current
   // session and, when it fails because that session ended (the daemon restarted or stopped:
   // UNAVAILABLE, or a refusal of the old session's id), waits for the sender thread to open a new
-  // session and runs it again there, until `deadline` or `cancel` (may be null). Returns the
-  // last attempt's result, or UNAVAILABLE naming the socket if no session opened in time.
+  // session and runs it again there, until `deadline` or `cancel` (may be null). A daemon that
+  // stops cleanly cancels the calls in progress: CANCELLED that `cancel` did not cause counts as
+  // the session ending too. Returns the last attempt's result, or UNAVAILABLE naming the socket if
+  // no session opened in time.
   //
   // `repeatable`: whether running `attempt` twice is harmless (Stat, List, Acquire, Delete,
   // Create). A call that is not (Publish) is sent only on a session not known to have ended;
@@ -325,15 +327,17 @@ auto ClientCore::CallAcrossRestart(std::string_view what, absl::Time deadline, b
     }
     auto result = attempt();
     const absl::Status& status = internal::StatusOf(result);
-    // UNAVAILABLE: the daemon is gone or stopping. FAILED_PRECONDITION after the session ended:
-    // the old session's id reached the new daemon (which does not know it).
-    if (status.ok() ||
-        !(absl::IsUnavailable(status) ||
-          (absl::IsFailedPrecondition(status) && SessionEnded(generation, /*look=*/true)))) {
+    // UNAVAILABLE: the daemon is gone or stopping. CANCELLED that the caller did not ask for: a
+    // daemon stopping cleanly cancels the calls in progress. FAILED_PRECONDITION after the
+    // session ended: the old session's id reached the new daemon (which does not know it).
+    const bool dropped = absl::IsUnavailable(status) ||
+                         (absl::IsCancelled(status) && (cancel == nullptr || !cancel->cancelled()));
+    if (status.ok() || !(dropped || (absl::IsFailedPrecondition(status) &&
+                                     SessionEnded(generation, /*look=*/true)))) {
       return result;
     }
     if (!repeatable) {
-      if (!absl::IsUnavailable(status)) return result;  // refused before it was carried out
+      if (!dropped) return result;  // refused before it was carried out
       return absl::UnavailableError(absl::StrCat(
           absl::string_view(what.data(), what.size()),
           ": fate unknown: the session with tensorshmd at unix:", socket_,

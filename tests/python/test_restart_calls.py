@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,6 +81,8 @@ def test_publish_in_flight_at_the_kill_says_its_fate_is_unknown():
     client = None
     try:
         client = tensorshm.connect(daemon.socket, client_name="publisher")
+        # The segment is mapped already: what is in flight at the kill is the publish itself.
+        client.put("fate/warm", np.zeros(1024, np.float32)).release()
         w = client.create((1024,), "float32")
         np.from_dlpack(w)[:] = 1.0
         daemon.process.send_signal(signal.SIGSTOP)  # the publish is sent and waits for a reply
@@ -180,6 +183,6 @@ def test_session_id_and_repr_show_the_sessions_number_not_its_token(tmp_path):
             assert client.session_id == str(own[0]["session_id"])
             assert client.session_id.isdigit() and len(client.session_id) < 20
             assert f"session_id='{client.session_id}'" in repr(client)
-            assert not any(len(word) >= 32 for word in repr(client).replace("'", " ").split())
+            assert re.search("[0-9a-f]{32}", repr(client)) is None, repr(client)
     finally:
         daemon.stop()
