@@ -2,9 +2,11 @@
 
 #include <grpcpp/client_context.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <map>
 #include <optional>
 #include <set>
@@ -380,7 +382,10 @@ absl::Status ChannelOrRpc(ClientCore& core, v1::ChannelRequest& call,
     *response = std::move(*((*answer).*field)());
     return absl::OkStatus();
   }
-  if (!absl::IsUnavailable(answer.status())) return answer.status();
+  // The RPC only if the channel cannot be had: not after the daemon may have seen the request.
+  if (!absl::IsUnavailable(answer.status()) || SentWithoutAnswer(answer.status())) {
+    return answer.status();
+  }
   grpc::ClientContext context;
   core.PrepareContext(context, kCallTimeout);
   return FromGrpcStatus(((*core.stub()).*rpc)(&context, request, response));
@@ -413,30 +418,53 @@ absl::Status CreateWaiting(ClientCore& core, const v1::CreateRequest& request,
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  return ConnectImpl(options, nullptr);
+}
+
+absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options,
+                                                        const WaitCanceller& cancel) {
+  return ConnectImpl(options, cancel.state_.get());
+}
+
+absl::StatusOr<std::shared_ptr<Client>> Client::ConnectImpl(const ClientOptions& options,
+                                                            CancelState* cancel) {
   PrepareProcessForClients();
   const std::string socket = options.socket.empty() ? DefaultSocketPath() : options.socket;
   RememberDaemonSocket(socket);
-  // The daemon may be starting: connecting is tried until connect_timeout. A server of the wrong
-  // uid is refused at once.
+  const std::string from = options.socket.empty() ? "the default path" : "ClientOptions::socket";
+  // The daemon may be starting (its socket is there but does not accept yet): connecting is
+  // tried until connect_timeout, and so is opening the session. No socket file at all is no
+  // daemon: said at once. A server of the wrong uid is refused at once.
   const absl::Time deadline = absl::Now() + options.connect_timeout;
   absl::StatusOr<std::shared_ptr<DaemonConnection>> connection;
   while (true) {
+    if (cancel != nullptr && cancel->cancelled()) {
+      return absl::CancelledError(
+          absl::StrCat("connect to tensorshmd at unix:", socket, ": the wait was cancelled"));
+    }
     connection = DaemonConnection::Connect(socket, options.server_uid);
-    if (!absl::IsUnavailable(connection.status()) || absl::Now() >= deadline) break;
+    if (!absl::IsUnavailable(connection.status())) break;
+    struct stat file {};
+    if (::stat(socket.c_str(), &file) != 0 && (errno == ENOENT || errno == ENOTDIR)) {
+      return absl::UnavailableError(absl::StrCat("tensorshmd is not reachable at unix:", socket,
+                                                 ": no socket file at that path (is it running? "
+                                                 "socket from ",
+                                                 from, ")"));
+    }
+    if (absl::Now() >= deadline) break;
     absl::SleepFor(std::min(kConnectRetry, deadline - absl::Now()));
   }
   if (absl::IsUnavailable(connection.status())) {
-    return absl::UnavailableError(absl::StrCat(
-        "tensorshmd is not reachable at unix:", socket, " (is it running? socket from ",
-        options.socket.empty() ? "the default path" : "ClientOptions::socket",
-        "): ", connection.status().message()));
+    return absl::UnavailableError(absl::StrCat("tensorshmd is not reachable at unix:", socket,
+                                               " (is it running? socket from ", from,
+                                               "): ", connection.status().message()));
   }
   if (!connection.ok()) return connection.status();
   std::string name = options.client_name;
   if (name.empty()) name = absl::StrCat("pid-", getpid());
   auto core = std::make_shared<ClientCore>(socket, options.server_uid, *std::move(connection),
-                                           std::move(name));
-  if (absl::Status s = core->OpenSession(); !s.ok()) return s;
+                                           std::move(name), options.connect_timeout);
+  if (absl::Status s = core->OpenSession(deadline, cancel); !s.ok()) return s;
   std::shared_ptr<Client> client(new Client(core));
   client->sender_ = std::thread(&ClientCore::SendReleases, core.get(), core);
   return client;
@@ -456,7 +484,7 @@ Client::~Client() {
   }
 }
 
-std::string Client::session_id() const { return core_->session_id(); }
+std::string Client::session_id() const { return absl::StrCat(core_->session_number()); }
 
 uint64_t Client::daemon_instance() const { return core_->daemon_instance(); }
 
@@ -486,12 +514,29 @@ absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
 }
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout) {
-  return CreateImpl(spec, timeout, nullptr);
+  return CreateAcrossRestart(spec, timeout, nullptr);
 }
 
 absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout,
                                               const WaitCanceller& cancel) {
-  return CreateImpl(spec, timeout, cancel.state_.get());
+  return CreateAcrossRestart(spec, timeout, cancel.state_.get());
+}
+
+absl::StatusOr<WritableTensor> Client::CreateAcrossRestart(const TensorSpec& spec,
+                                                           absl::Duration timeout,
+                                                           CancelState* cancel) {
+  // A create the daemon made before it died is freed by it (or its successor, after the grace
+  // period): made again on the new session, it costs nothing twice.
+  const absl::Time start = absl::Now();
+  return core_->CallAcrossRestart(
+      "create", ClientCore::RestartDeadline(timeout), /*repeatable=*/true, cancel, [&] {
+        absl::Duration left = timeout;
+        if (timeout != absl::InfiniteDuration() && timeout > absl::ZeroDuration()) {
+          // At least a millisecond: zero would mean "do not wait" to a wait that ran out.
+          left = std::max(absl::Milliseconds(1), start + timeout - absl::Now());
+        }
+        return CreateImpl(spec, left, cancel);
+      });
 }
 
 absl::StatusOr<WritableTensor> Client::CreateImpl(const TensorSpec& spec, absl::Duration timeout,
@@ -671,8 +716,6 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
         absl::StrCat("tensor ", tensor.tensor_id_, ": created by another client"));
   }
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
-  // Refused if a restarted daemon did not take the tensor back: its id may name another now.
-  if (absl::Status s = core_->UnpublishedId(tensor.key_).status(); !s.ok()) return s;
   v1::ChannelRequest call;
   v1::PublishRequest& request = *call.mutable_publish();
   request.set_tensor_id(tensor.tensor_id_);
@@ -698,8 +741,17 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
     request.set_ready_event(*std::move(event));
   }
   v1::PublishResponse response;
-  if (absl::Status s = ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_published,
-                                    &v1::TensorShm::Stub::Publish, request, &response);
+  // Sent once: a publish whose session ended meanwhile has an unknown fate (CallAcrossRestart).
+  if (absl::Status s = core_->CallAcrossRestart(
+          absl::StrCat("publish of tensor ", tensor.tensor_id_, " as name = \"", View(name), "\""),
+          ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/false, nullptr,
+          [&] {
+            // Refused if a restarted daemon did not take the tensor back: its id may name
+            // another now.
+            if (absl::Status s = core_->UnpublishedId(tensor.key_).status(); !s.ok()) return s;
+            return ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_published,
+                                &v1::TensorShm::Stub::Publish, request, &response);
+          });
       !s.ok()) {
     return s;
   }
@@ -712,9 +764,32 @@ absl::Status Client::PublishImpl(WritableTensor& tensor, std::string_view name, 
   return absl::OkStatus();
 }
 
+namespace {
+
+// AcquireLease, across a daemon restart (ClientCore::CallAcrossRestart): each attempt waits for a
+// publish for what is left of `timeout`.
+absl::StatusOr<std::unique_ptr<Lease>> AcquireAcrossRestart(const std::shared_ptr<ClientCore>& core,
+                                                            std::string_view name,
+                                                            absl::Duration timeout, ReadySync sync,
+                                                            CancelState* cancel) {
+  const absl::Time start = absl::Now();
+  return core->CallAcrossRestart(
+      absl::StrCat("acquire of name = \"", View(name), "\""), ClientCore::RestartDeadline(timeout),
+      /*repeatable=*/true, cancel, [&] {
+        absl::Duration left = timeout;
+        if (timeout != absl::InfiniteDuration() && timeout > absl::ZeroDuration()) {
+          left = std::max(absl::ZeroDuration(), start + timeout - absl::Now());
+        }
+        return AcquireLease(core, name, left, sync, cancel);
+      });
+}
+
+}  // namespace
+
 absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
                                                           absl::Duration timeout, ReadySync sync) {
-  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout, sync, nullptr);
+  absl::StatusOr<std::unique_ptr<Lease>> lease =
+      AcquireAcrossRestart(core_, name, timeout, sync, nullptr);
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->versioned.deleter = DeleteVersioned;
@@ -725,7 +800,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
                                                           absl::Duration timeout, ReadySync sync,
                                                           const WaitCanceller& cancel) {
   absl::StatusOr<std::unique_ptr<Lease>> lease =
-      AcquireLease(core_, name, timeout, sync, cancel.state_.get());
+      AcquireAcrossRestart(core_, name, timeout, sync, cancel.state_.get());
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->versioned.deleter = DeleteVersioned;
@@ -743,7 +818,8 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::TryAcquireLocal(std::string_vi
 
 absl::StatusOr<DLManagedTensor*> Client::AcquireLegacy(std::string_view name,
                                                        absl::Duration timeout, ReadySync sync) {
-  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(core_, name, timeout, sync, nullptr);
+  absl::StatusOr<std::unique_ptr<Lease>> lease =
+      AcquireAcrossRestart(core_, name, timeout, sync, nullptr);
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->legacy.deleter = DeleteLegacy;
@@ -757,8 +833,12 @@ absl::Status Client::Delete(std::string_view name) {
   v1::DeleteRequest& request = *call.mutable_delete_();
   request.set_name(std::string(name));
   v1::DeleteResponse response;
-  return ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_deleted,
-                      &v1::TensorShm::Stub::Delete, request, &response);
+  return core_->CallAcrossRestart(
+      absl::StrCat("delete of name = \"", View(name), "\""),
+      ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/true, nullptr, [&] {
+        return ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_deleted,
+                            &v1::TensorShm::Stub::Delete, request, &response);
+      });
 }
 
 absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
@@ -766,10 +846,15 @@ absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
   if (absl::Status s = ValidateNamePrefix(View(prefix)); !s.ok()) return s;
   v1::ListRequest request;
   request.set_prefix(std::string(prefix));
-  grpc::ClientContext context;
-  core_->PrepareContext(context, kCallTimeout);
   v1::ListResponse response;
-  if (absl::Status s = FromGrpcStatus(core_->stub()->List(&context, request, &response)); !s.ok()) {
+  if (absl::Status s = core_->CallAcrossRestart(
+          "list", ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/true, nullptr,
+          [&] {
+            grpc::ClientContext context;
+            core_->PrepareContext(context, kCallTimeout);
+            return FromGrpcStatus(core_->stub()->List(&context, request, &response));
+          });
+      !s.ok()) {
     return s;
   }
   std::vector<TensorInfo> result;
@@ -796,10 +881,14 @@ absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
 
 absl::StatusOr<ServerStats> Client::Stat() {
   if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
-  grpc::ClientContext context;
-  core_->PrepareContext(context, kCallTimeout);
   v1::StatResponse response;
-  if (absl::Status s = FromGrpcStatus(core_->stub()->Stat(&context, v1::StatRequest(), &response));
+  if (absl::Status s = core_->CallAcrossRestart(
+          "stat", ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/true, nullptr,
+          [&] {
+            grpc::ClientContext context;
+            core_->PrepareContext(context, kCallTimeout);
+            return FromGrpcStatus(core_->stub()->Stat(&context, v1::StatRequest(), &response));
+          });
       !s.ok()) {
     return s;
   }
@@ -821,11 +910,15 @@ absl::StatusOr<ServerStats> Client::Stat() {
 
 absl::StatusOr<std::vector<SessionInfo>> Client::Sessions() {
   if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
-  grpc::ClientContext context;
-  core_->PrepareContext(context, kCallTimeout);
   v1::SessionsResponse response;
-  if (absl::Status s =
-          FromGrpcStatus(core_->stub()->Sessions(&context, v1::SessionsRequest(), &response));
+  if (absl::Status s = core_->CallAcrossRestart(
+          "sessions", ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/true, nullptr,
+          [&] {
+            grpc::ClientContext context;
+            core_->PrepareContext(context, kCallTimeout);
+            return FromGrpcStatus(
+                core_->stub()->Sessions(&context, v1::SessionsRequest(), &response));
+          });
       !s.ok()) {
     return s;
   }

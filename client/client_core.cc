@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -31,6 +32,50 @@ constexpr uint64_t kMaxStockBytes = 16 << 20;
 
 // How often an idle sender looks at the channel's state.
 constexpr absl::Duration kIdleCheck = absl::Milliseconds(100);
+// How often a call waiting for a new session (CallAcrossRestart) has the sender try again.
+constexpr absl::Duration kSessionPoll = absl::Milliseconds(100);
+
+// Cancels a stream's context unless disarmed by a deadline: a daemon that accepted the
+// connection but does not answer (stopped with SIGSTOP, hung) must not hold a session's opening
+// forever, and a sync stream's reads take no deadline of their own.
+class OpenDeadline {
+ public:
+  OpenDeadline(grpc::ClientContext* context, absl::Time deadline)
+      : thread_([this, context, deadline] {
+          MutexLock lock(&mu_);
+          while (!disarmed_) {
+            const absl::Duration left = deadline - absl::Now();
+            if (left <= absl::ZeroDuration()) {
+              fired_ = true;
+              context->TryCancel();
+              return;
+            }
+            disarm_.WaitWithTimeout(&mu_, left);
+          }
+        }) {}
+  ~OpenDeadline() { Disarm(); }
+  OpenDeadline(const OpenDeadline&) = delete;
+  OpenDeadline& operator=(const OpenDeadline&) = delete;
+
+  // Stops the timer; true if it had fired (the context was cancelled).
+  bool Disarm() {
+    {
+      MutexLock lock(&mu_);
+      disarmed_ = true;
+      disarm_.Signal();
+    }
+    if (thread_.joinable()) thread_.join();
+    MutexLock lock(&mu_);
+    return fired_;
+  }
+
+ private:
+  Mutex mu_;
+  CondVar disarm_;
+  bool disarmed_ ABSL_GUARDED_BY(mu_) = false;
+  bool fired_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: starts once the rest is made
+};
 
 // The lease id a page lease carries in held_ after a restart turned it into a reattached one,
 // until the new daemon answers with the real id.
@@ -38,7 +83,7 @@ constexpr uint64_t kPageLeaseId = ~uint64_t{0};
 
 }  // namespace
 
-absl::Status ClientCore::Open(bool reattach) {
+absl::Status ClientCore::Open(bool reattach, absl::Time deadline, CancelState* cancel) {
   // The session's stream runs on `connection`, so it is declared before the stream's context.
   std::shared_ptr<DaemonConnection> connection;
   if (reattach) {
@@ -73,11 +118,26 @@ absl::Status ClientCore::Open(bool reattach) {
       open.mutable_open()->add_unpublished_tensor_ids(tensor_id);
     }
   }
+  ScopedWait waiting(cancel, CancelState::Wait{context.get(), nullptr});
+  if (!waiting.registered()) return absl::CancelledError("connect: the wait was cancelled");
   auto stream = connection->stub()->Session(context.get());
   v1::SessionResponse opened;
-  if (!stream->Write(open) || !stream->Read(&opened) || !opened.has_opened()) {
+  OpenDeadline timer(context.get(), deadline);
+  const bool answered = stream->Write(open) && stream->Read(&opened) && opened.has_opened();
+  const bool timed_out = timer.Disarm();
+  if (!answered) {
     stream->WritesDone();
     absl::Status status = FromGrpcStatus(stream->Finish());
+    if (cancel != nullptr && cancel->cancelled()) {
+      return absl::CancelledError(
+          absl::StrCat("connect to tensorshmd at unix:", socket_, ": the wait was cancelled"));
+    }
+    if (timed_out) {
+      return absl::UnavailableError(
+          absl::StrCat("tensorshmd at unix:", socket_,
+                       " accepted the connection but did not open a session "
+                       "by the connect timeout (is the daemon stopped or hung?)"));
+    }
     // A refusal (PERMISSION_DENIED, ...) keeps its code; a broken connection is UNAVAILABLE.
     const absl::StatusCode code = status.ok() || status.code() == absl::StatusCode::kCancelled ||
                                           status.code() == absl::StatusCode::kDeadlineExceeded
@@ -98,7 +158,10 @@ absl::Status ClientCore::Open(bool reattach) {
   {
     MutexLock lock(&mu_);
     session_id_ = answer.session_id();
+    session_number_ = answer.session_number();
     daemon_instance_ = answer.instance_id();
+    ++generation_;
+    session_opened_.SignalAll();
     if (reattach) {
       // Batches numbered before now went to the old session, which will never acknowledge them
       // (one may have failed on the broken stream): Flush must not wait for them.
@@ -262,10 +325,11 @@ bool ClientCore::Reconnect() {
       pending_abandons_.clear();
       if (SenderDone()) return false;
     }
-    absl::Status opened = Open(/*reattach=*/true);
+    absl::Status opened = Open(/*reattach=*/true, absl::Now() + connect_timeout_, nullptr);
     if (opened.ok()) return true;
     MutexLock lock(&mu_);
     reconnect_error_ = opened;
+    // A call waiting for the new session (WaitForSession) cuts the pause short.
     if (!SenderDone()) work_.WaitWithTimeout(&mu_, backoff);
     backoff = std::min(backoff * 2, kMaxBackoff);
   }
@@ -278,9 +342,48 @@ void ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration tim
   }
 }
 
+bool ClientCore::SessionEnded(uint64_t generation, bool look) const {
+  {
+    MutexLock lock(&mu_);
+    if (generation_ != generation || !connected_) return true;
+  }
+  return look && connection()->Broken();
+}
+
+bool ClientCore::WaitForSession(uint64_t generation, absl::Time deadline,
+                                const CancelState* cancel) {
+  MutexLock lock(&mu_);
+  while (generation_ == generation) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline || (cancel != nullptr && cancel->cancelled()) || client_closed_) {
+      return false;
+    }
+    // A live stream is probed with an empty batch (the daemon may be stopping without having
+    // hung up yet); a broken one is reconnected now rather than after the backoff.
+    if (connected_) flush_requested_ = true;
+    work_.Signal();
+    session_opened_.WaitWithTimeout(&mu_, std::min(kSessionPoll, deadline - now));
+  }
+  return true;
+}
+
+absl::Status ClientCore::NoSession(std::string_view what) const {
+  MutexLock lock(&mu_);
+  return absl::UnavailableError(absl::StrCat(
+      absl::string_view(what.data(), what.size()), ": the session with tensorshmd at unix:",
+      socket_, " ended and no new one opened before the call's deadline (is the daemon running?)",
+      reconnect_error_.ok() ? ""
+                            : absl::StrCat(" (last attempt: ", reconnect_error_.message(), ")")));
+}
+
 std::string ClientCore::session_id() const {
   MutexLock lock(&mu_);
   return session_id_;
+}
+
+uint64_t ClientCore::session_number() const {
+  MutexLock lock(&mu_);
+  return session_number_;
 }
 
 uint64_t ClientCore::daemon_instance() const {

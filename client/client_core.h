@@ -12,12 +12,15 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "client/cancel.h"
 #include "client/cuda_state.h"
 #include "client/daemon_connection.h"
 #include "client/fast_path.h"
@@ -47,11 +50,14 @@ inline constexpr absl::Duration kCallTimeout = absl::Seconds(60);
 class ClientCore {
  public:
   // `connection`: the first connection, made with ConnectToDaemon's check for `server_uid`.
+  // `connect_timeout`: how long opening a session may take (ClientOptions::connect_timeout).
   ClientCore(std::string socket, std::optional<uint32_t> server_uid,
-             std::shared_ptr<DaemonConnection> connection, std::string client_name)
+             std::shared_ptr<DaemonConnection> connection, std::string client_name,
+             absl::Duration connect_timeout)
       : socket_(std::move(socket)),
         server_uid_(server_uid),
         client_name_(std::move(client_name)),
+        connect_timeout_(connect_timeout),
         fork_generation_(ForkGeneration()),
         pid_(getpid()),
         memory_(socket_, server_uid_),
@@ -63,8 +69,35 @@ class ClientCore {
   // OK in the process that connected; FAILED_PRECONDITION naming both pids in a forked child.
   absl::Status CheckProcess() const;
 
-  // Opens the first session. A refusal keeps its code; no daemon is UNAVAILABLE.
-  absl::Status OpenSession() { return Open(/*reattach=*/false); }
+  // Opens the first session, by `deadline` (a daemon that accepted the connection but does not
+  // answer, e.g. stopped, is UNAVAILABLE then); `cancel` (may be null) ends the wait with
+  // CANCELLED. A refusal keeps its code; no daemon is UNAVAILABLE.
+  absl::Status OpenSession(absl::Time deadline, CancelState* cancel) {
+    return Open(/*reattach=*/false, deadline, cancel);
+  }
+
+  // Runs `attempt` (a callable returning absl::Status or absl::StatusOr<T>) on the current
+  // session and, when it fails because that session ended (the daemon restarted or stopped:
+  // UNAVAILABLE, or a refusal of the old session's id), waits for the sender thread to open a new
+  // session and runs it again there, until `deadline` or `cancel` (may be null). A daemon that
+  // stops cleanly cancels the calls in progress: CANCELLED that `cancel` did not cause counts as
+  // the session ending too. Returns the last attempt's result, or UNAVAILABLE naming the socket if
+  // no session opened in time.
+  //
+  // `repeatable`: whether running `attempt` twice is harmless (Stat, List, Acquire, Delete,
+  // Create). A call that is not (Publish) is sent only on a session not known to have ended;
+  // when it then fails UNAVAILABLE its fate is unknown (the daemon may have committed it before
+  // the session ended): it answers UNAVAILABLE saying so, naming `what`, and is not repeated.
+  template <typename Attempt>
+  auto CallAcrossRestart(std::string_view what, absl::Time deadline, bool repeatable,
+                         const CancelState* cancel, Attempt&& attempt) -> decltype(attempt());
+  // The deadline CallAcrossRestart gives a call with `timeout`: that long when positive and
+  // finite, else (no wait, or no deadline) kCallTimeout.
+  static absl::Time RestartDeadline(absl::Duration timeout) {
+    return absl::Now() + (timeout > absl::ZeroDuration() && timeout != absl::InfiniteDuration()
+                              ? timeout
+                              : kCallTimeout);
+  }
 
   // Registers a lease the daemon granted on `tensor_id`; returns the client-side key that
   // QueueRelease takes. Each lease is "outstanding" until released.
@@ -159,7 +192,10 @@ class ClientCore {
   // them to be worth a look through the fast path's view of the catalog (without a fast path,
   // they wait for the next session that has one). Cheap when there are few.
   void SweepReadyEvents() ABSL_LOCKS_EXCLUDED(mu_);
+  // The session's secret token, sent with every call: never shown (logs, messages, repr).
   std::string session_id() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The daemon's number for the session (SessionOpened.session_number), for display.
+  uint64_t session_number() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t daemon_instance() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& socket() const { return socket_; }
 
@@ -179,7 +215,25 @@ class ClientCore {
   // leases in held_, re-registered like the others.
   void RetireFastPath() ABSL_LOCKS_EXCLUDED(mu_);
   // Opens a session stream; with `reattach`, asks the daemon to take back what this client holds.
-  absl::Status Open(bool reattach) ABSL_LOCKS_EXCLUDED(mu_);
+  // UNAVAILABLE if the daemon has not answered by `deadline`; CANCELLED when `cancel` (may be
+  // null) is.
+  absl::Status Open(bool reattach, absl::Time deadline, CancelState* cancel)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts sessions opened: a call notes it before running, to tell a restart from its answer.
+  uint64_t session_generation() const ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
+    return generation_;
+  }
+  // True once session `generation` is known to have ended: a newer one opened, the sender saw
+  // its stream break, or the daemon hung up its connection (`look`: poll the connection too).
+  bool SessionEnded(uint64_t generation, bool look) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until a session newer than `generation` is open (true), or until `deadline` or
+  // `cancel` (false). Meanwhile the sender is asked to look at the stream and to try
+  // reconnecting at least every kSessionPoll, instead of backing off.
+  bool WaitForSession(uint64_t generation, absl::Time deadline, const CancelState* cancel)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // UNAVAILABLE for a call of `what` that found no session by its deadline.
+  absl::Status NoSession(std::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);
   // After the stream broke: reopens a session, with backoff. False if the sender should exit.
   bool Reconnect() ABSL_LOCKS_EXCLUDED(mu_);
   // Fills `batch` from the queues (ids the daemon no longer knows are dropped); false if empty.
@@ -193,6 +247,7 @@ class ClientCore {
   const std::string socket_;
   const std::optional<uint32_t> server_uid_;
   const std::string client_name_;
+  const absl::Duration connect_timeout_;
   const uint64_t fork_generation_;
   const pid_t pid_;
   MemoryChannel memory_;
@@ -209,6 +264,9 @@ class ClientCore {
   CondVar work_;   // the sender has something to do
   CondVar acked_;  // a batch was acknowledged, or the stream broke
   std::string session_id_ ABSL_GUARDED_BY(mu_);
+  uint64_t session_number_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // sessions opened so far
+  CondVar session_opened_;                        // generation_ changed
   uint64_t daemon_instance_ ABSL_GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, HeldLease> held_ ABSL_GUARDED_BY(mu_);  // by client-side key
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
@@ -247,6 +305,50 @@ class ClientCore {
   std::atomic<int64_t> page_leases_{0};
   std::atomic<bool> closing_{false};  // client_closed_, for releases that do not lock
 };
+
+namespace internal {
+inline const absl::Status& StatusOf(const absl::Status& status) { return status; }
+template <typename T>
+const absl::Status& StatusOf(const absl::StatusOr<T>& result) {
+  return result.status();
+}
+}  // namespace internal
+
+template <typename Attempt>
+auto ClientCore::CallAcrossRestart(std::string_view what, absl::Time deadline, bool repeatable,
+                                   const CancelState* cancel, Attempt&& attempt)
+    -> decltype(attempt()) {
+  while (true) {
+    const uint64_t generation = session_generation();
+    // Not sent on a session known to have ended: what is sent there has an unknown fate.
+    if (!repeatable && SessionEnded(generation, /*look=*/true)) {
+      if (!WaitForSession(generation, deadline, cancel)) return NoSession(what);
+      continue;
+    }
+    auto result = attempt();
+    const absl::Status& status = internal::StatusOf(result);
+    // UNAVAILABLE: the daemon is gone or stopping. CANCELLED that the caller did not ask for: a
+    // daemon stopping cleanly cancels the calls in progress. FAILED_PRECONDITION after the
+    // session ended: the old session's id reached the new daemon (which does not know it).
+    const bool dropped = absl::IsUnavailable(status) ||
+                         (absl::IsCancelled(status) && (cancel == nullptr || !cancel->cancelled()));
+    if (status.ok() || !(dropped || (absl::IsFailedPrecondition(status) &&
+                                     SessionEnded(generation, /*look=*/true)))) {
+      return result;
+    }
+    if (!repeatable) {
+      if (!dropped) return result;  // refused before it was carried out
+      return absl::UnavailableError(absl::StrCat(
+          absl::string_view(what.data(), what.size()),
+          ": fate unknown: the session with tensorshmd at unix:", socket_,
+          " ended (the daemon stopped, died or restarted) while the call was in flight, so the "
+          "daemon may or may not have carried it out; not repeated automatically, since doing it "
+          "twice is not harmless: check before retrying (",
+          status.message(), ")"));
+    }
+    if (!WaitForSession(generation, deadline, cancel)) return result;
+  }
+}
 
 }  // namespace tensorshm
 

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstring>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "client/daemon_connection.h"
 #include "client/fork.h"
@@ -22,6 +23,9 @@ namespace {
 
 // A daemon that neither answers nor closes the connection within this long is taken as gone.
 constexpr int kIoTimeoutSeconds = 30;
+
+// The payload that marks a failure after the request was sent (SentWithoutAnswer).
+constexpr char kSentWithoutAnswer[] = "tensorshm.dev/memory-channel/sent-without-answer";
 
 }  // namespace
 
@@ -105,6 +109,7 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& requ
   request.AppendToString(&frame);
   EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
   absl::Status status = SendWithFd(fd_, frame, -1, /*nonblocking=*/false, where);
+  const bool sent = status.ok();
   std::string body;
   if (status.ok()) {
     if (calls_without_spin_ > 0) {
@@ -125,9 +130,15 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& requ
     *fd = -1;
     CloseConnection();
     // The daemon went away or broke the protocol: either way the channel is gone.
-    return absl::UnavailableError(status.message());
+    absl::Status gone = absl::UnavailableError(status.message());
+    if (sent) gone.SetPayload(kSentWithoutAnswer, absl::Cord("1"));
+    return gone;
   }
   return response;
+}
+
+bool SentWithoutAnswer(const absl::Status& status) {
+  return status.GetPayload(kSentWithoutAnswer).has_value();
 }
 
 absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& session_token,
@@ -143,7 +154,9 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& s
     }
     absl::StatusOr<v1::ChannelResponse> response = Call(request, fd);
     if (!response.ok()) {
-      if (attempt == 0) continue;
+      // Sent again only if the daemon cannot have seen it: a request it may have carried out
+      // (a publish) must not be carried out twice.
+      if (attempt == 0 && !SentWithoutAnswer(response.status())) continue;
       return response.status();
     }
     if (response->code() != 0) {

@@ -18,6 +18,11 @@ namespace tensorshm {
 // whenever the session it is asked for is not the one it is bound to. Every connection is checked
 // for who serves it before anything is sent (ConnectToDaemon with `server_uid`): a refused
 // server is PERMISSION_DENIED.
+// True for an Exchange failure after the request was sent, with no answer: the daemon may have
+// carried it out (and then stopped, or closed the connection). Other failures left the request
+// unseen by any daemon.
+bool SentWithoutAnswer(const absl::Status& status);
+
 class MemoryChannel {
  public:
   MemoryChannel(std::string socket, std::optional<uint32_t> server_uid)
@@ -33,7 +38,8 @@ class MemoryChannel {
   // Sends `request` for session `session_token` and returns the daemon's response, with the
   // descriptor that came with it in `*fd` (the caller owns it) or -1. A response whose code is
   // not OK becomes that status, with the daemon's message, and its descriptor is closed. A broken
-  // connection is made again once; no daemon is UNAVAILABLE.
+  // connection is made again once, and the request sent again if it was not sent before; no
+  // daemon is UNAVAILABLE (SentWithoutAnswer tells whether it may have seen the request).
   absl::StatusOr<v1::ChannelResponse> Exchange(const std::string& session_token,
                                                v1::ChannelRequest& request, int* fd)
       ABSL_LOCKS_EXCLUDED(mu_);

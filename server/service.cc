@@ -341,6 +341,7 @@ absl::StatusOr<v1::SessionResponse> TensorShmService::OpenSession(
                  << peer.uid << ", client \"" << LogEscape(open.client_name()) << "\", "
                  << context.peer();
   opened.mutable_opened()->set_session_id(*token);
+  opened.mutable_opened()->set_session_number(*session_id);
   opened.mutable_opened()->set_server_version(TENSORSHM_VERSION);
   return opened;
 }

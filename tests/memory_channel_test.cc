@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tensorshm/v1/tensorshm.pb.h"
+#include "tests/raw_session.h"
 #include "tests/tensor_bytes.h"
 #include "tests/test_daemon.h"
 
@@ -143,10 +144,10 @@ std::string NamespacesUnavailable() {
 TEST(ChannelTest, BindsOnlyTheSessionsOwnProcessAndGrantsDescriptorsByUid) {
   absl::StatusOr<TestDaemon> daemon = TestDaemon::Start("chan-bind");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> client =
-      Client::Connect(ClientOptions{daemon->socket(), "chan"});
-  ASSERT_OK(client);
-  const std::string token = (*client)->session_id();
+  // A session of this process's own (Client::session_id is a number, never the token).
+  RawSession session(daemon->socket(), "chan");
+  const std::string token = session.token();
+  ASSERT_FALSE(token.empty());
 
   RawChannel channel(daemon->socket());
   int fd = -1;
@@ -222,7 +223,7 @@ TEST(ChannelTest, BindsOnlyTheSessionsOwnProcessAndGrantsDescriptorsByUid) {
   EXPECT_EQ(r->code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
 
   // Once the session ends, its channel grants nothing more.
-  client->reset();
+  session.Close();
   absl::StatusOr<v1::ChannelResponse> after;
   for (int i = 0; i < 200; ++i) {
     after = channel.Call(SegmentOf(instance, 1, false), &fd);
@@ -344,7 +345,7 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
   absl::StatusOr<DLManagedTensorVersioned*> x = (*a)->Acquire("x");
   ASSERT_OK(x);
   const uint64_t x_sum = StorageHash((*x)->dl_tensor);
-  const std::string old_session = (*a)->session_id();
+  const uint64_t old_instance = (*a)->daemon_instance();
 
   first->process().Kill(SIGTERM);
   ASSERT_TRUE(first->process().Wait(absl::Seconds(15)).ok());
@@ -359,10 +360,10 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
   auto [produced_status, produced] = RunPeer(
       *first, {"produce", "y", "--dtype", "uint8", "--shape", "4096", "--seed", "42"}, "y.log");
   ASSERT_TRUE(ExitedOk(produced_status)) << produced;
-  for (int i = 0; i < 2000 && (*a)->session_id() == old_session; ++i) {
+  for (int i = 0; i < 2000 && (*a)->daemon_instance() == old_instance; ++i) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  ASSERT_NE((*a)->session_id(), old_session) << "client did not reconnect";
+  ASSERT_NE((*a)->daemon_instance(), old_instance) << "client did not reconnect";
   // Nothing is pending: Flush answers at once (no wait for batches the old daemon never
   // acknowledged), with the loss of x's lease, which a clean stop ended.
   std::future<absl::Status> flushed = std::async(std::launch::async, [&] { return (*a)->Flush(); });

@@ -64,6 +64,7 @@
 #include "common/wire.h"
 #include "tensorshm/client.h"
 #include "tests/fake_cuda/fake_cuda.h"
+#include "tests/raw_session.h"
 #include "tests/tensor_bytes.h"
 
 namespace {
@@ -595,8 +596,10 @@ int Main(int argc, char** argv) {
     };
     if (write(fd, tensorshm::kChannelHello, tensorshm::kChannelHelloBytes) != 8) return 5;
     int received = -1;
+    // A session of this process's own: Client::session_id is a number, never the token.
+    tensorshm::testing::RawSession session(options.socket, "probe-channel");
     tensorshm::v1::ChannelRequest bind;
-    bind.mutable_bind()->set_session_id((*client)->session_id());
+    bind.mutable_bind()->set_session_id(session.token());
     const tensorshm::v1::ChannelResponse bound = call(bind, &received);
     std::cout << "bind: code " << bound.code() << std::endl;
     tensorshm::v1::ChannelRequest want;

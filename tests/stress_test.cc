@@ -314,10 +314,11 @@ absl::StatusOr<ChildProcess> StartDaemon(const std::string& socket, const std::s
   return daemon;
 }
 
-// Waits (bounded) until `client` has reconnected: its session id differs from `old_session`.
-bool WaitForReconnect(Client& client, const std::string& old_session) {
+// Waits (bounded) until `client` has reconnected to a restarted daemon: its daemon instance
+// differs from `old_instance` (session numbers start again at each daemon start).
+bool WaitForReconnect(Client& client, uint64_t old_instance) {
   for (int i = 0; i < 2000; ++i) {
-    if (client.session_id() != old_session) return true;
+    if (client.daemon_instance() != old_instance) return true;
     absl::SleepFor(absl::Milliseconds(10));
   }
   return false;
@@ -360,8 +361,8 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   ASSERT_TRUE(draft.ok());
   std::memset(draft->data(), 0x5a, 50000);  // half written when the daemon dies
 
-  const std::string consumer_session = (*consumer)->session_id();
-  const std::string producer_session = (*producer)->session_id();
+  const uint64_t consumer_session = (*consumer)->daemon_instance();
+  const uint64_t producer_session = (*producer)->daemon_instance();
   daemon->Kill(SIGKILL);
   ASSERT_TRUE(daemon->Wait(absl::Seconds(10)).ok());
   daemon = StartDaemon(socket, prefix, "3", dir + "/b.log");
@@ -428,7 +429,7 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   ASSERT_TRUE(late.ok()) << late.status();
   EXPECT_TRUE(LeaseStatus(*late).ok());
   const uint64_t late_id = (*consumer)->List("draft")->at(0).tensor_id;
-  const std::string second_session = (*consumer)->session_id();
+  const uint64_t second_session = (*consumer)->daemon_instance();
   daemon->Kill(SIGKILL);
   ASSERT_TRUE(daemon->Wait(absl::Seconds(10)).ok());
   daemon = StartDaemon(socket, prefix, "0", dir + "/c.log");

@@ -259,15 +259,22 @@ class WaitCanceller {
 class Client {
  public:
   // Connects to tensorshmd and opens a session. UNAVAILABLE naming the socket if the daemon does
-  // not answer within options.connect_timeout; PERMISSION_DENIED if the socket is served by a uid
-  // the client does not trust (see ClientOptions::server_uid; the check is made on every
-  // connection, reconnects included).
+  // not accept the connection and open the session within options.connect_timeout (a stopped
+  // daemon included), and at once if there is no socket file at the path; PERMISSION_DENIED if
+  // the socket is served by a uid the client does not trust (see ClientOptions::server_uid; the
+  // check is made on every connection, reconnects included).
   //
   // If the daemon goes away later, the client reconnects on its own in the background (backoff
-  // from 50 ms to 2 s) and re-registers the leases and unpublished tensors it still holds; a
+  // from 50 ms to 2 s; every 100 ms while a call waits for it; each attempt bounded by
+  // connect_timeout) and re-registers the leases and unpublished tensors it still holds; a
   // daemon restarted with the same --shm-prefix keeps them for its --recovery-grace. Tensors
-  // stay mapped and readable throughout. Calls made while reconnecting fail with UNAVAILABLE
-  // (or FAILED_PRECONDITION naming the old session) and may be retried. What the restarted
+  // stay mapped and readable throughout. A call that finds the session ended (before it is sent
+  // or while it is in flight) waits for the reconnect and runs again on the new session, while
+  // its deadline has not passed: its timeout when positive, else 60 s (a call that does not wait,
+  // or waits without end). That is done for the calls that are harmless to repeat (Acquire,
+  // Create, Delete, List, Stat, Sessions); a Publish in flight when the session ended is not
+  // repeated, since the daemon may have committed it: it answers UNAVAILABLE saying its fate is
+  // unknown (look, e.g. Acquire or List the name, before publishing again). What the restarted
   // daemon did not take back is reported, never silently dropped: Flush() answers DATA_LOSS,
   // LeaseStatus() does for each such tensor, and Publish() of such a writable tensor too.
   //
@@ -276,6 +283,10 @@ class Client {
   // keys every mapping by the daemon instance that made the segment, so a daemon restarted
   // under the same names never serves old bytes from a stale mapping.
   static absl::StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options = {});
+  // As Connect; `cancel`.Cancel() ends the wait for the daemon (connecting, or opening the
+  // session) with CANCELLED.
+  static absl::StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options,
+                                                         const WaitCanceller& cancel);
 
   ~Client();
   Client(const Client&) = delete;
@@ -374,7 +385,10 @@ class Client {
   // own; see Connect).
   absl::Status Flush();
 
-  // The session id the daemon assigned (a new one after reconnecting to a restarted daemon).
+  // The daemon's number for the session, in decimal: what tensorshmctl sessions, Sessions() and
+  // the daemon's log call its session id (a new one after reconnecting). Never the session's
+  // secret token. A restarted daemon numbers its sessions from 1 again: daemon_instance() tells
+  // which daemon a number belongs to.
   std::string session_id() const;
   // The daemon instance serving the session (SessionOpened.instance_id: a new one after the
   // daemon restarted), and the socket path the client connects to.
@@ -383,8 +397,13 @@ class Client {
 
  private:
   explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
+  static absl::StatusOr<std::shared_ptr<Client>> ConnectImpl(const ClientOptions& options,
+                                                             CancelState* cancel);
   absl::StatusOr<WritableTensor> CreateImpl(const TensorSpec& spec, absl::Duration timeout,
                                             CancelState* cancel);
+  // CreateImpl, run again on the new session when a daemon restart ended the old one.
+  absl::StatusOr<WritableTensor> CreateAcrossRestart(const TensorSpec& spec, absl::Duration timeout,
+                                                     CancelState* cancel);
   // Publish, filling *acquired (when not null) with the lease the daemon took in the same step.
   absl::Status PublishImpl(WritableTensor& tensor, std::string_view name, bool replace,
                            CudaStream ready_stream, v1::AcquireResponse* acquired);

@@ -58,7 +58,14 @@ const char* tsm_last_error(void);
 
 /* Connects. socket may be NULL (the default path); client_name may be NULL. On success *out is a
  * client to free with tsm_client_free; on failure *out is NULL. The daemon must run as this
- * process's effective uid or root (TSM_PERMISSION_DENIED otherwise; see tsm_connect_server_uid). */
+ * process's effective uid or root (TSM_PERMISSION_DENIED otherwise; see tsm_connect_server_uid).
+ * TSM_UNAVAILABLE at once if there is no socket file at the path, or after 5 s if the daemon does
+ * not accept the connection and open the session (a stopped daemon included).
+ *
+ * If the daemon restarts, the client reconnects by itself, and a call made meanwhile waits for
+ * the new session and runs there within its deadline (its timeout when positive, else 60 s);
+ * a publish in flight when the daemon died is not repeated: TSM_UNAVAILABLE, its message saying
+ * its fate is unknown (see tensorshm::Client::Connect). */
 int tsm_connect(const char* socket, const char* client_name, tsm_client** out);
 /* As tsm_connect, and also accepts a daemon served by server_uid. Every connection's server is
  * checked (SO_PEERCRED): by default it must be this process's effective uid or root, else

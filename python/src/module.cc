@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <list>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -17,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "arrow.h"
 #include "common/dtype.h"
+#include "common/mutex.h"
 #include "common/name.h"
 #include "common/wire.h"
 #include "copy_in.h"
@@ -834,6 +836,65 @@ void CloseClient(PyClient& self) {
   client.reset();  // the last reference, unless a call in progress holds one: it ends with it
 }
 
+// Client::Connect on a thread of its own, while this one looks for signals every
+// kSignalCheck: a signal's handler that raises (KeyboardInterrupt) cancels the connect and
+// raises here, and interpreter exit (_cancel_waits_at_exit) cancels it too, so neither waits
+// for a daemon that does not answer.
+absl::StatusOr<std::shared_ptr<Client>> ConnectHearingSignals(const ClientOptions& options) {
+  constexpr absl::Duration kSignalCheck = absl::Milliseconds(50);
+  struct Attempt {
+    Mutex mu;
+    CondVar done_cv;
+    bool done ABSL_GUARDED_BY(mu) = false;
+    absl::StatusOr<std::shared_ptr<Client>> result ABSL_GUARDED_BY(mu);
+  };
+  WaitCanceller cancel;
+  if (exiting) cancel.Cancel();
+  std::list<WaitingCall>& calls = WaitingCalls();
+  auto it = calls.insert(calls.end(), WaitingCall{nullptr, cancel});
+  auto attempt = std::make_shared<Attempt>();
+  std::thread connector([attempt, options, cancel] {
+    absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options, cancel);
+    MutexLock lock(&attempt->mu);
+    attempt->result = std::move(client);
+    attempt->done = true;
+    attempt->done_cv.SignalAll();
+  });
+  bool interrupted = false;
+  while (true) {
+    {
+      ReleaseGil release;
+      MutexLock lock(&attempt->mu);
+      if (!attempt->done) attempt->done_cv.WaitWithTimeout(&attempt->mu, kSignalCheck);
+      if (attempt->done) break;
+    }
+    if (PyErr_CheckSignals() != 0) {
+      interrupted = true;
+      cancel.Cancel();
+      break;
+    }
+  }
+  {
+    ReleaseGil release;
+    connector.join();
+  }
+  calls.erase(it);
+  absl::StatusOr<std::shared_ptr<Client>> result;
+  {
+    MutexLock lock(&attempt->mu);
+    result = std::move(attempt->result);
+  }
+  if (interrupted) {
+    // The exception the signal's handler raised goes up; a client made meanwhile closes.
+    if (result.ok()) {
+      ReleaseGil release;
+      result->reset();
+    }
+    throw nb::python_error();
+  }
+  return result;
+}
+
 std::string ClientRepr(const PyClient& self) {
   const ClientState& state = *self.state;
   const bool closed = state.client == nullptr;
@@ -1018,11 +1079,7 @@ NB_MODULE(_tensorshm, m) {
               }
               options.server_uid = static_cast<uint32_t>(*server_uid);
             }
-            absl::StatusOr<std::shared_ptr<Client>> client;
-            {
-              ReleaseGil release;
-              client = Client::Connect(options);
-            }
+            absl::StatusOr<std::shared_ptr<Client>> client = ConnectHearingSignals(options);
             auto state = std::make_shared<ClientState>();
             state->client = Check(std::move(client));
             state->socket = state->client->socket();

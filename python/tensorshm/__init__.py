@@ -105,8 +105,12 @@ class Client:
     client falsy (``if client:``), and the count would be stale at once; use
     ``len(client.keys())``.
 
-    If the daemon restarts, the client reconnects on its own (a new ``session_id``); calls made
-    meanwhile raise ConnectionError or FailedPreconditionError and may be retried. Tensors stay
+    If the daemon restarts, the client reconnects on its own (a new ``daemon_instance`` and
+    ``session_id``). A call made meanwhile waits for the new session and runs there, within its
+    deadline (its ``timeout`` when positive, else 60 s): ``stat``, ``list``, ``get``, ``delete``,
+    ``create`` ride through. A publish (``publish``, ``put``) in flight when the daemon died is not
+    repeated, since the daemon may have committed it: it raises ConnectionError saying its fate
+    is unknown (look for the name before publishing again). Tensors stay
     mapped and readable throughout; what the restarted daemon did not take back is reported:
     ``flush()`` raises DataLossError once, and such tensors' ``alive`` turns False.
 
@@ -121,7 +125,9 @@ class Client:
 
     @property
     def session_id(self) -> str:
-        """The session id the daemon assigned (a new one after a daemon restart)."""
+        """The daemon's number for this session, as ``tensorshmctl sessions`` and ``sessions()``
+        show it (a new one after a reconnect; numbering starts again at each daemon start). Never
+        the session's secret token."""
         return self._native.session_id
 
     @property
@@ -537,7 +543,9 @@ def connect(socket: str | None = None, *, client_name: str | None = None,
             timeout: float = 5.0, server_uid: int | None = None) -> Client:
     """Connect to tensorshmd. ``socket=None``: $TENSORSHM_SOCKET, else
     $XDG_RUNTIME_DIR/tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock.
-    ConnectionError if the daemon does not answer within ``timeout`` seconds.
+    ConnectionError if the daemon does not accept the connection and open the session within
+    ``timeout`` seconds (a stopped daemon included), and at once, naming the path, if there is no
+    socket file there. The wait hears signals: Ctrl-C raises KeyboardInterrupt.
 
     The client checks who serves every connection it makes to the socket (SO_PEERCRED): by
     default the daemon must run as this process's effective uid or as root, since a daemon of

@@ -102,7 +102,7 @@ def test_restarted_daemon_serves_its_own_bytes_and_reports_lost_leases():
         view = np.from_dlpack(x)
         back = through_exchange_api(x)
         assert (view == 7).all() and x.alive and back.alive
-        session = a.session_id
+        instance = a.daemon_instance
 
         # A clean stop removes the segments; the new daemon makes new ones under the same names.
         assert first.stop() == 0
@@ -110,7 +110,8 @@ def test_restarted_daemon_serves_its_own_bytes_and_reports_lost_leases():
         result = run_python(PUT_Y, current.socket)
         assert result.returncode == 0, result.stderr
 
-        assert wait_for(lambda: a.session_id != session, timeout=30), "client A did not reconnect"
+        assert wait_for(lambda: a.daemon_instance != instance, timeout=30), \
+            "client A did not reconnect"
         y = a.get("y")
         # With mappings keyed by segment alone, A read its mapping of x's old segment here: 7s.
         assert (np.from_dlpack(y) == 42).all()
