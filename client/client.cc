@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <map>
 #include <optional>
 #include <set>
@@ -48,6 +49,26 @@ alignas(256) const char kEmptyData[256] = {};
 
 absl::Status Cancelled(std::string_view what) {
   return absl::CancelledError(absl::StrCat(View(what), ": the wait was cancelled"));
+}
+
+// Whether a call that failed with `status` may have been granted by the daemon all the same: the
+// failure was the call's (a cancel, its deadline, its connection), not the daemon's answer, and
+// could have crossed an OK answer. Such a call is settled (ClientCore::QueueSettle). The daemon
+// answers DEADLINE_EXCEEDED itself before the call's own deadline, which is later (a wait's
+// timeout + kCallTimeout): only an expiry here is the call's.
+bool MayHaveBeenGranted(const absl::Status& status, const grpc::ClientContext& context) {
+  switch (status.code()) {
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kAborted:
+      return true;
+    case absl::StatusCode::kDeadlineExceeded:
+      return std::chrono::system_clock::now() >= context.deadline();
+    default:
+      return false;
+  }
 }
 
 }  // namespace
@@ -285,15 +306,20 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
   }
   v1::AcquireRequest request;
   request.set_name(std::string(name));
+  // The daemon settles a call whose answer this client does not take (a cancel or deadline
+  // crossing its OK): it gives the lease back when told the id.
+  const uint64_t request_id = core->NextRequestId();
+  request.set_request_id(request_id);
   grpc::ClientContext context;
+  std::string session;
   if (timeout == absl::InfiniteDuration()) {
     request.set_wait_ms(-1);
-    core->PrepareContext(context, absl::InfiniteDuration());
+    session = core->PrepareContext(context, absl::InfiniteDuration());
   } else {
     const int64_t wait_ms = absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)));
     request.set_wait_ms(wait_ms);
     // The call's own deadline leaves room for the daemon to answer DEADLINE_EXCEEDED itself.
-    core->PrepareContext(context, timeout + kCallTimeout);
+    session = core->PrepareContext(context, timeout + kCallTimeout);
   }
   v1::AcquireResponse response;
   {
@@ -301,7 +327,7 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
                        CancelState::Wait{&context, nullptr});
     if (!waiting.registered()) return Cancelled(absl::StrCat("name = \"", View(name), "\""));
     absl::Status s = FromGrpcStatus(core->stub()->Acquire(&context, request, &response));
-    // A cancelled call leaves no lease: the daemon drops what it granted a call that failed.
+    if (!s.ok() && MayHaveBeenGranted(s, context)) core->QueueSettle(session, request_id);
     if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) {
       return Cancelled(absl::StrCat("name = \"", View(name), "\""));
     }
@@ -397,20 +423,25 @@ absl::Status CreateWaiting(ClientCore& core, const v1::CreateRequest& request,
                            absl::Duration timeout, CancelState* cancel,
                            v1::CreateResponse* response) {
   v1::CreateRequest waiting = request;
+  // As an acquire's: a create whose answer this client does not take is settled (its buffers
+  // freed) by the daemon.
+  const uint64_t request_id = core.NextRequestId();
+  waiting.set_request_id(request_id);
   grpc::ClientContext context;
+  std::string session;
   if (timeout == absl::InfiniteDuration()) {
     waiting.set_wait_ms(-1);
-    core.PrepareContext(context, absl::InfiniteDuration());
+    session = core.PrepareContext(context, absl::InfiniteDuration());
   } else {
     waiting.set_wait_ms(std::max<int64_t>(
         1, absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)))));
     // The call's own deadline leaves room for the daemon to answer RESOURCE_EXHAUSTED itself.
-    core.PrepareContext(context, timeout + kCallTimeout);
+    session = core.PrepareContext(context, timeout + kCallTimeout);
   }
   ScopedWait wait(cancel, CancelState::Wait{&context, nullptr});
   if (!wait.registered()) return Cancelled("create");
   absl::Status s = FromGrpcStatus(core.stub()->Create(&context, waiting, response));
-  // The daemon frees what it made for a call that failed.
+  if (!s.ok() && MayHaveBeenGranted(s, context)) core.QueueSettle(session, request_id);
   if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) return Cancelled("create");
   return s;
 }

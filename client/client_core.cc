@@ -323,6 +323,7 @@ bool ClientCore::Reconnect() {
       settled_abandons_ = taken_abandons_;
       pending_leases_.clear();
       pending_abandons_.clear();
+      pending_settles_.clear();  // the dead session's grants went with it
       if (SenderDone()) return false;
     }
     absl::Status opened = Open(/*reattach=*/true, absl::Now() + connect_timeout_, nullptr);
@@ -335,11 +336,20 @@ bool ClientCore::Reconnect() {
   }
 }
 
-void ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
-  context.AddMetadata(kSessionMetadataKey, session_id());
+std::string ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
+  std::string session = session_id();
+  context.AddMetadata(kSessionMetadataKey, session);
   if (timeout != absl::InfiniteDuration()) {
     context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   }
+  return session;
+}
+
+void ClientCore::QueueSettle(const std::string& session, uint64_t request_id) noexcept {
+  MutexLock lock(&mu_);
+  if (session != session_id_) return;  // that session ended, and its grants with it
+  pending_settles_.push_back(request_id);
+  work_.Signal();
 }
 
 bool ClientCore::SessionEnded(uint64_t generation, bool look) const {
@@ -561,7 +571,12 @@ bool ClientCore::TakeBatch(v1::ReleaseBatch* batch) {
   }
   pending_abandons_.erase(pending_abandons_.begin(), pending_abandons_.begin() + taken);
   taken_abandons_ += taken;
-  return batch->lease_ids_size() > 0 || batch->abandoned_tensor_ids_size() > 0;
+  taken = std::min<size_t>(pending_settles_.size(), kMaxBatch);
+  batch->mutable_settled_request_ids()->Add(pending_settles_.begin(),
+                                            pending_settles_.begin() + taken);
+  pending_settles_.erase(pending_settles_.begin(), pending_settles_.begin() + taken);
+  return batch->lease_ids_size() > 0 || batch->abandoned_tensor_ids_size() > 0 ||
+         batch->settled_request_ids_size() > 0;
 }
 
 void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
@@ -573,7 +588,8 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
       MutexLock lock(&mu_);
       bool probe = false;
       while (connected_ && pending_leases_.empty() && pending_abandons_.empty() &&
-             to_populate_.empty() && !flush_requested_ && !SenderDone()) {
+             pending_settles_.empty() && to_populate_.empty() && !flush_requested_ &&
+             !SenderDone()) {
         // The sync stream says nothing until used, so a daemon gone while this client is idle
         // shows as its connection hung up, or sooner as the index's heartbeat going stale: an
         // empty batch then tells whether the stream lives.

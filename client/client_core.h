@@ -180,7 +180,17 @@ class ClientCore {
   bool CloseClient() ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Flush() ABSL_LOCKS_EXCLUDED(mu_);
 
-  void PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const
+  // Names the current session in `context` (and sets its deadline); returns the session's token.
+  std::string PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A fresh id for a call the daemon may have to settle (AcquireRequest.request_id,
+  // CreateRequest.request_id): unique over the client's life, so never reused in a session.
+  uint64_t NextRequestId() { return next_request_id_.fetch_add(1, std::memory_order_relaxed); }
+  // Queues a settle of call `request_id`, made on session `session` (PrepareContext's token),
+  // whose answer this client did not take: the daemon gives back what it granted the call (see
+  // ReleaseBatch.settled_request_ids). Dropped if that session ended (what it granted went with
+  // it). O(1), never blocks on I/O; sent with the next batch (Flush sends it).
+  void QueueSettle(const std::string& session, uint64_t request_id) noexcept
       ABSL_LOCKS_EXCLUDED(mu_);
   // The current connection's stub (held by the caller for its call: a reconnect may replace it).
   std::shared_ptr<v1::TensorShm::Stub> stub() const ABSL_LOCKS_EXCLUDED(connection_mu_) {
@@ -274,6 +284,8 @@ class ClientCore {
   std::unordered_map<uint64_t, uint64_t> unpublished_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);    // keys
   std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);  // keys
+  std::vector<uint64_t> pending_settles_ ABSL_GUARDED_BY(mu_);   // request ids
+  std::atomic<uint64_t> next_request_id_{1};
   // Releases (leases) and abandons queued so far, counted over the client's life, and how many
   // of each are settled: sent in a batch the daemon acknowledged, or dropped (their daemon is
   // gone, or it no longer knew them). The queues are FIFO, so Flush waits until the settled

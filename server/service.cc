@@ -1,9 +1,12 @@
 #include "server/service.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/check.h"
@@ -47,6 +50,29 @@ TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t se
       uid_limits_(uid_limits) {
   // The host pool is shared evenly between the uids creating tensors (HostPool::FairShare).
   catalog_->mutable_host_pool().set_creating_uids([this] { return uid_limits_.CreatingUids(); });
+}
+
+absl::Duration TensorShmService::CrossCancelHoldFromEnvironment() {
+  const char* value = std::getenv("TENSORSHMD_TEST_CROSS_CANCEL_MS");
+  int64_t ms = 0;
+  if (value == nullptr || !absl::SimpleAtoi(value, &ms) || ms <= 0) return absl::ZeroDuration();
+  TSM_LOG(kWarning) << "TENSORSHMD_TEST_CROSS_CANCEL_MS = " << ms
+                    << ": test mode (answers held back, no fast path); never in production";
+  return absl::Milliseconds(ms);
+}
+
+void TensorShmService::FinishGranting(grpc::ServerUnaryReactor* reactor, grpc::Status status,
+                                      bool granted) {
+  if (!granted || cross_cancel_hold_ == absl::ZeroDuration() || !status.ok()) {
+    reactor->Finish(std::move(status));
+    return;
+  }
+  // Test only: the answer leaves later, on a thread of its own. gRPC's shutdown waits for it
+  // (the call is not done until it is finished).
+  std::thread([reactor, status = std::move(status), hold = cross_cancel_hold_]() mutable {
+    absl::SleepFor(hold);
+    reactor->Finish(std::move(status));
+  }).detach();
 }
 
 absl::Status TensorShmService::MayChange(const tensorshm::Session& session, const Tensor& tensor,
@@ -252,6 +278,10 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
 absl::StatusOr<int> TensorShmService::GrantFastPath(const tensorshm::Session& session,
                                                     const v1::FastPathRequest& request,
                                                     v1::FastPathGrant* grant) {
+  if (cross_cancel_hold_ > absl::ZeroDuration()) {
+    return absl::FailedPreconditionError(
+        "fast_path: not offered under TENSORSHMD_TEST_CROSS_CANCEL_MS (test mode)");
+  }
   absl::StatusOr<int> fd = -1;
   switch (request.part()) {
     case v1::FastPathRequest::INDEX:
@@ -435,9 +465,23 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
     rejection->set_code(static_cast<int32_t>(status.code()));
     rejection->set_message(std::string(status.message()));
   }
+  for (uint64_t request_id : batch.settled_request_ids()) SettleRequest(session, request_id);
   // What the session's lease page let go of is freed by the time the batch is acknowledged
   // (Client::Flush relies on it).
   catalog_->Reclaim();
+}
+
+void TensorShmService::GiveBack(tensorshm::Session& session,
+                                const tensorshm::Session::RequestGrant& grant) {
+  if (auto lease = session.leases.find(grant.lease_id); lease != session.leases.end()) {
+    catalog_->DropLease(lease->second);
+    session.leases.erase(lease);
+    session.uid_charge.DropLeases();
+  }
+  for (uint64_t tensor_id : grant.tensor_ids) {
+    if (session.unpublished.count(tensor_id) == 0) continue;  // published, or dropped already
+    if (catalog_->Abandon(session.id, tensor_id).ok()) session.ForgetUnpublished(tensor_id);
+  }
 }
 
 void TensorShmService::Grant(tensorshm::Session& session, const Tensor& tensor,
@@ -515,9 +559,15 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
     ServiceLock lock(this);
     absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
     if (!session.ok()) return session.status();
+    if ((*session)->TakeSettled(request->request_id())) {
+      return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
+    }
     SegmentGrowth growth;
     absl::Status created = CreateFor(**session, *request, response, &growth);
-    if (!growth.needed() && !growth.busy()) return created;
+    if (!growth.needed() && !growth.busy()) {
+      if (!created.ok()) return created;
+      return KeepCreated((*session)->token, absl::OkStatus(), request->request_id(), *response);
+    }
     // A pool must grow first: not on this thread, one of gRPC's few.
     if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
     pending_creates_.push_back(PendingCreate{reactor, (*session)->token, request, response});
@@ -527,7 +577,7 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
   }();
   if (!deferred) {
     metrics_.CountOp(MetricOp::kCreate, status);
-    reactor->Finish(ToGrpcStatus(status));
+    FinishGranting(reactor, ToGrpcStatus(status), status.ok() && request->request_id() != 0);
   }
   return reactor;
 }
@@ -541,8 +591,8 @@ void TensorShmService::GrowPools() {
     if (shutting_down_) {
       for (const PendingCreate& create : pending_creates_) {
         metrics_.CountOp(MetricOp::kCreate, absl::StatusCode::kUnavailable);
-        finishing_.emplace_back(
-            create.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping"));
+        finishing_.push_back({create.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                           "tensorshmd is stopping")});
       }
       pending_creates_.clear();
       return;
@@ -557,13 +607,17 @@ void TensorShmService::GrowPools() {
     const PendingCreate create = pending_creates_.front();
     pending_creates_.pop_front();
     bool pool_full = false;
-    const absl::Status status = CreateGrowing(create.token, NoSession(create.token),
-                                              *create.request, create.response, &pool_full);
+    absl::Status status = CreateGrowing(create.token, NoSession(create.token), *create.request,
+                                        create.response, &pool_full);
     if (create.waiter != nullptr) {
       FinishGrownCreate(create.waiter, status, pool_full);  // counted when it is answered
     } else {
+      const uint64_t request_id = create.request->request_id();
+      if (status.ok()) {
+        status = KeepCreated(create.token, NoSession(create.token), request_id, *create.response);
+      }
       metrics_.CountOp(MetricOp::kCreate, status);
-      finishing_.emplace_back(create.reactor, ToGrpcStatus(status));
+      finishing_.push_back({create.reactor, ToGrpcStatus(status), status.ok() && request_id != 0});
     }
   }  // `lock` goes: the create is answered
 }

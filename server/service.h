@@ -227,6 +227,26 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
                       v1::ReleaseAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A settle (ReleaseBatch.settled_request_ids) of call `request_id` of `session`: gives back
+  // what it granted, ends it CANCELLED if it waits, or remembers the id for when it arrives.
+  void SettleRequest(tensorshm::Session& session, uint64_t request_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives back what `grant` holds that `session` still holds: the lease, unpublished tensors.
+  void GiveBack(tensorshm::Session& session, const tensorshm::Session::RequestGrant& grant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A settle of a create of session `session_id` waiting for memory: finishes it CANCELLED (and
+  // returns true), if there is one with `request_id`.
+  bool CancelSettledCreate(uint64_t session_id, uint64_t request_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a create of call `request_id` by the session with `token` made what `response` carries:
+  // kept for a settle (OK), or given back at once if the client settled the call already
+  // (CANCELLED), or the session's `gone` if it ended.
+  absl::Status KeepCreated(const std::string& token, const absl::Status& gone, uint64_t request_id,
+                           const v1::CreateResponse& response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Finishes `reactor` with `status`; `granted`: it carries a grant of a call with a request id
+  // (held back by cross_cancel_hold_ in tests). REQUIRES: mu_ not held.
+  void FinishGranting(grpc::ServerUnaryReactor* reactor, grpc::Status status, bool granted)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Records a new lease of `session` on `tensor` (sealed) and returns its id.
   // REQUIRES: the lease is charged to session.uid_charge already.
   uint64_t AddLease(tensorshm::Session& session, const Tensor& tensor)
@@ -341,7 +361,19 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   std::set<uint32_t> grow_ahead_ ABSL_GUARDED_BY(mu_);
   bool warned_growth_ahead_ ABSL_GUARDED_BY(mu_) = false;  // a failed growth ahead was logged
   // Reactors to finish once mu_ is released (ServiceLock), with their status.
-  std::vector<std::pair<grpc::ServerUnaryReactor*, grpc::Status>> finishing_ ABSL_GUARDED_BY(mu_);
+  struct Finishing {
+    grpc::ServerUnaryReactor* reactor;
+    grpc::Status status;
+    bool granted = false;  // it carries a grant of a call with a request id (see FinishGranting)
+  };
+  std::vector<Finishing> finishing_ ABSL_GUARDED_BY(mu_);
+  // Test only (TENSORSHMD_TEST_CROSS_CANCEL_MS, read at start): non-zero, every answer granting
+  // something to a call with a request id is sent this much later, and the call's cancellation
+  // no longer gives the grant back (WaiterDone, CreateWaiterDone), as when the answer crossed the
+  // client's cancel; only the client's settle does. The fast path is not offered either, so that
+  // acquires take the RPC. Zero in production.
+  static absl::Duration CrossCancelHoldFromEnvironment();
+  const absl::Duration cross_cancel_hold_ = CrossCancelHoldFromEnvironment();
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
   // Creates waiting for memory, first come first served, and those with a finite deadline by it.
   std::list<CreateWaiter*> creates_waiting_ ABSL_GUARDED_BY(mu_);

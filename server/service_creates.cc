@@ -25,6 +25,7 @@ class TensorShmService::CreateWaiter final : public grpc::ServerUnaryReactor {
         request(request),
         response(response),
         wait_ms(request->wait_ms()),
+        request_id(request->request_id()),
         started(absl::Now()) {}
 
   void OnCancel() override { service->CancelCreate(this); }
@@ -52,6 +53,7 @@ class TensorShmService::CreateWaiter final : public grpc::ServerUnaryReactor {
   const v1::CreateRequest* const request;  // gRPC's, until the call is finished
   v1::CreateResponse* const response;
   const int64_t wait_ms;
+  const uint64_t request_id;  // CreateRequest.request_id: 0 if none
   const absl::Time started;
   absl::Time deadline = absl::InfiniteFuture();
   // Counted against --uid-waiters while queued (UidLimits has its own lock).
@@ -105,6 +107,10 @@ grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerCo
     absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
     if (!session.ok()) return ToGrpcStatus(session.status());
     waiter->token = (*session)->token;
+    if ((*session)->TakeSettled(waiter->request_id)) {
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "create: settled (cancelled) by the client before it arrived");
+    }
     SegmentGrowth growth;
     bool pool_full = false;
     absl::Status created =
@@ -120,6 +126,7 @@ grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerCo
     }
     if (created.ok()) {
       waiter->created = CreatedIds(*response);
+      (*session)->RecordGrant(waiter->request_id, {0, waiter->created});
       return grpc::Status::OK;
     }
     if (!pool_full) return ToGrpcStatus(created);
@@ -137,7 +144,7 @@ grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerCo
   }();
   if (!answered_later) {
     metrics_.CountOp(MetricOp::kCreate, static_cast<absl::StatusCode>(status.error_code()));
-    waiter->Finish(status);
+    FinishGranting(waiter, status, status.ok() && waiter->request_id != 0);
   }
   // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
   // this returns.
@@ -146,7 +153,8 @@ grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerCo
 
 void TensorShmService::FinishCreate(CreateWaiter* waiter, grpc::Status status) {
   metrics_.CountOp(MetricOp::kCreate, static_cast<absl::StatusCode>(status.error_code()));
-  finishing_.emplace_back(waiter, std::move(status));
+  const bool granted = status.ok() && waiter->request_id != 0;
+  finishing_.push_back({waiter, std::move(status), granted});
 }
 
 absl::Status TensorShmService::AddCreateWaiter(CreateWaiter* waiter,
@@ -240,6 +248,7 @@ void TensorShmService::RetryWaitingCreates() {
     RemoveCreateWaiter(waiter);
     if (status.ok()) {
       waiter->created = CreatedIds(*waiter->response);
+      session->RecordGrant(waiter->request_id, {0, waiter->created});
       TSM_LOG(kDebug) << "session " << waiter->session_id << ": waiting create served after "
                       << absl::FormatDuration(absl::Now() - waiter->started);
     }
@@ -295,6 +304,8 @@ void TensorShmService::CreateWaiterDone(CreateWaiter* waiter, bool cancelled) {
   ServiceLock lock(this);
   TSM_CHECK(!waiter->listed);
   if (!cancelled || waiter->created.empty()) return;
+  // The test hook plays an answer that crossed the cancel: only the client's settle gives back.
+  if (waiter->request_id != 0 && cross_cancel_hold_ > absl::ZeroDuration()) return;
   // Created, but the client gave up on the call before the answer reached it: nobody knows the
   // buffers' ids, so nobody would publish or drop them before the session ends.
   tensorshm::Session* session = sessions_.Find(waiter->token);
@@ -305,14 +316,22 @@ void TensorShmService::CreateWaiterDone(CreateWaiter* waiter, bool cancelled) {
   }
 }
 
-void TensorShmService::FinishGrownCreate(CreateWaiter* waiter, const absl::Status& status,
+void TensorShmService::FinishGrownCreate(CreateWaiter* waiter, const absl::Status& grown,
                                          bool pool_full) {
+  absl::Status status = grown;
   if (status.ok()) {
-    waiter->created = CreatedIds(*waiter->response);
+    status =
+        KeepCreated(waiter->token, NoSession(waiter->token), waiter->request_id, *waiter->response);
+    if (status.ok()) waiter->created = CreatedIds(*waiter->response);
   } else if (pool_full && !shutting_down_ && absl::Now() < waiter->deadline &&
              !waiter->context->IsCancelled()) {
     // The segment it waited for went to others: it waits for memory as any create.
     tensorshm::Session* session = sessions_.Find(waiter->token);
+    if (session != nullptr && session->TakeSettled(waiter->request_id)) {
+      FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
+                                        "create settled (cancelled) by the client"));
+      return;
+    }
     if (session != nullptr) {
       absl::Status queued = AddCreateWaiter(waiter, *session, status);
       if (queued.ok()) return;
@@ -321,6 +340,32 @@ void TensorShmService::FinishGrownCreate(CreateWaiter* waiter, const absl::Statu
     }
   }
   FinishCreate(waiter, ToGrpcStatus(status));
+}
+
+bool TensorShmService::CancelSettledCreate(uint64_t session_id, uint64_t request_id) {
+  for (CreateWaiter* waiter : creates_waiting_) {
+    if (waiter->session_id != session_id || waiter->request_id != request_id) continue;
+    RemoveCreateWaiter(waiter);
+    FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
+                                      "create settled (cancelled) by the client"));
+    return true;
+  }
+  return false;
+}
+
+absl::Status TensorShmService::KeepCreated(const std::string& token, const absl::Status& gone,
+                                           uint64_t request_id,
+                                           const v1::CreateResponse& response) {
+  if (request_id == 0) return absl::OkStatus();
+  tensorshm::Session* session = sessions_.Find(token);
+  if (session == nullptr) return gone;  // its unpublished tensors went with it
+  if (!session->TakeSettled(request_id)) {
+    session->RecordGrant(request_id, {0, CreatedIds(response)});
+    return absl::OkStatus();
+  }
+  // Settled while its segment was being made: nobody will take these buffers.
+  GiveBack(*session, {0, CreatedIds(response)});
+  return absl::CancelledError("create: settled (cancelled) by the client");
 }
 
 }  // namespace tensorshm

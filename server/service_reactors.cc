@@ -110,6 +110,7 @@ class TensorShmService::Waiter final : public grpc::ServerUnaryReactor {
         context(context),
         name(request.name()),
         wait_ms(request.wait_ms()),
+        request_id(request.request_id()),
         response(response) {}
 
   void OnCancel() override { service->CancelWaiter(this); }
@@ -130,6 +131,7 @@ class TensorShmService::Waiter final : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* const context;
   const std::string name;
   const int64_t wait_ms;
+  const uint64_t request_id;            // AcquireRequest.request_id: 0 if none
   v1::AcquireResponse* const response;  // gRPC's, until the call is finished
   absl::Time deadline = absl::InfiniteFuture();
   absl::Time waiting_since;  // when it was listed (tensorshm_acquire_wait_seconds)
@@ -189,6 +191,11 @@ void TensorShmService::StartWaiter(Waiter* waiter, grpc::CallbackServerContext* 
       status = ToGrpcStatus(session.status());
       return;
     }
+    if ((*session)->TakeSettled(waiter->request_id)) {
+      status = grpc::Status(grpc::StatusCode::CANCELLED,
+                            "acquire settled (cancelled) by the client before it arrived");
+      return;
+    }
     if (const Tensor* tensor = catalog_->Find(waiter->name); tensor != nullptr) {
       // A tensor whose record another process overwrote is DATA_LOSS, not served.
       if (absl::Status s = catalog_->Verify(tensor->id); !s.ok()) {
@@ -202,6 +209,7 @@ void TensorShmService::StartWaiter(Waiter* waiter, grpc::CallbackServerContext* 
       Grant(**session, *tensor, waiter->response);
       waiter->token = (*session)->token;
       waiter->lease_id = waiter->response->lease_id();
+      (*session)->RecordGrant(waiter->request_id, {waiter->lease_id, {}});
       status = grpc::Status::OK;
       return;
     }
@@ -230,7 +238,7 @@ void TensorShmService::StartWaiter(Waiter* waiter, grpc::CallbackServerContext* 
   }();
   if (waiter != nullptr) {
     metrics_.CountOp(MetricOp::kAcquire, static_cast<absl::StatusCode>(status.error_code()));
-    waiter->Finish(status);
+    FinishGranting(waiter, status, waiter->lease_id != 0 && waiter->request_id != 0);
   }
 }
 
@@ -274,7 +282,8 @@ void TensorShmService::FinishLater(Waiter* waiter, grpc::Status status) {
   const auto code = static_cast<absl::StatusCode>(status.error_code());
   metrics_.CountOp(MetricOp::kAcquire, code);
   metrics_.ObserveAcquireWait(absl::Now() - waiter->waiting_since, code);
-  finishing_.emplace_back(waiter, std::move(status));
+  const bool granted = status.ok() && waiter->request_id != 0;
+  finishing_.push_back({waiter, std::move(status), granted});
 }
 
 void TensorShmService::UnlockAndFinish() {
@@ -283,10 +292,10 @@ void TensorShmService::UnlockAndFinish() {
       (retry_creates_ || catalog_->release_epoch() != retried_epoch_)) {
     RetryWaitingCreates();
   }
-  std::vector<std::pair<grpc::ServerUnaryReactor*, grpc::Status>> finishing;
+  std::vector<Finishing> finishing;
   finishing.swap(finishing_);
   mu_.unlock();
-  for (auto& [reactor, status] : finishing) reactor->Finish(std::move(status));
+  for (Finishing& f : finishing) FinishGranting(f.reactor, std::move(f.status), f.granted);
 }
 
 void TensorShmService::WakeWaiters(const std::string& name) {
@@ -308,6 +317,7 @@ void TensorShmService::WakeWaiters(const std::string& name) {
     }
     Grant(*session, *tensor, waiter->response);
     waiter->lease_id = waiter->response->lease_id();
+    session->RecordGrant(waiter->request_id, {waiter->lease_id, {}});
     FinishLater(waiter, grpc::Status::OK);
   }
 }
@@ -323,6 +333,30 @@ void TensorShmService::FailSessionWaiters(uint64_t session_id, const std::string
   }
 }
 
+void TensorShmService::SettleRequest(tensorshm::Session& session, uint64_t request_id) {
+  if (request_id == 0) return;
+  // Granted: given back (whatever of it the client cannot know it holds).
+  if (auto it = session.granted_requests.find(request_id); it != session.granted_requests.end()) {
+    GiveBack(session, it->second);
+    session.granted_requests.erase(it);
+    return;
+  }
+  // Waiting (the client gave up before the daemon heard of it): ends now, with nothing granted.
+  if (auto it = waiters_by_session_.find(session.id); it != waiters_by_session_.end()) {
+    for (Waiter* waiter : it->second) {
+      if (waiter->request_id != request_id) continue;
+      RemoveWaiter(waiter);
+      FinishLater(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
+                                       "acquire settled (cancelled) by the client"));
+      return;
+    }
+  }
+  if (CancelSettledCreate(session.id, request_id)) return;
+  // Not arrived yet, answered without a grant, or being made (GrowPools): KeepCreated and the
+  // calls' arrival look here.
+  session.NoteSettled(request_id);
+}
+
 void TensorShmService::CancelWaiter(Waiter* waiter) {
   ServiceLock lock(this);
   if (!waiter->listed) return;  // finished already, or being finished
@@ -334,6 +368,8 @@ void TensorShmService::WaiterDone(Waiter* waiter, bool cancelled) {
   ServiceLock lock(this);
   TSM_CHECK(!waiter->listed);
   if (!cancelled || waiter->lease_id == 0) return;
+  // The test hook plays an answer that crossed the cancel: only the client's settle gives back.
+  if (waiter->request_id != 0 && cross_cancel_hold_ > absl::ZeroDuration()) return;
   // Granted, but the client gave up on the call before the answer reached it: nobody knows the
   // lease's id, so nobody would release it before its session ends.
   tensorshm::Session* session = sessions_.Find(waiter->token);

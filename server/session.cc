@@ -1,5 +1,6 @@
 #include "server/session.h"
 
+#include <iterator>
 #include <random>
 
 #include "absl/strings/str_format.h"
@@ -16,6 +17,26 @@ std::string RandomToken() {
 }
 
 }  // namespace
+
+void Session::RecordGrant(uint64_t request_id, RequestGrant grant) {
+  if (request_id == 0) return;
+  granted_requests[request_id] = std::move(grant);
+  // Grants the client took and has since let go of are of no use to a settle: dropped once they
+  // outnumber what the session holds, so the map stays in proportion to it (amortised O(1)).
+  if (granted_requests.size() <= 2 * (leases.size() + unpublished.size()) + 64) return;
+  for (auto it = granted_requests.begin(); it != granted_requests.end();) {
+    bool held = leases.count(it->second.lease_id) > 0;
+    for (uint64_t tensor_id : it->second.tensor_ids) held = held || unpublished.count(tensor_id);
+    it = held ? std::next(it) : granted_requests.erase(it);
+  }
+}
+
+void Session::NoteSettled(uint64_t request_id) {
+  if (request_id == 0) return;
+  settled_requests.insert(request_id);
+  if (settled_requests.size() > kMaxSettledRequests)
+    settled_requests.erase(settled_requests.begin());
+}
 
 Session& SessionTable::Open(int64_t pid, std::string client_name, std::string peer) {
   auto session = std::make_unique<Session>();

@@ -9,6 +9,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -34,6 +35,30 @@ struct Session {
   // and unpublished bytes. The service keeps it in step; closing the session gives it all back.
   UidLimits::SessionCharge uid_charge;
 
+  // Calls carrying a request id (AcquireRequest.request_id, CreateRequest.request_id), for the
+  // client's settles (ReleaseBatch.settled_request_ids; see docs/decisions.md, "Cancels are
+  // settled by the daemon"). What a call granted is kept until its client settles it, or until
+  // nothing of it is held any more (a lease released, tensors published or abandoned: RecordGrant
+  // prunes those). Ids settled before the daemon granted anything for them wait in
+  // `settled_requests` for their call (refused when it arrives, given back when it is granted).
+  struct RequestGrant {
+    uint64_t lease_id = 0;             // an Acquire's lease
+    std::vector<uint64_t> tensor_ids;  // a Create's buffer and its stocked buffers
+  };
+  std::map<uint64_t, RequestGrant> granted_requests;  // by request id
+  std::set<uint64_t> settled_requests;                // at most kMaxSettledRequests
+
+  // Keeps what call `request_id` (0: none, nothing kept) granted, for a settle.
+  void RecordGrant(uint64_t request_id, RequestGrant grant);
+  // True (and forgotten) if the client settled `request_id` before its call was granted.
+  bool TakeSettled(uint64_t request_id) {
+    return request_id != 0 && settled_requests.erase(request_id) > 0;
+  }
+  // Remembers a settle that found no grant and no waiting call: its call may still come. The
+  // oldest (lowest) ids go first past kMaxSettledRequests (ids the daemon answered without a
+  // grant settle to nothing and land here too; they are never used again).
+  void NoteSettled(uint64_t request_id);
+
   // Records `tensor_id` as this session's unpublished buffer of `bytes`, charged to its uid.
   // RESOURCE_EXHAUSTED (--uid-quota) and nothing recorded if the uid has no room for it.
   // REQUIRES: `tensor_id` is not in `unpublished`.
@@ -52,6 +77,9 @@ struct Session {
     unpublished.erase(it);
   }
 };
+
+// Settles remembered per session before their call arrives (Session::NoteSettled).
+inline constexpr size_t kMaxSettledRequests = 1024;
 
 // Thread-compatible: the service serialises calls.
 class SessionTable {

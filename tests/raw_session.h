@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
@@ -76,6 +77,16 @@ class RawSession {
     return created.tensor_id();
   }
 
+  // Sends a ReleaseBatch settling `request_ids` (ReleaseBatch.settled_request_ids) and waits for
+  // its acknowledgement; false if the stream broke.
+  bool Settle(const std::vector<uint64_t>& request_ids) {
+    v1::SessionRequest request;
+    request.mutable_release()->set_sequence(++sequence_);
+    for (uint64_t id : request_ids) request.mutable_release()->add_settled_request_ids(id);
+    v1::SessionResponse ack;
+    return stream_ != nullptr && stream_->Write(request) && stream_->Read(&ack) && ack.has_ack();
+  }
+
   const std::string& token() const { return token_; }
   v1::TensorShm::Stub& stub() { return *stub_; }
 
@@ -85,16 +96,19 @@ class RawSession {
   grpc::ClientContext stream_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
   std::string token_;
+  uint64_t sequence_ = 0;
 };
 
 // One Acquire in flight (gRPC's callback stub); Wait returns its status.
 class PendingAcquire {
  public:
   PendingAcquire(RawSession& session, const std::string& name, int64_t wait_ms,
-                 std::chrono::milliseconds deadline = std::chrono::seconds(60)) {
+                 std::chrono::milliseconds deadline = std::chrono::seconds(60),
+                 uint64_t request_id = 0) {
     session.Prepare(&context_, deadline);
     request_.set_name(name);
     request_.set_wait_ms(wait_ms);
+    request_.set_request_id(request_id);
     session.stub().async()->Acquire(&context_, &request_, &response_, [this](grpc::Status s) {
       std::lock_guard<std::mutex> lock(mu_);
       status_ = std::move(s);

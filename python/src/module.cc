@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <list>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -469,20 +470,88 @@ ClientRef Live(const ClientState& state) {
 
 namespace {
 
+// How often a wait on the main thread runs Python's signal handlers (Ctrl-C): well under the
+// 100 ms a user notices.
+constexpr absl::Duration kSignalCheck = absl::Milliseconds(50);
+
+// Whether this thread is the one Python runs signal handlers on (threading.main_thread()).
+bool OnSignalThread() {
+  nb::object main = nb::module_::import_("threading").attr("main_thread")();
+  return nb::cast<unsigned long>(main.attr("ident")) == PyThread_get_thread_ident();
+}
+
+// What a wait got that nobody will take (a signal ended it): given back.
+void Discard(absl::StatusOr<DLManagedTensorVersioned*>& result) {
+  if (result.ok() && *result != nullptr) (*result)->deleter(*result);
+}
+void Discard(absl::StatusOr<WritableTensor>& result) { result = absl::CancelledError(""); }
+
 // Runs `call(cancel)` (which may wait) with the GIL released, registered so that close() and
 // interpreter exit can wake it. `given`: the caller's canceller (asyncio), else a fresh one.
 // A wait that ends CANCELLED raises ClosedError if its client was closed meanwhile, else
 // CancelledError (saying why if the interpreter is exiting).
-template <typename T, typename Call>
-T RunWaiting(const ClientState& state, const std::optional<WaitCanceller>& given, Call&& call) {
+//
+// On the main thread the wait hears signals: `quick()` is tried first (the answer when there is
+// one without waiting, nullopt else), then `call` runs on a thread of its own while this thread
+// runs Python's signal handlers every kSignalCheck. A handler that raises (KeyboardInterrupt)
+// cancels the wait, which ends at once; whatever it got is given back (a lease released, a
+// buffer dropped; a grant that crossed the cancel is settled by the daemon) and the handler's
+// exception propagates.
+template <typename T, typename Quick, typename Call>
+T RunWaiting(const ClientState& state, const std::optional<WaitCanceller>& given, Quick&& quick,
+             Call&& call) {
   WaitCanceller cancel = given.has_value() ? *given : WaitCanceller();
   if (exiting) cancel.Cancel();
+  const bool hears_signals = !exiting && OnSignalThread();
+  if (hears_signals) {
+    std::optional<T> answer;
+    {
+      ReleaseGil release;
+      answer = quick();
+    }
+    if (answer.has_value()) return *std::move(answer);
+  }
   std::list<WaitingCall>& calls = WaitingCalls();
   auto it = calls.insert(calls.end(), WaitingCall{&state, cancel});
   T result;
-  {
+  if (!hears_signals) {
     ReleaseGil release;
     result = call(cancel);
+  } else {
+    struct Done {
+      Mutex mu;
+      CondVar cv;
+      bool done ABSL_GUARDED_BY(mu) = false;
+    } done;
+    std::thread worker([&] {
+      T got = call(cancel);
+      MutexLock lock(&done.mu);
+      result = std::move(got);
+      done.done = true;
+      done.cv.Signal();
+    });
+    bool interrupted = false;
+    while (true) {
+      {
+        ReleaseGil release;
+        MutexLock lock(&done.mu);
+        if (!done.done) done.cv.WaitWithTimeout(&done.mu, kSignalCheck);
+        if (done.done) break;
+      }
+      if (!interrupted && PyErr_CheckSignals() != 0) {
+        interrupted = true;  // the handler's exception is set; the wait ends soon
+        cancel.Cancel();
+      }
+    }
+    {
+      ReleaseGil release;
+      worker.join();
+    }
+    if (interrupted) {
+      calls.erase(it);
+      Discard(result);
+      throw nb::python_error();
+    }
   }
   calls.erase(it);
   if (!result.ok() && absl::IsCancelled(result.status())) {
@@ -534,8 +603,17 @@ PyTensor Get(PyClient& self, const std::string& name, const std::optional<double
     ReleaseGil release;
     lease = client->Acquire(name, wait, ReadySync::None());
   } else {
-    lease = RunWaiting<absl::StatusOr<DLManagedTensorVersioned*>>(
+    using Result = absl::StatusOr<DLManagedTensorVersioned*>;
+    lease = RunWaiting<Result>(
         *self.state, cancel,
+        [&]() -> std::optional<Result> {
+          // Published and in the fast path: no wait (nor a thread to wait on).
+          Result local = client->TryAcquireLocal(name);
+          if (absl::IsNotFound(local.status()) || absl::IsUnavailable(local.status())) {
+            return std::nullopt;
+          }
+          return local;
+        },
         [&](const WaitCanceller& c) { return client->Acquire(name, wait, ReadySync::None(), c); });
   }
   return PyTensor{FromLease(Check(std::move(lease))), name};
@@ -559,8 +637,16 @@ PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const
     ReleaseGil release;
     tensor = client->Create(spec, wait);
   } else {
-    tensor = RunWaiting<absl::StatusOr<WritableTensor>>(
-        *self.state, cancel, [&](const WaitCanceller& c) { return client->Create(spec, wait, c); });
+    using Result = absl::StatusOr<WritableTensor>;
+    tensor = RunWaiting<Result>(
+        *self.state, cancel,
+        [&]() -> std::optional<Result> {
+          // Memory free now: no wait.
+          Result now = client->Create(spec, absl::ZeroDuration());
+          if (absl::IsResourceExhausted(now.status())) return std::nullopt;
+          return now;
+        },
+        [&](const WaitCanceller& c) { return client->Create(spec, wait, c); });
   }
   PyWritableTensor out;
   out.storage = FromWritable(Check(std::move(tensor)));
@@ -608,11 +694,12 @@ PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor
                          const std::optional<WaitCanceller>& cancel = std::nullopt) {
   ClientRef client = Live(*self.state);
   using Result = absl::StatusOr<DLManagedTensorVersioned*>;
-  auto run = [&](const WaitCanceller* c) -> Result {
-    absl::StatusOr<WritableTensor> tensor = CopyIn(*client, source, flags, stream, timeout, c);
+  auto run_for = [&](absl::Duration wait, const WaitCanceller* c) -> Result {
+    absl::StatusOr<WritableTensor> tensor = CopyIn(*client, source, flags, stream, wait, c);
     if (!tensor.ok()) return tensor.status();
     return client->PublishAndAcquire(*tensor, name, replace, stream);
   };
+  auto run = [&](const WaitCanceller* c) -> Result { return run_for(timeout, c); };
   Result lease;
   if (!release_gil) {
     lease = run(nullptr);
@@ -620,8 +707,15 @@ PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor
     ReleaseGil release;
     lease = run(nullptr);
   } else {
-    lease =
-        RunWaiting<Result>(*self.state, cancel, [&](const WaitCanceller& c) { return run(&c); });
+    lease = RunWaiting<Result>(
+        *self.state, cancel,
+        [&]() -> std::optional<Result> {
+          // Memory free now: no wait (a full pool fails the copy before it starts).
+          Result now = run_for(absl::ZeroDuration(), nullptr);
+          if (absl::IsResourceExhausted(now.status())) return std::nullopt;
+          return now;
+        },
+        [&](const WaitCanceller& c) { return run(&c); });
   }
   return PyTensor{FromLease(Check(std::move(lease))), name};
 }
