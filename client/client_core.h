@@ -333,12 +333,14 @@ auto ClientCore::CallAcrossRestart(std::string_view what, absl::Time deadline, b
   while (true) {
     const uint64_t generation = session_generation();
     // Not sent on a session known to have ended: what is sent there has an unknown fate.
-    if (!repeatable && SessionEnded(generation, /*look=*/true)) {
+    if (!repeatable && !forked() && SessionEnded(generation, /*look=*/true)) {
       if (!WaitForSession(generation, deadline, cancel)) return NoSession(what);
       continue;
     }
     auto result = attempt();
     const absl::Status& status = internal::StatusOf(result);
+    // A forked child has no sender to reconnect: its inherited client only refuses.
+    if (forked()) return result;
     // UNAVAILABLE: the daemon is gone or stopping. CANCELLED that the caller did not ask for: a
     // daemon stopping cleanly cancels the calls in progress. FAILED_PRECONDITION after the
     // session ended: the old session's id reached the new daemon (which does not know it).

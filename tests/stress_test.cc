@@ -237,6 +237,9 @@ TEST(CrashTest, DaemonKilledAtRandomPointsServesEveryPublishedTensorAgain) {
     absl::SleepFor(absl::Milliseconds(20 + random() % 200));
     daemon->Kill(SIGKILL);
     ASSERT_TRUE(daemon->Wait(absl::Seconds(10)).ok());
+    // The load's next create now waits for a daemon to come back (calls ride through a
+    // restart): it is stopped here. Every line it printed was flushed (std::endl).
+    load->Kill(SIGKILL);
     ASSERT_TRUE(load->Wait(absl::Seconds(30)).ok());
     // What the load saw acknowledged is what must be back. A publish in flight at the kill may
     // or may not have committed: such a name is not checked now, and the next cycle adopts
