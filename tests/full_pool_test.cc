@@ -181,10 +181,12 @@ TEST_F(FullPoolTest, WaitingCreatesAreServedInOrder) {
   EXPECT_EQ(Stats().creates_waiting, 0);
 }
 
-TEST_F(FullPoolTest, ShutdownEndsAWaitingCreate) {
+// A waiting create rides through a daemon restart (it waits for the reconnect until its
+// deadline); with no daemon coming back it ends at its deadline with the stopping daemon's answer.
+TEST_F(FullPoolTest, ShutdownEndsAWaitingCreateAtItsDeadline) {
   ASSERT_NO_FATAL_FAILURE(StartDaemon());
   Publish("fill", 4 * kMiB);
-  ChildProcess producer = StartCreate(kMiB, -1, "producer");
+  ChildProcess producer = StartCreate(kMiB, 3000, "producer");
   ExpectWaiting(1);
   client_.reset();
   daemon_->process().Kill(SIGTERM);
