@@ -365,6 +365,8 @@ int Run(int argc, char** argv) {
     int signal_number = 0;
     sigwait(&stop_signals, &signal_number);
     TSM_LOG(kInfo) << "received " << strsignal(signal_number) << ", stopping";
+    // Before anything ends a session: with --keep-segments, what sessions hold is kept.
+    if (options->keep_segments) service.KeepHeldOnStop();
     server->GetHealthCheckService()->SetServingStatus(false);
     (*listener)->Stop();
     (*channels)->Stop();

@@ -90,6 +90,11 @@ int TensorShmService::ExpireUnbound() {
   return catalog_->ExpireUnbound();
 }
 
+void TensorShmService::KeepHeldOnStop() {
+  ServiceLock lock(this);
+  keep_held_on_stop_ = true;
+}
+
 void TensorShmService::KeepSegments() {
   ServiceLock lock(this);
   catalog_->KeepSegments();
@@ -501,6 +506,7 @@ uint64_t TensorShmService::AddLease(tensorshm::Session& session, const Tensor& t
 void TensorShmService::CloseSession(uint64_t session_id, const std::string& token) {
   size_t leases = 0;
   size_t unpublished = 0;
+  bool kept = false;
   {
     ServiceLock lock(this);
     tensorshm::Session* session = sessions_.Find(token);
@@ -509,20 +515,37 @@ void TensorShmService::CloseSession(uint64_t session_id, const std::string& toke
     FailSessionCreates(session_id, token);
     leases = session->leases.size();
     unpublished = session->unpublished.size();
-    uint64_t unpublished_bytes = 0;
-    for (const auto& [tensor_id, bytes] : session->unpublished) unpublished_bytes += bytes;
-    for (const auto& [lease, tensor_id] : session->leases) catalog_->DropLease(tensor_id);
-    session->leases.clear();
-    for (const auto& [tensor_id, bytes] : session->unpublished) {
-      absl::Status s = catalog_->Abandon(session_id, tensor_id);
-      TSM_CHECK(s.ok());
+    kept = keep_held_on_stop_;
+    if (kept) {
+      // The segments stay for the next daemon: nothing the session held is freed, as if the
+      // daemon had crashed (its records stay unbound or unpublished, its lease page untouched).
+      // Its client re-registers the leases and takes back the unpublished buffers in the next
+      // daemon's grace period; that daemon frees what nobody took back.
+      leases += static_cast<size_t>(catalog_->PageLeasesOf(session_id));
+      session->leases.clear();
+      session->unpublished.clear();
+    } else {
+      uint64_t unpublished_bytes = 0;
+      for (const auto& [tensor_id, bytes] : session->unpublished) unpublished_bytes += bytes;
+      for (const auto& [lease, tensor_id] : session->leases) catalog_->DropLease(tensor_id);
+      session->leases.clear();
+      for (const auto& [tensor_id, bytes] : session->unpublished) {
+        absl::Status s = catalog_->Abandon(session_id, tensor_id);
+        TSM_CHECK(s.ok());
+      }
+      session->unpublished.clear();
+      // Its lease page goes whole: what only it held is freed now.
+      const int64_t page_leases = catalog_->DropLeasePage(session_id);
+      metrics_.CountReclaimed(unpublished_bytes, unpublished, leases + page_leases);
+      catalog_->Reclaim();
     }
-    session->unpublished.clear();
-    // Its lease page goes whole: what only it held is freed now.
-    const int64_t page_leases = catalog_->DropLeasePage(session_id);
-    metrics_.CountReclaimed(unpublished_bytes, unpublished, leases + page_leases);
-    catalog_->Reclaim();
     sessions_.Close(session_id);
+  }
+  if (kept) {
+    TSM_LOG(kInfo) << "session " << session_id << " ended by the stop: kept its " << leases
+                   << " leases and " << unpublished
+                   << " unpublished tensors for the next daemon (--keep-segments)";
+    return;
   }
   TSM_LOG(kInfo) << "session " << session_id << " closed: released " << leases << " leases, freed "
                  << unpublished << " unpublished tensors";

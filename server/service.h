@@ -51,6 +51,12 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // --evict: what a create that finds its pool full may do first. Call before serving.
   void set_evict_policy(EvictPolicy policy) { evict_ = policy; }
 
+  // --keep-segments, called as the stop begins: the shm objects outlive this daemon, so from now
+  // on a session that ends keeps what it holds where a crash would leave it (its leases, on
+  // unbound tensors too, and its unpublished buffers stay in the control segment) for its client
+  // to take back in the next daemon's recovery grace.
+  void KeepHeldOnStop() ABSL_LOCKS_EXCLUDED(mu_);
+
   // Finishes acquire waiters and waiting creates (and makes new waits fail) with UNAVAILABLE, and
   // ends ExpireWaiters, GrowPools and Housekeep; call before stopping the server so that no call
   // outlives it.
@@ -343,6 +349,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   CondVar grown_;          // signalled when a pool's growth ends
   CondVar next_deadline_;  // signalled when the earliest waiter deadline moves closer, or shutdown
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool keep_held_on_stop_ ABSL_GUARDED_BY(mu_) = false;  // KeepHeldOnStop
   // Waiting acquires by name, by session id, and by deadline (only finite ones).
   absl::flat_hash_map<std::string, WaiterList> waiters_by_name_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, WaiterList> waiters_by_session_ ABSL_GUARDED_BY(mu_);

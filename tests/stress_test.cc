@@ -305,11 +305,13 @@ TEST(CrashTest, KeepSegmentsOnSigtermAndServeThemAfterRestart) {
 
 // Starts tensorshmd on `socket` / `prefix` and waits until it serves.
 absl::StatusOr<ChildProcess> StartDaemon(const std::string& socket, const std::string& prefix,
-                                         const std::string& grace, const std::string& log) {
-  absl::StatusOr<ChildProcess> daemon =
-      ChildProcess::Start({TensorShmdPath(), "--socket", socket, "--shm-prefix", prefix,
-                           "--host-pool", "64Mi", "--recovery-grace", grace},
-                          log);
+                                         const std::string& grace, const std::string& log,
+                                         const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> argv = {
+      TensorShmdPath(), "--socket",         socket, "--shm-prefix", prefix, "--host-pool",
+      "64Mi",           "--recovery-grace", grace};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  absl::StatusOr<ChildProcess> daemon = ChildProcess::Start(argv, log);
   if (!daemon.ok()) return daemon.status();
   if (!daemon->WaitForOutput("serving on", absl::Seconds(20))) {
     return absl::InternalError("tensorshmd did not start: " + daemon->Output());
@@ -456,6 +458,142 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + prefix + ".ctl"));
   std::filesystem::remove_all(dir);
 }
+
+// What a client holds across a restart is taken back the same way whether the daemon was
+// SIGKILLed or stopped cleanly (SIGTERM) with --keep-segments: a lease on a published tensor, a
+// lease on the old version of a replaced tensor (unbound, alive only through the lease) and an
+// unpublished buffer. Flush reports nothing lost, the bytes are unchanged, and after the grace
+// period only the published tensors hold memory.
+class HeldAcrossRestartTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTakenBack) {
+  const int stop_signal = GetParam();
+  const std::string prefix = absl::StrCat("tsmtest-held", stop_signal, "-", getpid());
+  const std::string dir = std::filesystem::temp_directory_path().string() + "/" + prefix;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string socket = dir + "/s.sock";
+  absl::StatusOr<ChildProcess> daemon =
+      StartDaemon(socket, prefix, "5", dir + "/a.log", {"--keep-segments"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+
+  absl::StatusOr<std::shared_ptr<Client>> producer =
+      Client::Connect(ClientOptions{socket, "producer"});
+  absl::StatusOr<std::shared_ptr<Client>> consumer =
+      Client::Connect(ClientOptions{socket, "consumer"});
+  ASSERT_TRUE(producer.ok() && consumer.ok());
+  auto publish = [&](const std::string& name, int seed, bool replace) -> absl::StatusOr<uint64_t> {
+    absl::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 16, 1}, {30000}});
+    if (!w.ok()) return w.status();
+    for (int i = 0; i < 30000; ++i) {
+      static_cast<uint16_t*>(w->data())[i] = static_cast<uint16_t>(i * seed + 1);
+    }
+    const uint64_t sum = StorageHash(w->dl_tensor());
+    if (absl::Status s = (*producer)->Publish(*w, name, replace); !s.ok()) return s;
+    return sum;
+  };
+  absl::StatusOr<uint64_t> kept_sum = publish("kept", 3, false);
+  absl::StatusOr<uint64_t> replaced_sum = publish("replaced", 5, false);
+  ASSERT_TRUE(kept_sum.ok() && replaced_sum.ok());
+  absl::StatusOr<DLManagedTensorVersioned*> kept = (*consumer)->Acquire("kept");
+  absl::StatusOr<DLManagedTensorVersioned*> old = (*consumer)->Acquire("replaced");
+  ASSERT_TRUE(kept.ok() && old.ok());
+  // The old version of "replaced" is unbound: alive only through the consumer's lease.
+  absl::StatusOr<uint64_t> new_sum = publish("replaced", 11, true);
+  ASSERT_TRUE(new_sum.ok()) << new_sum.status();
+  absl::StatusOr<WritableTensor> draft = (*consumer)->Create({{kDLUInt, 8, 1}, {70000}});
+  ASSERT_TRUE(draft.ok());
+  std::memset(draft->data(), 0x3c, 35000);  // half written when the daemon stops
+
+  const std::string consumer_session = (*consumer)->session_id();
+  const std::string producer_session = (*producer)->session_id();
+  daemon->Kill(stop_signal);
+  absl::StatusOr<int> status = daemon->Wait(absl::Seconds(15));
+  ASSERT_TRUE(status.ok());
+  if (stop_signal == SIGTERM) {
+    ASSERT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << daemon->Output();
+    EXPECT_TRUE(absl::StrContains(
+        daemon->Output(), "kept its 2 leases and 1 unpublished tensors for the next daemon"))
+        << daemon->Output();
+  } else {
+    std::filesystem::remove(socket);  // a killed daemon leaves its socket file
+  }
+  daemon = StartDaemon(socket, prefix, "5", dir + "/b.log");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_TRUE(absl::StrContains(daemon->Output(),
+                                "2 published tensors, 2 unbound or unpublished ones kept"))
+      << daemon->Output();
+  ASSERT_TRUE(WaitForReconnect(**consumer, consumer_session)) << daemon->Output();
+  ASSERT_TRUE(WaitForReconnect(**producer, producer_session)) << daemon->Output();
+  EXPECT_TRUE(daemon->WaitForOutput("2 of 2 leases and 1 of 1 unpublished tensors taken back",
+                                    absl::Seconds(5)))
+      << daemon->Output();
+
+  // Nothing was lost: the leases are held again and the bytes are those written before.
+  absl::Status flushed = (*consumer)->Flush();
+  EXPECT_TRUE(flushed.ok()) << flushed;
+  absl::StatusOr<ServerStats> stats = (*consumer)->Stat();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->leases, 2);
+  EXPECT_TRUE(LeaseStatus(*kept).ok()) << LeaseStatus(*kept);
+  EXPECT_TRUE(LeaseStatus(*old).ok()) << LeaseStatus(*old);
+  EXPECT_EQ(StorageHash((*kept)->dl_tensor), *kept_sum);
+  EXPECT_EQ(StorageHash((*old)->dl_tensor), *replaced_sum);
+  {
+    absl::StatusOr<DLManagedTensorVersioned*> current = (*producer)->Acquire("replaced");
+    ASSERT_TRUE(current.ok()) << current.status();
+    EXPECT_EQ(StorageHash((*current)->dl_tensor), *new_sum);
+    (*current)->deleter(*current);
+  }
+  // The held memory is not handed out again while the lease lasts.
+  std::vector<char> filler(4 << 20, 0x22);
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 8, 1}, {4 << 20}});
+    ASSERT_TRUE(w.ok());
+    std::memcpy(w->data(), filler.data(), filler.size());
+    ASSERT_TRUE((*producer)->Publish(*w, absl::StrCat("filler/", i)).ok());
+  }
+  EXPECT_EQ(StorageHash((*old)->dl_tensor), *replaced_sum);
+  // The half-written buffer is the consumer's again: finish and publish it.
+  std::memset(static_cast<char*>(draft->data()) + 35000, 0x3c, 35000);
+  const uint64_t draft_sum = StorageHash(draft->dl_tensor());
+  ASSERT_TRUE((*consumer)->Publish(*draft, "draft").ok());
+  {
+    absl::StatusOr<DLManagedTensorVersioned*> t = (*producer)->Acquire("draft");
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(StorageHash((*t)->dl_tensor), draft_sum);
+    (*t)->deleter(*t);
+  }
+
+  (*kept)->deleter(*kept);
+  (*old)->deleter(*old);
+  ASSERT_TRUE((*consumer)->Flush().ok());
+  // After the grace period only the published tensors hold memory: the old "replaced" went with
+  // its last lease.
+  ASSERT_TRUE(daemon->WaitForOutput("recovery grace over", absl::Seconds(20))) << daemon->Output();
+  stats = (*consumer)->Stat();
+  absl::StatusOr<std::vector<TensorInfo>> listed = (*consumer)->List();
+  ASSERT_TRUE(stats.ok() && listed.ok());
+  EXPECT_EQ(stats->leases, 0);
+  EXPECT_EQ(listed->size(), 7u);  // kept, replaced, draft, 4 fillers
+  EXPECT_EQ(stats->tensors, 7);
+  int64_t live_bytes = 0;
+  for (const TensorInfo& info : *listed) live_bytes += (info.nbytes + 4095) / 4096 * 4096;
+  EXPECT_EQ(stats->pools[0].used_bytes, live_bytes);
+
+  producer->reset();
+  consumer->reset();
+  daemon->Kill(SIGTERM);
+  ASSERT_TRUE(daemon->Wait(absl::Seconds(15)).ok());
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + prefix + ".ctl"));
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(KillAndCleanStop, HeldAcrossRestartTest,
+                         ::testing::Values(SIGKILL, SIGTERM),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(info.param == SIGKILL ? "Kill" : "Term");
+                         });
 
 }  // namespace
 }  // namespace tensorshm::testing

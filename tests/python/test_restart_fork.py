@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 import threading
 
 import numpy as np
@@ -133,6 +134,53 @@ def test_restarted_daemon_serves_its_own_bytes_and_reports_lost_leases():
         del view, back, x, y
         gc.collect()
         assert wait_for(lambda: leases(a) == 0)
+        assert current.stop() == 0
+    finally:
+        if current.process.poll() is None:
+            current.stop()
+
+
+@pytest.mark.parametrize("stop", ["kill", "term"])
+def test_held_tensors_survive_a_kill_and_a_clean_stop_with_keep_segments(stop):
+    """A lease on a replaced tensor's old version (unbound, alive only through the lease) is
+    taken back by the next daemon whether the last one was SIGKILLed or stopped cleanly with
+    --keep-segments, which README promises "picks them up the same way"."""
+    first = Daemon(f"held-{stop}", extra_args=("--keep-segments",))
+    current = first
+    try:
+        c = tensorshm.connect(first.socket, client_name=f"held-{stop}")
+        c.put("kept", np.arange(1000, dtype=np.uint8)).release()
+        c.put("replaced", (np.arange(1000) * 7 % 251).astype(np.uint8)).release()
+        kept = c.get("kept")
+        old = c.get("replaced")
+        c.put("replaced", np.zeros(1000, dtype=np.uint8), replace=True).release()
+        session = c.session_id
+
+        if stop == "kill":
+            first.process.kill()
+            first.process.wait(timeout=20)
+            first.log.close()
+            os.unlink(first.socket)  # a killed daemon leaves its socket file
+        else:
+            assert first.stop() == 0
+        current = Daemon(f"held-{stop}", socket=first.socket, prefix=first.prefix)
+        assert wait_for(lambda: c.session_id != session, timeout=30), "client did not reconnect"
+
+        within(20, c.flush)  # DataLossError if the new daemon did not take a lease back
+        assert kept.alive and old.alive
+        kept.check()
+        old.check()
+        assert (np.from_dlpack(kept) == np.arange(1000, dtype=np.uint8)).all()
+        assert (np.from_dlpack(old) == (np.arange(1000) * 7 % 251).astype(np.uint8)).all()
+        current_version = c.get("replaced")
+        assert (np.from_dlpack(current_version) == 0).all()
+        current_version.release()
+        assert leases(c) == 2
+
+        kept.release()
+        old.release()
+        assert wait_for(lambda: leases(c) == 0)
+        c.close()
         assert current.stop() == 0
     finally:
         if current.process.poll() is None:
