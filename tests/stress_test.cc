@@ -505,8 +505,8 @@ TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTak
   ASSERT_TRUE(draft.ok());
   std::memset(draft->data(), 0x3c, 35000);  // half written when the daemon stops
 
-  const std::string consumer_session = (*consumer)->session_id();
-  const std::string producer_session = (*producer)->session_id();
+  const uint64_t consumer_session = (*consumer)->daemon_instance();
+  const uint64_t producer_session = (*producer)->daemon_instance();
   daemon->Kill(stop_signal);
   absl::StatusOr<int> status = daemon->Wait(absl::Seconds(15));
   ASSERT_TRUE(status.ok());
