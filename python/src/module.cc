@@ -486,6 +486,42 @@ void Discard(absl::StatusOr<DLManagedTensorVersioned*>& result) {
 }
 void Discard(absl::StatusOr<WritableTensor>& result) { result = absl::CancelledError(""); }
 
+// Runs `work()` on a thread of its own into `result` while this thread (which holds the GIL)
+// runs Python's signal handlers every kSignalCheck. A handler that raises (KeyboardInterrupt)
+// cancels `cancel`, so `work` ends soon; returns true then, with the handler's exception set
+// (the caller gives back what `result` holds and raises it).
+template <typename T, typename Work>
+bool RunHearingSignals(WaitCanceller& cancel, T& result, Work&& work) {
+  struct Done {
+    Mutex mu;
+    CondVar cv;
+    bool done ABSL_GUARDED_BY(mu) = false;
+  } done;
+  std::thread worker([&] {
+    T got = work();
+    MutexLock lock(&done.mu);
+    result = std::move(got);
+    done.done = true;
+    done.cv.Signal();
+  });
+  bool interrupted = false;
+  while (true) {
+    {
+      ReleaseGil release;
+      MutexLock lock(&done.mu);
+      if (!done.done) done.cv.WaitWithTimeout(&done.mu, kSignalCheck);
+      if (done.done) break;
+    }
+    if (!interrupted && PyErr_CheckSignals() != 0) {
+      interrupted = true;  // the handler's exception is set; the wait ends soon
+      cancel.Cancel();
+    }
+  }
+  ReleaseGil release;
+  worker.join();
+  return interrupted;
+}
+
 // Runs `call(cancel)` (which may wait) with the GIL released, registered so that close() and
 // interpreter exit can wake it. `given`: the caller's canceller (asyncio), else a fresh one.
 // A wait that ends CANCELLED raises ClosedError if its client was closed meanwhile, else
@@ -518,35 +554,7 @@ T RunWaiting(const ClientState& state, const std::optional<WaitCanceller>& given
     ReleaseGil release;
     result = call(cancel);
   } else {
-    struct Done {
-      Mutex mu;
-      CondVar cv;
-      bool done ABSL_GUARDED_BY(mu) = false;
-    } done;
-    std::thread worker([&] {
-      T got = call(cancel);
-      MutexLock lock(&done.mu);
-      result = std::move(got);
-      done.done = true;
-      done.cv.Signal();
-    });
-    bool interrupted = false;
-    while (true) {
-      {
-        ReleaseGil release;
-        MutexLock lock(&done.mu);
-        if (!done.done) done.cv.WaitWithTimeout(&done.mu, kSignalCheck);
-        if (done.done) break;
-      }
-      if (!interrupted && PyErr_CheckSignals() != 0) {
-        interrupted = true;  // the handler's exception is set; the wait ends soon
-        cancel.Cancel();
-      }
-    }
-    {
-      ReleaseGil release;
-      worker.join();
-    }
+    const bool interrupted = RunHearingSignals(cancel, result, [&] { return call(cancel); });
     if (interrupted) {
       calls.erase(it);
       Discard(result);
@@ -935,49 +943,14 @@ void CloseClient(PyClient& self) {
 // raises here, and interpreter exit (_cancel_waits_at_exit) cancels it too, so neither waits
 // for a daemon that does not answer.
 absl::StatusOr<std::shared_ptr<Client>> ConnectHearingSignals(const ClientOptions& options) {
-  constexpr absl::Duration kSignalCheck = absl::Milliseconds(50);
-  struct Attempt {
-    Mutex mu;
-    CondVar done_cv;
-    bool done ABSL_GUARDED_BY(mu) = false;
-    absl::StatusOr<std::shared_ptr<Client>> result ABSL_GUARDED_BY(mu);
-  };
   WaitCanceller cancel;
   if (exiting) cancel.Cancel();
   std::list<WaitingCall>& calls = WaitingCalls();
   auto it = calls.insert(calls.end(), WaitingCall{nullptr, cancel});
-  auto attempt = std::make_shared<Attempt>();
-  std::thread connector([attempt, options, cancel] {
-    absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options, cancel);
-    MutexLock lock(&attempt->mu);
-    attempt->result = std::move(client);
-    attempt->done = true;
-    attempt->done_cv.SignalAll();
-  });
-  bool interrupted = false;
-  while (true) {
-    {
-      ReleaseGil release;
-      MutexLock lock(&attempt->mu);
-      if (!attempt->done) attempt->done_cv.WaitWithTimeout(&attempt->mu, kSignalCheck);
-      if (attempt->done) break;
-    }
-    if (PyErr_CheckSignals() != 0) {
-      interrupted = true;
-      cancel.Cancel();
-      break;
-    }
-  }
-  {
-    ReleaseGil release;
-    connector.join();
-  }
-  calls.erase(it);
   absl::StatusOr<std::shared_ptr<Client>> result;
-  {
-    MutexLock lock(&attempt->mu);
-    result = std::move(attempt->result);
-  }
+  const bool interrupted =
+      RunHearingSignals(cancel, result, [&] { return Client::Connect(options, cancel); });
+  calls.erase(it);
   if (interrupted) {
     // The exception the signal's handler raised goes up; a client made meanwhile closes.
     if (result.ok()) {
