@@ -87,7 +87,7 @@ test-tsan: setup
 	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 suppressions=$(CURDIR)/tests/tsan.supp" \
 	  ctest -j1 --output-on-failure --no-tests=error -R '$(TSAN_TESTS)'
 
-TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes|Reconnect|Cuda|Channel|Restart|Fork|FastPath|Flush|WaitCancel|WarmMemory|PoolGrowth|PoolShare|CancelSettle|HeldAcross
+TSAN_TESTS ?= Integration|Malformed|Load|ClientDeath|Dtypes|Reconnect|Cuda|Channel|Restart|Fork|FastPath|Flush|WaitCancel|WarmMemory|PoolGrowth|CancelSettle|HeldAcross
 
 # Everything built with clang, -Wthread-safety and -Werror: the locking annotations
 # (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED, ...) are checked at compile time. CI runs it.
