@@ -154,7 +154,7 @@ def test_held_tensors_survive_a_kill_and_a_clean_stop_with_keep_segments(stop):
         kept = c.get("kept")
         old = c.get("replaced")
         c.put("replaced", np.zeros(1000, dtype=np.uint8), replace=True).release()
-        session = c.session_id
+        instance = c.daemon_instance
 
         if stop == "kill":
             first.process.kill()
@@ -164,7 +164,9 @@ def test_held_tensors_survive_a_kill_and_a_clean_stop_with_keep_segments(stop):
         else:
             assert first.stop() == 0
         current = Daemon(f"held-{stop}", socket=first.socket, prefix=first.prefix)
-        assert wait_for(lambda: c.session_id != session, timeout=30), "client did not reconnect"
+        assert wait_for(lambda: c.daemon_instance != instance, timeout=30), (
+            "client did not reconnect"
+        )
 
         within(20, c.flush)  # DataLossError if the new daemon did not take a lease back
         assert kept.alive and old.alive
