@@ -1,5 +1,6 @@
 #include "client/client_core.h"
 
+#include <grpcpp/alarm.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -37,44 +38,45 @@ constexpr absl::Duration kSessionPoll = absl::Milliseconds(100);
 
 // Cancels a stream's context unless disarmed by a deadline: a daemon that accepted the
 // connection but does not answer (stopped with SIGSTOP, hung) must not hold a session's opening
-// forever, and a sync stream's reads take no deadline of their own.
+// forever, and a sync stream's reads take no deadline of their own. The timer is a gRPC alarm,
+// run on gRPC's own threads: a thread of ours per opening would be one more thread to start in
+// a forked child, where ThreadSanitizer cannot tell it from the parent's threads.
 class OpenDeadline {
  public:
-  OpenDeadline(grpc::ClientContext* context, absl::Time deadline)
-      : thread_([this, context, deadline] {
-          MutexLock lock(&mu_);
-          while (!disarmed_) {
-            const absl::Duration left = deadline - absl::Now();
-            if (left <= absl::ZeroDuration()) {
-              fired_ = true;
-              context->TryCancel();
-              return;
-            }
-            disarm_.WaitWithTimeout(&mu_, left);
-          }
-        }) {}
+  OpenDeadline(grpc::ClientContext* context, absl::Time deadline) {
+    if (deadline == absl::InfiniteFuture()) return;
+    armed_ = true;
+    alarm_.Set(absl::ToChronoTime(deadline), [this, context](bool expired) {
+      MutexLock lock(&mu_);
+      if (expired) {
+        fired_ = true;
+        context->TryCancel();
+      }
+      done_ = true;
+      ran_.SignalAll();
+    });
+  }
   ~OpenDeadline() { Disarm(); }
   OpenDeadline(const OpenDeadline&) = delete;
   OpenDeadline& operator=(const OpenDeadline&) = delete;
 
-  // Stops the timer; true if it had fired (the context was cancelled).
+  // Stops the timer and waits until its callback ran (cancelled, or fired): the callback uses
+  // the context, which dies after this. True if it had fired (the context was cancelled).
   bool Disarm() {
-    {
-      MutexLock lock(&mu_);
-      disarmed_ = true;
-      disarm_.Signal();
-    }
-    if (thread_.joinable()) thread_.join();
+    if (!armed_) return false;
+    alarm_.Cancel();
     MutexLock lock(&mu_);
+    while (!done_) ran_.Wait(&mu_);
     return fired_;
   }
 
  private:
+  grpc::Alarm alarm_;
+  bool armed_ = false;
   Mutex mu_;
-  CondVar disarm_;
-  bool disarmed_ ABSL_GUARDED_BY(mu_) = false;
+  CondVar ran_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
   bool fired_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;  // last: starts once the rest is made
 };
 
 // The lease id a page lease carries in held_ after a restart turned it into a reattached one,
