@@ -329,17 +329,64 @@ bool WaitForReconnect(Client& client, uint64_t old_instance) {
   return false;
 }
 
+// The directory, socket and shared-memory prefix of one restart test.
+struct RestartPlace {
+  explicit RestartPlace(const std::string& name)
+      : prefix(absl::StrCat("tsmtest-", name, "-", getpid())),
+        dir(std::filesystem::temp_directory_path().string() + "/" + prefix),
+        socket(dir + "/s.sock") {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+  }
+  std::string prefix;
+  std::string dir;
+  std::string socket;
+};
+
+// Publishes four 4 MiB tensors "filler/N": memory the pool would hand out again if a lease
+// held across the restart no longer kept its tensor's.
+void PublishFillers(Client& producer, char byte) {
+  std::vector<char> filler(4 << 20, byte);
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<WritableTensor> w = producer.Create({{kDLUInt, 8, 1}, {4 << 20}});
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::memcpy(w->data(), filler.data(), filler.size());
+    ASSERT_TRUE(producer.Publish(*w, absl::StrCat("filler/", i)).ok());
+  }
+}
+
+// Once the daemon's grace period is over, only the `tensors` published tensors hold memory:
+// no lease is left and the pool's used bytes are theirs.
+void ExpectOnlyPublishedHoldMemory(ChildProcess& daemon, Client& client, size_t tensors) {
+  ASSERT_TRUE(daemon.WaitForOutput("recovery grace over", absl::Seconds(20))) << daemon.Output();
+  absl::StatusOr<ServerStats> stats = client.Stat();
+  absl::StatusOr<std::vector<TensorInfo>> listed = client.List();
+  ASSERT_TRUE(stats.ok() && listed.ok());
+  EXPECT_EQ(stats->leases, 0);
+  EXPECT_EQ(listed->size(), tensors);
+  EXPECT_EQ(stats->tensors, static_cast<int64_t>(tensors));
+  int64_t live_bytes = 0;
+  for (const TensorInfo& info : *listed) live_bytes += (info.nbytes + 4095) / 4096 * 4096;
+  EXPECT_EQ(stats->pools[0].used_bytes, live_bytes);
+}
+
+// Stops the daemon cleanly once the test's clients are gone: it removes its control object.
+void StopAndRemove(ChildProcess& daemon, const RestartPlace& place) {
+  daemon.Kill(SIGTERM);
+  ASSERT_TRUE(daemon.Wait(absl::Seconds(15)).ok());
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + place.prefix + ".ctl"));
+  std::filesystem::remove_all(place.dir);
+}
+
 // A client holding leases and an unpublished tensor across a SIGKILL of the daemon reconnects
 // to the restarted daemon by itself, takes them back within the grace period, and goes on:
 // mappings stay readable, the lease keeps a deleted tensor alive, the unpublished tensor can be
 // published, releases reach the new daemon, and nothing is left over after the grace period.
 TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
-  const std::string prefix = absl::StrCat("tsmtest-reconn-", getpid());
-  const std::string dir = std::filesystem::temp_directory_path().string() + "/" + prefix;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  const std::string socket = dir + "/s.sock";
-  absl::StatusOr<ChildProcess> daemon = StartDaemon(socket, prefix, "3", dir + "/a.log");
+  const RestartPlace place("reconn");
+  const std::string& socket = place.socket;
+  absl::StatusOr<ChildProcess> daemon =
+      StartDaemon(socket, place.prefix, "3", place.dir + "/a.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
 
   absl::StatusOr<std::shared_ptr<Client>> producer =
@@ -370,7 +417,7 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   const uint64_t producer_session = (*producer)->daemon_instance();
   daemon->Kill(SIGKILL);
   ASSERT_TRUE(daemon->Wait(absl::Seconds(10)).ok());
-  daemon = StartDaemon(socket, prefix, "3", dir + "/b.log");
+  daemon = StartDaemon(socket, place.prefix, "3", place.dir + "/b.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ASSERT_TRUE(WaitForReconnect(**consumer, consumer_session)) << daemon->Output();
   ASSERT_TRUE(WaitForReconnect(**producer, producer_session)) << daemon->Output();
@@ -387,13 +434,7 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   EXPECT_EQ(StorageHash((*unbound)->dl_tensor), sums["deleted-before"]);
   // Deleting "kept" now does not free what the consumer still reads.
   ASSERT_TRUE((*producer)->Delete("kept").ok());
-  std::vector<char> filler(4 << 20, 0x11);
-  for (int i = 0; i < 4; ++i) {
-    absl::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 8, 1}, {4 << 20}});
-    ASSERT_TRUE(w.ok());
-    std::memcpy(w->data(), filler.data(), filler.size());
-    ASSERT_TRUE((*producer)->Publish(*w, absl::StrCat("filler/", i)).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(PublishFillers(**producer, 0x11));
   EXPECT_EQ(StorageHash((*kept)->dl_tensor), sums["kept"]);
   EXPECT_EQ(StorageHash((*unbound)->dl_tensor), sums["deleted-before"]);
 
@@ -415,17 +456,8 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   (*kept)->deleter(*kept);
   (*unbound)->deleter(*unbound);
   ASSERT_TRUE((*consumer)->Flush().ok());
-  // After the grace period only the published tensors hold memory.
-  ASSERT_TRUE(daemon->WaitForOutput("recovery grace over", absl::Seconds(20))) << daemon->Output();
-  stats = (*consumer)->Stat();
-  absl::StatusOr<std::vector<TensorInfo>> listed = (*consumer)->List();
-  ASSERT_TRUE(stats.ok() && listed.ok());
-  EXPECT_EQ(stats->leases, 0);
-  EXPECT_EQ(listed->size(), 5u);  // draft + 4 fillers
-  EXPECT_EQ(stats->tensors, 5);
-  int64_t live_bytes = 0;
-  for (const TensorInfo& info : *listed) live_bytes += (info.nbytes + 4095) / 4096 * 4096;
-  EXPECT_EQ(stats->pools[0].used_bytes, live_bytes);
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectOnlyPublishedHoldMemory(*daemon, **consumer, 5));  // draft + 4 fillers
 
   // A restart with no grace period: the lease cannot be re-registered. The tensor stays mapped
   // (the recovered daemon says its segment is the same object), and the loss is reported: by
@@ -437,7 +469,7 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   const uint64_t second_session = (*consumer)->daemon_instance();
   daemon->Kill(SIGKILL);
   ASSERT_TRUE(daemon->Wait(absl::Seconds(10)).ok());
-  daemon = StartDaemon(socket, prefix, "0", dir + "/c.log");
+  daemon = StartDaemon(socket, place.prefix, "0", place.dir + "/c.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ASSERT_TRUE(WaitForReconnect(**consumer, second_session));
   EXPECT_EQ(StorageHash((*late)->dl_tensor), draft_sum);
@@ -453,10 +485,7 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
 
   producer->reset();
   consumer->reset();
-  daemon->Kill(SIGTERM);
-  ASSERT_TRUE(daemon->Wait(absl::Seconds(15)).ok());
-  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + prefix + ".ctl"));
-  std::filesystem::remove_all(dir);
+  StopAndRemove(*daemon, place);
 }
 
 // What a client holds across a restart is taken back the same way whether the daemon was
@@ -468,13 +497,10 @@ class HeldAcrossRestartTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTakenBack) {
   const int stop_signal = GetParam();
-  const std::string prefix = absl::StrCat("tsmtest-held", stop_signal, "-", getpid());
-  const std::string dir = std::filesystem::temp_directory_path().string() + "/" + prefix;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  const std::string socket = dir + "/s.sock";
+  const RestartPlace place(absl::StrCat("held", stop_signal));
+  const std::string& socket = place.socket;
   absl::StatusOr<ChildProcess> daemon =
-      StartDaemon(socket, prefix, "5", dir + "/a.log", {"--keep-segments"});
+      StartDaemon(socket, place.prefix, "5", place.dir + "/a.log", {"--keep-segments"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
 
   absl::StatusOr<std::shared_ptr<Client>> producer =
@@ -518,7 +544,7 @@ TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTak
   } else {
     std::filesystem::remove(socket);  // a killed daemon leaves its socket file
   }
-  daemon = StartDaemon(socket, prefix, "5", dir + "/b.log");
+  daemon = StartDaemon(socket, place.prefix, "5", place.dir + "/b.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   EXPECT_TRUE(absl::StrContains(daemon->Output(),
                                 "2 published tensors, 2 unbound or unpublished ones kept"))
@@ -546,13 +572,7 @@ TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTak
     (*current)->deleter(*current);
   }
   // The held memory is not handed out again while the lease lasts.
-  std::vector<char> filler(4 << 20, 0x22);
-  for (int i = 0; i < 4; ++i) {
-    absl::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 8, 1}, {4 << 20}});
-    ASSERT_TRUE(w.ok());
-    std::memcpy(w->data(), filler.data(), filler.size());
-    ASSERT_TRUE((*producer)->Publish(*w, absl::StrCat("filler/", i)).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(PublishFillers(**producer, 0x22));
   EXPECT_EQ(StorageHash((*old)->dl_tensor), *replaced_sum);
   // The half-written buffer is the consumer's again: finish and publish it.
   std::memset(static_cast<char*>(draft->data()) + 35000, 0x3c, 35000);
@@ -570,23 +590,12 @@ TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTak
   ASSERT_TRUE((*consumer)->Flush().ok());
   // After the grace period only the published tensors hold memory: the old "replaced" went with
   // its last lease.
-  ASSERT_TRUE(daemon->WaitForOutput("recovery grace over", absl::Seconds(20))) << daemon->Output();
-  stats = (*consumer)->Stat();
-  absl::StatusOr<std::vector<TensorInfo>> listed = (*consumer)->List();
-  ASSERT_TRUE(stats.ok() && listed.ok());
-  EXPECT_EQ(stats->leases, 0);
-  EXPECT_EQ(listed->size(), 7u);  // kept, replaced, draft, 4 fillers
-  EXPECT_EQ(stats->tensors, 7);
-  int64_t live_bytes = 0;
-  for (const TensorInfo& info : *listed) live_bytes += (info.nbytes + 4095) / 4096 * 4096;
-  EXPECT_EQ(stats->pools[0].used_bytes, live_bytes);
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectOnlyPublishedHoldMemory(*daemon, **consumer, 7));  // kept, replaced, draft, 4 fillers
 
   producer->reset();
   consumer->reset();
-  daemon->Kill(SIGTERM);
-  ASSERT_TRUE(daemon->Wait(absl::Seconds(15)).ok());
-  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + prefix + ".ctl"));
-  std::filesystem::remove_all(dir);
+  StopAndRemove(*daemon, place);
 }
 
 INSTANTIATE_TEST_SUITE_P(KillAndCleanStop, HeldAcrossRestartTest,
