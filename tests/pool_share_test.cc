@@ -22,7 +22,7 @@ namespace tensorshm::testing {
 namespace {
 
 constexpr int64_t kMiB = 1 << 20;
-constexpr int64_t kTensorBytes = 16 * 1024;  // one 16 KiB tensor: four pages
+constexpr int64_t kTensorBytes = 64 * 1024;  // one 64 KiB tensor: sixteen pages
 constexpr int kOwner = -1;                   // the daemon's (this test's) uid
 
 // Runs tsm_share_client `args` (after its mode and the socket) as `uid` (kOwner: as this
@@ -57,7 +57,7 @@ int64_t PutCount(const std::string& output) {
 
 std::string Prefix(int uid) { return uid == kOwner ? "owner" : absl::StrCat("uid", uid); }
 
-// Puts 16 KiB tensors as `uid` until refused, numbered from `first`; returns how many it put.
+// Puts 64 KiB tensors as `uid` until refused, numbered from `first`; returns how many it put.
 int64_t Fill(const TestDaemon& daemon, int uid, int64_t first) {
   const std::string output = RunAs(
       daemon, uid, "put", {Prefix(uid), std::to_string(first), "-1", std::to_string(kTensorBytes)});
@@ -93,8 +93,8 @@ void TwoUids(bool owner_first) {
       StartSharing(owner_first ? "share2-owner" : "share2-other",
                    {"--host-pool", "64Mi", "--max-tensors", "8192"}, {kOther});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  constexpr int64_t kShare = 32 * kMiB / kTensorBytes;  // 2048 tensors each
-  constexpr int64_t kWhole = 64 * kMiB / kTensorBytes;  // 4096
+  constexpr int64_t kShare = 32 * kMiB / kTensorBytes;  // 512 tensors each
+  constexpr int64_t kWhole = 64 * kMiB / kTensorBytes;  // 1024
   // Both uids create: each holds one tensor before either fills.
   for (int uid : {kOwner, kOther}) {
     const std::string output =
@@ -155,7 +155,7 @@ TEST(PoolShareTest, FourUidsInAPoolOfFourSegments) {
         RunAs(*daemon, uid, "put", {Prefix(uid), "0", "1", std::to_string(kTensorBytes)});
     ASSERT_EQ(PutCount(output), 1) << output;
   }
-  constexpr int64_t kShare = 16 * kMiB / kTensorBytes;  // 1024 tensors each
+  constexpr int64_t kShare = 16 * kMiB / kTensorBytes;  // 256 tensors each
   std::vector<int64_t> put;
   for (int uid : uids) {
     put.push_back(1 + Fill(*daemon, uid, 1));
