@@ -32,8 +32,9 @@
 //       that says the daemon failed, then "done N"
 //   tsm_held_client waiters SOCKET NAME --count N --threads T
 //       T threads (a connection each) start N acquires of NAME waiting up to 300 s between them;
-//       then probes with a 50 ms wait until RESOURCE_EXHAUSTED says all N are registered (run
-//       with --uid-waiters N), prints "waiting N" and holds until killed
+//       then probes with a 20 ms wait until RESOURCE_EXHAUSTED says all N are registered (run
+//       with --uid-waiters N; a call refused because a probe took its place is started again),
+//       prints "waiting N answered A restarted R" and holds until killed
 //   tsm_held_client plant-socket PATH
 //       binds a Unix socket at PATH and leaves it there: "planted PATH"
 //
