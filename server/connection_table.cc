@@ -18,7 +18,13 @@ uint64_t DaemonConnectionLimit(uint64_t open_files, uint64_t* owner_reserve) {
   return limit;
 }
 
-ConnectionRefusal ConnectionTable::Check(uid_t uid, absl::Time now) {
+ConnectionRefusal ConnectionTable::Check(uid_t uid, bool admitted, absl::Time now) {
+  if (!admitted) {
+    if (count(uid) >= limits_.stranger_per_uid) SweepUid(uid, now);
+    if (count(uid) >= limits_.stranger_per_uid) return ConnectionRefusal::kNotAdmitted;
+    if (strangers_ >= limits_.strangers && now - last_sweep_ >= kSweepInterval) Sweep(now);
+    if (strangers_ >= limits_.strangers) return ConnectionRefusal::kNotAdmitted;
+  }
   const bool owner = uid == limits_.owner;
   if (!owner && limits_.per_uid > 0 && count(uid) >= limits_.per_uid) {
     SweepUid(uid, now);
@@ -34,11 +40,12 @@ ConnectionRefusal ConnectionTable::Check(uid_t uid, absl::Time now) {
   return ConnectionRefusal::kNone;
 }
 
-absl::Status ConnectionTable::Add(int fd, uid_t uid) {
+absl::Status ConnectionTable::Add(int fd, uid_t uid, bool admitted) {
   struct stat st;
   if (fstat(fd, &st) != 0) return ErrnoError("fstat", absl::StrCat("accepted fd ", fd), errno);
   Forget(fd);
-  entries_[fd] = Entry{uid, st.st_dev, st.st_ino};
+  entries_[fd] = Entry{uid, admitted, st.st_dev, st.st_ino};
+  if (!admitted) ++strangers_;
   uids_[uid].fds.insert(fd);
   return absl::OkStatus();
 }
@@ -48,6 +55,7 @@ void ConnectionTable::Remove(int fd) { Forget(fd); }
 void ConnectionTable::Forget(int fd) {
   auto it = entries_.find(fd);
   if (it == entries_.end()) return;
+  if (!it->second.admitted) --strangers_;
   auto uid = uids_.find(it->second.uid);
   if (uid != uids_.end()) {
     uid->second.fds.erase(fd);
@@ -106,8 +114,11 @@ void RefusalLog::Flush(absl::Time now) {
     } else if (state.unlogged == 0) {
       it = uids_.erase(it);  // quiet for an interval: its next refusal is logged whole
     } else {
-      TSM_LOG(kWarning) << state.unlogged << " more connections of uid " << it->first
-                        << " refused in the last "
+      TSM_LOG(kWarning) << state.unlogged
+                        << (it->first == kNoUid
+                                ? std::string(" more accept failures")
+                                : absl::StrCat(" more connections of uid ", it->first, " refused"))
+                        << " in the last "
                         << absl::FormatDuration(absl::Trunc(now - state.logged, absl::Seconds(1)))
                         << "; the latest: " << state.last;
       state.logged = now;

@@ -24,7 +24,16 @@ struct ConnectionLimits {
   // Of `total`, the last this many are the owner's alone: other uids are refused at
   // total - owner_reserve, so that the daemon's own clients still get in.
   uint64_t owner_reserve = 0;
+  // Connections of uids that are not admitted held open, per uid and in all, so that their gRPC
+  // calls can be answered PERMISSION_DENIED naming the policy (rather than a bare closed
+  // connection); past either, closed at accept. 0: none held.
+  uint64_t stranger_per_uid = 0;
+  uint64_t strangers = 0;
 };
+
+// What tensorshmd holds of uids that are not admitted: enough for a client to be told why.
+inline constexpr uint64_t kStrangerConnectionsPerUid = 4;
+inline constexpr uint64_t kStrangerConnections = 64;
 
 // The daemon-wide limit for a process whose open file limit is `open_files`: every connection
 // is a descriptor, and so is every session's lease page (one session: two connections, one
@@ -51,25 +60,27 @@ class ConnectionTable {
 
   explicit ConnectionTable(ConnectionLimits limits) : limits_(limits) {}
 
-  // Whether one more connection of `uid` fits: kNone, or which limit refuses it (kUidLimit,
-  // kDaemonLimit).
-  ConnectionRefusal Check(uid_t uid, absl::Time now);
+  // Whether one more connection of `uid` (`admitted` or not) fits: kNone, or which limit
+  // refuses it (kNotAdmitted: past the strangers' room; kUidLimit, kDaemonLimit).
+  ConnectionRefusal Check(uid_t uid, bool admitted, absl::Time now);
   // Records accepted socket `fd` of `uid`. Whatever was recorded under fd's number before has
   // closed (the number was reused) and is forgotten. An error naming the fd if fstat fails (the
   // caller then closes it).
-  absl::Status Add(int fd, uid_t uid);
+  absl::Status Add(int fd, uid_t uid, bool admitted);
   // Forgets `fd`, which the caller closes now.
   void Remove(int fd);
   // Drops every entry whose descriptor is closed or another file now.
   void Sweep(absl::Time now);
 
   uint64_t total() const { return entries_.size(); }
+  uint64_t strangers() const { return strangers_; }
   uint64_t count(uid_t uid) const;
   const ConnectionLimits& limits() const { return limits_; }
 
  private:
   struct Entry {
     uid_t uid = 0;
+    bool admitted = true;
     dev_t device = 0;
     ino_t inode = 0;
   };
@@ -85,6 +96,7 @@ class ConnectionTable {
   std::unordered_map<int, Entry> entries_;  // by descriptor
   std::unordered_map<uid_t, Uid> uids_;     // uids with entries
   absl::Time last_sweep_ = absl::InfinitePast();
+  uint64_t strangers_ = 0;  // entries not admitted
 };
 
 // Log lines about refused connections, at most one per uid per `interval`: the first refusal of
@@ -93,6 +105,9 @@ class ConnectionTable {
 // connections it makes. Thread-compatible.
 class RefusalLog {
  public:
+  // The uid under which failures that have no peer (accept itself failing) are logged.
+  static constexpr uid_t kNoUid = static_cast<uid_t>(-1);
+
   explicit RefusalLog(absl::Duration interval = absl::Seconds(10)) : interval_(interval) {}
 
   // Logs `line` (a warning) now, or counts it if a line for `uid` was logged less than an

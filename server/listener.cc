@@ -130,12 +130,13 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
   struct Pending {
     PeerCredentials peer;
     absl::Time deadline;
+    bool admitted = true;
   };
   std::map<int, Pending> pending;  // accepted, not yet sorted
   ConnectionTable connections(policy.limits);
   RefusalLog refusals;
-  // accept() failing with EMFILE is logged like a refusal (as "uid -1"): once, then counted.
-  constexpr uid_t kNoUid = static_cast<uid_t>(-1);
+  // accept() failing (EMFILE) is logged like a refusal, under no uid: once, then counted.
+  constexpr uid_t kNoUid = RefusalLog::kNoUid;
   auto count = [&](ConnectionRefusal why) {
     if (policy.metrics != nullptr) policy.metrics->CountConnectionRefused(why);
   };
@@ -217,26 +218,27 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
             close(conn);
             continue;
           }
-          // Admission before resources: a stranger's connection is closed before it is read,
-          // sorted or handed to anyone.
-          if (policy.admit) {
-            if (absl::Status admitted = policy.admit(*peer); !admitted.ok()) {
-              close(conn);
-              count(ConnectionRefusal::kNotAdmitted);
-              refusals.Refused(peer->uid,
-                               absl::StrCat("connection refused at accept: ", admitted.message()),
-                               now);
-              continue;
-            }
-          }
-          if (const ConnectionRefusal why = connections.Check(peer->uid, now);
+          // Admission before resources: past its few connections that are held only to be
+          // told why, a stranger's connection is closed before it is read, sorted or handed to
+          // anyone; so is one past its uid's or the daemon's limit.
+          absl::Status admitted = policy.admit ? policy.admit(*peer) : absl::OkStatus();
+          if (const ConnectionRefusal why = connections.Check(peer->uid, admitted.ok(), now);
               why != ConnectionRefusal::kNone) {
             close(conn);
             count(why);
-            refusals.Refused(peer->uid, RefusalLine(*peer, why, connections), now);
+            refusals.Refused(
+                peer->uid,
+                why == ConnectionRefusal::kNotAdmitted
+                    ? absl::StrCat("connection refused at accept: ", admitted.message(),
+                                   " (past the ", connections.limits().stranger_per_uid,
+                                   " connections a uid that is not admitted may hold to be told "
+                                   "so, ",
+                                   connections.limits().strangers, " in all)")
+                    : RefusalLine(*peer, why, connections),
+                now);
             continue;
           }
-          if (absl::Status s = connections.Add(conn, peer->uid); !s.ok()) {
+          if (absl::Status s = connections.Add(conn, peer->uid, admitted.ok()); !s.ok()) {
             refusals.Refused(peer->uid, std::string(s.message()), now);
             close(conn);
             continue;
@@ -251,7 +253,7 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
             close(conn);
             continue;
           }
-          pending[conn] = Pending{*peer, now + sort_timeout};
+          pending[conn] = Pending{*peer, now + sort_timeout, admitted.ok()};
         }
         continue;
       }
@@ -263,6 +265,16 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
       const PeerCredentials peer = it->second.peer;
       const Kind kind = got > 0 ? Sort(bytes, static_cast<size_t>(got)) : Kind::kUnknown;
       if (kind == Kind::kNeedMore && (events[i].events & (EPOLLRDHUP | EPOLLHUP)) == 0) continue;
+      if (kind == Kind::kChannel && !it->second.admitted) {
+        // A stranger's gRPC calls are answered PERMISSION_DENIED; a memory channel could only
+        // be refused, and is closed here.
+        refusals.Refused(peer.uid,
+                         absl::StrCat("memory channel refused: ",
+                                      policy.admit ? policy.admit(peer).message() : ""),
+                         now);
+        drop(fd);
+        continue;
+      }
       if (kind == Kind::kGrpc) {
         // Handed on, still counted: ConnectionTable notices when its new owner closes it.
         epoll_ctl(epoll, EPOLL_CTL_DEL, fd, nullptr);

@@ -126,7 +126,8 @@ void RaiseOpenFileLimit() {
 }
 
 // Who the listener lets in: the admitted uids (`policy`), each but the owner held to
-// --uid-connections, all together to what the open file limit leaves room for.
+// --uid-connections, all together to what the open file limit leaves room for; of other uids, a
+// few connections each, only to be answered PERMISSION_DENIED.
 AcceptPolicy MakeAcceptPolicy(const AccessPolicy& policy, uint64_t uid_connections,
                               Metrics* metrics) {
   rlimit files{};
@@ -139,6 +140,8 @@ AcceptPolicy MakeAcceptPolicy(const AccessPolicy& policy, uint64_t uid_connectio
   accept.limits.owner = policy.owner();
   accept.limits.per_uid = uid_connections;
   accept.limits.total = DaemonConnectionLimit(open_files, &accept.limits.owner_reserve);
+  accept.limits.stranger_per_uid = kStrangerConnectionsPerUid;
+  accept.limits.strangers = kStrangerConnections;
   accept.metrics = metrics;
   TSM_LOG(kInfo) << "connections: at most " << accept.limits.total << " open at once (of "
                  << open_files << " open files), the last " << accept.limits.owner_reserve
@@ -309,7 +312,7 @@ int Run(int argc, char** argv) {
   builder.SetResourceQuota(quota);
   // Reflection is synchronous: other uids may hold one of its threads each, and never the last.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(MakeReflectionLimit(&peers, policy.owner(), kSyncServerThreads));
+  interceptors.push_back(MakeReflectionLimit(&peers, &policy, kSyncServerThreads));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {

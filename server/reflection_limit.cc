@@ -42,8 +42,8 @@ class ReflectionStreams {
 class ReflectionInterceptor : public grpc::experimental::Interceptor {
  public:
   ReflectionInterceptor(grpc::experimental::ServerRpcInfo* info, const PeerTable* peers,
-                        uid_t owner, ReflectionStreams* streams)
-      : info_(info), peers_(peers), owner_(owner), streams_(streams) {}
+                        const AccessPolicy* policy, ReflectionStreams* streams)
+      : info_(info), peers_(peers), policy_(policy), streams_(streams) {}
   ~ReflectionInterceptor() override {
     if (counted_) streams_->Close(uid_);
   }
@@ -54,15 +54,16 @@ class ReflectionInterceptor : public grpc::experimental::Interceptor {
       grpc::ServerContextBase* context = info_->server_context();
       absl::StatusOr<PeerCredentials> peer = peers_->Find(context->peer());
       // A peer the listener did not hand over is refused by admission anyway: it holds no slot.
-      if (!peer.ok()) {
+      if (!peer.ok() || !policy_->Admit(*peer).ok()) {
         context->TryCancel();
-      } else if (peer->uid != owner_) {
+      } else if (peer->uid != policy_->owner()) {
         if (streams_->TryOpen(peer->uid)) {
           counted_ = true;
           uid_ = peer->uid;
         } else {
           TSM_LOG(kDebug) << "reflection stream of uid " << peer->uid << " (pid " << peer->pid
-                          << ") cancelled: one per uid, and a thread kept for uid " << owner_;
+                          << ") cancelled: one per uid, and a thread kept for uid "
+                          << policy_->owner();
           context->TryCancel();
         }
       }
@@ -73,7 +74,7 @@ class ReflectionInterceptor : public grpc::experimental::Interceptor {
  private:
   grpc::experimental::ServerRpcInfo* info_;
   const PeerTable* peers_;
-  uid_t owner_;
+  const AccessPolicy* policy_;
   ReflectionStreams* streams_;
   bool counted_ = false;
   uid_t uid_ = 0;
@@ -81,26 +82,26 @@ class ReflectionInterceptor : public grpc::experimental::Interceptor {
 
 class ReflectionLimit : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  ReflectionLimit(const PeerTable* peers, uid_t owner, int threads)
-      : peers_(peers), owner_(owner), streams_(threads > 2 ? threads - 2 : 1) {}
+  ReflectionLimit(const PeerTable* peers, const AccessPolicy* policy, int threads)
+      : peers_(peers), policy_(policy), streams_(threads > 2 ? threads - 2 : 1) {}
 
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
     if (!absl::StartsWith(info->method(), "/grpc.reflection.")) return nullptr;
-    return new ReflectionInterceptor(info, peers_, owner_, &streams_);
+    return new ReflectionInterceptor(info, peers_, policy_, &streams_);
   }
 
  private:
   const PeerTable* peers_;
-  uid_t owner_;
+  const AccessPolicy* policy_;
   ReflectionStreams streams_;
 };
 
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeReflectionLimit(
-    const PeerTable* peers, uid_t owner, int threads) {
-  return std::make_unique<ReflectionLimit>(peers, owner, threads);
+    const PeerTable* peers, const AccessPolicy* policy, int threads) {
+  return std::make_unique<ReflectionLimit>(peers, policy, threads);
 }
 
 }  // namespace tensorshm
