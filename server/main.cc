@@ -38,6 +38,7 @@
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/options.h"
+#include "server/reflection_limit.h"
 #include "server/service.h"
 #include "server/socket_dir.h"
 
@@ -122,6 +123,33 @@ void RaiseOpenFileLimit() {
       TSM_LOG(kWarning) << "cannot raise the open file limit: " << std::strerror(errno);
     }
   }
+}
+
+// Who the listener lets in: the admitted uids (`policy`), each but the owner held to
+// --uid-connections, all together to what the open file limit leaves room for; of other uids, a
+// few connections each, only to be answered PERMISSION_DENIED.
+AcceptPolicy MakeAcceptPolicy(const AccessPolicy& policy, uint64_t uid_connections,
+                              Metrics* metrics) {
+  rlimit files{};
+  uint64_t open_files = 1024;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    open_files = files.rlim_cur == RLIM_INFINITY ? uint64_t{1} << 20 : files.rlim_cur;
+  }
+  AcceptPolicy accept;
+  accept.admit = [&policy](const PeerCredentials& peer) { return policy.Admit(peer); };
+  accept.limits.owner = policy.owner();
+  accept.limits.per_uid = uid_connections;
+  accept.limits.total = DaemonConnectionLimit(open_files, &accept.limits.owner_reserve);
+  accept.limits.stranger_per_uid = kStrangerConnectionsPerUid;
+  accept.limits.strangers = kStrangerConnections;
+  accept.metrics = metrics;
+  TSM_LOG(kInfo) << "connections: at most " << accept.limits.total << " open at once (of "
+                 << open_files << " open files), the last " << accept.limits.owner_reserve
+                 << " for uid " << policy.owner() << " alone; "
+                 << (uid_connections == 0 ? std::string("no limit")
+                                          : absl::StrCat("at most ", uid_connections))
+                 << " per other uid (--uid-connections)";
+  return accept;
 }
 
 // Serves --metrics `flag` for `service` (started at `started`).
@@ -282,6 +310,10 @@ int Run(int argc, char** argv) {
   grpc::ResourceQuota quota("tensorshmd");
   quota.SetMaxThreads(kSyncServerThreads);
   builder.SetResourceQuota(quota);
+  // Reflection is synchronous: other uids may hold one of its threads each, and never the last.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(MakeReflectionLimit(&peers, &policy, kSyncServerThreads));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
     std::cerr << "tensorshmd: cannot start the gRPC server\n";
@@ -289,8 +321,9 @@ int Run(int argc, char** argv) {
   }
   server->GetHealthCheckService()->SetServingStatus(true);
   // The daemon accepts connections itself, so that it knows who is at the other end
-  // (SO_PEERCRED); admission is then checked on every call. A shared socket is open to all
-  // local users at the file level: the credentials decide.
+  // (SO_PEERCRED): a connection of a uid that is not admitted, or past its uid's or the daemon's
+  // connection limit, is closed at accept; admission is checked again on every call. A shared
+  // socket is open to all local users at the file level: the credentials decide.
   absl::StatusOr<std::unique_ptr<UnixListener>> listener =
       UnixListener::Create(options->socket, policy.shared() ? 0666 : 0600);
   if (!listener.ok()) {
@@ -317,8 +350,8 @@ int Run(int argc, char** argv) {
         grpc::AddInsecureChannelFromFd(server.get(), fd);
       },
       [&](int fd, const PeerCredentials& peer) {
-        // gRPC calls of a refused peer are answered PERMISSION_DENIED one by one; its memory
-        // channel is not kept open at all.
+        // The listener closed a refused peer's connections at accept already; this is the
+        // second look, as every gRPC call has.
         if (absl::Status s = policy.Admit(peer); !s.ok()) {
           TSM_LOG(kWarning) << "memory channel refused: " << s.message();
           close(fd);
@@ -327,7 +360,8 @@ int Run(int argc, char** argv) {
         TSM_LOG(kDebug) << "memory channel fd " << fd << ": pid " << peer.pid << ", uid "
                         << peer.uid;
         (*channels)->Add(fd, peer);
-      });
+      },
+      MakeAcceptPolicy(policy, *options->uid_connections, &service.metrics()));
 
   // The one line an operator (and a supervisor waiting for readiness) looks for: logged like
   // every other line, on stderr, and whatever --log-level says. The pool grows by segments of

@@ -62,6 +62,17 @@ absl::string_view AllocationFailureName(AllocationFailure why) {
   return why == AllocationFailure::kQuota ? "quota" : "pool";
 }
 
+absl::string_view ConnectionRefusalName(ConnectionRefusal why) {
+  switch (why) {
+    case ConnectionRefusal::kNotAdmitted:
+      return "not_admitted";
+    case ConnectionRefusal::kUidLimit:
+      return "uid_limit";
+    default:
+      return "daemon_limit";
+  }
+}
+
 Histogram::Histogram(std::vector<double> bounds)
     : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
 
@@ -108,6 +119,11 @@ void Metrics::CountFastAcquires(uint64_t count) {
 
 void Metrics::CountAllocationFailure(AllocationFailure why) {
   allocation_failures_[static_cast<int>(why)].fetch_add(1, std::memory_order_relaxed);
+}
+
+void Metrics::CountConnectionRefused(ConnectionRefusal why) {
+  if (why == ConnectionRefusal::kNone || why == ConnectionRefusal::kCount) return;
+  connections_refused_[static_cast<int>(why)].fetch_add(1, std::memory_order_relaxed);
 }
 
 void Metrics::CountReclaimed(uint64_t bytes, uint64_t tensors, uint64_t leases) {
@@ -295,6 +311,22 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
              "Leases (through the daemon, and lease page slots) dropped because their session "
              "ended holding them: the client died, or disconnected without releasing them.");
   out.Sample("tensorshm_reclaimed_leases_total", {}, metrics.reclaimed_leases());
+
+  out.Family("tensorshm_connections", "gauge",
+             "Connections open on the daemon's socket (gRPC and memory channel, each client has "
+             "two), as the listener last counted them (closed ones are noticed within seconds).");
+  out.Sample("tensorshm_connections", {}, metrics.connections());
+  out.Family("tensorshm_connections_refused_total", "counter",
+             "Connections closed as soon as they were accepted: reason=\"not_admitted\" (a uid "
+             "--allow-uid / --allow-gid do not admit), \"uid_limit\" (past --uid-connections), "
+             "\"daemon_limit\" (past the daemon-wide limit its open file limit sets).");
+  for (int why = static_cast<int>(ConnectionRefusal::kNotAdmitted);
+       why < static_cast<int>(ConnectionRefusal::kCount); ++why) {
+    out.Sample(
+        "tensorshm_connections_refused_total",
+        {{"reason", std::string(ConnectionRefusalName(static_cast<ConnectionRefusal>(why)))}},
+        metrics.connections_refused(static_cast<ConnectionRefusal>(why)));
+  }
 
   out.Family("tensorshm_acquire_wait_seconds", "histogram",
              "How long Acquire calls that waited in the daemon for a publish waited, by how the "

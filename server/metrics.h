@@ -17,6 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/mutex.h"
+#include "server/connection_table.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {
@@ -98,6 +99,10 @@ class Metrics {
   // What a session held when it ended (its client died, or closed without releasing it):
   // `tensors` unpublished buffers of `bytes` bytes in all, freed; `leases` leases, dropped.
   void CountReclaimed(uint64_t bytes, uint64_t tensors, uint64_t leases);
+  // A connection the listener closed at accept for `why` (not kNone).
+  void CountConnectionRefused(ConnectionRefusal why);
+  // Connections open on the daemon's socket now, as the listener last counted them.
+  void SetConnections(int64_t open) { connections_.store(open, std::memory_order_relaxed); }
   // An Acquire that waited in the daemon for a publish, and ended with `code` after `waited`.
   void ObserveAcquireWait(absl::Duration waited, absl::StatusCode code);
   // Acquires waiting in the daemon now: one more (listed), one fewer (taken off the lists).
@@ -115,6 +120,10 @@ class Metrics {
   uint64_t reclaimed_tensors() const { return reclaimed_tensors_.load(std::memory_order_relaxed); }
   uint64_t reclaimed_leases() const { return reclaimed_leases_.load(std::memory_order_relaxed); }
   int64_t acquire_waiting() const { return acquire_waiting_.load(std::memory_order_relaxed); }
+  uint64_t connections_refused(ConnectionRefusal why) const {
+    return connections_refused_[static_cast<int>(why)].load(std::memory_order_relaxed);
+  }
+  int64_t connections() const { return connections_.load(std::memory_order_relaxed); }
   Histogram::Reading acquire_wait(int code) const { return acquire_wait_[code]->Read(); }
 
  private:
@@ -128,6 +137,9 @@ class Metrics {
   std::atomic<uint64_t> reclaimed_tensors_{0};
   std::atomic<uint64_t> reclaimed_leases_{0};
   std::atomic<int64_t> acquire_waiting_{0};
+  std::array<std::atomic<uint64_t>, static_cast<int>(ConnectionRefusal::kCount)>
+      connections_refused_{};
+  std::atomic<int64_t> connections_{0};
   std::vector<std::unique_ptr<Histogram>> acquire_wait_;  // by code
 };
 

@@ -67,6 +67,14 @@ UidLimitsConfig DefaultUidLimits() {
   return limits;
 }
 
+// Connections (--uid-connections): every client holds two (gRPC and the memory channel), and a
+// connection is a descriptor of the daemon's, whose number is bounded (RLIMIT_NOFILE). The
+// default follows --uid-sessions, so that a uid can open every session it is allowed, with room
+// for tensorshmctl, health probes and clients reconnecting while their old connections close.
+// The daemon's own uid is not held to it (see ConnectionLimits): it is bounded only by the
+// daemon-wide limit, of which a part is kept for it alone.
+uint64_t DefaultUidConnections(uint64_t sessions) { return sessions == 0 ? 0 : 2 * sessions + 64; }
+
 absl::StatusOr<CudaPoolSpec> ParseCudaPool(absl::string_view text) {
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat("--cuda-pool = \"", text, "\": ", why));
@@ -197,6 +205,10 @@ const std::vector<FlagSpec>& DaemonFlags() {
        "most bytes of unpublished buffers one uid may hold at once, over\n"
        "all its sessions; with a quota no buffers are stocked ahead\n"
        "(default 0: no limit beyond the pool)"},
+      {"uid-connections", FlagKind::kValue, "N",
+       "most connections one uid may have open on the socket at once;\n"
+       "past it they are closed at accept (default 2 x --uid-sessions\n"
+       "+ 64; 0: no limit). The daemon's own uid is not held to it"},
       {"evict", FlagKind::kValue, "POLICY",
        "when a create finds its pool full: none (default: it fails, or\n"
        "waits if it asked to) or lru (first evict published tensors\n"
@@ -361,6 +373,10 @@ absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOp
     (arg == "--uid-sessions" ? options.uid_limits.sessions
      : arg == "--uid-leases" ? options.uid_limits.leases
                              : options.uid_limits.waiters) = *count;
+  } else if (arg == "--uid-connections") {
+    absl::StatusOr<uint64_t> count = ParseCount(value, arg);
+    if (!count.ok()) return count.status();
+    options.uid_connections = *count;
   } else if (arg == "--uid-quota") {
     absl::StatusOr<uint64_t> size = ParseSize(value, arg);
     if (!size.ok()) return size.status();
@@ -472,6 +488,9 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
   if (options.memfd_segments && options.keep_segments) {
     return absl::InvalidArgumentError(
         "--keep-segments with --segments memfd: memfd segments cannot outlive the daemon");
+  }
+  if (!options.uid_connections) {
+    options.uid_connections = DefaultUidConnections(options.uid_limits.sessions);
   }
   if (options.shm_prefix.empty()) options.shm_prefix = RandomPrefix();
   // Both sizes round to whole pages, the unit of allocation.

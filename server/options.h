@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -50,7 +51,15 @@ struct DaemonOptions {
   std::string config_file;  // --config; empty: none
   // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit
   UidLimitsConfig uid_limits = DefaultUidLimits();
+  // --uid-connections: most connections one uid (the daemon's own aside) may have open on the
+  // socket at once; 0: no limit. Unset: DefaultUidConnections(uid_limits.sessions).
+  std::optional<uint64_t> uid_connections;
 };
+
+// The --uid-connections a daemon with --uid-sessions `sessions` has unless told: two connections
+// per session (gRPC and the memory channel) and 64 for tools and reconnects; 0 (no limit) if
+// `sessions` is 0.
+uint64_t DefaultUidConnections(uint64_t sessions);
 
 // The largest size a flag takes (4 EiB): rounding it up to a page, or adding the catalog's size
 // to it, never wraps, and it fits an off_t.

@@ -95,6 +95,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   v1::StatResponse StatSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
   // The counters and histogram of --metrics (thread-safe on their own).
   const Metrics& metrics() const { return metrics_; }
+  Metrics& metrics() { return metrics_; }
 
   grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
       grpc::CallbackServerContext* context) override;
