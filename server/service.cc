@@ -718,6 +718,13 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
     if (!ordinal.ok()) return ordinal.status();
     device.device_id = *ordinal;
   }
+  // Quotas before any memory is taken: a refused create costs no allocation, no pool growth and
+  // no eviction.
+  if (absl::Status s =
+          CheckCreateQuotas(session, *dtype, shape, strides, device, request.subbyte_padded());
+      !s.ok()) {
+    return s;
+  }
   // Waiting creates come first: a new one for the same memory queues behind them.
   const PoolKey key{device.device_type, device.device_id,
                     device.device_type == kDLCPU ? session.uid : 0};
