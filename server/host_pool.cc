@@ -219,7 +219,7 @@ uint64_t HostPool::FreeSegmentId() const {
   return segments_.size() < kMaxSegments ? segments_.size() + 1 : 0;
 }
 
-void HostPool::GiveBack(size_t index, uint32_t for_uid) {
+void HostPool::GiveBack(size_t index, std::optional<uint32_t> for_uid) {
   PoolSegment& segment = segments_[index];
   TSM_CHECK(IsEmpty(segment));
   const uint64_t id = index + 1;
@@ -230,7 +230,10 @@ void HostPool::GiveBack(size_t index, uint32_t for_uid) {
   record.size = 0;
   record.name_suffix = 0;
   TSM_LOG(kInfo) << "host pool: segment " << id << " (" << segment.size << " bytes) of uid "
-                 << segment.owner_uid << " is empty; given back to the pool for uid " << for_uid;
+                 << segment.owner_uid << " is empty; given back to the pool "
+                 << (for_uid.has_value()
+                         ? absl::StrCat("for uid ", *for_uid)
+                         : std::string("(the uid has no session creating tensors)"));
   // Its name goes now (a segment made in its place may take it); its pages go in
   // DisposeSegments, outside the caller's lock.
   segment.shm->Unlink();
@@ -247,6 +250,24 @@ void HostPool::GiveBack(size_t index, uint32_t for_uid) {
     it = hot.empty() ? recently_freed_.erase(it) : std::next(it);
   }
   ++segments_given_back_;
+}
+
+std::vector<ShmSegment> HostPool::GiveBackIdle() {
+  if (growing_) return {};
+  const std::set<uint32_t> creating = creating_uids_ ? creating_uids_() : std::set<uint32_t>{};
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    if (IsIdle(segments_[i], creating)) GiveBack(i, std::nullopt);
+  }
+  return std::exchange(given_back_, {});
+}
+
+bool HostPool::HasIdleSegments() const {
+  if (growing_) return false;
+  const std::set<uint32_t> creating = creating_uids_ ? creating_uids_() : std::set<uint32_t>{};
+  for (const PoolSegment& segment : segments_) {
+    if (IsIdle(segment, creating)) return true;
+  }
+  return false;
 }
 
 absl::StatusOr<GrowthRequest> HostPool::PlanSegment(uint64_t nbytes, uint64_t length,

@@ -151,6 +151,13 @@ class HostPool {
   // touches only `segments`. Errors are logged.
   static void DisposeSegments(std::vector<ShmSegment> segments);
 
+  // A uid that has gone keeps no memory it does not hold: the empty segments of uids other than
+  // the daemon's with no session creating host tensors (set_creating_uids) are given back, and
+  // returned for DisposeSegments outside the caller's lock. Nothing while growth is under way.
+  // HasIdleSegments: whether there are such segments.
+  [[nodiscard]] std::vector<ShmSegment> GiveBackIdle();
+  bool HasIdleSegments() const;
+
   // The name of segment `segment_id`'s object: "/<prefix>.cpu.<segment_id>" for `suffix` 0, else
   // "/<prefix>.cpu.<segment_id>.<suffix as 16 lowercase hex digits>".
   static std::string ObjectName(const std::string& shm_prefix, uint64_t segment_id,
@@ -184,6 +191,12 @@ class HostPool {
   uint64_t reserved_bytes() const;  // bytes of all segments created so far
   // Segment ids run from 1 to segment_count(); a restart's holes among them are not HasSegment.
   size_t segment_count() const { return segments_.size(); }
+  // The segments that exist now (Stat's figure): holes not counted.
+  size_t live_segment_count() const {
+    size_t live = 0;
+    for (const PoolSegment& s : segments_) live += s.shm.has_value() ? 1 : 0;
+    return live;
+  }
   static uint64_t PageSize();
 
  private:
@@ -219,8 +232,15 @@ class HostPool {
     return segment.shm.has_value() &&
            segment.allocator.free_bytes() == segment.allocator.capacity();
   }
-  // Gives empty segment `index` back (see the file comment) for `for_uid`.
-  void GiveBack(size_t index, uint32_t for_uid);
+  // Gives empty segment `index` back (see the file comment) for `for_uid` (nullopt: because its
+  // uid has gone, GiveBackIdle).
+  void GiveBack(size_t index, std::optional<uint32_t> for_uid);
+  // Whether `segment` is empty and belongs to a uid other than the daemon's that `creating` (the
+  // uids with a session creating host tensors) does not name.
+  bool IsIdle(const PoolSegment& segment, const std::set<uint32_t>& creating) const {
+    return IsEmpty(segment) && segment.owner_uid != options_.owner_uid &&
+           creating.count(segment.owner_uid) == 0;
+  }
   // Creates and adds segment `request` at once (the pool's first segment, growth without a
   // GrowthRequest).
   absl::Status AddSegment(const GrowthRequest& request);

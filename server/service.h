@@ -292,6 +292,9 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // EndGrowth), then wakes the calls waiting for a growth. Returns EndGrowth's status; mu_ is
   // held again on return. REQUIRES: growth.needed().
   absl::Status GrowUnlocked(SegmentGrowth& growth) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives back the empty segments of uids that have gone (HostPool::GiveBackIdle) and empties
+  // them with mu_ released (as GrowUnlocked): for GrowPools only.
+  void GiveBackIdleSegments() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
   // need (CreateRequest.stock), fewer when the pool is short; none under a session quota. Stock

@@ -233,26 +233,63 @@ TEST(CreateQuotaTest, AnotherUidsEmptySegmentIsGivenBackWithoutStallingAnyone) {
   absl::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(owner);
-  ASSERT_STATUS_OK(Produce(**owner, "owner", 4096, 1));
 
-  // The other uid makes a 1 GiB segment of its own (its fair share; all its pages reserved),
-  // drops the buffer and disconnects: the segment stays, empty, until the pool needs its room.
-  const std::string other = RunCreates(*daemon, kNobody, 1024 * kMi, 1);
-  ASSERT_TRUE(absl::StrContains(other, "done created 1 refused 0")) << other;
+  // The other uid, alone creating, makes a 1536 MiB segment of its own (all its pages reserved)
+  // and drops the buffer; its session stays, so the empty segment stays its own.
+  absl::StatusOr<ChildProcess> other = ChildProcess::Start(
+      {TSM_CREATE_QUOTA_CLIENT_PATH, daemon->socket(), "--bytes", std::to_string(1536 * kMi),
+       "--count", "1", "--as-uid", std::to_string(kNobody), "--hold"},
+      daemon->dir() + "/other.log");
+  ASSERT_OK(other);
+  ASSERT_TRUE(other->WaitForOutput("holding", absl::Seconds(60))) << other->Output();
+  ASSERT_TRUE(absl::StrContains(other->Output(), "done created 1 refused 0")) << other->Output();
 
-  // The owner's 1280 MiB create needs that room: the segment is given back (its 1 GiB of pages
-  // punched out) while the owner's Stat calls go on.
-  absl::StatusOr<std::shared_ptr<Client>> creator =
-      Client::Connect(ClientOptions{daemon->socket(), "creator"});
-  ASSERT_OK(creator);
+  // The owner's 1 GiB create (its fair share now) needs that room: the segment is given back (its
+  // 1536 MiB of pages punched out) while the owner's Stat calls go on.
   StatProbe probe(*owner);
-  absl::StatusOr<WritableTensor> big = (*creator)->Create({{kDLUInt, 8, 1}, {1280 * kMi}});
+  absl::StatusOr<WritableTensor> big = (*owner)->Create({{kDLUInt, 8, 1}, {1024 * kMi}});
   const absl::Duration slowest = probe.Stop();
   ASSERT_OK(big);
-  std::cout << "a 1280 MiB create that gave back another uid's 1 GiB segment: the owner's "
+  std::cout << "a 1 GiB create that gave back another uid's 1536 MiB segment: the owner's "
             << "slowest Stat of " << probe.calls() << " took " << slowest << "\n";
   EXPECT_LT(slowest, kStatBound);
   EXPECT_EQ(probe.failed(), 0);
+  other->Kill(SIGKILL);
+  ASSERT_TRUE(other->Wait(absl::Seconds(10)).ok());
+}
+
+TEST(CreateQuotaTest, AUidThatHasGoneKeepsNoEmptySegment) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as uid 65534";
+  absl::StatusOr<TestDaemon> daemon = StartShared("quota-gone", {"--host-pool", "1Gi"});
+  ASSERT_OK(daemon);
+  absl::StatusOr<std::shared_ptr<Client>> owner =
+      Client::Connect(ClientOptions{daemon->socket(), "owner"});
+  ASSERT_OK(owner);
+  ASSERT_STATUS_OK(Produce(**owner, "owner", 4096, 1));
+  const int64_t segments = SettledSegments(**owner);
+
+  // The other uid creates 384 MiB (a segment of its own), drops it and disconnects.
+  StatProbe probe(*owner);
+  const std::string output = RunCreates(*daemon, kNobody, 384 * kMi, 1);
+  ASSERT_TRUE(absl::StrContains(output, "done created 1 refused 0")) << output;
+  // Its segment goes back to the pool within seconds (looked for once a second), emptied outside
+  // the service lock.
+  int64_t now = -1;
+  for (int i = 0; i < 500 && now != segments; ++i) {
+    absl::StatusOr<ServerStats> stats = (*owner)->Stat();
+    ASSERT_OK(stats);
+    now = HostPoolOf(*stats).segments;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(now, segments) << "the segment of a uid that has gone stayed";
+  // The owner's create of most of the pool finds the room.
+  absl::StatusOr<WritableTensor> big = (*owner)->Create({{kDLUInt, 8, 1}, {768 * kMi}});
+  const absl::Duration slowest = probe.Stop();
+  ASSERT_OK(big);
+  std::cout << "another uid's 384 MiB segment given back once it disconnected, then a 768 MiB "
+            << "create: the owner's slowest Stat of " << probe.calls() << " took " << slowest
+            << "\n";
+  EXPECT_LT(slowest, kStatBound);
 }
 
 // Plants "/<prefix>.cpu.<id>" as uid 65534 would (owned by it, mode 0644, empty).
