@@ -37,7 +37,7 @@ constexpr int64_t kMi = int64_t{1} << 20;
 // The owner's slowest Stat while another client's creates are refused or a segment is given
 // back. A generous bound: a few ms on an idle machine, up to ~70 ms seen on a loaded 2-core one,
 // where a daemon emptying a given-back segment under its lock stalled Stat for 220 ms (512 MiB)
-// and 330 ms (1 GiB).
+// to 725 ms (1536 MiB).
 const absl::Duration kStatBound = absl::Milliseconds(200);
 
 #define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr).status()
