@@ -66,7 +66,12 @@ struct SegmentRecord {
   uint64_t segment_id;
   uint64_t size;
   uint64_t instance;  // the daemon instance that created the object (Location.segment_instance)
-  uint8_t reserved[24];
+  // 0: the object is "/<prefix>.cpu.<segment_id>"; else "/<prefix>.cpu.<segment_id>.<suffix as
+  // 16 hex digits>", a random name taken because another process held the first one (see
+  // HostPool::ObjectName). Records written before this field existed held zeros here, so no
+  // layout version change.
+  uint64_t name_suffix;
+  uint8_t reserved[16];
 };
 
 struct TensorRecord {
@@ -115,6 +120,7 @@ static_assert(offsetof(SegmentRecord, owner_uid) == 12);
 static_assert(offsetof(SegmentRecord, segment_id) == 16);
 static_assert(offsetof(SegmentRecord, size) == 24);
 static_assert(offsetof(SegmentRecord, instance) == 32);
+static_assert(offsetof(SegmentRecord, name_suffix) == 40);
 
 static_assert(std::is_standard_layout_v<TensorRecord>);
 static_assert(sizeof(TensorRecord) == 1024);

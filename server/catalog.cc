@@ -616,6 +616,9 @@ void SegmentGrowth::Make() {
     cuda_segment = cuda_pool->MakeSegment(request);
   } else {
     TSM_CHECK(host_pool != nullptr);
+    // The room first: their pages are what the new segment's reservation may need.
+    HostPool::DisposeSegments(std::move(given_back));
+    given_back.clear();
     host_segment = host_pool->MakeSegment(request);
   }
 }
@@ -627,7 +630,7 @@ void Catalog::BeginGrowth(SegmentGrowth& growth) {
     pool->BeginGrowth();
     growth.cuda_pool = pool;
   } else {
-    pool_->BeginGrowth(growth.request);
+    growth.given_back = pool_->BeginGrowth(growth.request);
     growth.host_pool = &*pool_;
   }
 }

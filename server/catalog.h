@@ -79,6 +79,9 @@ struct SegmentGrowth {
   const CudaPool* cuda_pool = nullptr;
   absl::StatusOr<ShmSegment> host_segment = absl::UnknownError("segment not made");
   absl::StatusOr<CudaPool::DeviceMemory> cuda_segment = absl::UnknownError("segment not made");
+  // Set by BeginGrowth: host segments given back to make room, emptied and closed by Make before
+  // it makes the new one (outside the caller's lock: see HostPool::BeginGrowth).
+  std::vector<ShmSegment> given_back;
 
   // Whether Create asked for a new segment, or to wait for one being made.
   bool needed() const { return request.needed; }

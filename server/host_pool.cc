@@ -1,13 +1,19 @@
 #include "server/host_pool.h"
 
+#include <dirent.h>
 #include <dlpack/dlpack.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <iterator>
 #include <map>
+#include <random>
 #include <set>
+#include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/tensor_record.h"
@@ -55,7 +61,7 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
                                            record.instance, record.size});
       continue;
     }
-    const std::string name = absl::StrCat("/", options.shm_prefix, ".cpu.", index + 1);
+    const std::string name = ObjectName(options.shm_prefix, index + 1, record.name_suffix);
     // A failed recovery leaves every object where it was, for a later start (or the operator)
     // to deal with: the segments opened so far are kept, not unlinked with the pool.
     auto fail = [&pool](absl::Status status) {
@@ -75,35 +81,43 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
     }
     // The same object as before: clients keep the instance that created it as its key.
     pool.segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(record.size),
-                                         record.owner_uid, record.instance, record.size});
+                                         record.owner_uid, record.instance, record.size,
+                                         record.name_suffix});
   }
-  // A daemon killed between making a segment in a hole and recording it left the object behind
-  // under the hole's name: it goes, as below.
-  for (size_t i = 0; i < pool.segments_.size(); ++i) {
-    if (pool.segments_[i].shm) continue;
-    const std::string hole = absl::StrCat("/", options.shm_prefix, ".cpu.", i + 1);
-    if (absl::StatusOr<ShmSegment> orphan = ShmSegment::Open(hole, /*map=*/false); orphan.ok()) {
-      TSM_LOG(kWarning) << "recovery: " << hole << " (" << orphan->size()
-                        << " bytes) is recorded nowhere (segment " << i + 1
-                        << " is a hole), made by a daemon killed before it recorded it; removed";
-    }
-  }
-  // A daemon killed between making its next segment and recording it left that object behind,
-  // recorded nowhere: growing to that id would fail with EEXIST for good. Ours (Open checks the
-  // owner and mode; anyone else's is refused and left) and unused, it goes.
-  if (pool.segments_.size() < kMaxSegments) {
-    const std::string next =
-        absl::StrCat("/", options.shm_prefix, ".cpu.", pool.segments_.size() + 1);
-    if (absl::StatusOr<ShmSegment> orphan = ShmSegment::Open(next, /*map=*/false); orphan.ok()) {
-      TSM_LOG(kWarning) << "recovery: " << next << " (" << orphan->size()
-                        << " bytes) is recorded nowhere, made by a daemon killed before it "
-                           "recorded it; removed";
-    }  // unlinked as `orphan` goes
-  }
+  pool.RemoveUnrecordedObjects();
   if (pool.segments_.empty()) {
     if (absl::Status s = pool.AddSegment(pool.FirstSegment()); !s.ok()) return s;
   }
   return pool;
+}
+
+void HostPool::RemoveUnrecordedObjects() const {
+  std::set<std::string> live;
+  for (const PoolSegment& segment : segments_) {
+    if (segment.shm) live.insert(segment.shm->name().substr(1));
+  }
+  const std::string start = absl::StrCat(options_.shm_prefix, ".cpu.");
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  std::vector<std::string> unrecorded;
+  while (const dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (absl::StartsWith(name, start) && live.count(name) == 0) unrecorded.push_back(name);
+  }
+  closedir(dir);
+  for (const std::string& name : unrecorded) {
+    // A daemon killed between making a segment and recording it left the object behind: ours
+    // (Open checks the owner and mode; anyone else's is refused and left), recorded nowhere, it
+    // goes.
+    if (absl::StatusOr<ShmSegment> orphan = ShmSegment::Open("/" + name, /*map=*/false);
+        orphan.ok()) {
+      TSM_LOG(kWarning) << "recovery: /" << name << " (" << orphan->size()
+                        << " bytes) is recorded nowhere, made by a daemon killed before it "
+                           "recorded it; removed";
+    } else {
+      TSM_LOG(kInfo) << "recovery: left alone (segments are made around it): " << orphan.status();
+    }  // unlinked as `orphan` goes
+  }
 }
 
 bool HostPool::Reserve(const Buffer& buffer) {
@@ -133,7 +147,8 @@ int HostPool::RepairSegmentRecords() const {
     if (found.state.load(std::memory_order_relaxed) == static_cast<uint32_t>(state) &&
         found.device_type == kDLCPU && found.device_id == 0 &&
         found.owner_uid == segment.owner_uid && found.segment_id == index + 1 &&
-        found.size == segment.size && found.instance == segment.instance) {
+        found.size == segment.size && found.instance == segment.instance &&
+        found.name_suffix == segment.name_suffix) {
       continue;
     }
     // The state last, as AddSegment writes it (never unused in between: a recovery would stop
@@ -144,6 +159,7 @@ int HostPool::RepairSegmentRecords() const {
     record.segment_id = index + 1;
     record.size = segment.size;
     record.instance = segment.instance;
+    record.name_suffix = segment.name_suffix;
     record.state.store(static_cast<uint32_t>(state), std::memory_order_release);
     ++repaired;
   }
@@ -203,7 +219,7 @@ uint64_t HostPool::FreeSegmentId() const {
   return segments_.size() < kMaxSegments ? segments_.size() + 1 : 0;
 }
 
-void HostPool::GiveBack(size_t index, uint32_t for_uid) {
+void HostPool::GiveBack(size_t index, std::optional<uint32_t> for_uid) {
   PoolSegment& segment = segments_[index];
   TSM_CHECK(IsEmpty(segment));
   const uint64_t id = index + 1;
@@ -212,16 +228,20 @@ void HostPool::GiveBack(size_t index, uint32_t for_uid) {
   SegmentRecord& record = control_->segment(static_cast<uint32_t>(index));
   record.state.store(static_cast<uint32_t>(SegmentState::kEphemeral), std::memory_order_release);
   record.size = 0;
+  record.name_suffix = 0;
   TSM_LOG(kInfo) << "host pool: segment " << id << " (" << segment.size << " bytes) of uid "
-                 << segment.owner_uid << " is empty; given back to the pool for uid " << for_uid;
-  // Clients may still map it (a producer's writable mapping, consumers' cached ones): its pages
-  // go now, whoever maps it; the object itself goes with its last mapping.
-  if (absl::Status s = segment.shm->Discard(); !s.ok()) {
-    TSM_LOG(kWarning) << "host pool: giving segment " << id << " back: " << s;
-  }
-  segment.shm.reset();  // closes it, and unlinks a named one
+                 << segment.owner_uid << " is empty; given back to the pool "
+                 << (for_uid.has_value()
+                         ? absl::StrCat("for uid ", *for_uid)
+                         : std::string("(the uid has no session creating tensors)"));
+  // Its name goes now (a segment made in its place may take it); its pages go in
+  // DisposeSegments, outside the caller's lock.
+  segment.shm->Unlink();
+  given_back_.push_back(*std::move(segment.shm));
+  segment.shm.reset();
   segment.allocator = BestFitAllocator(0);
   segment.size = 0;
+  segment.name_suffix = 0;
   for (auto it = recently_freed_.begin(); it != recently_freed_.end();) {
     std::vector<Buffer>& hot = it->second;
     hot.erase(std::remove_if(hot.begin(), hot.end(),
@@ -230,6 +250,24 @@ void HostPool::GiveBack(size_t index, uint32_t for_uid) {
     it = hot.empty() ? recently_freed_.erase(it) : std::next(it);
   }
   ++segments_given_back_;
+}
+
+std::vector<ShmSegment> HostPool::GiveBackIdle() {
+  if (growing_) return {};
+  const std::set<uint32_t> creating = creating_uids_ ? creating_uids_() : std::set<uint32_t>{};
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    if (IsIdle(segments_[i], creating)) GiveBack(i, std::nullopt);
+  }
+  return std::exchange(given_back_, {});
+}
+
+bool HostPool::HasIdleSegments() const {
+  if (growing_) return false;
+  const std::set<uint32_t> creating = creating_uids_ ? creating_uids_() : std::set<uint32_t>{};
+  for (const PoolSegment& segment : segments_) {
+    if (IsIdle(segment, creating)) return true;
+  }
+  return false;
 }
 
 absl::StatusOr<GrowthRequest> HostPool::PlanSegment(uint64_t nbytes, uint64_t length,
@@ -343,11 +381,48 @@ std::optional<GrowthRequest> HostPool::PlanAhead(uint32_t uid) const {
   return request;
 }
 
+std::string HostPool::ObjectName(const std::string& shm_prefix, uint64_t segment_id,
+                                 uint64_t suffix) {
+  std::string name = absl::StrCat("/", shm_prefix, ".cpu.", segment_id);
+  if (suffix != 0) absl::StrAppend(&name, ".", absl::Hex(suffix, absl::kZeroPad16));
+  return name;
+}
+
+void HostPool::DisposeSegments(std::vector<ShmSegment> segments) {
+  for (ShmSegment& segment : segments) {
+    // Clients may still map it (a producer's writable mapping, consumers' cached ones): its pages
+    // go now, whoever maps it; the object itself goes with its last mapping.
+    if (absl::Status s = segment.Discard(); !s.ok()) {
+      TSM_LOG(kWarning) << "host pool: emptying a segment given back: " << s;
+    }
+  }
+}  // closed as `segments` goes
+
 absl::StatusOr<ShmSegment> HostPool::MakeSegment(const GrowthRequest& request) const {
   const SegmentBacking backing =
       request.uid == options_.owner_uid ? options_.backing : SegmentBacking::kMemfd;
-  return ShmSegment::Create(absl::StrCat("/", options_.shm_prefix, ".cpu.", request.segment_id),
-                            request.size, /*map=*/false, backing);
+  const std::string first = ObjectName(options_.shm_prefix, request.segment_id, 0);
+  absl::StatusOr<ShmSegment> made = ShmSegment::Create(first, request.size, /*map=*/false, backing);
+  if (backing != SegmentBacking::kNamed || !absl::IsAlreadyExists(made.status())) return made;
+  // Another process holds the name (another uid may create any name in /dev/shm, and the prefix
+  // shows there): the segment takes a name nobody can guess instead. Each try is exclusive, so
+  // a name taken meanwhile is just another try.
+  struct stat planted;
+  const bool seen = lstat(absl::StrCat("/dev/shm", first).c_str(), &planted) == 0;
+  std::random_device random;  // the kernel's entropy pool
+  for (int attempt = 0; attempt < 8 && absl::IsAlreadyExists(made.status()); ++attempt) {
+    uint64_t suffix = 0;
+    while (suffix == 0) suffix = (uint64_t{random()} << 32) | random();
+    made = ShmSegment::Create(ObjectName(options_.shm_prefix, request.segment_id, suffix),
+                              request.size, /*map=*/false, backing);
+  }
+  if (made.ok()) {
+    TSM_LOG(kWarning) << "host pool: /dev/shm" << first << " exists already"
+                      << (seen ? absl::StrCat(" (owned by uid ", planted.st_uid, ")") : "")
+                      << ", not made by this daemon; segment " << request.segment_id << " is "
+                      << made->name() << " instead";
+  }
+  return made;
 }
 
 absl::Status HostPool::EndGrowth(const GrowthRequest& request, absl::StatusOr<ShmSegment> made) {
@@ -360,6 +435,7 @@ absl::Status HostPool::EndGrowth(const GrowthRequest& request, absl::StatusOr<Sh
 
 absl::Status HostPool::AddSegment(const GrowthRequest& request) {
   MakeRoom(request);
+  DisposeSegments(std::exchange(given_back_, {}));
   absl::StatusOr<ShmSegment> shm = MakeSegment(request);
   if (!shm.ok()) return shm.status();
   InstallSegment(request, *std::move(shm));
@@ -372,8 +448,15 @@ void HostPool::InstallSegment(const GrowthRequest& request, ShmSegment shm) {
   TSM_CHECK(id >= 1 && id <= segments_.size() + 1);
   const SegmentBacking backing = shm.backing();
   uint64_t instance = options_.instance;
-  PoolSegment made{std::move(shm), BestFitAllocator(request.size), request.uid, instance,
-                   request.size};
+  const std::string first = ObjectName(options_.shm_prefix, id, 0);
+  uint64_t suffix = 0;
+  if (backing == SegmentBacking::kNamed && shm.name() != first) {
+    // MakeSegment took a random name: first + "." + 16 hex digits.
+    TSM_CHECK(shm.name().size() == first.size() + 17 &&
+              absl::SimpleHexAtoi(absl::string_view(shm.name()).substr(first.size() + 1), &suffix));
+  }
+  PoolSegment made{
+      std::move(shm), BestFitAllocator(request.size), request.uid, instance, request.size, suffix};
   if (id <= segments_.size()) {
     // A hole's id, reused: under an instance of its own, so that no client's mapping of the
     // object it named before (keyed by instance and id) is taken for this one.
@@ -393,6 +476,7 @@ void HostPool::InstallSegment(const GrowthRequest& request, ShmSegment shm) {
   record.segment_id = id;
   record.size = request.size;
   record.instance = instance;
+  record.name_suffix = suffix;
   record.state.store(
       static_cast<uint32_t>(backing == SegmentBacking::kNamed ? SegmentState::kLive
                                                               : SegmentState::kEphemeral),

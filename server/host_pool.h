@@ -13,9 +13,15 @@
 // 4 MiB)), then twice its largest segment, at most the segment size), each cut to what its share
 // still allows. When a uid within its share needs room that the pool no longer has, empty
 // segments (no live buffer, no stock) of other uids are given back first, then its own. A
-// segment given back is emptied (its pages punched out, so clients still mapping it hold no
-// memory) and closed; its id is reused later under a new segment instance, so a client's mapping
-// cached under the old (instance, id) never aliases the new object.
+// segment given back is unlinked at once and then emptied (its pages punched out, so clients still
+// mapping it hold no memory) and closed by the caller outside its lock (BeginGrowth); its id is
+// reused later under a new segment instance, so a client's mapping cached under the old
+// (instance, id) never aliases the new object.
+//
+// Named segments are "/<prefix>.cpu.<id>", created exclusively (O_EXCL): a process of another uid
+// that planted an object under that name (the prefix shows in /dev/shm) does not stop the pool
+// growing; the segment takes a fresh random name instead ("/<prefix>.cpu.<id>.<16 hex digits>"),
+// recorded in its SegmentRecord for a restarted daemon (see ObjectName).
 #ifndef TENSORSHM_SERVER_HOST_POOL_H_
 #define TENSORSHM_SERVER_HOST_POOL_H_
 
@@ -25,6 +31,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -105,11 +112,15 @@ class HostPool {
   // MakeSegment made, or returns its error. REQUIRES: `request` is the one Allocate gave, with
   // `needed`; BeginGrowth before, and EndGrowth after, MakeSegment.
   // BeginGrowth gives back the empty segments whose room the new segment needs (see the file
-  // comment).
-  void BeginGrowth(const GrowthRequest& request) {
+  // comment) and returns them, unlinked but not yet emptied: the caller passes them to
+  // DisposeSegments outside its lock (emptying gigabytes takes a second or more).
+  [[nodiscard]] std::vector<ShmSegment> BeginGrowth(const GrowthRequest& request) {
     MakeRoom(request);
     growing_ = true;
+    return std::exchange(given_back_, {});
   }
+  // A named segment takes its first name, or a random one if another object holds that (see the
+  // file comment).
   absl::StatusOr<ShmSegment> MakeSegment(const GrowthRequest& request) const;
   absl::Status EndGrowth(const GrowthRequest& request, absl::StatusOr<ShmSegment> made);
 
@@ -136,6 +147,21 @@ class HostPool {
   uint64_t ReservedBy(uint32_t uid) const;
   // Segments given back so far (see the file comment).
   int64_t segments_given_back() const { return segments_given_back_; }
+  // Empties (punches out) and closes segments given back (BeginGrowth). Needs no lock: it
+  // touches only `segments`. Errors are logged.
+  static void DisposeSegments(std::vector<ShmSegment> segments);
+
+  // A uid that has gone keeps no memory it does not hold: the empty segments of uids other than
+  // the daemon's with no session creating host tensors (set_creating_uids) are given back, and
+  // returned for DisposeSegments outside the caller's lock. Nothing while growth is under way.
+  // HasIdleSegments: whether there are such segments.
+  [[nodiscard]] std::vector<ShmSegment> GiveBackIdle();
+  bool HasIdleSegments() const;
+
+  // The name of segment `segment_id`'s object: "/<prefix>.cpu.<segment_id>" for `suffix` 0, else
+  // "/<prefix>.cpu.<segment_id>.<suffix as 16 lowercase hex digits>".
+  static std::string ObjectName(const std::string& shm_prefix, uint64_t segment_id,
+                                uint64_t suffix);
 
   // Returns `buffer` to its segment. REQUIRES: it came from Allocate and is not yet freed.
   void Free(const Buffer& buffer);
@@ -165,6 +191,12 @@ class HostPool {
   uint64_t reserved_bytes() const;  // bytes of all segments created so far
   // Segment ids run from 1 to segment_count(); a restart's holes among them are not HasSegment.
   size_t segment_count() const { return segments_.size(); }
+  // The segments that exist now (Stat's figure): holes not counted.
+  size_t live_segment_count() const {
+    size_t live = 0;
+    for (const PoolSegment& s : segments_) live += s.shm.has_value() ? 1 : 0;
+    return live;
+  }
   static uint64_t PageSize();
 
  private:
@@ -173,7 +205,8 @@ class HostPool {
     BestFitAllocator allocator;
     uint32_t owner_uid;
     uint64_t instance;
-    uint64_t size;  // as recorded: the object's size (a lost memfd's as its record said)
+    uint64_t size;             // as recorded: the object's size (a lost memfd's as its record said)
+    uint64_t name_suffix = 0;  // see ObjectName; 0 for a memfd
   };
   HostPool(HostPoolOptions options, ControlSegment* control)
       : options_(std::move(options)), control_(control) {}
@@ -199,12 +232,23 @@ class HostPool {
     return segment.shm.has_value() &&
            segment.allocator.free_bytes() == segment.allocator.capacity();
   }
-  // Gives empty segment `index` back (see the file comment) for `for_uid`.
-  void GiveBack(size_t index, uint32_t for_uid);
+  // Gives empty segment `index` back (see the file comment) for `for_uid` (nullopt: because its
+  // uid has gone, GiveBackIdle).
+  void GiveBack(size_t index, std::optional<uint32_t> for_uid);
+  // Whether `segment` is empty and belongs to a uid other than the daemon's that `creating` (the
+  // uids with a session creating host tensors) does not name.
+  bool IsIdle(const PoolSegment& segment, const std::set<uint32_t>& creating) const {
+    return IsEmpty(segment) && segment.owner_uid != options_.owner_uid &&
+           creating.count(segment.owner_uid) == 0;
+  }
   // Creates and adds segment `request` at once (the pool's first segment, growth without a
   // GrowthRequest).
   absl::Status AddSegment(const GrowthRequest& request);
   void InstallSegment(const GrowthRequest& request, ShmSegment shm);
+  // Removes the objects under "/<prefix>.cpu." that no live segment is: made by a daemon killed
+  // before it recorded them (Recover). Only the daemon's own are removed (ShmSegment::Open
+  // refuses others': a planted object is left where it is, and growth goes around it).
+  void RemoveUnrecordedObjects() const;
 
   HostPoolOptions options_;
   ControlSegment* control_;
@@ -219,6 +263,7 @@ class HostPool {
   bool growing_ = false;               // between BeginGrowth and EndGrowth
   std::function<std::set<uint32_t>()> creating_uids_;
   int64_t segments_given_back_ = 0;
+  std::vector<ShmSegment> given_back_;  // by GiveBack, until BeginGrowth hands them out
   uint64_t reused_ids_ = 0;  // ids reused so far: each reuse gets a segment instance of its own
   // Buffers freed lately, by (uid, length), oldest first: Allocate prefers them (hot memory)
   // over a best fit elsewhere. A hint only: each is checked to be free before it is taken.

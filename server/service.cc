@@ -608,8 +608,11 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
 void TensorShmService::GrowPools() {
   while (true) {
     ServiceLock lock(this);
-    while (pending_creates_.empty() && grow_ahead_.empty() && !shutting_down_) {
-      creates_pending_.Wait(&mu_);
+    // Between growths, the segments of uids that have gone are given back (looked for once a
+    // second: a uid's last session may have ended).
+    while (pending_creates_.empty() && grow_ahead_.empty() && !shutting_down_ &&
+           !catalog_->host_pool().HasIdleSegments()) {
+      creates_pending_.WaitWithTimeout(&mu_, absl::Seconds(1));
     }
     if (shutting_down_) {
       for (const PendingCreate& create : pending_creates_) {
@@ -619,6 +622,10 @@ void TensorShmService::GrowPools() {
       }
       pending_creates_.clear();
       return;
+    }
+    if (pending_creates_.empty() && grow_ahead_.empty()) {
+      GiveBackIdleSegments();
+      continue;
     }
     if (pending_creates_.empty()) {
       // Nothing waits for a segment now: grow ahead of need.
@@ -678,6 +685,14 @@ absl::Status TensorShmService::GrowUnlocked(SegmentGrowth& growth) {
   return grown;
 }
 
+void TensorShmService::GiveBackIdleSegments() {
+  std::vector<ShmSegment> idle = catalog_->mutable_host_pool().GiveBackIdle();
+  // Emptying them takes a while (their pages punched out): every other call goes on meanwhile.
+  UnlockAndFinish();
+  HostPool::DisposeSegments(std::move(idle));
+  mu_.lock();
+}
+
 void TensorShmService::GrowAhead(uint32_t uid) {
   if (shutting_down_ || !catalog_->host_pool().PlanAhead(uid).has_value()) return;
   if (grow_ahead_.insert(uid).second) creates_pending_.Signal();
@@ -717,6 +732,13 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
     absl::StatusOr<int> ordinal = CudaOrdinalOf(device, request.device_uuid());
     if (!ordinal.ok()) return ordinal.status();
     device.device_id = *ordinal;
+  }
+  // Quotas before any memory is taken: a refused create costs no allocation, no pool growth and
+  // no eviction.
+  if (absl::Status s =
+          CheckCreateQuotas(session, *dtype, shape, strides, device, request.subbyte_padded());
+      !s.ok()) {
+    return s;
   }
   // Waiting creates come first: a new one for the same memory queues behind them.
   const PoolKey key{device.device_type, device.device_id,
@@ -963,7 +985,7 @@ v1::StatResponse TensorShmService::StatSnapshot() {
     // Stock is allocated from the pool like any buffer: the pool's own figure holds both.
     stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()));
     stats->set_stock_bytes(static_cast<int64_t>(catalog_->stock_bytes()));
-    stats->set_segments(static_cast<int64_t>(pool.segment_count()));
+    stats->set_segments(static_cast<int64_t>(pool.live_segment_count()));
     for (const CudaPool* cuda : catalog_->cuda_pools()) {
       v1::PoolStats* device = response->add_pools();
       ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());

@@ -273,6 +273,14 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   absl::Status CreateFor(tensorshm::Session& session, const v1::CreateRequest& request,
                          v1::CreateResponse* response, SegmentGrowth* growth, bool waited = false,
                          bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED naming the limit and its flag if a buffer for a tensor of `dtype`,
+  // `shape`, `strides` on `device` would take `session` past --session-quota or its uid past
+  // --uid-quota; OK otherwise, and when the layout is invalid (Catalog::Create says why). Takes
+  // and counts nothing: CreateFor asks before it allocates.
+  absl::Status CheckCreateQuotas(tensorshm::Session& session, const DLDataType& dtype,
+                                 absl::Span<const int64_t> shape, absl::Span<const int64_t> strides,
+                                 const DLDevice& device, bool subbyte_padded)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
                           v1::PublishResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After an allocation in `uid`'s host segments: if the host pool plans growth ahead of need for
@@ -285,6 +293,9 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // EndGrowth), then wakes the calls waiting for a growth. Returns EndGrowth's status; mu_ is
   // held again on return. REQUIRES: growth.needed().
   absl::Status GrowUnlocked(SegmentGrowth& growth) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives back the empty segments of uids that have gone (HostPool::GiveBackIdle) and empties
+  // them with mu_ released (as GrowUnlocked): for GrowPools only.
+  void GiveBackIdleSegments() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
   // need (CreateRequest.stock), fewer when the pool is short; none under a session quota. Stock

@@ -4,12 +4,14 @@
 // success, its deadline (ExpireWaiters), its cancellation, its session's end or BeginShutdown.
 // No thread waits with it.
 #include <algorithm>
+#include <limits>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/check.h"
 #include "common/grpc_status.h"
+#include "common/layout.h"
 #include "common/wire.h"
 #include "server/log.h"
 #include "server/service.h"
@@ -195,6 +197,37 @@ void TensorShmService::RemoveCreateWaiter(CreateWaiter* waiter) {
   if (waiter->deadline != absl::InfiniteFuture()) creates_by_deadline_.erase(waiter->by_deadline);
   // The creates behind it no longer wait for it.
   retry_creates_ = true;
+}
+
+absl::Status TensorShmService::CheckCreateQuotas(tensorshm::Session& session,
+                                                 const DLDataType& dtype,
+                                                 absl::Span<const int64_t> shape,
+                                                 absl::Span<const int64_t> strides,
+                                                 const DLDevice& device, bool subbyte_padded) {
+  absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides, subbyte_padded);
+  if (!layout.ok() || layout->nbytes <= 0) return absl::OkStatus();
+  // The buffer's length as the pool rounds it (HostPool: whole pages; CudaPool: its alignment).
+  const uint64_t unit = device.device_type == kDLCUDA ? kCudaAlignment : HostPool::PageSize();
+  const uint64_t nbytes = static_cast<uint64_t>(layout->nbytes);
+  if (nbytes > std::numeric_limits<uint64_t>::max() - unit) return absl::OkStatus();
+  const uint64_t length = (nbytes + unit - 1) / unit * unit;
+  if (session_quota_bytes_ > 0 && (length > session_quota_bytes_ ||
+                                   session.unpublished_bytes > session_quota_bytes_ - length)) {
+    metrics_.CountAllocationFailure(AllocationFailure::kQuota);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session quota: ", length, " more bytes requested, ",
+                     session.unpublished_bytes, " bytes of unpublished tensors held, quota ",
+                     session_quota_bytes_, " bytes (--session-quota); publish or drop some first"));
+  }
+  // --uid-quota, asked of the uid's counts as the create would charge them, and given back at
+  // once: the create charges them for real, with its tensor's id, once it has its buffer. All
+  // creates run under mu_, so nothing charges this uid in between.
+  if (absl::Status s = session.uid_charge.AddUnpublished(length); !s.ok()) {
+    if (absl::IsResourceExhausted(s)) metrics_.CountAllocationFailure(AllocationFailure::kQuota);
+    return s;
+  }
+  session.uid_charge.DropUnpublished(length);
+  return absl::OkStatus();
 }
 
 absl::Status TensorShmService::CheckCreateQueue(const PoolKey& key) const {

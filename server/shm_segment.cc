@@ -201,6 +201,12 @@ absl::Status ShmSegment::Discard() {
   return absl::OkStatus();
 }
 
+void ShmSegment::Unlink() {
+  if (keep_ || backing_ != SegmentBacking::kNamed || name_.empty()) return;
+  bip::shared_memory_object::remove(name_.c_str() + 1);
+  keep_ = true;  // nothing left to unlink, and never a later object under the same name
+}
+
 void ShmSegment::Reset() {
   if (address_ != nullptr) munmap(address_, size_);
   address_ = nullptr;

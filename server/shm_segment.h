@@ -53,6 +53,11 @@ class ShmSegment {
   // Leaves a named object in place when this is destroyed (--keep-segments).
   void Keep() { keep_ = true; }
 
+  // Removes a named object's name now (the object lives on until its last descriptor and
+  // mapping go), so that the name is free for a new object at once; destroying this then
+  // unlinks nothing. Nothing for a memfd or a kept object.
+  void Unlink();
+
   // Frees every page of the object (punches it out; the size stays), whoever maps it: a segment
   // given back to the pool keeps no memory for clients that still map it. Errors name the call
   // and the object.

@@ -43,8 +43,8 @@ bool IsPrefix(absl::string_view prefix) {
   return true;
 }
 
-// The prefix of a file name tensorshmd gives its objects ("<p>.lock", "<p>.ctl", "<p>.cpu.<n>"),
-// or nullopt.
+// The prefix of a file name tensorshmd gives its objects ("<p>.lock", "<p>.ctl", "<p>.cpu.<n>",
+// or "<p>.cpu.<n>.<16 hex digits>" for a segment whose first name was taken), or nullopt.
 std::optional<std::string> PrefixOf(absl::string_view name, bool* lock, bool* control) {
   *lock = *control = false;
   absl::string_view prefix;
@@ -55,10 +55,17 @@ std::optional<std::string> PrefixOf(absl::string_view name, bool* lock, bool* co
     *control = true;
     prefix = name;
   } else {
-    const size_t dot = name.rfind(".cpu.");
+    const size_t dot = name.find(".cpu.");
+    if (dot == absl::string_view::npos) return std::nullopt;
+    absl::string_view id = name.substr(dot + 5);
+    if (const size_t suffix = id.find('.'); suffix != absl::string_view::npos) {
+      uint64_t random;
+      const absl::string_view hex = id.substr(suffix + 1);
+      if (hex.size() != 16 || !absl::SimpleHexAtoi(hex, &random)) return std::nullopt;
+      id = id.substr(0, suffix);
+    }
     uint32_t index;
-    if (dot == absl::string_view::npos || !absl::SimpleAtoi(name.substr(dot + 5), &index) ||
-        !absl::ascii_isdigit(name[dot + 5]) || index == 0) {
+    if (id.empty() || !absl::ascii_isdigit(id[0]) || !absl::SimpleAtoi(id, &index) || index == 0) {
       return std::nullopt;
     }
     prefix = name.substr(0, dot);
