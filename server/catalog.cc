@@ -288,22 +288,36 @@ absl::Status Catalog::Readopt(uint64_t session, uint32_t uid, uint64_t tensor_id
 void Catalog::Unbind(std::map<uint64_t, Tensor>::iterator it) {
   it->second.name.clear();
   WriteRecordState(it->second, RecordState::kUnbound);
+  // Its index entry went before: the lease pages are read for it now, once.
+  lease_board_.Unbound(it->second.id, [this](uint64_t id) { return Acquirable(id); });
   FreeIfUnheld(it);
+}
+
+bool Catalog::Acquirable(uint64_t tensor_id) const {
+  auto it = tensors_.find(tensor_id);
+  return it != tensors_.end() && it->second.sealed && !it->second.name.empty();
 }
 
 void Catalog::FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it) {
   const Tensor& tensor = it->second;
   if (!tensor.name.empty() || tensor.leases > 0 || tensor.recovered) return;
-  if (lease_board_.Holds(tensor.id)) {
+  if (lease_board_.Holds(tensor.id, [this](uint64_t id) { return Acquirable(id); })) {
     retired_.insert(tensor.id);
     return;
   }
   Free(it);
 }
 
+void Catalog::ReadLeasePages() {
+  lease_board_.Read([this](uint64_t id) { return Acquirable(id); });
+}
+
+int64_t Catalog::PageLeasesOf(uint64_t session) {
+  lease_board_.ReadPage(session, [this](uint64_t id) { return Acquirable(id); });
+  return lease_board_.SlotsHeld(session);
+}
+
 int Catalog::Reclaim() {
-  if (retired_.empty()) return 0;
-  const std::unordered_map<uint64_t, int64_t> held = lease_board_.Held();
   int freed = 0;
   for (auto id = retired_.begin(); id != retired_.end();) {
     const uint64_t tensor_id = *id++;
@@ -312,7 +326,10 @@ int Catalog::Reclaim() {
       retired_.erase(tensor_id);
       continue;
     }
-    if (held.count(tensor_id) > 0 || it->second.leases > 0 || it->second.recovered) continue;
+    if (it->second.leases > 0 || it->second.recovered ||
+        lease_board_.Holds(tensor_id, [this](uint64_t id) { return Acquirable(id); })) {
+      continue;
+    }
     Free(it);  // erases it from retired_
     ++freed;
   }
@@ -320,15 +337,9 @@ int Catalog::Reclaim() {
 }
 
 int64_t Catalog::LeaseCount(const Tensor& tensor) const {
-  const std::unordered_map<uint64_t, int64_t> held = lease_board_.Held();
+  const std::unordered_map<uint64_t, int64_t>& held = lease_board_.Held();
   auto it = held.find(tensor.id);
   return tensor.leases + (it == held.end() ? 0 : it->second);
-}
-
-int64_t Catalog::PageLeaseCount() const {
-  int64_t count = 0;
-  for (const auto& [id, slots] : lease_board_.Held()) count += slots;
-  return count;
 }
 
 void Catalog::KeepSegments() {
@@ -822,6 +833,7 @@ void Catalog::Free(std::map<uint64_t, Tensor>::iterator it) {
   }
   free_slots_.push_back(it->second.slot);
   retired_.erase(it->first);
+  lease_board_.Forget(it->first);
   tensors_.erase(it);
   ++release_epoch_;
 }

@@ -285,7 +285,7 @@ TEST_F(CatalogTest, IndexFollowsPublishReplaceAndDelete) {
 }
 
 TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok()) << fd.status();
   MappedPage mapped(*fd);
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {1024}, {}, kCpu);
@@ -294,6 +294,7 @@ TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
   const uint64_t used = catalog_->host_pool().used_bytes();
   ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
   mapped.page().slots[kFirstLeaseSlot + 3].store(a_id);
+  catalog_->ReadLeasePages();
   EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(a_id)), 1);
   EXPECT_EQ(catalog_->PageLeaseCount(), 1);
 
@@ -312,7 +313,7 @@ TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
 }
 
 TEST_F(CatalogTest, DroppedLeasePageFreesWhatOnlyItHeldAndTellsItsClient) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
   MappedPage mapped(*fd);
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
@@ -330,7 +331,7 @@ TEST_F(CatalogTest, DroppedLeasePageFreesWhatOnlyItHeldAndTellsItsClient) {
 
 // The words before kFirstLeaseSlot are no leases: a count and a ring of ids there pin nothing.
 TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
   MappedPage mapped(*fd);
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
@@ -338,6 +339,7 @@ TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
   const uint64_t a_id = (*a)->id;
   ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
   for (uint32_t slot = 1; slot < kFirstLeaseSlot; ++slot) mapped.page().slots[slot].store(a_id);
+  catalog_->ReadLeasePages();
   EXPECT_EQ(catalog_->PageLeaseCount(), 0);
   EXPECT_EQ(catalog_->PageLeasesOf(7), 0);
   ASSERT_TRUE(catalog_->Delete("x").ok());
@@ -347,8 +349,8 @@ TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
 // Fast acquire counts are numbers a client wrote: summed over pages (a dropped page's too),
 // never decreasing, and a count that goes back or leaps is taken sanely.
 TEST_F(CatalogTest, FastAcquireCountsAddUpNeverDecreaseAndAreClamped) {
-  absl::StatusOr<int> fd7 = catalog_->OpenLeasePage(7);
-  absl::StatusOr<int> fd8 = catalog_->OpenLeasePage(8);
+  absl::StatusOr<int> fd7 = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<int> fd8 = catalog_->OpenLeasePage(8, 0);
   ASSERT_TRUE(fd7.ok() && fd8.ok());
   MappedPage page7(*fd7);
   MappedPage page8(*fd8);
@@ -374,7 +376,7 @@ TEST_F(CatalogTest, FastAcquireCountsAddUpNeverDecreaseAndAreClamped) {
 // --evict lru: a tensor acquired and released between two rounds (only the recent ring says
 // so) counts as used at the round that read the ring.
 TEST_F(CatalogTest, RecentRingMarksTensorsUsedThoughNoSlotHoldsThem) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
   MappedPage mapped(*fd);
   std::vector<uint64_t> ids;
