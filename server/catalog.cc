@@ -289,31 +289,31 @@ void Catalog::Unbind(std::map<uint64_t, Tensor>::iterator it) {
   it->second.name.clear();
   WriteRecordState(it->second, RecordState::kUnbound);
   // Its index entry went before: the lease pages are read for it now, once.
-  lease_board_.Unbound(it->second.id, [this](uint64_t id) { return Acquirable(id); });
+  lease_board_.Unbound(it->second.id, CanHold());
   FreeIfUnheld(it);
 }
 
-bool Catalog::Acquirable(uint64_t tensor_id) const {
+bool Catalog::Acquirable(uint64_t session, uint64_t tensor_id) const {
   auto it = tensors_.find(tensor_id);
-  return it != tensors_.end() && it->second.sealed && !it->second.name.empty();
+  if (it == tensors_.end()) return false;
+  const Tensor& tensor = it->second;
+  return tensor.sealed ? !tensor.name.empty() : tensor.owner_session == session && session != 0;
 }
 
 void Catalog::FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it) {
   const Tensor& tensor = it->second;
   if (!tensor.name.empty() || tensor.leases > 0 || tensor.recovered) return;
-  if (lease_board_.Holds(tensor.id, [this](uint64_t id) { return Acquirable(id); })) {
+  if (lease_board_.Holds(tensor.id, CanHold())) {
     retired_.insert(tensor.id);
     return;
   }
   Free(it);
 }
 
-void Catalog::ReadLeasePages() {
-  lease_board_.Read([this](uint64_t id) { return Acquirable(id); });
-}
+void Catalog::ReadLeasePages() { lease_board_.Read(CanHold()); }
 
 int64_t Catalog::PageLeasesOf(uint64_t session) {
-  lease_board_.ReadPage(session, [this](uint64_t id) { return Acquirable(id); });
+  lease_board_.ReadPage(session, CanHold());
   return lease_board_.SlotsHeld(session);
 }
 
@@ -326,8 +326,7 @@ int Catalog::Reclaim() {
       retired_.erase(tensor_id);
       continue;
     }
-    if (it->second.leases > 0 || it->second.recovered ||
-        lease_board_.Holds(tensor_id, [this](uint64_t id) { return Acquirable(id); })) {
+    if (it->second.leases > 0 || it->second.recovered || lease_board_.Holds(tensor_id, CanHold())) {
       continue;
     }
     Free(it);  // erases it from retired_

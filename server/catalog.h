@@ -320,9 +320,14 @@ class Catalog {
   // Frees an unbound tensor that no counted lease holds, unless the grace period keeps it or a
   // lease page holds it (then it is retired).
   void FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it);
-  // Whether a session could acquire `tensor_id` through the fast path now: a sealed tensor bound
-  // to a name (what a lease page slot may count for, see LeaseBoard).
-  bool Acquirable(uint64_t tensor_id) const;
+  // Whether `session` could hold `tensor_id` in its lease page now: a sealed tensor bound to a
+  // name, or its own unpublished tensor (publish-and-acquire leases it before the publish). What
+  // a lease page slot may count for, see LeaseBoard.
+  bool Acquirable(uint64_t session, uint64_t tensor_id) const;
+  // Acquirable, for LeaseBoard calls.
+  auto CanHold() const {
+    return [this](uint64_t session, uint64_t tensor_id) { return Acquirable(session, tensor_id); };
+  }
   void Free(std::map<uint64_t, Tensor>::iterator it);
   // Takes `tensor` out of the stock figures if it is stocked (published or freed).
   void Unstock(Tensor& tensor);

@@ -153,7 +153,7 @@ void LeaseBoard::ReadSlots(uint64_t session_id, Page& page, uint32_t* slot, int6
     if (value != page.seen[*slot]) {
       if (*budget <= 0) return;
       --*budget;
-      Change(session_id, page, *slot, value, value != 0 && acquirable(value));
+      Change(session_id, page, *slot, value, value != 0 && acquirable(session_id, value));
     }
     ++*slot;
   }
@@ -204,7 +204,8 @@ void LeaseBoard::Unbound(uint64_t tensor_id, Acquirable acquirable) {
       if (value != page.seen[i]) {
         // Written since the last read: before the unlink, while the tensor was bound, if a
         // reader validated it.
-        Change(session, page, i, value, value == tensor_id || (value != 0 && acquirable(value)));
+        Change(session, page, i, value,
+               value == tensor_id || (value != 0 && acquirable(session, value)));
       }
       if (value == tensor_id && page.counted[i]) pins.emplace_back(session, i);
     }
@@ -225,7 +226,8 @@ bool LeaseBoard::Holds(uint64_t tensor_id, Acquirable acquirable) {
       const uint64_t value = PageOf(p.shm).slots[slot].load(std::memory_order_seq_cst);
       if (value != p.seen[slot]) {
         // A pinned tensor is never taken in again: no acquire of it can be valid now.
-        Change(session, p, slot, value, value != tensor_id && value != 0 && acquirable(value));
+        Change(session, p, slot, value,
+               value != tensor_id && value != 0 && acquirable(session, value));
       }
       holds = p.seen[slot] == tensor_id && p.counted[slot];
     }

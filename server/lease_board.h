@@ -4,10 +4,11 @@
 // A page is the client's to write, so what it holds is taken only for what a client could have
 // done through the fast path. The board keeps, per page, the slot values it read last and which
 // of them it counts as leases; a slot counts when the board sees it change to the id of a tensor
-// the session could acquire then (a sealed tensor bound to a name: the catalog's word,
-// Acquirable), while the page's uid has room under --uid-leases (its RPC leases and counted slots
-// together, UidLimits). Everything else in a page (ids not handed out, unpublished, deleted or
-// recovered-unbound tensors, ids past the uid's room) is ignored: it keeps nothing.
+// the session could hold then (a sealed tensor bound to a name, or the session's own unpublished
+// tensor: the catalog's word, Acquirable), while the page's uid has room under --uid-leases (its
+// RPC leases and counted slots together, UidLimits). Everything else in a page (ids not handed
+// out, other sessions' unpublished tensors, deleted or recovered-unbound tensors, ids past the
+// uid's room) is ignored: it keeps nothing.
 //
 // When a tensor's name goes (Unbound), the board reads every page once, as the fast path's
 // protocol needs (the index was unlinked before, see fast_path_layout.h), and pins the tensor to
@@ -35,8 +36,10 @@ namespace tensorshm {
 // Thread-compatible: the catalog serialises calls.
 class LeaseBoard {
  public:
-  // Whether `tensor_id` names a tensor a session could acquire through the fast path now.
-  using Acquirable = absl::FunctionRef<bool(uint64_t tensor_id)>;
+  // Whether session `session_id` could hold `tensor_id` through its lease page now: a tensor it
+  // could acquire through the fast path, or its own unpublished one (a publish-and-acquire leases
+  // its tensor in the page before the publish).
+  using Acquirable = absl::FunctionRef<bool(uint64_t session_id, uint64_t tensor_id)>;
 
   LeaseBoard() = default;
   LeaseBoard(const LeaseBoard&) = delete;

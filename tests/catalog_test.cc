@@ -427,6 +427,34 @@ TEST_F(CatalogTest, LeasePageSlotWrittenBeforePublishPinsNothing) {
   EXPECT_EQ(catalog_->host_pool().used_bytes(), 0u);
 }
 
+// A publish-and-acquire leases its own unpublished tensor in the page before the publish: that
+// slot counts (another session's unpublished tensor does not).
+TEST_F(CatalogTest, LeasePageSlotOfOwnUnpublishedTensorCountsAndPins) {
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  ASSERT_TRUE(fd.ok());
+  MappedPage mapped(*fd);
+  absl::StatusOr<const Tensor*> own = catalog_->Create(7, kF32, {1024}, {}, kCpu);
+  absl::StatusOr<const Tensor*> other = catalog_->Create(8, kF32, {1024}, {}, kCpu);
+  ASSERT_TRUE(own.ok() && other.ok());
+  const uint64_t own_id = (*own)->id;
+  const uint64_t other_id = (*other)->id;
+  mapped.page().slots[kFirstLeaseSlot].store(own_id);
+  mapped.page().slots[kFirstLeaseSlot + 1].store(other_id);
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->PageLeaseCount(), 1);
+  ASSERT_TRUE(catalog_->Publish(7, own_id, "own", false).ok());
+  ASSERT_TRUE(catalog_->Publish(8, other_id, "other", false).ok());
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(own_id)), 1);
+  EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(other_id)), 0);
+  ASSERT_TRUE(catalog_->Delete("own").ok());
+  ASSERT_TRUE(catalog_->Delete("other").ok());
+  EXPECT_NE(catalog_->FindId(own_id), nullptr) << "its slot holds it";
+  EXPECT_EQ(catalog_->FindId(other_id), nullptr);
+  mapped.page().slots[kFirstLeaseSlot].store(0);
+  EXPECT_EQ(catalog_->Reclaim(), 1);
+}
+
 // A slot the client wrote while the name was bound counts even if no read saw it before the
 // delete (the delete reads the pages); one written after the delete does not.
 TEST_F(CatalogTest, LeasePageSlotWrittenWhileBoundPinsUntilCleared) {
