@@ -281,12 +281,13 @@ class Catalog {
                                                const DLDevice& device, bool subbyte_padded,
                                                uint32_t owner_uid, SegmentGrowth* growth);
 
-  // Counts as used now every tensor some lease page holds now, and every tensor the pages' recent
+  // Counts as used now every tensor counted lease page slots hold (as of the last
+  // ReadLeasePages, which the housekeeping round calls first), and every tensor the pages' recent
   // rings name (the latest fast acquires since the last call, see LeaseBoard::TakeRecent): how
   // --evict lru learns of fast path acquires, which never reach the daemon (called every
   // housekeeping round). The cheapest honest reading of the pages: a round reads each page's
-  // slots (as Reclaim does anyway) and at most kLeaseRecentSlots ring entries, and the client
-  // pays two stores per acquire. What it misses: a tensor acquired and released between two
+  // slots (as ReadLeasePages does anyway) and at most kLeaseRecentSlots ring entries, and the
+  // client pays two stores per acquire. What it misses: a tensor acquired and released between two
   // rounds by a session that made more than kLeaseRecentSlots fast acquires after it in that
   // round; its recency is then that of its last acquire seen, or its publish. Recency is only as
   // fine as a round (kHeartbeatIntervalNs). A client can name any tensor id in its page; that
