@@ -288,22 +288,36 @@ absl::Status Catalog::Readopt(uint64_t session, uint32_t uid, uint64_t tensor_id
 void Catalog::Unbind(std::map<uint64_t, Tensor>::iterator it) {
   it->second.name.clear();
   WriteRecordState(it->second, RecordState::kUnbound);
+  // Its index entry went before: the lease pages are read for it now, once.
+  lease_board_.Unbound(it->second.id, CanHold());
   FreeIfUnheld(it);
+}
+
+bool Catalog::Acquirable(uint64_t session, uint64_t tensor_id) const {
+  auto it = tensors_.find(tensor_id);
+  if (it == tensors_.end()) return false;
+  const Tensor& tensor = it->second;
+  return tensor.sealed ? !tensor.name.empty() : tensor.owner_session == session && session != 0;
 }
 
 void Catalog::FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it) {
   const Tensor& tensor = it->second;
   if (!tensor.name.empty() || tensor.leases > 0 || tensor.recovered) return;
-  if (lease_board_.Holds(tensor.id)) {
+  if (lease_board_.Holds(tensor.id, CanHold())) {
     retired_.insert(tensor.id);
     return;
   }
   Free(it);
 }
 
+void Catalog::ReadLeasePages() { lease_board_.Read(CanHold()); }
+
+int64_t Catalog::PageLeasesOf(uint64_t session) {
+  lease_board_.ReadPage(session, CanHold());
+  return lease_board_.SlotsHeld(session);
+}
+
 int Catalog::Reclaim() {
-  if (retired_.empty()) return 0;
-  const std::unordered_map<uint64_t, int64_t> held = lease_board_.Held();
   int freed = 0;
   for (auto id = retired_.begin(); id != retired_.end();) {
     const uint64_t tensor_id = *id++;
@@ -312,7 +326,9 @@ int Catalog::Reclaim() {
       retired_.erase(tensor_id);
       continue;
     }
-    if (held.count(tensor_id) > 0 || it->second.leases > 0 || it->second.recovered) continue;
+    if (it->second.leases > 0 || it->second.recovered || lease_board_.Holds(tensor_id, CanHold())) {
+      continue;
+    }
     Free(it);  // erases it from retired_
     ++freed;
   }
@@ -320,15 +336,9 @@ int Catalog::Reclaim() {
 }
 
 int64_t Catalog::LeaseCount(const Tensor& tensor) const {
-  const std::unordered_map<uint64_t, int64_t> held = lease_board_.Held();
+  const std::unordered_map<uint64_t, int64_t>& held = lease_board_.Held();
   auto it = held.find(tensor.id);
   return tensor.leases + (it == held.end() ? 0 : it->second);
-}
-
-int64_t Catalog::PageLeaseCount() const {
-  int64_t count = 0;
-  for (const auto& [id, slots] : lease_board_.Held()) count += slots;
-  return count;
 }
 
 void Catalog::KeepSegments() {
@@ -825,6 +835,7 @@ void Catalog::Free(std::map<uint64_t, Tensor>::iterator it) {
   }
   free_slots_.push_back(it->second.slot);
   retired_.erase(it->first);
+  lease_board_.Forget(it->first);
   tensors_.erase(it);
   ++release_epoch_;
 }

@@ -205,19 +205,31 @@ class Catalog {
   void DropLease(uint64_t tensor_id);
 
   // Lease pages: the page of `session` (read-write descriptor for its client, made on first
-  // use), dropped whole when the session ends (then Reclaim); DropLeasePage returns how many
-  // slots held a tensor then. Errors from making the page.
-  absl::StatusOr<int> OpenLeasePage(uint64_t session) { return lease_board_.Open(session); }
+  // use), its slots counted for `uid`; dropped whole when the session ends (then Reclaim);
+  // DropLeasePage returns how many of its slots counted as leases then. Errors from making the
+  // page. What a page's slots count for is LeaseBoard's rule: only tensors the session could
+  // acquire, within its uid's --uid-leases (see CountPageLeasesIn).
+  absl::StatusOr<int> OpenLeasePage(uint64_t session, uint32_t uid) {
+    return lease_board_.Open(session, uid);
+  }
   int64_t DropLeasePage(uint64_t session) { return lease_board_.Drop(session); }
-  // Frees every retired tensor that no lease page holds now. Returns how many.
+  // Counts lease page slots in `limits` (--uid-leases) from now on; nullptr: no longer (gives
+  // them back). REQUIRES: no page slot counts yet when set; unset before `limits` goes.
+  void CountPageLeasesIn(UidLimits* limits) { lease_board_.set_uid_limits(limits); }
+  // Takes in what lease pages changed since they were last read, a bounded amount per call (see
+  // LeaseBoard::Read): what LeaseCount, PageLeaseCount, --evict lru and Stat figures see. The
+  // housekeeping round calls it, and calls that report leases before they read them.
+  void ReadLeasePages();
+  // Frees every retired tensor that no lease page holds now (reading only the slots that held it
+  // when its name went). Returns how many.
   int Reclaim();
   // Number of retired tensors waiting for lease pages to let go.
   size_t retired_count() const { return retired_.size(); }
-  // Leases of `tensor` of both kinds; all leases of both kinds.
+  // Leases of `tensor` of both kinds; all leases of both kinds (page slots as last read).
   int64_t LeaseCount(const Tensor& tensor) const;
-  int64_t PageLeaseCount() const;
-  // Slots of `session`'s lease page holding a tensor now; 0 if it has no page.
-  int64_t PageLeasesOf(uint64_t session) const { return lease_board_.SlotsHeld(session); }
+  int64_t PageLeaseCount() const { return lease_board_.held_slots(); }
+  // Slots of `session`'s lease page counting as leases, its page read now; 0 if it has no page.
+  int64_t PageLeasesOf(uint64_t session);
   // Acquires the clients' fast paths served since the catalog was made, as their lease pages
   // count them (see LeaseBoard::FastAcquires): never decreasing.
   uint64_t FastAcquires() { return lease_board_.FastAcquires(); }
@@ -272,12 +284,13 @@ class Catalog {
                                                const DLDevice& device, bool subbyte_padded,
                                                uint32_t owner_uid, SegmentGrowth* growth);
 
-  // Counts as used now every tensor some lease page holds now, and every tensor the pages' recent
+  // Counts as used now every tensor counted lease page slots hold (as of the last
+  // ReadLeasePages, which the housekeeping round calls first), and every tensor the pages' recent
   // rings name (the latest fast acquires since the last call, see LeaseBoard::TakeRecent): how
   // --evict lru learns of fast path acquires, which never reach the daemon (called every
   // housekeeping round). The cheapest honest reading of the pages: a round reads each page's
-  // slots (as Reclaim does anyway) and at most kLeaseRecentSlots ring entries, and the client
-  // pays two stores per acquire. What it misses: a tensor acquired and released between two
+  // slots (as ReadLeasePages does anyway) and at most kLeaseRecentSlots ring entries, and the
+  // client pays two stores per acquire. What it misses: a tensor acquired and released between two
   // rounds by a session that made more than kLeaseRecentSlots fast acquires after it in that
   // round; its recency is then that of its last acquire seen, or its publish. Recency is only as
   // fine as a round (kHeartbeatIntervalNs). A client can name any tensor id in its page; that
@@ -311,6 +324,14 @@ class Catalog {
   // Frees an unbound tensor that no counted lease holds, unless the grace period keeps it or a
   // lease page holds it (then it is retired).
   void FreeIfUnheld(std::map<uint64_t, Tensor>::iterator it);
+  // Whether `session` could hold `tensor_id` in its lease page now: a sealed tensor bound to a
+  // name, or its own unpublished tensor (publish-and-acquire leases it before the publish). What
+  // a lease page slot may count for, see LeaseBoard.
+  bool Acquirable(uint64_t session, uint64_t tensor_id) const;
+  // Acquirable, for LeaseBoard calls.
+  auto CanHold() const {
+    return [this](uint64_t session, uint64_t tensor_id) { return Acquirable(session, tensor_id); };
+  }
   void Free(std::map<uint64_t, Tensor>::iterator it);
   // Takes `tensor` out of the stock figures if it is stocked (published or freed).
   void Unstock(Tensor& tensor);

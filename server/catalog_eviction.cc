@@ -98,6 +98,7 @@ absl::StatusOr<const Tensor*> Catalog::CreateEvicting(uint64_t session, const DL
     absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides, subbyte_padded);
     TSM_CHECK(layout.ok());  // Create checked it
     const uint64_t wanted = static_cast<uint64_t>(layout->nbytes);
+    ReadLeasePages();  // what the pages hold now, not at the last housekeeping round
     const std::unordered_map<uint64_t, int64_t> held = lease_board_.Held();
     if (free_slots_.empty()) {
       // The record table is full: any tensor's record will do.

@@ -196,8 +196,8 @@ const std::vector<FlagSpec>& DaemonFlags() {
        "most sessions (client connections) one uid may have open at\n"
        "once, over all its processes (default 1024; 0: no limit)"},
       {"uid-leases", FlagKind::kValue, "N",
-       "most leases one uid may hold at once through the daemon (not\n"
-       "counting fast path lease slots) (default 262144; 0: no limit)"},
+       "most leases one uid may hold at once, through the daemon and\n"
+       "in fast path lease slots (default 262144; 0: no limit)"},
       {"uid-waiters", FlagKind::kValue, "N",
        "most Acquire calls of one uid waiting in the daemon for a\n"
        "publish at once (default 32768; 0: no limit)"},

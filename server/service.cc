@@ -50,6 +50,13 @@ TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t se
       uid_limits_(uid_limits) {
   // The host pool is shared evenly between the uids creating tensors (HostPool::FairShare).
   catalog_->mutable_host_pool().set_creating_uids([this] { return uid_limits_.CreatingUids(); });
+  // Lease page slots count against --uid-leases with the RPC leases (see LeaseBoard).
+  catalog_->CountPageLeasesIn(&uid_limits_);
+}
+
+TensorShmService::~TensorShmService() {
+  // uid_limits_ goes before catalog_, whose lease pages may still count slots in it.
+  catalog_->CountPageLeasesIn(nullptr);
 }
 
 absl::Duration TensorShmService::CrossCancelHoldFromEnvironment() {
@@ -119,6 +126,7 @@ void TensorShmService::Housekeep() {
     index_.Heartbeat();
     ServiceLock lock(this);
     if (shutting_down_) return;
+    catalog_->ReadLeasePages();
     catalog_->Reclaim();
     // --evict lru learns of fast path acquires from the lease pages (Catalog::TouchHeld).
     if (evict_ == EvictPolicy::kLru) catalog_->TouchHeld();
@@ -298,7 +306,7 @@ absl::StatusOr<int> TensorShmService::GrantFastPath(const tensorshm::Session& se
       grant->set_size(catalog_->control().size());
       break;
     case v1::FastPathRequest::LEASE_PAGE:
-      fd = catalog_->OpenLeasePage(session.id);
+      fd = catalog_->OpenLeasePage(session.id, session.uid);
       grant->set_size(kLeasePageBytes);
       break;
     default:
@@ -936,6 +944,7 @@ grpc::ServerUnaryReactor* TensorShmService::List(grpc::CallbackServerContext* co
     if (!peer.ok()) return peer.status();
     if (absl::Status s = ValidateNamePrefix(request->prefix()); !s.ok()) return s;
     ServiceLock lock(this);
+    catalog_->ReadLeasePages();  // once: each entry's page leases are then a look-up
     for (const Tensor* tensor : catalog_->List(request->prefix())) {
       v1::TensorInfo* info = response->add_tensors();
       info->set_name(tensor->name);
@@ -970,6 +979,7 @@ v1::StatResponse TensorShmService::StatSnapshot() {
   {
     ServiceLock lock(this);
     FoldFastAcquires();
+    catalog_->ReadLeasePages();
     response->set_tensors(catalog_->tensor_count());
     response->set_names(catalog_->name_count());
     response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());

@@ -47,6 +47,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes = 0,
                    const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr,
                    const UidLimitsConfig& uid_limits = {});
+  ~TensorShmService();
 
   // --evict: what a create that finds its pool full may do first. Call before serving.
   void set_evict_policy(EvictPolicy policy) { evict_ = policy; }

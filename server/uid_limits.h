@@ -19,7 +19,7 @@ namespace tensorshm {
 // DefaultUidLimits() in server/options.h; these zeros are for code that wants no limits.)
 struct UidLimitsConfig {
   uint64_t sessions = 0;           // --uid-sessions: open sessions
-  uint64_t leases = 0;             // --uid-leases: RPC leases held (page leases are per session)
+  uint64_t leases = 0;             // --uid-leases: leases held, RPC and lease page slots counted
   uint64_t waiters = 0;            // --uid-waiters: Acquire calls waiting in the daemon
   uint64_t unpublished_bytes = 0;  // --uid-quota: bytes of created, unpublished buffers
 };
@@ -66,6 +66,16 @@ class UidLimits {
   // RESOURCE_EXHAUSTED naming the uid, its waiting calls, the limit and --uid-waiters if the uid
   // has as many waiting as allowed.
   absl::StatusOr<WaitCharge> StartWait(uint32_t uid) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Counts `count` slots of `uid`'s lease pages as leases, with its RPC leases against
+  // --uid-leases (see LeaseBoard): RESOURCE_EXHAUSTED as SessionCharge::AddLeases, nothing
+  // counted then. DropPageLeases gives them back. REQUIRES (Drop): `uid` holds that many.
+  absl::Status AddPageLeases(uint32_t uid, uint64_t count) ABSL_LOCKS_EXCLUDED(mu_) {
+    return Add(uid, Kind::kLease, count);
+  }
+  void DropPageLeases(uint32_t uid, uint64_t count) ABSL_LOCKS_EXCLUDED(mu_) {
+    Drop(uid, Kind::kLease, count);
+  }
 
   // OK if a reconnecting session may list `entries` leases to take back (one per entry of
   // SessionOpen.held_tensor_ids); RESOURCE_EXHAUSTED naming the field and --uid-leases if more

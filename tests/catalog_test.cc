@@ -5,9 +5,12 @@
 #include <unistd.h>
 
 #include <boost/interprocess/shared_memory_object.hpp>
+#include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "server/uid_limits.h"
 
 namespace tensorshm {
 namespace {
@@ -285,7 +288,7 @@ TEST_F(CatalogTest, IndexFollowsPublishReplaceAndDelete) {
 }
 
 TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok()) << fd.status();
   MappedPage mapped(*fd);
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {1024}, {}, kCpu);
@@ -294,6 +297,7 @@ TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
   const uint64_t used = catalog_->host_pool().used_bytes();
   ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
   mapped.page().slots[kFirstLeaseSlot + 3].store(a_id);
+  catalog_->ReadLeasePages();
   EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(a_id)), 1);
   EXPECT_EQ(catalog_->PageLeaseCount(), 1);
 
@@ -312,7 +316,7 @@ TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
 }
 
 TEST_F(CatalogTest, DroppedLeasePageFreesWhatOnlyItHeldAndTellsItsClient) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
   MappedPage mapped(*fd);
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
@@ -330,7 +334,7 @@ TEST_F(CatalogTest, DroppedLeasePageFreesWhatOnlyItHeldAndTellsItsClient) {
 
 // The words before kFirstLeaseSlot are no leases: a count and a ring of ids there pin nothing.
 TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
   MappedPage mapped(*fd);
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
@@ -338,6 +342,7 @@ TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
   const uint64_t a_id = (*a)->id;
   ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
   for (uint32_t slot = 1; slot < kFirstLeaseSlot; ++slot) mapped.page().slots[slot].store(a_id);
+  catalog_->ReadLeasePages();
   EXPECT_EQ(catalog_->PageLeaseCount(), 0);
   EXPECT_EQ(catalog_->PageLeasesOf(7), 0);
   ASSERT_TRUE(catalog_->Delete("x").ok());
@@ -347,8 +352,8 @@ TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
 // Fast acquire counts are numbers a client wrote: summed over pages (a dropped page's too),
 // never decreasing, and a count that goes back or leaps is taken sanely.
 TEST_F(CatalogTest, FastAcquireCountsAddUpNeverDecreaseAndAreClamped) {
-  absl::StatusOr<int> fd7 = catalog_->OpenLeasePage(7);
-  absl::StatusOr<int> fd8 = catalog_->OpenLeasePage(8);
+  absl::StatusOr<int> fd7 = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<int> fd8 = catalog_->OpenLeasePage(8, 0);
   ASSERT_TRUE(fd7.ok() && fd8.ok());
   MappedPage page7(*fd7);
   MappedPage page8(*fd8);
@@ -374,7 +379,7 @@ TEST_F(CatalogTest, FastAcquireCountsAddUpNeverDecreaseAndAreClamped) {
 // --evict lru: a tensor acquired and released between two rounds (only the recent ring says
 // so) counts as used at the round that read the ring.
 TEST_F(CatalogTest, RecentRingMarksTensorsUsedThoughNoSlotHoldsThem) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
   MappedPage mapped(*fd);
   std::vector<uint64_t> ids;
@@ -397,6 +402,140 @@ TEST_F(CatalogTest, RecentRingMarksTensorsUsedThoughNoSlotHoldsThem) {
   const uint64_t old_seq = catalog_->FindId(ids[0])->use_seq;
   catalog_->TouchHeld();
   EXPECT_EQ(catalog_->FindId(ids[0])->use_seq, old_seq);
+}
+
+// A page is its client's to write: ids written before their tensor was published (or never
+// handed out) are no leases and keep nothing, whatever the tensor does later.
+TEST_F(CatalogTest, LeasePageSlotWrittenBeforePublishPinsNothing) {
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  ASSERT_TRUE(fd.ok());
+  MappedPage mapped(*fd);
+  const uint64_t next = catalog_->next_tensor_id();
+  for (uint32_t i = 0; i < 4; ++i) mapped.page().slots[kFirstLeaseSlot + i].store(next + i);
+  mapped.page().slots[kFirstLeaseSlot + 4].store(uint64_t{1} << 50);
+  catalog_->ReadLeasePages();
+  absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {1024}, {}, kCpu);
+  ASSERT_TRUE(a.ok());
+  const uint64_t a_id = (*a)->id;
+  ASSERT_EQ(a_id, next);
+  ASSERT_TRUE(catalog_->Publish(1, a_id, "x", false).ok());
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->PageLeaseCount(), 0);
+  EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(a_id)), 0);
+  ASSERT_TRUE(catalog_->Delete("x").ok());
+  EXPECT_EQ(catalog_->FindId(a_id), nullptr) << "freed at once";
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), 0u);
+}
+
+// A publish-and-acquire leases its own unpublished tensor in the page before the publish: that
+// slot counts (another session's unpublished tensor does not).
+TEST_F(CatalogTest, LeasePageSlotOfOwnUnpublishedTensorCountsAndPins) {
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  ASSERT_TRUE(fd.ok());
+  MappedPage mapped(*fd);
+  absl::StatusOr<const Tensor*> own = catalog_->Create(7, kF32, {1024}, {}, kCpu);
+  absl::StatusOr<const Tensor*> other = catalog_->Create(8, kF32, {1024}, {}, kCpu);
+  ASSERT_TRUE(own.ok() && other.ok());
+  const uint64_t own_id = (*own)->id;
+  const uint64_t other_id = (*other)->id;
+  mapped.page().slots[kFirstLeaseSlot].store(own_id);
+  mapped.page().slots[kFirstLeaseSlot + 1].store(other_id);
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->PageLeaseCount(), 1);
+  ASSERT_TRUE(catalog_->Publish(7, own_id, "own", false).ok());
+  ASSERT_TRUE(catalog_->Publish(8, other_id, "other", false).ok());
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(own_id)), 1);
+  EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(other_id)), 0);
+  ASSERT_TRUE(catalog_->Delete("own").ok());
+  ASSERT_TRUE(catalog_->Delete("other").ok());
+  EXPECT_NE(catalog_->FindId(own_id), nullptr) << "its slot holds it";
+  EXPECT_EQ(catalog_->FindId(other_id), nullptr);
+  mapped.page().slots[kFirstLeaseSlot].store(0);
+  EXPECT_EQ(catalog_->Reclaim(), 1);
+}
+
+// A slot the client wrote while the name was bound counts even if no read saw it before the
+// delete (the delete reads the pages); one written after the delete does not.
+TEST_F(CatalogTest, LeasePageSlotWrittenWhileBoundPinsUntilCleared) {
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  ASSERT_TRUE(fd.ok());
+  MappedPage mapped(*fd);
+  std::vector<uint64_t> ids;
+  for (const char* name : {"x", "y"}) {
+    absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {1024}, {}, kCpu);
+    ASSERT_TRUE(t.ok());
+    ids.push_back((*t)->id);
+    ASSERT_TRUE(catalog_->Publish(1, (*t)->id, name, false).ok());
+  }
+  catalog_->ReadLeasePages();
+  mapped.page().slots[kFirstLeaseSlot].store(ids[0]);  // no read in between
+  ASSERT_TRUE(catalog_->Delete("x").ok());
+  ASSERT_TRUE(catalog_->Delete("y").ok());
+  EXPECT_NE(catalog_->FindId(ids[0]), nullptr) << "held by the slot";
+  EXPECT_EQ(catalog_->FindId(ids[1]), nullptr);
+  // Written after the delete: not a lease; the freed id stays free.
+  mapped.page().slots[kFirstLeaseSlot + 1].store(ids[1]);
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->PageLeaseCount(), 1);
+  // The pinned slot rewritten to the same id after a clear is not taken in again.
+  mapped.page().slots[kFirstLeaseSlot].store(0);
+  catalog_->ReadLeasePages();
+  mapped.page().slots[kFirstLeaseSlot].store(ids[0]);
+  EXPECT_EQ(catalog_->Reclaim(), 1);
+  EXPECT_EQ(catalog_->FindId(ids[0]), nullptr);
+  EXPECT_EQ(catalog_->PageLeaseCount(), 0);
+}
+
+// Slots count against --uid-leases with the uid's RPC leases; past it they are ignored.
+TEST_F(CatalogTest, LeasePageSlotsCountWithinUidLeases) {
+  UidLimits limits(UidLimitsConfig{0, 2, 0, 0});
+  catalog_->CountPageLeasesIn(&limits);
+  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 1000);
+  ASSERT_TRUE(fd.ok());
+  MappedPage mapped(*fd);
+  std::vector<uint64_t> ids;
+  for (const char* name : {"a", "b", "c"}) {
+    absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {1024}, {}, kCpu);
+    ASSERT_TRUE(t.ok());
+    ids.push_back((*t)->id);
+    ASSERT_TRUE(catalog_->Publish(1, (*t)->id, name, false).ok());
+  }
+  for (uint32_t i = 0; i < 3; ++i) mapped.page().slots[kFirstLeaseSlot + i].store(ids[i]);
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->PageLeaseCount(), 2);
+  EXPECT_EQ(catalog_->PageLeasesOf(7), 2);
+  EXPECT_EQ(limits.Usage(1000).leases, 2u);
+  for (const char* name : {"a", "b", "c"}) ASSERT_TRUE(catalog_->Delete(name).ok());
+  EXPECT_EQ(catalog_->retired_count(), 2u);
+  EXPECT_EQ(catalog_->FindId(ids[2]), nullptr) << "the slot past the limit keeps nothing";
+  EXPECT_EQ(catalog_->DropLeasePage(7), 2);
+  EXPECT_EQ(limits.Usage(1000).leases, 0u);
+  EXPECT_EQ(catalog_->Reclaim(), 2);
+  catalog_->CountPageLeasesIn(nullptr);
+}
+
+// A read takes in at most kMaxChangesPerRead changed slots; the next reads go on from there.
+TEST_F(CatalogTest, LeasePageReadsAreBoundedAndGoOn) {
+  std::vector<std::unique_ptr<MappedPage>> pages;
+  for (uint64_t session = 1; session <= 10; ++session) {
+    absl::StatusOr<int> fd = catalog_->OpenLeasePage(session, 0);
+    ASSERT_TRUE(fd.ok());
+    pages.push_back(std::make_unique<MappedPage>(*fd));
+  }
+  absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {4}, {}, kCpu);
+  ASSERT_TRUE(t.ok());
+  const uint64_t id = (*t)->id;
+  ASSERT_TRUE(catalog_->Publish(1, id, "x", false).ok());
+  for (auto& page : pages) {
+    for (uint32_t i = kFirstLeaseSlot; i < kLeaseSlots; ++i) page->page().slots[i].store(id);
+  }
+  const int64_t all = 10 * (kLeaseSlots - kFirstLeaseSlot);
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->PageLeaseCount(), LeaseBoard::kMaxChangesPerRead);
+  catalog_->ReadLeasePages();
+  EXPECT_EQ(catalog_->PageLeaseCount(), all);
+  EXPECT_EQ(catalog_->LeaseCount(*catalog_->FindId(id)), all);
 }
 
 // Stocked buffers are stock until published or freed.
