@@ -143,7 +143,8 @@ absl::Status TensorShmService::NoSession(const std::string& token) {
                    "\": no open session has this id (its stream ended, or it never existed)"));
 }
 
-absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerContextBase& context) {
+absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerContextBase& context,
+                                                         const PeerCredentials& caller) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kSessionMetadataKey);
   if (it == metadata.end()) {
@@ -153,6 +154,7 @@ absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerConte
   std::string token(it->second.data(), it->second.size());
   tensorshm::Session* session = sessions_.Find(token);
   if (session == nullptr) return NoSession(token);
+  if (absl::Status s = session->CheckCaller(caller); !s.ok()) return s;
   return session;
 }
 
@@ -580,7 +582,7 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
     absl::StatusOr<PeerCredentials> peer = Admit(*context);
     if (!peer.ok()) return peer.status();
     ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
     if (!session.ok()) return session.status();
     if ((*session)->TakeSettled(request->request_id())) {
       return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
@@ -816,7 +818,7 @@ grpc::ServerUnaryReactor* TensorShmService::Publish(grpc::CallbackServerContext*
     absl::StatusOr<PeerCredentials> peer = Admit(*context);
     if (!peer.ok()) return peer.status();
     ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
     if (!session.ok()) return session.status();
     return PublishFor(**session, *request, response);
   }();
@@ -889,7 +891,7 @@ grpc::ServerUnaryReactor* TensorShmService::Delete(grpc::CallbackServerContext* 
     if (!peer.ok()) return peer.status();
     if (absl::Status s = ValidateName(request->name()); !s.ok()) return s;
     ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
     if (!session.ok()) return session.status();
     return DeleteFor(**session, *request);
   }();

@@ -34,6 +34,11 @@ grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext
       own_token.assign(it->second.data(), it->second.size());
     }
     ServiceLock lock(this);
+    // Naming a session is for its own process only, as on every call (Session::CheckCaller); a
+    // token that names no open session marks none as `own`.
+    if (const tensorshm::Session* own = sessions_.Find(own_token); own != nullptr) {
+      if (absl::Status s = own->CheckCaller(*caller); !s.ok()) return s;
+    }
     for (const auto& [id, session] : sessions_.by_id()) {
       v1::SessionInfo* info = response->add_sessions();
       info->set_session_id(id);
