@@ -347,6 +347,8 @@ absl::StatusOr<v1::SessionResponse> TensorShmService::OpenSession(
     const grpc::CallbackServerContext& context, const PeerCredentials& peer,
     const v1::SessionOpen& open, uint64_t* session_id, std::string* token) {
   v1::SessionResponse opened;
+  // The client's own words are kept for the session's life (Sessions, logs): bounded.
+  if (absl::Status s = ValidateSessionOpen(open); !s.ok()) return s;
   {
     ServiceLock lock(this);
     if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
