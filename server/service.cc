@@ -188,8 +188,10 @@ void TensorShmService::Describe(const Tensor& tensor, v1::TensorDesc* desc,
     const HostPool& pool = catalog_->host_pool();
     location->set_segment_size(pool.SegmentSize(tensor.buffer.segment_id));
     location->set_segment_instance(pool.SegmentInstance(tensor.buffer.segment_id));
+    // Each segment's own backing: a pool of named segments gives other uids memfd ones.
+    const ShmSegment& segment = pool.Segment(tensor.buffer.segment_id);
     location->mutable_host()->set_shm_name(
-        pool.backing() == SegmentBacking::kNamed ? pool.SegmentName(tensor.buffer.segment_id) : "");
+        segment.backing() == SegmentBacking::kNamed ? segment.name() : "");
   }
 }
 
