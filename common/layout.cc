@@ -116,6 +116,14 @@ absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<c
   if (__builtin_mul_overflow(low, -item_bytes, &offset)) {
     return Overflow("byte offset", shape, strides);
   }
+  // Zero (broadcast) strides let a small buffer describe many elements: shape [2^40] with stride
+  // 0 spans one element. What it describes is what consumers size and what a copy allocates
+  // (numpy's nbytes, torch's numel x element size, the buffer protocol's len): that must fit
+  // int64 too, or their arithmetic wraps.
+  int64_t logical_bytes;
+  if (__builtin_mul_overflow(numel, item_bytes, &logical_bytes)) {
+    return Overflow("logical size (element count x element size)", shape, strides);
+  }
   layout.byte_offset = static_cast<uint64_t>(offset);
   return layout;
 }

@@ -1,5 +1,7 @@
 #include "common/wire.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/layout.h"
@@ -75,6 +77,18 @@ absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
   out.byte_offset = layout->byte_offset;
   out.nbytes = layout->nbytes;
   return out;
+}
+
+absl::Status ValidateSessionOpen(const v1::SessionOpen& open) {
+  for (const auto& [field, value] :
+       {std::pair<const char*, const std::string*>{"open.client_name", &open.client_name()},
+        {"open.client_version", &open.client_version()}}) {
+    if (value->size() > kMaxClientText) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": ", value->size(), " bytes; at most ", kMaxClientText));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace tensorshm

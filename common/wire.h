@@ -39,6 +39,15 @@ struct DecodedTensor {
 absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
                                                const v1::Location& location);
 
+// Most bytes of each string a client supplies that the daemon keeps for the life of a session
+// (SessionOpen.client_name, SessionOpen.client_version).
+inline constexpr size_t kMaxClientText = 256;
+
+// OK if `open`'s strings fit kMaxClientText; INVALID_ARGUMENT naming the first field that does
+// not ("open.client_name") and its length otherwise. The daemon refuses such a session before
+// it keeps anything of it.
+absl::Status ValidateSessionOpen(const v1::SessionOpen& open);
+
 }  // namespace tensorshm
 
 #endif  // TENSORSHM_COMMON_WIRE_H_

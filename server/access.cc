@@ -9,7 +9,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/sys_error.h"
 
 namespace tensorshm {
@@ -18,17 +17,12 @@ absl::Status AccessPolicy::Admit(const PeerCredentials& peer) const {
   if (peer.uid == owner_ || uids_.count(peer.uid) > 0 || gids_.count(peer.gid) > 0) {
     return absl::OkStatus();
   }
-  return absl::PermissionDeniedError(absl::StrCat("uid ", peer.uid, ", gid ", peer.gid, " (pid ",
-                                                  peer.pid,
-                                                  ") may not use this tensorshmd: ", Describe()));
-}
-
-std::string AccessPolicy::Describe() const {
-  std::string text = absl::StrCat("it admits uid ", owner_);
-  if (!uids_.empty()) absl::StrAppend(&text, ", uids ", absl::StrJoin(uids_, ","));
-  if (!gids_.empty()) absl::StrAppend(&text, ", gids ", absl::StrJoin(gids_, ","));
-  absl::StrAppend(&text, " (--allow-uid / --allow-gid)");
-  return text;
+  // Which uids and gids are admitted is the operator's business, not a stranger's: the refusal
+  // names the caller and the flags, never the list.
+  return absl::PermissionDeniedError(
+      absl::StrCat("uid ", peer.uid, ", gid ", peer.gid, " (pid ", peer.pid,
+                   ") may not use this tensorshmd: it admits its own uid and those its operator "
+                   "named (--allow-uid / --allow-gid)"));
 }
 
 absl::Status PeerTable::Add(int fd, const PeerCredentials& credentials) {

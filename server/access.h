@@ -30,13 +30,12 @@ class AccessPolicy {
       : owner_(owner), uids_(std::move(uids)), gids_(std::move(gids)) {}
 
   // OK if `peer` may connect: its uid is the daemon's or allowed, or its primary gid is allowed.
-  // PERMISSION_DENIED naming the uid, gid, pid and the policy otherwise.
+  // PERMISSION_DENIED naming the uid, gid and pid otherwise (never the admitted uids and gids).
   absl::Status Admit(const PeerCredentials& peer) const;
   // Whether anyone but the owner is admitted (the socket and segments must then be shared).
   bool shared() const { return !uids_.empty() || !gids_.empty(); }
   uid_t owner() const { return owner_; }
   const std::set<gid_t>& gids() const { return gids_; }
-  std::string Describe() const;
 
  private:
   uid_t owner_;

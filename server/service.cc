@@ -151,7 +151,8 @@ absl::Status TensorShmService::NoSession(const std::string& token) {
                    "\": no open session has this id (its stream ended, or it never existed)"));
 }
 
-absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerContextBase& context) {
+absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerContextBase& context,
+                                                         const PeerCredentials& caller) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kSessionMetadataKey);
   if (it == metadata.end()) {
@@ -161,6 +162,7 @@ absl::StatusOr<Session*> TensorShmService::CallerSession(const grpc::ServerConte
   std::string token(it->second.data(), it->second.size());
   tensorshm::Session* session = sessions_.Find(token);
   if (session == nullptr) return NoSession(token);
+  if (absl::Status s = session->CheckCaller(caller); !s.ok()) return s;
   return session;
 }
 
@@ -194,8 +196,10 @@ void TensorShmService::Describe(const Tensor& tensor, v1::TensorDesc* desc,
     const HostPool& pool = catalog_->host_pool();
     location->set_segment_size(pool.SegmentSize(tensor.buffer.segment_id));
     location->set_segment_instance(pool.SegmentInstance(tensor.buffer.segment_id));
+    // Each segment's own backing: a pool of named segments gives other uids memfd ones.
+    const ShmSegment& segment = pool.Segment(tensor.buffer.segment_id);
     location->mutable_host()->set_shm_name(
-        pool.backing() == SegmentBacking::kNamed ? pool.SegmentName(tensor.buffer.segment_id) : "");
+        segment.backing() == SegmentBacking::kNamed ? segment.name() : "");
   }
 }
 
@@ -353,6 +357,8 @@ absl::StatusOr<v1::SessionResponse> TensorShmService::OpenSession(
     const grpc::CallbackServerContext& context, const PeerCredentials& peer,
     const v1::SessionOpen& open, uint64_t* session_id, std::string* token) {
   v1::SessionResponse opened;
+  // The client's own words are kept for the session's life (Sessions, logs): bounded.
+  if (absl::Status s = ValidateSessionOpen(open); !s.ok()) return s;
   {
     ServiceLock lock(this);
     if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
@@ -588,7 +594,7 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
     absl::StatusOr<PeerCredentials> peer = Admit(*context);
     if (!peer.ok()) return peer.status();
     ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
     if (!session.ok()) return session.status();
     if ((*session)->TakeSettled(request->request_id())) {
       return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
@@ -846,7 +852,7 @@ grpc::ServerUnaryReactor* TensorShmService::Publish(grpc::CallbackServerContext*
     absl::StatusOr<PeerCredentials> peer = Admit(*context);
     if (!peer.ok()) return peer.status();
     ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
     if (!session.ok()) return session.status();
     return PublishFor(**session, *request, response);
   }();
@@ -919,7 +925,7 @@ grpc::ServerUnaryReactor* TensorShmService::Delete(grpc::CallbackServerContext* 
     if (!peer.ok()) return peer.status();
     if (absl::Status s = ValidateName(request->name()); !s.ok()) return s;
     ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
     if (!session.ok()) return session.status();
     return DeleteFor(**session, *request);
   }();

@@ -221,9 +221,12 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   bool SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const;
   // The caller's credentials if the policy admits it; PERMISSION_DENIED otherwise.
   absl::StatusOr<PeerCredentials> Admit(const grpc::ServerContextBase& context) const;
-  // The session named by the call's metadata. INVALID_ARGUMENT if the metadata is missing,
-  // FAILED_PRECONDITION if no open session has that token (NoSession).
-  absl::StatusOr<tensorshm::Session*> CallerSession(const grpc::ServerContextBase& context)
+  // The session named by the call's metadata, for `caller` (what Admit returned for the call).
+  // INVALID_ARGUMENT if the metadata is missing, FAILED_PRECONDITION if no open session has that
+  // token (NoSession), PERMISSION_DENIED if `caller` is not the process that opened it
+  // (Session::CheckCaller).
+  absl::StatusOr<tensorshm::Session*> CallerSession(const grpc::ServerContextBase& context,
+                                                    const PeerCredentials& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status NoSession(const std::string& token);
   // Ends `session`: drops its leases, frees its unpublished tensors, fails its waiting acquires,

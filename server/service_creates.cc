@@ -106,7 +106,7 @@ grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerCo
     absl::StatusOr<PeerCredentials> peer = Admit(*context);
     if (!peer.ok()) return ToGrpcStatus(peer.status());
     ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
     if (!session.ok()) return ToGrpcStatus(session.status());
     waiter->token = (*session)->token;
     if ((*session)->TakeSettled(waiter->request_id)) {

@@ -186,7 +186,7 @@ void TensorShmService::StartWaiter(Waiter* waiter, grpc::CallbackServerContext* 
             ? std::min(call_deadline, absl::Now() + absl::Milliseconds(waiter->wait_ms))
             : call_deadline;
     ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
     if (!session.ok()) {
       status = ToGrpcStatus(session.status());
       return;

@@ -6,15 +6,6 @@
 #include "server/service.h"
 
 namespace tensorshm {
-namespace {
-
-// Client names and versions are the clients' own words, of any length: a listing carries at
-// most this much of each.
-constexpr size_t kMaxShownClientText = 256;
-
-std::string Shown(const std::string& text) { return text.substr(0, kMaxShownClientText); }
-
-}  // namespace
 
 bool TensorShmService::SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const {
   return policy_ == nullptr || caller.uid == uid || caller.uid == policy_->owner() ||
@@ -34,6 +25,11 @@ grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext
       own_token.assign(it->second.data(), it->second.size());
     }
     ServiceLock lock(this);
+    // Naming a session is for its own process only, as on every call (Session::CheckCaller); a
+    // token that names no open session marks none as `own`.
+    if (const tensorshm::Session* own = sessions_.Find(own_token); own != nullptr) {
+      if (absl::Status s = own->CheckCaller(*caller); !s.ok()) return s;
+    }
     for (const auto& [id, session] : sessions_.by_id()) {
       v1::SessionInfo* info = response->add_sessions();
       info->set_session_id(id);
@@ -53,8 +49,9 @@ grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext
       }
       info->set_pid(session->pid);
       info->set_gid(session->gid);
-      info->set_client_name(Shown(session->client_name));
-      info->set_client_version(Shown(session->client_version));
+      // Both at most kMaxClientText bytes (ValidateSessionOpen).
+      info->set_client_name(session->client_name);
+      info->set_client_version(session->client_version);
     }
     return absl::OkStatus();
   }();

@@ -18,6 +18,27 @@ std::string RandomToken() {
 
 }  // namespace
 
+absl::Status Session::CheckCaller(const PeerCredentials& caller) const {
+  constexpr char kField[] = "metadata tensorshm-session";
+  constexpr char kRule[] = "a session serves only the process that opened it";
+  if (caller.uid != uid) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: session %d was opened by uid %d; this call comes from uid %d (pid %d): %s", kField, id,
+        uid, caller.uid, caller.pid, kRule));
+  }
+  if (caller.gid != gid) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: session %d was opened with gid %d; this call comes with gid %d (uid %d, pid %d): %s",
+        kField, id, gid, caller.gid, caller.uid, caller.pid, kRule));
+  }
+  if (caller.pid != peer_pid) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "%s: session %d was opened by pid %d; this call comes from pid %d (uid %d): %s", kField, id,
+        peer_pid, caller.pid, caller.uid, kRule));
+  }
+  return absl::OkStatus();
+}
+
 void Session::RecordGrant(uint64_t request_id, RequestGrant grant) {
   if (request_id == 0) return;
   granted_requests[request_id] = std::move(grant);

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "server/access.h"
 #include "server/uid_limits.h"
 
 namespace tensorshm {
@@ -34,6 +35,14 @@ struct Session {
   // This session's part of its uid's counts (--uid-*): the session, its RPC leases (`leases`)
   // and unpublished bytes. The service keeps it in step; closing the session gives it all back.
   UidLimits::SessionCharge uid_charge;
+
+  // OK if `caller` (a call's connection, as SO_PEERCRED read it) is the process that opened this
+  // session: same uid, gid and kernel pid (`peer_pid`; 0 on both sides for a client whose pid
+  // namespace the daemon cannot see). PERMISSION_DENIED naming what differs otherwise, never
+  // the token: a token seen by another process (a forked child, a leaked log, another uid) is
+  // worth nothing on its own. The opener's pid and gid are named only to a caller of the same
+  // uid (as SessionsRequest shows them).
+  absl::Status CheckCaller(const PeerCredentials& caller) const;
 
   // Calls carrying a request id (AcquireRequest.request_id, CreateRequest.request_id), for the
   // client's settles (ReleaseBatch.settled_request_ids; see docs/decisions.md, "Cancels are

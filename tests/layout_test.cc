@@ -75,12 +75,28 @@ TEST(ComputeLayoutTest, RefusesBadShapesNamingTheField) {
            {{3, 2}, {kMax, 1}, "stride extent overflows"},
            {{3, 3}, {int64_t{1} << 61, -(int64_t{1} << 61)}, "overflows"},
            {{2}, {std::numeric_limits<int64_t>::min()}, "overflows"},
+           // Broadcast: a 4-byte extent, but 2^64 bytes of elements (issue 22).
+           {{int64_t{1} << 62}, {0}, "logical size (element count x element size) overflows"},
+           {{int64_t{1} << 31, int64_t{1} << 31}, {0, 0}, "logical size"},
        }) {
     absl::StatusOr<TensorLayout> layout = ComputeLayout(kF32, b.shape, b.strides);
     ASSERT_FALSE(layout.ok()) << b.mentions;
     EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(layout.status().message(), b.mentions)) << layout.status();
   }
+}
+
+TEST(ComputeLayoutTest, ZeroStridesSpanOneElementPerBroadcastDimension) {
+  // Legal: [2^40] float32 broadcast from one element takes 4 bytes (its consumers see 2^40).
+  absl::StatusOr<TensorLayout> layout = ComputeLayout(kF32, {int64_t{1} << 40}, {0});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->nbytes, 4);
+  layout = ComputeLayout(kF32, {3, int64_t{1} << 40}, {1, 0});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->nbytes, 12);
+  // 2^61 - 1 float32 elements are 2^63 - 4 bytes, which fit int64; 2^61 of them do not.
+  EXPECT_TRUE(ComputeLayout(kF32, {(int64_t{1} << 61) - 1}, {0}).ok());
+  EXPECT_FALSE(ComputeLayout(kF32, {int64_t{1} << 61}, {0}).ok());
 }
 
 TEST(ComputeLayoutTest, OverflowIsCheckedEvenWithAZeroDimension) {

@@ -4,6 +4,7 @@
 // ChannelRequests of every kind, in that fuzzer's program format).
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/channel_frame.h"
@@ -103,10 +104,12 @@ int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) return 2;
   const std::string dir = argv[1];
   if (argc == 3) WriteChannelSeeds(argv[2]);
-  for (const auto& r : {Create(2, 32, {2, 3, 4}), Create(0, 8, {}), Create(2, 32, {4, 3}, {1, 4}),
-                        Create(0, 32, {3, 4}, {-4, 1}), Create(17, 4, {9}),
-                        Create(2, 64, {int64_t{1} << 40, int64_t{1} << 40}),
-                        Create(2, 32, {4, 2}, {int64_t{1} << 62, 1}), Create(99, 7, {-3})}) {
+  for (const auto& r :
+       {Create(2, 32, {2, 3, 4}), Create(0, 8, {}), Create(2, 32, {4, 3}, {1, 4}),
+        Create(0, 32, {3, 4}, {-4, 1}), Create(17, 4, {9}),
+        Create(2, 64, {int64_t{1} << 40, int64_t{1} << 40}),
+        Create(2, 32, {4, 2}, {int64_t{1} << 62, 1}), Create(99, 7, {-3}),
+        Create(2, 32, {int64_t{1} << 40}, {0}), Create(2, 32, {int64_t{1} << 62}, {0})}) {
     Write(dir, 0, r.SerializeAsString());
   }
   tensorshm::v1::AcquireResponse a;
@@ -125,6 +128,16 @@ int main(int argc, char** argv) {
   Write(dir, 1, a.SerializeAsString());
   a.mutable_desc()->set_nbytes(1 << 30);
   Write(dir, 1, a.SerializeAsString());
+  // Session openings: names and versions at the bound, one byte past it, and far past it.
+  for (const auto& [name, version] :
+       {std::pair<size_t, size_t>{9, 5}, {256, 256}, {257, 5}, {5, 257}, {1000, 0}}) {
+    tensorshm::v1::SessionOpen open;
+    open.set_pid(1234);
+    open.set_client_name(std::string(name, 'n'));
+    open.set_client_version(std::string(version, 'v'));
+    open.add_held_tensor_ids(7);
+    Write(dir, 3, open.SerializeAsString());
+  }
   for (const char* text : {"batch/17", "a/../b", "/abs", "bfloat16", "float8_e4m3fn", "int8x4",
                            "model.v2:weights/layer-0_q"}) {
     Write(dir, 2, text);

@@ -1,11 +1,13 @@
 // libFuzzer target over what the daemon and clients trust least: request validation (names,
-// prefixes, dtypes, shapes, strides, sizes) and the decoding of descriptors a client receives.
+// prefixes, dtypes, shapes, strides, sizes, the strings of a session's opening) and the decoding
+// of descriptors a client receives.
 // The first byte picks the input's kind; the rest is a serialized message or raw text.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "common/check.h"
 #include "common/dtype.h"
 #include "common/layout.h"
@@ -34,6 +36,11 @@ void FuzzCreate(const std::string& bytes) {
   TSM_CHECK(layout->strides.size() == shape.size());
   TSM_CHECK(layout->nbytes >= 0);
   TSM_CHECK(layout->byte_offset <= static_cast<uint64_t>(layout->nbytes));
+  // What the shape describes (broadcast strides included) can be sized without overflow.
+  int64_t numel = 1;
+  for (int64_t d : shape) TSM_CHECK(!__builtin_mul_overflow(numel, d, &numel));
+  int64_t logical = 0;
+  TSM_CHECK(!__builtin_mul_overflow(numel, (ElementBits(*dtype) + 7) / 8, &logical));
 }
 
 void FuzzDescriptor(const std::string& bytes) {
@@ -46,6 +53,20 @@ void FuzzDescriptor(const std::string& bytes) {
   if (response.location().length() > 0) {
     TSM_CHECK(response.location().offset() + response.location().length() <=
               response.location().segment_size());
+  }
+}
+
+void FuzzSessionOpen(const std::string& bytes) {
+  v1::SessionOpen open;
+  if (!open.ParseFromString(bytes)) return;
+  const absl::Status status = ValidateSessionOpen(open);
+  // Refused exactly when a string the daemon would keep is over the bound, naming that field.
+  const bool fits =
+      open.client_name().size() <= kMaxClientText && open.client_version().size() <= kMaxClientText;
+  TSM_CHECK(status.ok() == fits);
+  if (!status.ok()) {
+    TSM_CHECK(status.code() == absl::StatusCode::kInvalidArgument);
+    TSM_CHECK(absl::StrContains(status.message(), "open.client_"));
   }
 }
 
@@ -71,12 +92,15 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string rest(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 3) {
+  switch (data[0] % 4) {
     case 0:
       tensorshm::FuzzCreate(rest);
       break;
     case 1:
       tensorshm::FuzzDescriptor(rest);
+      break;
+    case 3:
+      tensorshm::FuzzSessionOpen(rest);
       break;
     default:
       tensorshm::FuzzText(rest);
