@@ -48,7 +48,8 @@ struct DaemonOptions {
   EvictPolicy evict = EvictPolicy::kNone;  // --evict none|lru
   bool help = false;
   std::string config_file;  // --config; empty: none
-  // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit
+  // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota, --uid-tensors (its default set by
+  // ParseOptions: FairTensorShare); 0 in a field: no limit
   UidLimitsConfig uid_limits = DefaultUidLimits();
 };
 

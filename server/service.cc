@@ -50,6 +50,8 @@ TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t se
       uid_limits_(uid_limits) {
   // The host pool is shared evenly between the uids creating tensors (HostPool::FairShare).
   catalog_->mutable_host_pool().set_creating_uids([this] { return uid_limits_.CreatingUids(); });
+  // Tensor records outlive sessions: the catalog counts them per uid (--uid-tensors).
+  catalog_->set_uid_tensors(uid_limits.tensors);
 }
 
 absl::Duration TensorShmService::CrossCancelHoldFromEnvironment() {
@@ -717,6 +719,12 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
     absl::StatusOr<int> ordinal = CudaOrdinalOf(device, request.device_uuid());
     if (!ordinal.ok()) return ordinal.status();
     device.device_id = *ordinal;
+  }
+  // --uid-tensors first: a uid at its share of records evicts its own (--evict lru) or is
+  // refused as by a quota (it does not wait for memory, nor evict another uid's tensors).
+  if (absl::Status s = catalog_->RoomForRecord(session.uid, evict_ == EvictPolicy::kLru); !s.ok()) {
+    metrics_.CountAllocationFailure(AllocationFailure::kQuota);
+    return s;
   }
   // Waiting creates come first: a new one for the same memory queues behind them.
   const PoolKey key{device.device_type, device.device_id,
