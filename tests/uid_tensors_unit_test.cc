@@ -1,5 +1,6 @@
 // Tensor records counted per uid (--uid-tensors): the flag and its default share, and the
 // catalog's count, limit and eviction order (the real-daemon tests are uid_tensors_test.cc).
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <boost/interprocess/shared_memory_object.hpp>
@@ -8,10 +9,12 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/cuda_driver.h"
 #include "gtest/gtest.h"
 #include "server/catalog.h"
 #include "server/options.h"
 #include "server/uid_limits.h"
+#include "tests/test_daemon.h"
 
 namespace tensorshm {
 namespace {
@@ -172,6 +175,52 @@ TEST_F(UidTensorsCatalogTest, AFullTableEvictsOwnFirstThenAUidPastItsShare) {
   absl::StatusOr<uint64_t> refused = Put(kOwner, "", true);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(catalog_->RecordsOf(kOther), 4u);
+}
+
+// A full CUDA pool (shared by every uid, unlike the host pool's per-uid segments), on the
+// emulated driver: a uid past its share of the pool's bytes evicts only its own tensors; one
+// within its share takes from a uid past its own once none of its own is evictable.
+TEST_F(UidTensorsCatalogTest, AFullCudaPoolEvictsFromTheUidPastItsShareOfBytes) {
+  setenv("TENSORSHM_LIBCUDA", testing::FakeCudaPath().c_str(), 1);
+  setenv("TSM_FAKE_CUDA_DEVICES", "1", 1);
+  absl::StatusOr<const CudaDriver*> driver = CudaDriver::Get();
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  constexpr int64_t kMiB = 1 << 20;
+  absl::StatusOr<std::unique_ptr<CudaPool>> pool =
+      CudaPool::Create(*driver, CudaPoolOptions{0, 4 * kMiB, 4 * kMiB});
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  catalog_->AddCudaPool(*std::move(pool));
+  const DLDevice cuda{kDLCUDA, 0};
+  auto put = [&](uint32_t uid, const std::string& name) -> absl::StatusOr<uint64_t> {
+    absl::StatusOr<const Tensor*> tensor = catalog_->CreateEvicting(
+        uid + 1, kU8, absl::MakeConstSpan(&kMiB, 1), {}, cuda, false, uid, nullptr);
+    if (!tensor.ok()) return tensor.status();
+    const uint64_t id = (*tensor)->id;
+    if (absl::Status s = catalog_->Publish(uid + 1, id, name, false); !s.ok()) return s;
+    return id;
+  };
+  absl::StatusOr<uint64_t> root = put(kOwner, "root.0");  // the least recently used of all
+  ASSERT_TRUE(root.ok()) << root.status();
+  for (const char* name : {"z.0", "z.1", "z.2"}) ASSERT_TRUE(put(kOther, name).ok()) << name;
+  // Full. uid 65534 holds 3 MiB, past its share (2 MiB): only its own go.
+  ASSERT_TRUE(put(kOther, "z.3").ok());
+  EXPECT_EQ(catalog_->Find("z.0"), nullptr);
+  EXPECT_NE(catalog_->Find("root.0"), nullptr);
+  // The daemon's uid (1 MiB), within its share, holds root.0 leased: nothing of its own to
+  // evict, so uid 65534's least recently used goes.
+  catalog_->AddLease(*root);
+  ASSERT_TRUE(put(kOwner, "root.1").ok());
+  EXPECT_EQ(catalog_->Find("z.1"), nullptr);
+  EXPECT_NE(catalog_->Find("root.0"), nullptr);
+  // Now 2 MiB each: neither is past its share, so each create evicts only its creator's own.
+  catalog_->DropLease(*root);
+  ASSERT_TRUE(put(kOther, "z.4").ok());
+  EXPECT_EQ(catalog_->Find("z.2"), nullptr);
+  EXPECT_NE(catalog_->Find("root.0"), nullptr);
+  ASSERT_TRUE(put(kOwner, "root.2").ok());
+  EXPECT_EQ(catalog_->Find("root.0"), nullptr);
+  EXPECT_NE(catalog_->Find("z.3"), nullptr);
+  EXPECT_EQ(catalog_->evicted_tensors(), 4);
 }
 
 }  // namespace
