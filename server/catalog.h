@@ -258,8 +258,12 @@ class Catalog {
   // ---- Records per uid (--uid-tensors) ----
 
   // The most tensor records one uid may hold at once (0: no limit; see UidLimitsConfig::tensors).
-  // Create refuses a create of a uid at the limit. Call before the first Create.
-  void set_uid_tensors(uint64_t limit) { uid_tensors_ = limit; }
+  // Create refuses a create of a uid at the limit. A limit of the whole catalog or more is none:
+  // the uid then meets a full record table (--max-tensors), which a create may wait for. Call
+  // before the first Create.
+  void set_uid_tensors(uint64_t limit) {
+    uid_tensors_ = limit >= control_.record_count() ? 0 : limit;
+  }
   uint64_t uid_tensors() const { return uid_tensors_; }
   // The records `uid` holds now: every tensor its sessions created that still has one, whatever
   // its state (unpublished, stocked, published and bound, or unbound and still leased), zero-byte

@@ -133,6 +133,18 @@ TEST_F(UidTensorsCatalogTest, RecordsAreCountedPerUidUntilFreed) {
   EXPECT_TRUE(Put(kOther, "z.3").ok());
 }
 
+// A single-user daemon's default, the whole catalog, is no limit: a full table is a full
+// table (--max-tensors, which a create may wait for), as before.
+TEST_F(UidTensorsCatalogTest, ALimitOfTheWholeCatalogIsNone) {
+  catalog_->set_uid_tensors(8);
+  EXPECT_EQ(catalog_->uid_tensors(), 0u);
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(Put(kOwner, "").ok());
+  EXPECT_TRUE(catalog_->RoomForRecord(kOwner, false).ok());
+  absl::StatusOr<uint64_t> full = Put(kOwner, "");
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(full.status().message(), "(--max-tensors)")) << full.status();
+}
+
 TEST_F(UidTensorsCatalogTest, AUidAtItsLimitEvictsOnlyItsOwnTensors) {
   catalog_->set_uid_tensors(3);
   ASSERT_TRUE(Put(kOwner, "root.0").ok());  // the oldest of all
