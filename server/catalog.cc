@@ -16,6 +16,7 @@
 #include "common/tensor_record.h"
 #include "common/wire.h"
 #include "server/log.h"
+#include "server/uid_limits.h"
 
 namespace tensorshm {
 namespace {
@@ -224,7 +225,8 @@ bool Catalog::Restore(uint32_t slot, const TensorRecord& record, RecordState sta
   }
   tensor.record_state = state;
   tensor.record_name = name;
-  tensors_.emplace(tensor.id, std::move(tensor));
+  const uint32_t uid = tensor.owner_uid;
+  if (tensors_.emplace(tensor.id, std::move(tensor)).second) CountRecord(uid, 1);
   return true;
 }
 
@@ -585,6 +587,9 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
   }
   absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides, subbyte_padded);
   if (!layout.ok()) return layout.status();
+  if (uid_tensors_ > 0 && RecordsOf(owner_uid) >= uid_tensors_) {
+    return TensorRecordsExhausted(owner_uid, RecordsOf(owner_uid), uid_tensors_);
+  }
   if (free_slots_.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat("catalog: all ", control_.record_count(),
                                                      " tensor records in use (--max-tensors)"));
@@ -618,7 +623,23 @@ absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType
 
   auto [it, inserted] = tensors_.emplace(tensor.id, std::move(tensor));
   TSM_CHECK(inserted);
+  CountRecord(owner_uid, 1);
   return &it->second;
+}
+
+uint64_t Catalog::RecordsOf(uint32_t uid) const {
+  auto it = records_of_.find(uid);
+  return it == records_of_.end() ? 0 : it->second;
+}
+
+void Catalog::CountRecord(uint32_t uid, int delta) {
+  if (delta > 0) {
+    ++records_of_[uid];
+    return;
+  }
+  auto it = records_of_.find(uid);
+  TSM_CHECK(it != records_of_.end() && it->second > 0);
+  if (--it->second == 0) records_of_.erase(it);
 }
 
 void SegmentGrowth::Make() {
@@ -836,6 +857,7 @@ void Catalog::Free(std::map<uint64_t, Tensor>::iterator it) {
   free_slots_.push_back(it->second.slot);
   retired_.erase(it->first);
   lease_board_.Forget(it->first);
+  CountRecord(it->second.owner_uid, -1);
   tensors_.erase(it);
   ++release_epoch_;
 }

@@ -270,6 +270,26 @@ class Catalog {
   // Bound names starting with `prefix`, in name order.
   std::vector<const Tensor*> List(const std::string& prefix) const;
 
+  // ---- Records per uid (--uid-tensors) ----
+
+  // The most tensor records one uid may hold at once (0: no limit; see UidLimitsConfig::tensors).
+  // Create refuses a create of a uid at the limit. A limit of the whole catalog or more is none:
+  // the uid then meets a full record table (--max-tensors), which a create may wait for. Call
+  // before the first Create.
+  void set_uid_tensors(uint64_t limit) {
+    uid_tensors_ = limit >= control_.record_count() ? 0 : limit;
+  }
+  uint64_t uid_tensors() const { return uid_tensors_; }
+  // The records `uid` holds now: every tensor its sessions created that still has one, whatever
+  // its state (unpublished, stocked, published and bound, or unbound and still leased), zero-byte
+  // tensors included. Unlike sessions and leases, these outlive the sessions that made them.
+  uint64_t RecordsOf(uint32_t uid) const;
+  // OK if `uid` may take one more record now. At its --uid-tensors limit: with `evict` (--evict
+  // lru), its own published tensors that nothing holds are evicted, least recently used first,
+  // until it is below (never another uid's: see CreateEvicting); without, or with none left to
+  // evict, RESOURCE_EXHAUSTED naming the uid, its records, the limit and --uid-tensors.
+  absl::Status RoomForRecord(uint32_t uid, bool evict);
+
   // ---- Full pools (catalog_eviction.cc) ----
 
   // As Create, and when the pool (or the record table) is full, first evicts published tensors
@@ -278,6 +298,13 @@ class Catalog {
   // eviction unbinds the name as Delete does (a lease page that took the tensor meanwhile keeps
   // its memory until it lets go) and logs one line. Evicts nothing when evicting every candidate
   // would still not make room; then, or when a race left it short, RESOURCE_EXHAUSTED as Create.
+  //
+  // Whose tensors: the creating uid's own first. Another uid's only for a creating uid within its
+  // share, and only tensors of a uid past its share: of records (--uid-tensors, or with no limit
+  // the records divided evenly between the uids holding some and the creating one) when the record
+  // table is full, of the CUDA pool's bytes (divided the same way) when a CUDA pool is. A host
+  // create evicts only its own uid's tensors: its buffers lie in segments of its own (see
+  // HostPool), which nobody else's tensors occupy.
   absl::StatusOr<const Tensor*> CreateEvicting(uint64_t session, const DLDataType& dtype,
                                                absl::Span<const int64_t> shape,
                                                absl::Span<const int64_t> strides,
@@ -362,13 +389,19 @@ class Catalog {
   // Marks `tensor` used now (LRU order).
   void Touch(Tensor& tensor);
   // The evictable tensors, least recently used first: bound, unleased, unheld by `held` (the
-  // lease pages' tensors), not recovered, with a buffer; only those on `device` (and, on the
-  // host pool, in `uid`'s segments) unless `any_device`.
-  std::vector<Tensor*> EvictionCandidates(const DLDevice& device, uint32_t uid, bool any_device,
+  // lease pages' tensors), not recovered. For a record (`for_record`): on any device, zero-byte
+  // tensors included; else for bytes: with a buffer, on `device` (and, on the host pool, in
+  // `uid`'s segments).
+  std::vector<Tensor*> EvictionCandidates(const DLDevice& device, uint32_t uid, bool for_record,
                                           const std::unordered_map<uint64_t, int64_t>& held);
-  // Unbinds `tensor`'s name as Delete does, for a create of `wanted` bytes on `device`; logs and
-  // counts it.
-  void Evict(Tensor& tensor, uint64_t wanted, const DLDevice& device);
+  // Unbinds `tensor`'s name as Delete does; logs it, saying that it made room for `why` ("a
+  // create of ... (pool full"), and counts it.
+  void Evict(Tensor& tensor, const std::string& why);
+  // A uid's fair share of the record table when the record table is full: --uid-tensors, or with
+  // no limit the records divided between the uids holding some and `uid`.
+  uint64_t RecordShare(uint32_t uid) const;
+  // Adds (`delta` 1) or takes away (-1) one record of `uid` in records_of_.
+  void CountRecord(uint32_t uid, int delta);
 
   ControlSegment control_;
   CatalogIndex index_;
@@ -388,6 +421,9 @@ class Catalog {
   uint64_t use_clock_ = 0;        // last Tensor::use_seq handed out
   uint64_t release_epoch_ = 0;
   std::set<uint64_t> held_last_;  // what lease pages held at the last TouchHeld
+  // Records per uid (RecordsOf); only uids holding one. --uid-tensors: 0 no limit.
+  std::unordered_map<uint32_t, uint64_t> records_of_;
+  uint64_t uid_tensors_ = 0;
   int64_t evicted_tensors_ = 0;
   int64_t evicted_bytes_ = 0;
   int64_t stocked_tensors_ = 0;  // tensors with `stocked` set, and their buffers' bytes

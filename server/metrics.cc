@@ -292,7 +292,7 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
   out.Family("tensorshm_allocation_failures_total", "counter",
              "Creates refused with RESOURCE_EXHAUSTED: reason=\"pool\" when the pool (or "
              "/dev/shm, or the catalog's --max-tensors records) had no room, \"quota\" when "
-             "--session-quota or --uid-quota refused it.");
+             "--session-quota, --uid-quota or --uid-tensors refused it.");
   for (int why = 0; why < static_cast<int>(AllocationFailure::kCount); ++why) {
     out.Sample(
         "tensorshm_allocation_failures_total",

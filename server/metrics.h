@@ -47,7 +47,7 @@ MetricOp ChannelRequestOp(const v1::ChannelRequest& request);
 // Why a create found no memory (the `reason` label of tensorshm_allocation_failures_total).
 enum class AllocationFailure : int {
   kPool,   // the pool (or /dev/shm, or the catalog's tensor records) had no room
-  kQuota,  // --session-quota or --uid-quota
+  kQuota,  // --session-quota, --uid-quota or --uid-tensors
   kCount,
 };
 absl::string_view AllocationFailureName(AllocationFailure why);

@@ -58,6 +58,11 @@ absl::StatusOr<uint64_t> ParseCount(absl::string_view text, absl::string_view fl
 //   --cuda-pool) already bounds the memory, and a single user must be able to create one tensor
 //   as large as the pool. A daemon shared between uids should set --uid-quota (for example the
 //   pool divided by the number of uids), as the pool is otherwise first come, first served.
+// - tensor records (--uid-tensors): not set here, as the default depends on other flags:
+//   ParseOptions gives each admitted uid an even share of --max-tensors (FairTensorShare). A
+//   record costs a zero-byte tensor nothing but the record, so without a count per uid one
+//   admitted uid could take them all and leave every other uid's create refused; the shares add
+//   up to the catalog, so none can. Alone (no --allow-uid) the daemon's uid has the whole catalog.
 UidLimitsConfig DefaultUidLimits() {
   UidLimitsConfig limits;
   limits.sessions = 1024;
@@ -209,6 +214,11 @@ const std::vector<FlagSpec>& DaemonFlags() {
        "most connections one uid may have open on the socket at once;\n"
        "past it they are closed at accept (default 2 x --uid-sessions\n"
        "+ 64; 0: no limit). The daemon's own uid is not held to it"},
+      {"uid-tensors", FlagKind::kValue, "N",
+       "most tensor records (published tensors, empty ones included,\n"
+       "and unpublished creates) one uid may hold at once (default: an\n"
+       "even share of --max-tensors between the daemon's uid, each\n"
+       "--allow-uid and each --allow-gid; 0: no limit)"},
       {"evict", FlagKind::kValue, "POLICY",
        "when a create finds its pool full: none (default: it fails, or\n"
        "waits if it asked to) or lru (first evict published tensors\n"
@@ -381,6 +391,10 @@ absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOp
     absl::StatusOr<uint64_t> size = ParseSize(value, arg);
     if (!size.ok()) return size.status();
     options.uid_limits.unpublished_bytes = *size;
+  } else if (arg == "--uid-tensors") {
+    absl::StatusOr<uint64_t> count = ParseCount(value, arg);
+    if (!count.ok()) return count.status();
+    options.uid_limits.tensors = *count;
   } else if (arg == "--segment-size") {
     absl::StatusOr<uint64_t> size = ParseSize(value, arg);
     if (!size.ok()) return size.status();
@@ -491,6 +505,12 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
   }
   if (!options.uid_connections) {
     options.uid_connections = DefaultUidConnections(options.uid_limits.sessions);
+  }
+  if (!values.contains("uid-tensors")) {
+    options.uid_limits.tensors =
+        FairTensorShare(options.max_tensors, static_cast<uint32_t>(geteuid()),
+                        std::set<uint32_t>(options.allow_uids.begin(), options.allow_uids.end()),
+                        options.allow_gids.size());
   }
   if (options.shm_prefix.empty()) options.shm_prefix = RandomPrefix();
   // Both sizes round to whole pages, the unit of allocation.

@@ -49,7 +49,8 @@ struct DaemonOptions {
   EvictPolicy evict = EvictPolicy::kNone;  // --evict none|lru
   bool help = false;
   std::string config_file;  // --config; empty: none
-  // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota; 0 in a field: no limit
+  // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota, --uid-tensors (its default set by
+  // ParseOptions: FairTensorShare); 0 in a field: no limit
   UidLimitsConfig uid_limits = DefaultUidLimits();
   // --uid-connections: most connections one uid (the daemon's own aside) may have open on the
   // socket at once; 0: no limit. Unset: DefaultUidConnections(uid_limits.sessions).

@@ -50,6 +50,8 @@ TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t se
       uid_limits_(uid_limits) {
   // The host pool is shared evenly between the uids creating tensors (HostPool::FairShare).
   catalog_->mutable_host_pool().set_creating_uids([this] { return uid_limits_.CreatingUids(); });
+  // Tensor records outlive sessions: the catalog counts them per uid (--uid-tensors).
+  catalog_->set_uid_tensors(uid_limits.tensors);
   // Lease page slots count against --uid-leases with the RPC leases (see LeaseBoard).
   catalog_->CountPageLeasesIn(&uid_limits_);
 }
@@ -752,6 +754,12 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
   if (absl::Status s =
           CheckCreateQuotas(session, *dtype, shape, strides, device, request.subbyte_padded());
       !s.ok()) {
+    return s;
+  }
+  // Then --uid-tensors: a uid at its share of records evicts its own (--evict lru) or is
+  // refused as by a quota (it does not wait for memory, nor evict another uid's tensors).
+  if (absl::Status s = catalog_->RoomForRecord(session.uid, evict_ == EvictPolicy::kLru); !s.ok()) {
+    metrics_.CountAllocationFailure(AllocationFailure::kQuota);
     return s;
   }
   // Waiting creates come first: a new one for the same memory queues behind them.

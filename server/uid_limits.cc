@@ -1,11 +1,28 @@
 #include "server/uid_limits.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 
 namespace tensorshm {
+
+uint64_t FairTensorShare(uint64_t max_tensors, uint32_t owner_uid,
+                         const std::set<uint32_t>& allow_uids, size_t allow_gids) {
+  std::set<uint32_t> uids = allow_uids;
+  uids.insert(owner_uid);
+  const uint64_t sharing = uids.size() + allow_gids;
+  return std::max<uint64_t>(1, max_tensors / sharing);
+}
+
+absl::Status TensorRecordsExhausted(uint32_t uid, uint64_t records, uint64_t limit) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("uid ", uid, ": ", records,
+                   " tensor records held (published tensors, empty ones included, and unpublished "
+                   "creates), limit ",
+                   limit, " (--uid-tensors); delete some of this uid's tensors first"));
+}
 
 uint64_t* UidLimits::Counter(UidUsage& usage, Kind kind) {
   switch (kind) {

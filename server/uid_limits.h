@@ -1,6 +1,6 @@
-// Per-uid limits (--uid-sessions, --uid-leases, --uid-waiters, --uid-quota): what all sessions of
-// one uid hold together, so that a uid does not get N times the room by opening N sessions, and
-// one admitted uid cannot exhaust the daemon's memory or threads for the others.
+// Per-uid limits (--uid-sessions, --uid-leases, --uid-waiters, --uid-quota, --uid-tensors): what
+// all sessions of one uid hold together, so that a uid does not get N times the room by opening N
+// sessions, and one admitted uid cannot exhaust the daemon's memory or threads for the others.
 #ifndef TENSORSHM_SERVER_UID_LIMITS_H_
 #define TENSORSHM_SERVER_UID_LIMITS_H_
 
@@ -22,7 +22,24 @@ struct UidLimitsConfig {
   uint64_t leases = 0;             // --uid-leases: leases held, RPC and lease page slots counted
   uint64_t waiters = 0;            // --uid-waiters: Acquire calls waiting in the daemon
   uint64_t unpublished_bytes = 0;  // --uid-quota: bytes of created, unpublished buffers
+  // --uid-tensors: tensor records (published tensors, zero-byte ones included, and unpublished
+  // creates). Records outlive sessions, so the catalog counts them, not a SessionCharge (see
+  // Catalog::RoomForRecord); the limit is here with the others.
+  uint64_t tensors = 0;
 };
+
+// The default of --uid-tensors: an even share of the catalog's `max_tensors` records between the
+// uids the daemon admits, which are `owner_uid` (the daemon's own), each of `allow_uids`, and one
+// more per entry of `allow_gids` (a group's members share one such share each: a daemon admitting
+// a group of many uids should set --uid-tensors). At least 1. With no other uid admitted it is
+// `max_tensors`, the whole catalog. As the shares add up to at most `max_tensors`, no admitted
+// uid can take the records another one is entitled to, whoever creates first.
+uint64_t FairTensorShare(uint64_t max_tensors, uint32_t owner_uid,
+                         const std::set<uint32_t>& allow_uids, size_t allow_gids);
+
+// RESOURCE_EXHAUSTED for a create of `uid`, which holds `records` tensor records against the
+// --uid-tensors `limit`: names the uid, its records, the limit and the flag.
+absl::Status TensorRecordsExhausted(uint32_t uid, uint64_t records, uint64_t limit);
 
 // What one uid holds now.
 struct UidUsage {
