@@ -84,17 +84,14 @@ int64_t UsedBytes(const TestDaemon& daemon) {
   return stats->pools[0].used_bytes;
 }
 
-// (These tests are about bytes: --uid-tensors 0 lifts the per-uid count of records, whose
-// default share, --max-tensors / uids, would refuse a uid taking the whole pool's 4,096 tensors.)
-
 // --host-pool 64Mi --allow-uid U: each of the two uids puts its half of the pool, whichever
 // fills first; then one uid's tensors go and the other takes the whole pool (the first one's
 // empty segments are given back), and the other way round.
 void TwoUids(bool owner_first) {
   constexpr int kOther = 65534;
-  absl::StatusOr<TestDaemon> daemon = StartSharing(
-      owner_first ? "share2-owner" : "share2-other",
-      {"--host-pool", "64Mi", "--max-tensors", "8192", "--uid-tensors", "0"}, {kOther});
+  absl::StatusOr<TestDaemon> daemon =
+      StartSharing(owner_first ? "share2-owner" : "share2-other",
+                   {"--host-pool", "64Mi", "--max-tensors", "8192"}, {kOther});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   constexpr int64_t kShare = 32 * kMiB / kTensorBytes;  // 512 tensors each
   constexpr int64_t kWhole = 64 * kMiB / kTensorBytes;  // 1024
@@ -149,10 +146,8 @@ TEST(PoolShareTest, TwoUidsEachGetHalfOtherFirst) {
 TEST(PoolShareTest, FourUidsInAPoolOfFourSegments) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other uids (setpriv)";
   const std::vector<int> others = {65534, 65533, 65532};
-  absl::StatusOr<TestDaemon> daemon = StartSharing("share4",
-                                                   {"--host-pool", "64Mi", "--segment-size", "16Mi",
-                                                    "--max-tensors", "8192", "--uid-tensors", "0"},
-                                                   others);
+  absl::StatusOr<TestDaemon> daemon = StartSharing(
+      "share4", {"--host-pool", "64Mi", "--segment-size", "16Mi", "--max-tensors", "8192"}, others);
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::vector<int> uids = {65534, kOwner, 65533, 65532};
   for (int uid : uids) {
