@@ -48,11 +48,7 @@ const absl::Duration kStatBound = absl::Milliseconds(200);
   } while (false)
 
 absl::StatusOr<TestDaemon> StartShared(const std::string& name, std::vector<std::string> args) {
-  args.insert(args.end(), {"--allow-uid", std::to_string(kNobody)});
-  absl::StatusOr<TestDaemon> daemon = TestDaemon::Start(name, args);
-  // The other uid must reach the socket in the daemon's directory.
-  if (daemon.ok()) chmod(daemon->dir().c_str(), 0755);
-  return daemon;
+  return StartAdmitting(name, std::move(args), {kNobody});
 }
 
 // Runs tsm_create_quota_client to its end (as `uid` if >= 0); its output, with "exit N" appended
@@ -63,15 +59,7 @@ std::string RunCreates(const TestDaemon& daemon, int uid, int64_t bytes, int cou
       TSM_CREATE_QUOTA_CLIENT_PATH, daemon.socket(), "--bytes",
       std::to_string(bytes),        "--count",       std::to_string(count)};
   if (uid >= 0) argv.insert(argv.end(), {"--as-uid", std::to_string(uid)});
-  absl::StatusOr<ChildProcess> child =
-      ChildProcess::Start(argv, absl::StrCat(daemon.dir(), "/creates-", ++runs, ".log"));
-  TSM_CHECK(child.ok());
-  absl::StatusOr<int> status = child->Wait(absl::Seconds(120));
-  std::string output = child->Output();
-  if (!status.ok() || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
-    absl::StrAppend(&output, "exit ", status.ok() ? std::to_string(*status) : "timeout");
-  }
-  return output;
+  return RunToEnd(argv, absl::StrCat(daemon.dir(), "/creates-", ++runs, ".log"));
 }
 
 // The owner's Stat calls, one after another on a thread of their own, until Stop: the slowest.

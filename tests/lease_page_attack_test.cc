@@ -48,11 +48,7 @@ constexpr double kSlowdown = 1;
   } while (false)
 
 absl::StatusOr<TestDaemon> StartShared(const std::string& name, std::vector<std::string> args) {
-  args.insert(args.end(), {"--allow-uid", std::to_string(kNobody)});
-  absl::StatusOr<TestDaemon> daemon = TestDaemon::Start(name, args);
-  // The other uid must reach the socket in the daemon's directory.
-  if (daemon.ok()) chmod(daemon->dir().c_str(), 0755);
-  return daemon;
+  return StartAdmitting(name, std::move(args), {kNobody});
 }
 
 // tsm_lease_attacker as uid 65534, its pages filled once it printed "filled".

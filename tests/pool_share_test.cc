@@ -31,21 +31,10 @@ std::string RunAs(const TestDaemon& daemon, int uid, const std::string& mode,
                   const std::vector<std::string>& args) {
   static int runs = 0;
   std::vector<std::string> argv;
-  if (uid != kOwner) {
-    argv = {"/usr/bin/setpriv", absl::StrCat("--reuid=", uid), absl::StrCat("--regid=", uid),
-            "--clear-groups"};
-  }
+  if (uid != kOwner) argv = AsUid(uid);
   argv.insert(argv.end(), {TSM_SHARE_CLIENT_PATH, mode, daemon.socket()});
   argv.insert(argv.end(), args.begin(), args.end());
-  absl::StatusOr<ChildProcess> child = ChildProcess::Start(
-      argv, absl::StrCat(daemon.dir(), "/share-", mode, "-", uid, "-", ++runs, ".log"));
-  TSM_CHECK(child.ok());
-  absl::StatusOr<int> status = child->Wait(absl::Seconds(120));
-  std::string output = child->Output();
-  if (!status.ok() || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
-    absl::StrAppend(&output, "exit ", status.ok() ? std::to_string(*status) : "timeout");
-  }
-  return output;
+  return RunToEnd(argv, absl::StrCat(daemon.dir(), "/share-", mode, "-", uid, "-", ++runs, ".log"));
 }
 
 // The number after "put " in `output`, or -1.
@@ -66,15 +55,6 @@ int64_t Fill(const TestDaemon& daemon, int uid, int64_t first) {
   return PutCount(output);
 }
 
-absl::StatusOr<TestDaemon> StartSharing(const std::string& name, std::vector<std::string> args,
-                                        const std::vector<int>& uids) {
-  for (int uid : uids) args.insert(args.end(), {"--allow-uid", std::to_string(uid)});
-  absl::StatusOr<TestDaemon> daemon = TestDaemon::Start(name, args);
-  // The other uids must reach the socket in the daemon's directory.
-  if (daemon.ok()) chmod(daemon->dir().c_str(), 0755);
-  return daemon;
-}
-
 int64_t UsedBytes(const TestDaemon& daemon) {
   absl::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon.socket(), "pool_share_test"});
@@ -90,8 +70,8 @@ int64_t UsedBytes(const TestDaemon& daemon) {
 void TwoUids(bool owner_first) {
   constexpr int kOther = 65534;
   absl::StatusOr<TestDaemon> daemon =
-      StartSharing(owner_first ? "share2-owner" : "share2-other",
-                   {"--host-pool", "64Mi", "--max-tensors", "8192"}, {kOther});
+      StartAdmitting(owner_first ? "share2-owner" : "share2-other",
+                     {"--host-pool", "64Mi", "--max-tensors", "8192"}, {kOther});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   constexpr int64_t kShare = 32 * kMiB / kTensorBytes;  // 512 tensors each
   constexpr int64_t kWhole = 64 * kMiB / kTensorBytes;  // 1024
@@ -146,7 +126,7 @@ TEST(PoolShareTest, TwoUidsEachGetHalfOtherFirst) {
 TEST(PoolShareTest, FourUidsInAPoolOfFourSegments) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other uids (setpriv)";
   const std::vector<int> others = {65534, 65533, 65532};
-  absl::StatusOr<TestDaemon> daemon = StartSharing(
+  absl::StatusOr<TestDaemon> daemon = StartAdmitting(
       "share4", {"--host-pool", "64Mi", "--segment-size", "16Mi", "--max-tensors", "8192"}, others);
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::vector<int> uids = {65534, kOwner, 65533, 65532};

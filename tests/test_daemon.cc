@@ -6,6 +6,7 @@
 #include <spawn.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -33,6 +34,32 @@ std::string Line(const std::string& output, const std::string& key) {
     if (absl::StartsWith(line, key + " ")) return std::string(line.substr(key.size() + 1));
   }
   return "";
+}
+
+absl::StatusOr<TestDaemon> StartAdmitting(const std::string& test_name,
+                                          std::vector<std::string> extra_args,
+                                          const std::vector<int>& uids) {
+  for (int uid : uids) extra_args.insert(extra_args.end(), {"--allow-uid", std::to_string(uid)});
+  absl::StatusOr<TestDaemon> daemon = TestDaemon::Start(test_name, extra_args);
+  if (daemon.ok()) chmod(daemon->dir().c_str(), 0755);
+  return daemon;
+}
+
+std::vector<std::string> AsUid(int uid) {
+  return {"/usr/bin/setpriv", absl::StrCat("--reuid=", uid), absl::StrCat("--regid=", uid),
+          "--clear-groups"};
+}
+
+std::string RunToEnd(const std::vector<std::string>& argv, const std::string& log_path,
+                     absl::Duration limit) {
+  absl::StatusOr<ChildProcess> child = ChildProcess::Start(argv, log_path);
+  if (!child.ok()) return absl::StrCat("exit start: ", child.status().ToString());
+  absl::StatusOr<int> status = child->Wait(limit);
+  std::string output = child->Output();
+  if (!status.ok() || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
+    absl::StrAppend(&output, "exit ", status.ok() ? std::to_string(*status) : "timeout");
+  }
+  return output;
 }
 
 std::string PeerPath() { return TSM_PEER_PATH; }

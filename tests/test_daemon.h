@@ -67,6 +67,21 @@ class TestDaemon {
   std::unique_ptr<ChildProcess> process_;
 };
 
+// Starts a TestDaemon that admits `uids` too (--allow-uid each), its directory open to them so
+// that they reach the socket.
+absl::StatusOr<TestDaemon> StartAdmitting(const std::string& test_name,
+                                          std::vector<std::string> extra_args,
+                                          const std::vector<int>& uids);
+
+// The words that run a command as `uid` (and its gid), without supplementary groups: prepend
+// them to an argv.
+std::vector<std::string> AsUid(int uid);
+
+// Runs `argv` to its end (at most `limit`), its stdout going to `log_path`; returns its output,
+// with "exit N" (or "exit timeout") appended unless it exited 0.
+std::string RunToEnd(const std::vector<std::string>& argv, const std::string& log_path,
+                     absl::Duration limit = absl::Seconds(120));
+
 // The rest of the first line of `output` starting with `key` + " ", or "" if none.
 std::string Line(const std::string& output, const std::string& key);
 

@@ -40,20 +40,10 @@ absl::StatusOr<TestDaemon> StartShared(const std::string& name, std::vector<std:
 std::string RunOther(const TestDaemon& daemon, const std::string& mode,
                      const std::vector<std::string>& args) {
   static int runs = 0;
-  std::vector<std::string> argv = {
-      "/usr/bin/setpriv", absl::StrCat("--reuid=", kOther), absl::StrCat("--regid=", kOther),
-      "--clear-groups",   TSM_UID_TENSORS_CLIENT_PATH,      mode,
-      daemon.socket()};
+  std::vector<std::string> argv = AsUid(kOther);
+  argv.insert(argv.end(), {TSM_UID_TENSORS_CLIENT_PATH, mode, daemon.socket()});
   argv.insert(argv.end(), args.begin(), args.end());
-  absl::StatusOr<ChildProcess> child = ChildProcess::Start(
-      argv, absl::StrCat(daemon.dir(), "/uid-tensors-", mode, "-", ++runs, ".log"));
-  TSM_CHECK(child.ok());
-  absl::StatusOr<int> status = child->Wait(absl::Seconds(120));
-  std::string output = child->Output();
-  if (!status.ok() || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
-    absl::StrAppend(&output, "exit ", status.ok() ? std::to_string(*status) : "timeout");
-  }
-  return output;
+  return RunToEnd(argv, absl::StrCat(daemon.dir(), "/uid-tensors-", mode, "-", ++runs, ".log"));
 }
 
 // The number after `key` in `output`, or -1.
