@@ -67,6 +67,14 @@ class TestDaemon {
   std::unique_ptr<ChildProcess> process_;
 };
 
+// True in a sanitizer build (ASan, TSan): everything runs several times slower, and ASan keeps
+// freed memory in quarantine (a process's RSS does not fall back).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 // Starts a TestDaemon that admits `uids` too (--allow-uid each), its directory open to them so
 // that they reach the socket.
 absl::StatusOr<TestDaemon> StartAdmitting(const std::string& test_name,

@@ -263,7 +263,12 @@ TEST(ClientTextTest, ClientNameAndVersionAreAtMost256BytesAndARefusalNamesTheFie
   std::cout << "daemon VmRSS " << before << " KiB before 100 refused 2 MB names, " << after
             << " KiB after\n";
   // Kept, they would take 200 MB; the gRPC buffers of a refused message are not kept either.
-  EXPECT_LT(after - before, 64 * 1024);
+  if (kSanitized) {
+    // ASan keeps freed memory in quarantine (up to 256 MiB): RSS says nothing there.
+    std::cout << "RSS bound not checked in a sanitizer build\n";
+  } else {
+    EXPECT_LT(after - before, 64 * 1024);
+  }
 
   absl::StatusOr<std::shared_ptr<Client>> probe =
       Client::Connect(ClientOptions{daemon->socket(), "probe"});
