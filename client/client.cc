@@ -251,7 +251,8 @@ absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync) {
 }
 
 // `cancel` (may be null) ends a wait with CANCELLED. `local_only`: answer from the fast path or
-// not at all (UNAVAILABLE where only the daemon could), with no call and no wait (timeout 0).
+// not at all (UNAVAILABLE where only the daemon could), with no call: a wait (timeout above zero)
+// is on the fast path's futex alone.
 absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<ClientCore>& core,
                                                     std::string_view name, absl::Duration timeout,
                                                     ReadySync sync, CancelState* cancel,
@@ -606,6 +607,10 @@ absl::StatusOr<WritableTensor> Client::CreateImpl(const TensorSpec& spec, absl::
         tensor.segment_id_ = stocked->location.segment_id();
         tensor.segment_size_ = stocked->location.segment_size();
         tensor.buffer_offset_ = stocked->location.offset();
+        // Populated in the background since it was stocked; what is left, now.
+        tensor.segment_mapping_->Populate(tensor.buffer_offset_, stock_length);
+        // The daemon was not asked for this buffer: it may be asleep when the publish comes.
+        core_->ExpectFill(stock_length);
         return tensor;
       }
     }
@@ -838,9 +843,13 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
   return &raw->versioned;
 }
 
-absl::StatusOr<DLManagedTensorVersioned*> Client::TryAcquireLocal(std::string_view name) {
-  absl::StatusOr<std::unique_ptr<Lease>> lease = AcquireLease(
-      core_, name, absl::ZeroDuration(), ReadySync::None(), nullptr, /*local_only=*/true);
+absl::StatusOr<DLManagedTensorVersioned*> Client::TryAcquireLocal(std::string_view name,
+                                                                  absl::Duration wait) {
+  absl::StatusOr<std::unique_ptr<Lease>> lease =
+      AcquireLease(core_, name, wait, ReadySync::None(), nullptr, /*local_only=*/true);
+  if (absl::IsDeadlineExceeded(lease.status())) {
+    return absl::NotFoundError(lease.status().message());  // as the contract says: not published
+  }
   if (!lease.ok()) return lease.status();
   Lease* raw = lease->release();
   raw->versioned.deleter = DeleteVersioned;

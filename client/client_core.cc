@@ -233,13 +233,31 @@ uint32_t ClientCore::StockWanted(uint64_t length) const {
 
 void ClientCore::AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked) {
   for (const v1::StockedBuffer& buffer : stocked) {
-    absl::StatusOr<HostBuffer> mapped = MapHostBuffer(buffer.location());
+    // Populated on the sender thread: the publish or create that brought the stock does not
+    // wait for it (CreateImpl populates whatever is left when it takes the buffer).
+    absl::StatusOr<HostBuffer> mapped = MapHostBuffer(buffer.location(), /*populate=*/false);
     if (!mapped.ok()) continue;
+    {
+      MutexLock lock(&mu_);
+      to_populate_.push_back(
+          [segment = mapped->segment, offset = buffer.location().offset(),
+           length = buffer.location().length()] { segment->Populate(offset, length); });
+      work_.Signal();
+    }
     MutexLock lock(&stock_mu_);
     stock_[buffer.location().length()].push_back(
         StockedBuffer{buffer.tensor_id(), *std::move(mapped), buffer.location()});
     stock_bytes_ += buffer.location().length();
   }
+}
+
+void ClientCore::ExpectFill(uint64_t length) {
+  // A fill at a conservative 4 GB/s (a single-threaded copy from cold memory), plus what the
+  // caller does around it; the daemon bounds the wait to 1 ms anyway.
+  constexpr uint64_t kBytesPerMicro = 4096;
+  constexpr uint64_t kAround = 100;
+  memory_.Expect(session_id(), static_cast<uint32_t>(
+                                   std::min<uint64_t>(length / kBytesPerMicro + kAround, 1000)));
 }
 
 void ClientCore::DropStock() {
@@ -431,13 +449,14 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
     // The rest of the segment on the sender thread: a small first tensor does not wait for a
     // large segment, and later reads of it do not fault.
     MutexLock lock(&mu_);
-    to_populate_.push_back(*mapping);
+    to_populate_.push_back([mapping = *mapping] { mapping->Populate(); });
     work_.Signal();
   }
   return mapping;
 }
 
-absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Location& location) {
+absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Location& location,
+                                                                 bool populate) {
   const SegmentKey key{location.segment_instance(), location.segment_id()};
   std::shared_ptr<WritableSegment> segment = segments_.FindWritable(key);
   if (segment == nullptr) {
@@ -450,7 +469,7 @@ absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Locat
     if (!inserted.ok()) return inserted.status();
     segment = *std::move(inserted);
   }
-  absl::StatusOr<char*> data = segment->Prepare(location.offset(), location.length());
+  absl::StatusOr<char*> data = segment->Prepare(location.offset(), location.length(), populate);
   if (!data.ok()) return data.status();
   return HostBuffer{std::move(segment), *data};
 }
@@ -585,7 +604,7 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
   while (true) {
     v1::SessionRequest request;
     uint64_t sequence = 0;
-    std::vector<std::shared_ptr<const SegmentMapping>> populate;
+    std::vector<std::function<void()>> populate;
     {
       MutexLock lock(&mu_);
       bool probe = false;
@@ -620,7 +639,7 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
       }
     }
     if (!populate.empty()) {
-      for (const std::shared_ptr<const SegmentMapping>& mapping : populate) mapping->Populate();
+      for (const std::function<void()>& job : populate) job();
       continue;
     }
     if (!request.has_release()) {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -134,6 +135,9 @@ class ClientCore {
     return response;
   }
 
+  // Tells the daemon that a publish follows once `length` bytes are filled (ChannelExpect).
+  void ExpectFill(uint64_t length);
+
   // The read-only mapping of the whole host segment `key` (as many bytes as the daemon grants),
   // made on first use from a descriptor the memory channel brings, and shared by every tensor in
   // it. An error if the segment is smaller than `size` bytes. A new mapping is populated: the
@@ -149,7 +153,8 @@ class ClientCore {
     std::shared_ptr<WritableSegment> segment;
     char* data = nullptr;
   };
-  absl::StatusOr<HostBuffer> MapHostBuffer(const v1::Location& location);
+  // `populate` false: the pages are left for WritableSegment::Populate.
+  absl::StatusOr<HostBuffer> MapHostBuffer(const v1::Location& location, bool populate = true);
 
   // Stock: buffers the daemon made ahead of need, mapped writable, by buffer length.
   struct StockedBuffer {
@@ -307,8 +312,9 @@ class ClientCore {
   bool flush_requested_ ABSL_GUARDED_BY(mu_) = false;  // send a batch even if empty
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;       // leases in held_ and unpublished tensors
   std::shared_ptr<FastPath> fast_ ABSL_GUARDED_BY(mu_);
-  // New read-only segment mappings for the sender thread to populate (MapHostSegment).
-  std::vector<std::shared_ptr<const SegmentMapping>> to_populate_ ABSL_GUARDED_BY(mu_);
+  // Populating for the sender thread to do, off the callers' paths: new read-only segment
+  // mappings (MapHostSegment) and stocked buffers (AddStock).
+  std::vector<std::function<void()>> to_populate_ ABSL_GUARDED_BY(mu_);
   mutable Mutex stock_mu_;
   std::map<uint64_t, std::vector<StockedBuffer>> stock_ ABSL_GUARDED_BY(stock_mu_);
   uint64_t stock_bytes_ ABSL_GUARDED_BY(stock_mu_) = 0;

@@ -137,6 +137,18 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& requ
   return response;
 }
 
+void MemoryChannel::Expect(const std::string& session_token, uint32_t micros) {
+  MutexLock lock(&mu_);
+  if (fd_ < 0 || bound_token_ != session_token) return;
+  v1::ChannelRequest request;
+  request.mutable_expect()->set_micros(micros);
+  std::string frame(kFrameHeaderBytes, '\0');
+  request.AppendToString(&frame);
+  EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
+  // A failed send shows again on the next Call, which deals with it.
+  (void)SendWithFd(fd_, frame, -1, /*nonblocking=*/false, "memory channel");
+}
+
 bool SentWithoutAnswer(const absl::Status& status) {
   return status.GetPayload(kSentWithoutAnswer).has_value();
 }

@@ -44,6 +44,11 @@ class MemoryChannel {
                                                v1::ChannelRequest& request, int* fd)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Tells the daemon that this client's next request (a publish) comes in about `micros`
+  // (ChannelExpect), so that its channel thread is awake for it. Sent only on a connection open
+  // for `session_token`; never waits for an answer (there is none), and failures are ignored.
+  void Expect(const std::string& session_token, uint32_t micros) ABSL_LOCKS_EXCLUDED(mu_);
+
   absl::StatusOr<int> RequestSegment(const std::string& session_token, uint64_t segment_instance,
                                      uint64_t segment_id, bool writable, uint64_t* size)
       ABSL_LOCKS_EXCLUDED(mu_);

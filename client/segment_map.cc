@@ -45,12 +45,11 @@ uint64_t WritableSegment::populated_pages() const {
   return populated_count_;
 }
 
-absl::StatusOr<char*> WritableSegment::Prepare(uint64_t offset, uint64_t length) {
+absl::StatusOr<char*> WritableSegment::Prepare(uint64_t offset, uint64_t length, bool populate) {
   if (offset > size_ || length > size_ - offset) {
     return absl::InvalidArgumentError(absl::StrCat(label_, ": buffer [", offset, ", +", length,
                                                    ") outside its ", size_, " bytes"));
   }
-  const uint64_t page = PageBytes();
   MutexLock lock(&mu_);
   // A sealed buffer that overlaps this one was freed (its views held its lease until they
   // went): writable again, all of it.
@@ -66,7 +65,18 @@ absl::StatusOr<char*> WritableSegment::Prepare(uint64_t offset, uint64_t length)
     }
     it = sealed_.erase(it);
   }
-  // Populates the runs of pages not populated yet: one call each instead of a fault a page.
+  if (populate) PopulateLocked(offset, length);
+  return address_ + offset;
+}
+
+void WritableSegment::Populate(uint64_t offset, uint64_t length) {
+  MutexLock lock(&mu_);
+  PopulateLocked(offset, length);
+}
+
+void WritableSegment::PopulateLocked(uint64_t offset, uint64_t length) {
+  const uint64_t page = PageBytes();
+  // The runs of pages not populated yet: one call each instead of a fault a page.
   const uint64_t first = offset / page;
   const uint64_t last = (offset + length + page - 1) / page;
   for (uint64_t p = first; p < last && can_populate_;) {
@@ -84,7 +94,6 @@ absl::StatusOr<char*> WritableSegment::Prepare(uint64_t offset, uint64_t length)
     populated_count_ += end - p;
     p = end;
   }
-  return address_ + offset;
 }
 
 absl::Status WritableSegment::Seal(uint64_t offset, uint64_t length) {

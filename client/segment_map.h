@@ -62,8 +62,13 @@ class WritableSegment {
   // pages populated ahead of the producer's writes (MADV_POPULATE_WRITE, once per page for the
   // mapping's life). Returns the buffer's address. INVALID_ARGUMENT for a range outside the
   // segment; errors of mprotect name the segment. A kernel without MADV_POPULATE_WRITE leaves
-  // pages to fault in on first write.
-  absl::StatusOr<char*> Prepare(uint64_t offset, uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
+  // pages to fault in on first write. `populate` false leaves the pages to a later Populate
+  // (a stocked buffer, populated in the background).
+  absl::StatusOr<char*> Prepare(uint64_t offset, uint64_t length, bool populate = true)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Populates the pages of [offset, offset + length) not populated yet (the range is inside the
+  // segment, as a Prepare checked).
+  void Populate(uint64_t offset, uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
   // Makes [offset, offset + length) read-only in this process (a write faults) until a Prepare
   // of a range that overlaps it. REQUIRES: the range was Prepared.
   absl::Status Seal(uint64_t offset, uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
@@ -72,6 +77,8 @@ class WritableSegment {
   uint64_t populated_pages() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  void PopulateLocked(uint64_t offset, uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   char* const address_;
   const uint64_t size_;
   const std::string label_;

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -91,7 +92,8 @@ void ChannelServer::Run() {
   // next request (a put's publish after its create, a delete after a put) usually comes within
   // tens of microseconds, and finding it awake spares the sender a wake-up of this thread, which
   // costs it more than the request itself on a virtual machine. Yields between looks; idle, the
-  // thread sleeps in epoll_wait as before.
+  // thread sleeps in epoll_wait as before. A client filling a buffer asks for a longer look
+  // (ChannelExpect) before its publish.
   constexpr absl::Duration kLinger = absl::Microseconds(50);
   absl::Time linger_until = absl::InfinitePast();
   while (true) {
@@ -103,7 +105,6 @@ void ChannelServer::Run() {
       sched_yield();
     }
     if (n == 0) n = epoll_wait(epoll_fd_, events, 64, -1);
-    linger_until = absl::Now() + kLinger;
     if (n < 0) {
       if (errno == EINTR) continue;
       TSM_LOG(kError) << "memory channel: epoll_wait: " << std::strerror(errno);
@@ -121,6 +122,7 @@ void ChannelServer::Run() {
       }
       if (!Serve(fd, *connection)) Close(fd);
     }
+    linger_until = std::max(absl::Now() + kLinger, expect_until_);
   }
 }
 
@@ -158,6 +160,20 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
       TSM_LOG(kWarning) << "memory channel " << who << ": a frame that is no ChannelRequest; "
                         << "closed";
       return false;
+    }
+    if (fd == expect_fd_) {  // the request it expected
+      expect_until_ = absl::InfinitePast();
+      expect_fd_ = -1;
+    }
+    if (request.kind_case() == v1::ChannelRequest::kExpect) {
+      // Bounded, so that a client cannot keep this thread looking for long with one message.
+      constexpr absl::Duration kLongestExpect = absl::Milliseconds(1);
+      if (!connection.state.session_token.empty()) {
+        expect_until_ =
+            absl::Now() + std::min(absl::Microseconds(request.expect().micros()), kLongestExpect);
+        expect_fd_ = fd;
+      }
+      continue;  // answered by nothing
     }
     ChannelReply reply = handler_(connection.state, request);
     std::string frame(kFrameHeaderBytes, '\0');

@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/channel_frame.h"
 #include "common/mutex.h"
 #include "server/access.h"
@@ -66,6 +67,10 @@ class ChannelServer {
   const int epoll_fd_;
   const int wake_fd_;
   std::thread thread_;
+  // The latest ChannelExpect (serving thread only): until when the thread looks for connection
+  // expect_fd_'s next request rather than sleep; that request ends it.
+  absl::Time expect_until_ = absl::InfinitePast();
+  int expect_fd_ = -1;
   mutable Mutex mu_;
   std::map<int, std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
 };

@@ -14,7 +14,9 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <future>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -234,6 +236,73 @@ TEST(ChannelTest, BindsOnlyTheSessionsOwnProcessAndGrantsDescriptorsByUid) {
   ASSERT_OK(after);
   EXPECT_EQ(after->code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
   EXPECT_TRUE(absl::StrContains(after->message(), "has ended")) << after->message();
+}
+
+// CPU time `pid` has used, user and system, from /proc/<pid>/stat.
+absl::Duration CpuTime(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // After the ")" that ends the command name: state is field 3, utime 14, stime 15.
+  std::istringstream fields(text.substr(text.rfind(')') + 2));
+  std::string field;
+  uint64_t utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {
+    if (i == 14) utime = std::stoull(field);
+    if (i == 15) stime = std::stoull(field);
+  }
+  return absl::Seconds(static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK));
+}
+
+v1::ChannelRequest Expect(uint32_t micros) {
+  v1::ChannelRequest request;
+  request.mutable_expect()->set_micros(micros);
+  return request;
+}
+
+TEST(ChannelTest, ExpectIsAnsweredByNothingAndItsLookIsBounded) {
+  absl::StatusOr<TestDaemon> daemon = TestDaemon::Start("chan-expect");
+  ASSERT_OK(daemon);
+  RawSession session(daemon->socket(), "chan");
+  RawChannel channel(daemon->socket());
+  // Before the bind, and after it: no response comes for either, so the next response read is
+  // the one for the request that follows.
+  EXPECT_TRUE(channel.SendRaw(Expect(100).SerializeAsString()).ok());
+  v1::ChannelRequest bind = Bind(session.token());
+  bind.set_sequence(41);
+  int fd = -1;
+  absl::StatusOr<v1::ChannelResponse> r = channel.Call(bind, &fd);
+  ASSERT_OK(r);
+  ASSERT_EQ(r->code(), 0) << r->message();
+  EXPECT_EQ(r->sequence(), 41u);
+  EXPECT_TRUE(r->has_bound());
+  const uint64_t instance = r->bound().instance_id();
+  EXPECT_TRUE(channel.SendRaw(Expect(100).SerializeAsString()).ok());
+  v1::ChannelRequest segment = SegmentOf(instance, 1, false);
+  segment.set_sequence(42);
+  r = channel.Call(segment, &fd);
+  ASSERT_OK(r);
+  ASSERT_EQ(r->code(), 0) << r->message();
+  EXPECT_EQ(r->sequence(), 42u);
+  EXPECT_TRUE(r->has_segment());
+  if (fd >= 0) close(fd);
+
+  // The longest look one message asks for is 1 ms: asking for 71 minutes and going quiet leaves
+  // the daemon idle, not looking for the next request all that time.
+  const pid_t pid = daemon->process().pid();
+  EXPECT_TRUE(channel.SendRaw(Expect(UINT32_MAX).SerializeAsString()).ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Duration before = CpuTime(pid);
+  absl::SleepFor(absl::Seconds(2));
+  const absl::Duration used = CpuTime(pid) - before;
+  EXPECT_LT(used, absl::Milliseconds(kSanitized ? 600 : 300))
+      << "the daemon used " << used << " of CPU in 2 s after an Expect of UINT32_MAX us";
+  // And it still answers.
+  segment.set_sequence(43);
+  r = channel.Call(segment, &fd);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->code(), 0) << r->message();
+  EXPECT_EQ(r->sequence(), 43u);
+  if (fd >= 0) close(fd);
 }
 
 TEST(ChannelTest, HostileConnectionsAreDroppedAndTheDaemonKeepsServing) {

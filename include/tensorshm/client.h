@@ -350,13 +350,16 @@ class Client {
   // in the daemon is cancelled, one on the fast path woken), and no lease is left behind.
   absl::StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name, absl::Duration timeout,
                                                     ReadySync sync, const WaitCanceller& cancel);
-  // As Acquire with timeout zero, answered from this process's fast path alone: no RPC and no
-  // wait for a publish (for event loops that must not block; the one exchange with the daemon
-  // left is the memory channel's, for a segment this process has not mapped yet). NOT_FOUND if the
-  // name is not published; UNAVAILABLE where only the daemon can answer (no fast path, a CUDA
-  // tensor, the session's lease slots all taken): then call Acquire, off the loop. The lease's
-  // ready event is not waited for (ReadySync::None()).
-  absl::StatusOr<DLManagedTensorVersioned*> TryAcquireLocal(std::string_view name);
+  // As Acquire, answered from this process's fast path alone: no RPC (for event loops that must
+  // not block; the one exchange with the daemon left is the memory channel's, for a segment this
+  // process has not mapped yet). With `wait` zero it does not wait; otherwise it waits up to `wait`
+  // for the name's publish on the fast path, in this thread (woken by the publish itself; a signal
+  // cuts the wait short). NOT_FOUND if the name is not published (within `wait`); UNAVAILABLE
+  // where only the daemon can answer (no fast path, a CUDA tensor, the session's lease slots all
+  // taken): then call Acquire, off the loop. The lease's ready event is not waited for
+  // (ReadySync::None()).
+  absl::StatusOr<DLManagedTensorVersioned*> TryAcquireLocal(
+      std::string_view name, absl::Duration wait = absl::ZeroDuration());
   // As Acquire, as a pre-1.0 DLManagedTensor (which cannot say it is read-only).
   absl::StatusOr<DLManagedTensor*> AcquireLegacy(std::string_view name,
                                                  absl::Duration timeout = absl::ZeroDuration(),

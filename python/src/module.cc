@@ -527,12 +527,13 @@ bool RunHearingSignals(WaitCanceller& cancel, T& result, Work&& work) {
 // A wait that ends CANCELLED raises ClosedError if its client was closed meanwhile, else
 // CancelledError (saying why if the interpreter is exiting).
 //
-// On the main thread the wait hears signals: `quick()` is tried first (the answer when there is
-// one without waiting, nullopt else), then `call` runs on a thread of its own while this thread
-// runs Python's signal handlers every kSignalCheck. A handler that raises (KeyboardInterrupt)
-// cancels the wait, which ends at once; whatever it got is given back (a lease released, a
-// buffer dropped; a grant that crossed the cancel is settled by the daemon) and the handler's
-// exception propagates.
+// On the main thread the wait hears signals: `quick(&again)` is tried first (the answer when it
+// has one, nullopt else); while it sets `again` (it waited up to kSignalCheck in this thread, as
+// a get waits on the fast path, and may wait more) it is tried again after Python's signal
+// handlers ran. Then `call` runs on a thread of its own while this thread runs the handlers every
+// kSignalCheck. A handler that raises (KeyboardInterrupt) cancels the wait, which ends at once;
+// whatever it got is given back (a lease released, a buffer dropped; a grant that crossed the
+// cancel is settled by the daemon) and the handler's exception propagates.
 template <typename T, typename Quick, typename Call>
 T RunWaiting(const ClientState& state, const std::optional<WaitCanceller>& given, Quick&& quick,
              Call&& call) {
@@ -540,12 +541,18 @@ T RunWaiting(const ClientState& state, const std::optional<WaitCanceller>& given
   if (exiting) cancel.Cancel();
   const bool hears_signals = !exiting && OnSignalThread();
   if (hears_signals) {
-    std::optional<T> answer;
-    {
-      ReleaseGil release;
-      answer = quick();
+    while (true) {
+      std::optional<T> answer;
+      bool again = false;
+      {
+        ReleaseGil release;
+        answer = quick(&again);
+      }
+      if (answer.has_value()) return *std::move(answer);
+      if (!again) break;
+      if (PyErr_CheckSignals() != 0) throw nb::python_error();
+      Live(state);  // closed meanwhile (by another thread): raises ClosedError
     }
-    if (answer.has_value()) return *std::move(answer);
   }
   std::list<WaitingCall>& calls = WaitingCalls();
   auto it = calls.insert(calls.end(), WaitingCall{&state, cancel});
@@ -612,17 +619,31 @@ PyTensor Get(PyClient& self, const std::string& name, const std::optional<double
     lease = client->Acquire(name, wait, ReadySync::None());
   } else {
     using Result = absl::StatusOr<DLManagedTensorVersioned*>;
+    const absl::Time deadline =
+        wait == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + wait;
     lease = RunWaiting<Result>(
         *self.state, cancel,
-        [&]() -> std::optional<Result> {
-          // Published and in the fast path: no wait (nor a thread to wait on).
-          Result local = client->TryAcquireLocal(name);
-          if (absl::IsNotFound(local.status()) || absl::IsUnavailable(local.status())) {
+        [&](bool* again) -> std::optional<Result> {
+          // The fast path waits in this thread, woken by the publish itself: no thread to wait
+          // on, whose wake-up would come on top.
+          const absl::Duration left = deadline - absl::Now();
+          Result local =
+              client->TryAcquireLocal(name, std::clamp(left, absl::ZeroDuration(), kSignalCheck));
+          if (absl::IsUnavailable(local.status())) return std::nullopt;  // the daemon answers
+          if (!absl::IsNotFound(local.status())) return local;
+          if (absl::Now() < deadline) {
+            *again = true;
             return std::nullopt;
           }
-          return local;
+          return Result(absl::DeadlineExceededError(absl::StrCat(
+              "name = \"", name, "\": not published within ", absl::FormatDuration(wait))));
         },
-        [&](const WaitCanceller& c) { return client->Acquire(name, wait, ReadySync::None(), c); });
+        [&](const WaitCanceller& c) {
+          const absl::Duration left = wait == absl::InfiniteDuration()
+                                          ? wait
+                                          : std::max(absl::ZeroDuration(), deadline - absl::Now());
+          return client->Acquire(name, left, ReadySync::None(), c);
+        });
   }
   return PyTensor{FromLease(Check(std::move(lease))), name};
 }
@@ -648,7 +669,7 @@ PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const
     using Result = absl::StatusOr<WritableTensor>;
     tensor = RunWaiting<Result>(
         *self.state, cancel,
-        [&]() -> std::optional<Result> {
+        [&](bool*) -> std::optional<Result> {
           // Memory free now: no wait.
           Result now = client->Create(spec, absl::ZeroDuration());
           if (absl::IsResourceExhausted(now.status())) return std::nullopt;
@@ -717,7 +738,7 @@ PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor
   } else {
     lease = RunWaiting<Result>(
         *self.state, cancel,
-        [&]() -> std::optional<Result> {
+        [&](bool*) -> std::optional<Result> {
           // Memory free now: no wait (a full pool fails the copy before it starts).
           Result now = run_for(absl::ZeroDuration(), nullptr);
           if (absl::IsResourceExhausted(now.status())) return std::nullopt;

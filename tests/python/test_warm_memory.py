@@ -1,10 +1,15 @@
 """Warm memory (issue 20): producer buffers reused from freed space do not fault, what a new
 buffer holds, and the API-level seal: a view of a writable tensor kept past its publish never
 changes bytes that consumers read."""
+import os
 import resource
+import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
+import pytest
 
 import tensorshm
 from conftest import run_python
@@ -121,3 +126,49 @@ def test_large_put_copies_every_byte(client):
     matrix = rng.standard_normal((1024, 2048)).astype(np.float32)  # 8 MiB
     client.put("warm/matrix", matrix, replace=True)
     np.testing.assert_array_equal(np.from_dlpack(client.get("warm/matrix")), matrix)
+
+
+PUBLISH_LATE = r"""
+import sys, time, numpy as np, tensorshm
+c = tensorshm.connect(sys.argv[1], client_name="late")
+time.sleep(float(sys.argv[2]))
+c.put("warm/late", np.arange(1024, dtype=np.int32)).release()
+print("published", flush=True)
+time.sleep(5)
+"""
+
+
+def test_get_waits_in_the_calling_thread_woken_by_the_publish(daemon, client):
+    """A get(timeout=None) on the main thread waits on the fast path itself (no thread is started
+    for the wait: its wake-up would add to the handoff), still gets the tensor another process
+    publishes meanwhile, and a bounded get still times out saying what it waited for."""
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    seen, stop = [], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.append(tasks())
+            time.sleep(0.005)
+
+    assert threading.current_thread() is threading.main_thread()
+    producer = subprocess.Popen([sys.executable, "-c", PUBLISH_LATE, daemon.socket, "0.5"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        time.sleep(0.05)
+        before = tasks()
+        t = client.get("warm/late", timeout=None)
+        stop.set()
+        sampler.join()
+        assert np.array_equal(np.from_dlpack(t), np.arange(1024, dtype=np.int32))
+        t.release()
+        assert len(seen) > 20, "the sampler did not run during the wait"
+        assert max(seen) == before, f"threads during the wait: {sorted(set(seen))}, before {before}"
+    finally:
+        producer.kill()
+        producer.wait()
+    with pytest.raises(TimeoutError, match=r'name = "warm/absent": not published within 200ms'):
+        client.get("warm/absent", timeout=0.2)
