@@ -71,6 +71,10 @@ class ChannelServer {
   // expect_fd_'s next request rather than sleep; that request ends it.
   absl::Time expect_until_ = absl::InfinitePast();
   int expect_fd_ = -1;
+  // After an expected request did not come within its look, this many ChannelExpects are
+  // ignored (the channel thread sleeps as without them).
+  static constexpr int kExpectsAfterMiss = 32;
+  int expects_skipped_ = 0;
   mutable Mutex mu_;
   std::map<int, std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
 };
