@@ -47,7 +47,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench.grpc.pb.h"
-#include "common/cuda_driver.h"
+#include "common/cuda/cuda_driver.h"
 #include "tensorshm/client.h"
 
 extern char** environ;

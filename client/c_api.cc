@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "common/layout.h"
+#include "common/tensor/layout.h"
 #include "tensorshm/client.h"
 #include "tensorshm/tensorshm.h"
 

@@ -8,7 +8,7 @@
 #include <set>
 
 #include "absl/base/thread_annotations.h"
-#include "common/mutex.h"
+#include "common/base/mutex.h"
 
 namespace tensorshm {
 

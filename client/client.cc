@@ -25,12 +25,12 @@
 #include "client/fork.h"
 #include "client/memory_channel.h"
 #include "client/segment_map.h"
-#include "common/grpc_status.h"
-#include "common/layout.h"
-#include "common/mutex.h"
-#include "common/name.h"
-#include "common/socket_path.h"
-#include "common/wire.h"
+#include "common/tensor/grpc_status.h"
+#include "common/tensor/layout.h"
+#include "common/base/mutex.h"
+#include "common/tensor/name.h"
+#include "common/base/socket_path.h"
+#include "common/tensor/wire.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
 namespace tensorshm {

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/grpc_status.h"
+#include "common/tensor/grpc_status.h"
 
 namespace tensorshm {
 namespace {

@@ -28,7 +28,7 @@
 #include "client/fork.h"
 #include "client/memory_channel.h"
 #include "client/segment_map.h"
-#include "common/mutex.h"
+#include "common/base/mutex.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
 namespace tensorshm {

@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/fork.h"
-#include "common/sys_error.h"
+#include "common/base/sys_error.h"
 
 namespace tensorshm {
 namespace {

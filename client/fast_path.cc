@@ -12,8 +12,8 @@
 #include <ctime>
 
 #include "absl/strings/str_cat.h"
-#include "common/sys_error.h"
-#include "common/tensor_record.h"
+#include "common/base/sys_error.h"
+#include "common/shm/tensor_record.h"
 
 namespace tensorshm {
 namespace {

@@ -9,7 +9,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "common/mutex.h"
+#include "common/base/mutex.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {

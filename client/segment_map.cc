@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/sys_error.h"
+#include "common/base/sys_error.h"
 
 namespace tensorshm {
 namespace {

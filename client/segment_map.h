@@ -13,7 +13,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "common/mutex.h"
+#include "common/base/mutex.h"
 
 namespace tensorshm {
 

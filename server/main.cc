@@ -26,21 +26,21 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/cuda_driver.h"
-#include "common/prefix_lock.h"
-#include "common/sys_error.h"
-#include "server/access.h"
-#include "server/catalog.h"
-#include "server/cuda_pool.h"
-#include "server/listener.h"
-#include "server/log.h"
-#include "server/memory_channel.h"
-#include "server/metrics.h"
-#include "server/metrics_http.h"
-#include "server/options.h"
-#include "server/reflection_limit.h"
-#include "server/service.h"
-#include "server/socket_dir.h"
+#include "common/cuda/cuda_driver.h"
+#include "common/base/prefix_lock.h"
+#include "common/base/sys_error.h"
+#include "server/core/access.h"
+#include "server/catalog/catalog.h"
+#include "server/memory/cuda_pool.h"
+#include "server/rpc/listener.h"
+#include "server/ops/log.h"
+#include "server/rpc/memory_channel.h"
+#include "server/ops/metrics.h"
+#include "server/ops/metrics_http.h"
+#include "server/ops/options.h"
+#include "server/rpc/reflection_limit.h"
+#include "server/rpc/service.h"
+#include "server/ops/socket_dir.h"
 
 namespace tensorshm {
 namespace {
@@ -72,7 +72,7 @@ std::string FormatBytes(uint64_t bytes) {
   return absl::StrFormat("%.4g %s", value, kUnits[unit]);
 }
 
-// Takes the lock on `prefix` (common/prefix_lock.h) and records this daemon in it. A holder
+// Takes the lock on `prefix` (common/base/prefix_lock.h) and records this daemon in it. A holder
 // that is starting or stopping (or tensorshmctl removing leftovers) gets a second to let go;
 // FAILED_PRECONDITION naming the prefix and the holder if it is still held then.
 absl::StatusOr<PrefixLock> HoldPrefix(const std::string& prefix, const std::string& socket) {

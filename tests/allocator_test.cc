@@ -1,4 +1,4 @@
-#include "server/allocator.h"
+#include "server/memory/allocator.h"
 
 #include <random>
 #include <vector>

@@ -12,7 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/catalog.h"
+#include "server/catalog/catalog.h"
 
 namespace tensorshm {
 namespace {

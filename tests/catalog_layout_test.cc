@@ -1,7 +1,7 @@
 // The control segment is a wire format between a daemon and its restarted self: its sizes and
 // offsets are pinned by static_asserts in the header; this test states them once more, plus the
 // segment-level arithmetic.
-#include "common/catalog_layout.h"
+#include "common/shm/catalog_layout.h"
 
 #include "gtest/gtest.h"
 

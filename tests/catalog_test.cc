@@ -1,4 +1,4 @@
-#include "server/catalog.h"
+#include "server/catalog/catalog.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/uid_limits.h"
+#include "server/ops/uid_limits.h"
 
 namespace tensorshm {
 namespace {

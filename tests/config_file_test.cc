@@ -1,6 +1,6 @@
 // tensorshmd's --config file (TOML keyed by the long flag names): what it sets, what the command
 // line overrides, what it refuses, and a real daemon started from one.
-#include "server/config_file.h"
+#include "server/ops/config_file.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -18,7 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "server/options.h"
+#include "server/ops/options.h"
 #include "tensorshm/client.h"
 #include "tests/test_daemon.h"
 

@@ -1,7 +1,7 @@
-// The connection accounting behind admission at accept (server/connection_table.h) and its flag,
+// The connection accounting behind admission at accept (server/rpc/connection_table.h) and its flag,
 // --uid-connections: limits, stale entries of connections closed elsewhere, reused descriptor
 // numbers, the daemon-wide limit and the owner's reserve, and the rate-limited refusal log.
-#include "server/connection_table.h"
+#include "server/rpc/connection_table.h"
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -12,7 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "server/options.h"
+#include "server/ops/options.h"
 
 namespace tensorshm {
 namespace {

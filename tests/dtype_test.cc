@@ -1,4 +1,4 @@
-#include "common/dtype.h"
+#include "common/tensor/dtype.h"
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"

@@ -69,8 +69,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/channel_frame.h"
-#include "common/fast_path_layout.h"
+#include "common/shm/channel_frame.h"
+#include "common/shm/fast_path_layout.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
 namespace {

@@ -24,7 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/check.h"
+#include "common/base/check.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tests/raw_session.h"

@@ -1,5 +1,5 @@
 // HostPool: a freed buffer is handed out again first (hot memory), and only while it is free.
-#include "server/host_pool.h"
+#include "server/memory/host_pool.h"
 
 #include <unistd.h>
 
@@ -10,7 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/control_segment.h"
+#include "server/memory/control_segment.h"
 
 namespace tensorshm {
 namespace {

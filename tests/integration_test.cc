@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/check.h"
+#include "common/base/check.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tests/tensor_bytes.h"

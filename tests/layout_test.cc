@@ -1,9 +1,9 @@
-#include "common/layout.h"
+#include "common/tensor/layout.h"
 
 #include <limits>
 
 #include "absl/strings/match.h"
-#include "common/dtype.h"
+#include "common/tensor/dtype.h"
 #include "gtest/gtest.h"
 
 namespace tensorshm {

@@ -22,7 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/fast_path_layout.h"
+#include "common/shm/fast_path_layout.h"
 #include "tensorshm/client.h"
 
 namespace {

@@ -13,7 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/channel_frame.h"
+#include "common/shm/channel_frame.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"

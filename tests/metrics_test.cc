@@ -1,7 +1,7 @@
 // --metrics: the rendering of the figures (names, HELP and TYPE, label escaping, histogram
 // buckets), the parsing of the address, and the HTTP server's own behaviour (port in use, 404,
 // stop). The daemon's figures against real work are checked by tests/python/test_metrics.py.
-#include "server/metrics.h"
+#include "server/ops/metrics.h"
 
 #include <dlpack/dlpack.h>
 #include <httplib.h>
@@ -14,7 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "server/metrics_http.h"
+#include "server/ops/metrics_http.h"
 
 namespace tensorshm {
 namespace {

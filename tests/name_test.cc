@@ -1,4 +1,4 @@
-#include "common/name.h"
+#include "common/tensor/name.h"
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"

@@ -9,7 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/options.h"
+#include "server/ops/options.h"
 
 namespace tensorshm {
 namespace {

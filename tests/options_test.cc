@@ -1,4 +1,4 @@
-#include "server/options.h"
+#include "server/ops/options.h"
 
 #include <iostream>
 

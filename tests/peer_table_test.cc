@@ -1,4 +1,4 @@
-// PeerTable (server/access.h): credentials by descriptor, never answered for a descriptor that
+// PeerTable (server/core/access.h): credentials by descriptor, never answered for a descriptor that
 // is no longer the socket they were read from, and dropped once their connection is gone.
 #include <sys/socket.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "server/access.h"
+#include "server/core/access.h"
 
 namespace tensorshm {
 namespace {

@@ -13,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/check.h"
+#include "common/base/check.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tests/test_daemon.h"

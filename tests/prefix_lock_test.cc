@@ -2,7 +2,7 @@
 // is refused, naming the holder, and the first serves on untouched; a killed daemon's prefix is
 // recovered; `tensorshmctl leftovers` finds and removes a killed daemon's objects and never a
 // live one's. Real daemons, real shared memory, real tensorshmctl processes.
-#include "common/prefix_lock.h"
+#include "common/base/prefix_lock.h"
 
 #include <dirent.h>
 #include <gtest/gtest.h>

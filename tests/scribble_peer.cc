@@ -31,7 +31,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/catalog_layout.h"
+#include "common/shm/catalog_layout.h"
 #include "tensorshm/client.h"
 
 namespace {

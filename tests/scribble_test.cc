@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/catalog_layout.h"
+#include "common/shm/catalog_layout.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tests/test_daemon.h"

@@ -2,9 +2,9 @@
 
 #include <vector>
 
-#include "common/check.h"
-#include "common/dtype.h"
-#include "common/layout.h"
+#include "common/base/check.h"
+#include "common/tensor/dtype.h"
+#include "common/tensor/layout.h"
 
 namespace tensorshm::testing {
 namespace {

@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/sys_error.h"
+#include "common/base/sys_error.h"
 
 extern char** environ;
 

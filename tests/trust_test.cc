@@ -17,7 +17,7 @@
 #include "absl/time/clock.h"
 #include "client/daemon_connection.h"
 #include "client/memory_channel.h"
-#include "common/check.h"
+#include "common/base/check.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tensorshm/tensorshm.h"

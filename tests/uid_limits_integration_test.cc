@@ -17,7 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/check.h"
+#include "common/base/check.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tests/test_daemon.h"

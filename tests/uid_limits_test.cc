@@ -1,6 +1,6 @@
-// UidLimits (server/uid_limits.h): the per-uid counts, their limits and messages, and that every
+// UidLimits (server/ops/uid_limits.h): the per-uid counts, their limits and messages, and that every
 // charge gives back what it took.
-#include "server/uid_limits.h"
+#include "server/ops/uid_limits.h"
 
 #include <optional>
 #include <vector>

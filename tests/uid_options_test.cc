@@ -2,7 +2,7 @@
 // --uid-quota): defaults, parsing and refusals.
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "server/options.h"
+#include "server/ops/options.h"
 
 namespace tensorshm {
 namespace {

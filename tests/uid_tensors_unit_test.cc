@@ -9,11 +9,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/cuda_driver.h"
+#include "common/cuda/cuda_driver.h"
 #include "gtest/gtest.h"
-#include "server/catalog.h"
-#include "server/options.h"
-#include "server/uid_limits.h"
+#include "server/catalog/catalog.h"
+#include "server/ops/options.h"
+#include "server/ops/uid_limits.h"
 #include "tests/test_daemon.h"
 
 namespace tensorshm {

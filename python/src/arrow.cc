@@ -15,8 +15,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "arrow_abi.h"
-#include "common/dtype.h"
-#include "common/wire.h"
+#include "common/tensor/dtype.h"
+#include "common/tensor/wire.h"
 #include "raise_status.h"
 #include "storage.h"
 

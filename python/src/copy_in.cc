@@ -7,9 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/dtype.h"
-#include "common/layout.h"
-#include "common/wire.h"
+#include "common/tensor/dtype.h"
+#include "common/tensor/layout.h"
+#include "common/tensor/wire.h"
 
 namespace tensorshm::python {
 namespace {

@@ -8,7 +8,7 @@
 #include <new>
 #include <string>
 
-#include "common/mutex.h"
+#include "common/base/mutex.h"
 #include "tensor_object.h"
 
 namespace nb = nanobind;

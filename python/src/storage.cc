@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "common/dtype.h"
+#include "common/tensor/dtype.h"
 
 namespace tensorshm::python {
 

@@ -56,7 +56,7 @@ def parse_size(text):
 
 
 def catalog_bytes(max_tensors):
-    """ControlSegmentBytes (common/catalog_layout.h): header + segment records + tensor records,
+    """ControlSegmentBytes (common/shm/catalog_layout.h): header + segment records + tensor records,
     with the constants read from the header so that a layout change is followed."""
     with open(os.path.join(ROOT, "common", "catalog_layout.h")) as f:
         header = f.read()

@@ -1,5 +1,5 @@
-// libFuzzer target over the memory channel's framing (common/channel_frame.h) and the daemon's
-// frame loop (server/memory_channel.cc): an arbitrary byte stream, cut at arbitrary points, goes
+// libFuzzer target over the memory channel's framing (common/shm/channel_frame.h) and the daemon's
+// frame loop (server/rpc/memory_channel.cc): an arbitrary byte stream, cut at arbitrary points, goes
 //   1. through FrameReader, chunk by chunk,
 //   2. through ReceiveFrame, written chunk by chunk into a socket pair (some chunks carrying
 //      descriptors), and
@@ -29,11 +29,11 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "common/channel_frame.h"
-#include "common/check.h"
+#include "common/shm/channel_frame.h"
+#include "common/base/check.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/log.h"
-#include "server/memory_channel.h"
+#include "server/ops/log.h"
+#include "server/rpc/memory_channel.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {

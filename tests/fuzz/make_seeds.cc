@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/channel_frame.h"
+#include "common/shm/channel_frame.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 
 namespace {

@@ -8,11 +8,11 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "common/check.h"
-#include "common/dtype.h"
-#include "common/layout.h"
-#include "common/name.h"
-#include "common/wire.h"
+#include "common/base/check.h"
+#include "common/tensor/dtype.h"
+#include "common/tensor/layout.h"
+#include "common/tensor/name.h"
+#include "common/tensor/wire.h"
 #include "google/protobuf/stubs/logging.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 

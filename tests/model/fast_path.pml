@@ -1,11 +1,11 @@
 /*
  * tests/model/fast_path.pml: the fast path's acquire / retire / scan / crash protocol, modelled in
  * Promela for an exhaustive check with spin. tests/model/check.sh runs it (ctest: fast_path_model);
- * common/fast_path_layout.h points here.
+ * common/shm/fast_path_layout.h points here.
  *
  * WHAT IS MODELLED, AND WHICH CODE EACH PART MIRRORS
  *
- *   Shared memory (common/fast_path_layout.h), per daemon start (a restarted daemon makes a new
+ *   Shared memory (common/shm/fast_path_layout.h), per daemon start (a restarted daemon makes a new
  *   index memfd and new lease pages; a client that has not noticed the restart yet keeps reading
  *   the old index, frozen as the crash left it, and writing its old page, which nobody scans):
  *     - the catalog index: one bucket, since there is one name: `seq` (IndexBucket::sequence, a
@@ -26,10 +26,10 @@
  *   round under its service mutex, so its handlers are one sequential process here, and only its
  *   accesses to shared memory interleave with the clients'. Handlers (inline ...):
  *     PUBLISH         Catalog::Publish of a replacement: the new record committed (kPublished),
- *                     CatalogIndex::Bind (server/catalog_index.cc: sequence odd; Unlink the old
+ *                     CatalogIndex::Bind (server/catalog/catalog_index.cc: sequence odd; Unlink the old
  *                     entry, link the new one; sequence even, a seq_cst store), then
  *                     Catalog::Unbind(old): record kUnbound, FreeIfUnheld.
- *     FREE_IF_UNHELD  Catalog::FreeIfUnheld + LeaseBoard::Holds (server/lease_board.cc: one
+ *     FREE_IF_UNHELD  Catalog::FreeIfUnheld + LeaseBoard::Holds (server/catalog/lease_board.cc: one
  *                     seq_cst load per slot of every page on the board, each its own step):
  *                     held -> retired; else Catalog::Free at once (FREE).
  *     RECLAIM         Catalog::Reclaim + LeaseBoard::Held: one scan of every slot, then each

@@ -1,7 +1,7 @@
 // Must NOT compile under `make check-thread-safety`: it reads a guarded field without the lock
 // and waits on a CondVar without holding its mutex. The target checks that clang refuses it,
 // so that the analysis is known to be on.
-#include "common/mutex.h"
+#include "common/base/mutex.h"
 
 namespace tensorshm {
 

@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/daemon_connection.h"
-#include "common/grpc_status.h"
+#include "common/tensor/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace tensorshm::ctl {

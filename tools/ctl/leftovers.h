@@ -1,6 +1,6 @@
 // `tensorshmctl leftovers`: the /dev/shm objects of shm prefixes no live tensorshmd holds (a
 // daemon that was SIGKILLed, crashed, or stopped with --keep-segments), listed and, with
-// --remove, removed. A prefix is live while a daemon holds its lock (common/prefix_lock.h);
+// --remove, removed. A prefix is live while a daemon holds its lock (common/base/prefix_lock.h);
 // its objects are never touched.
 #ifndef TENSORSHM_TOOLS_CTL_LEFTOVERS_H_
 #define TENSORSHM_TOOLS_CTL_LEFTOVERS_H_

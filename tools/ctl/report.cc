@@ -8,8 +8,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
-#include "common/dtype.h"
-#include "common/wire.h"
+#include "common/tensor/dtype.h"
+#include "common/tensor/wire.h"
 
 namespace tensorshm::ctl {
 namespace {

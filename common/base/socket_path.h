@@ -1,0 +1,14 @@
+// Where tensorshmd listens by default.
+#ifndef TENSORSHM_COMMON_BASE_SOCKET_PATH_H_
+#define TENSORSHM_COMMON_BASE_SOCKET_PATH_H_
+
+#include <string>
+
+namespace tensorshm {
+
+// $TENSORSHM_SOCKET, else $XDG_RUNTIME_DIR/tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock.
+std::string DefaultSocketPath();
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_COMMON_BASE_SOCKET_PATH_H_

@@ -1,0 +1,83 @@
+// Who may talk to tensorshmd: the peer credentials of each Unix connection, read with
+// SO_PEERCRED when the daemon accepts it, checked against the policy (the daemon's own uid, plus
+// --allow-uid / --allow-gid).
+#ifndef TENSORSHM_SERVER_CORE_ACCESS_H_
+#define TENSORSHM_SERVER_CORE_ACCESS_H_
+
+#include <sys/types.h>
+
+#include <map>
+#include <set>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/base/mutex.h"
+
+namespace tensorshm {
+
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+// Immutable after construction; thread-safe.
+class AccessPolicy {
+ public:
+  AccessPolicy(uid_t owner, std::set<uid_t> uids, std::set<gid_t> gids)
+      : owner_(owner), uids_(std::move(uids)), gids_(std::move(gids)) {}
+
+  // OK if `peer` may connect: its uid is the daemon's or allowed, or its primary gid is allowed.
+  // PERMISSION_DENIED naming the uid, gid and pid otherwise (never the admitted uids and gids).
+  absl::Status Admit(const PeerCredentials& peer) const;
+  // Whether anyone but the owner is admitted (the socket and segments must then be shared).
+  bool shared() const { return !uids_.empty() || !gids_.empty(); }
+  uid_t owner() const { return owner_; }
+  const std::set<gid_t>& gids() const { return gids_; }
+
+ private:
+  uid_t owner_;
+  std::set<uid_t> uids_;
+  std::set<gid_t> gids_;
+};
+
+// The credentials of every accepted gRPC connection, by its descriptor, which gRPC reports as
+// the peer "fd:N". gRPC closes the descriptor when the connection ends, and the number is then
+// reused: so each entry also holds the socket the descriptor was (device and inode), and answers
+// only while descriptor N is still that socket. Entries whose descriptor is closed or is another
+// file now are dropped by a look at every entry after every max(64, entries / 2) adds.
+// Thread-safe.
+class PeerTable {
+ public:
+  // Records `credentials` for accepted socket `fd`. An error naming the fd if fstat fails.
+  absl::Status Add(int fd, const PeerCredentials& credentials) ABSL_LOCKS_EXCLUDED(mu_);
+  // The credentials of `peer` ("fd:N"); NOT_FOUND for a connection the daemon did not accept
+  // itself, or whose descriptor is no longer the socket it accepted.
+  absl::StatusOr<PeerCredentials> Find(const std::string& peer) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Entries held now (live or not yet dropped).
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Entry {
+    PeerCredentials credentials;
+    dev_t device = 0;
+    ino_t inode = 0;
+  };
+  // Whether descriptor `fd` is still the socket `entry` was made for.
+  static bool StillOpen(int fd, const Entry& entry);
+  // Drops the entries of descriptors that are no longer their socket.
+  void Sweep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable Mutex mu_;
+  std::map<int, Entry> peers_ ABSL_GUARDED_BY(mu_);
+  size_t adds_since_sweep_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Reads the credentials of the process at the other end of Unix socket `fd`.
+absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd);
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_CORE_ACCESS_H_

@@ -1,0 +1,170 @@
+#include "server/memory/cuda_pool.h"
+
+#include <algorithm>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "server/ops/log.h"
+
+namespace tensorshm {
+
+absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Create(const CudaDriver* driver,
+                                                           const CudaPoolOptions& options) {
+  const int ordinal = options.ordinal;
+  absl::StatusOr<int> count = driver->DeviceCount();
+  if (!count.ok()) return count.status();
+  if (ordinal < 0 || ordinal >= *count) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda:", ordinal, ": no such device; the driver (", driver->library(),
+                     ") sees ", *count, " device", *count == 1 ? "" : "s"));
+  }
+  if (options.capacity_bytes == 0 || options.capacity_bytes % kCudaAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda:", ordinal,
+                                                   " pool size = ", options.capacity_bytes,
+                                                   ": must be a positive multiple of 256 bytes"));
+  }
+  std::unique_ptr<CudaPool> pool(new CudaPool(driver, options));
+  if (pool->options_.segment_bytes == 0 || pool->options_.segment_bytes > options.capacity_bytes) {
+    pool->options_.segment_bytes = options.capacity_bytes;
+  }
+  pool->options_.segment_bytes =
+      (pool->options_.segment_bytes + kCudaAlignment - 1) / kCudaAlignment * kCudaAlignment;
+  if (absl::Status s = TSM_CU(driver, ordinal, cuDeviceGet, &pool->device_, ordinal); !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<DeviceUuid> uuid = driver->Uuid(ordinal);
+  if (!uuid.ok()) return uuid.status();
+  pool->uuid_ = *uuid;
+  if (absl::Status s =
+          TSM_CU(driver, ordinal, cuDevicePrimaryCtxRetain, &pool->context_, pool->device_);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = pool->AddSegment(pool->options_.segment_bytes); !s.ok()) return s;
+  return pool;
+}
+
+CudaPool::~CudaPool() {
+  if (context_ == nullptr) return;
+  {
+    ScopedContext scope(driver_, context_);
+    for (const Segment& segment : segments_) {
+      if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemFree_v2, segment.base); !s.ok()) {
+        TSM_LOG(kWarning) << s.message();
+      }
+    }
+  }
+  driver_->cuDevicePrimaryCtxRelease_v2(device_);
+}
+
+absl::StatusOr<CudaPool::DeviceMemory> CudaPool::MakeSegment(const GrowthRequest& request) const {
+  ScopedContext scope(driver_, context_);
+  if (!scope.status().ok()) return scope.status();
+  DeviceMemory memory;
+  memory.size = request.size;
+  if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemAlloc_v2, &memory.base, memory.size);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          TSM_CU(driver_, options_.ordinal, cuIpcGetMemHandle, &memory.handle, memory.base);
+      !s.ok()) {
+    driver_->cuMemFree_v2(memory.base);
+    return s;
+  }
+  return memory;
+}
+
+absl::Status CudaPool::EndGrowth(const GrowthRequest& request, absl::StatusOr<DeviceMemory> made) {
+  TSM_CHECK(growing_);
+  growing_ = false;
+  if (!made.ok()) return made.status();
+  TSM_CHECK(request.segment_id == segments_.size() + 1);
+  InstallSegment(*made);
+  return absl::OkStatus();
+}
+
+absl::Status CudaPool::AddSegment(uint64_t size) {
+  GrowthRequest request;
+  request.segment_id = segments_.size() + 1;
+  request.size = size;
+  absl::StatusOr<DeviceMemory> memory = MakeSegment(request);
+  if (!memory.ok()) return memory.status();
+  InstallSegment(*memory);
+  return absl::OkStatus();
+}
+
+void CudaPool::InstallSegment(const DeviceMemory& memory) {
+  segments_.push_back(
+      Segment{memory.base, memory.size, memory.handle, BestFitAllocator(memory.size)});
+  reserved_bytes_ += memory.size;
+  TSM_LOG(kInfo) << "cuda:" << options_.ordinal << " (" << FormatUuid(uuid_) << "): segment "
+                 << segments_.size() << " of " << memory.size << " bytes";
+}
+
+int CudaPool::FreesToFit(uint64_t nbytes, absl::Span<const Buffer> buffers) const {
+  const uint64_t length = (nbytes + kCudaAlignment - 1) / kCudaAlignment * kCudaAlignment;
+  for (const Buffer& buffer : buffers) {
+    TSM_CHECK(buffer.segment_id >= 1 && buffer.segment_id <= segments_.size());
+  }
+  return FreesToFitLength(length, buffers, [this](uint64_t segment_id) -> const BestFitAllocator& {
+    return segments_[segment_id - 1].allocator;
+  });
+}
+
+absl::StatusOr<Buffer> CudaPool::Allocate(uint64_t nbytes, GrowthRequest* growth) {
+  TSM_CHECK(nbytes > 0);
+  const uint64_t length = (nbytes + kCudaAlignment - 1) / kCudaAlignment * kCudaAlignment;
+  int index = BestFitSegment(segments_, length);
+  if (index < 0) {
+    const uint64_t remaining = options_.capacity_bytes - reserved_bytes_;
+    if (remaining < length) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cuda:", options_.ordinal, " pool: cannot allocate ", nbytes,
+                       " bytes: ", options_.capacity_bytes - used_bytes(), " of ",
+                       options_.capacity_bytes, " bytes free (--cuda-pool)"));
+    }
+    const uint64_t size = std::min(std::max(options_.segment_bytes, length), remaining);
+    if (growth != nullptr) {
+      if (growing_) {
+        growth->busy = true;
+      } else {
+        growth->needed = true;
+        growth->segment_id = segments_.size() + 1;
+        growth->size = size;
+      }
+      return absl::UnavailableError(
+          absl::StrCat("cuda:", options_.ordinal, " pool: a new segment must be made first"));
+    }
+    TSM_CHECK(!growing_);
+    if (absl::Status s = AddSegment(size); !s.ok()) return s;
+    index = static_cast<int>(segments_.size()) - 1;
+  }
+  std::optional<uint64_t> offset = segments_[index].allocator.Allocate(length);
+  TSM_CHECK(offset.has_value());
+  return Buffer{static_cast<uint64_t>(index) + 1, *offset, length};
+}
+
+void CudaPool::Free(const Buffer& buffer) {
+  TSM_CHECK(buffer.segment_id >= 1 && buffer.segment_id <= segments_.size());
+  segments_[buffer.segment_id - 1].allocator.Free(buffer.offset, buffer.length);
+}
+
+const CUipcMemHandle& CudaPool::SegmentHandle(uint64_t segment_id) const {
+  TSM_CHECK(segment_id >= 1 && segment_id <= segments_.size());
+  return segments_[segment_id - 1].handle;
+}
+
+uint64_t CudaPool::SegmentSize(uint64_t segment_id) const {
+  TSM_CHECK(segment_id >= 1 && segment_id <= segments_.size());
+  return segments_[segment_id - 1].size;
+}
+
+uint64_t CudaPool::used_bytes() const {
+  uint64_t used = 0;
+  for (const Segment& s : segments_) used += s.allocator.capacity() - s.allocator.free_bytes();
+  return used;
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,221 @@
+#include "server/memory/shm_segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <boost/interprocess/exceptions.hpp>
+#include <boost/interprocess/permissions.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/base/sys_error.h"
+
+namespace tensorshm {
+namespace bip = boost::interprocess;
+
+namespace {
+
+// Reserves every page of `fd` (see Create); RESOURCE_EXHAUSTED when there is no room.
+absl::Status Reserve(int fd, const std::string& name, uint64_t offset, uint64_t length,
+                     SegmentBacking backing) {
+  const int err = posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(length));
+  if (err == 0) return absl::OkStatus();
+  if (err == ENOSPC || err == ENOMEM) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "posix_fallocate(", name, ", ", length, " bytes): ",
+        backing == SegmentBacking::kMemfd
+            ? "out of memory for the segment (memory cgroup or RAM); lower --host-pool"
+            : "/dev/shm has no room for the segment; enlarge /dev/shm (docker --shm-size, "
+              "Kubernetes emptyDir medium Memory sizeLimit), use --segments memfd, or lower "
+              "--host-pool"));
+  }
+  return ErrnoError("posix_fallocate", name, err);
+}
+
+}  // namespace
+
+absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size, bool map,
+                                              SegmentBacking backing) {
+  if (name.size() < 2 || name[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat("shm name = \"", name, "\": must start with /"));
+  }
+  int fd = -1;
+  if (backing == SegmentBacking::kMemfd) {
+    // Sealed against resizing below: a client holding a writable descriptor cannot shrink the
+    // object under other processes' mappings (which would turn their reads into SIGBUS).
+    fd = memfd_create(name.c_str() + 1, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return ErrnoError("memfd_create", name, errno);
+    // A memfd starts as 0777: reopening a read-only descriptor through /proc must not give
+    // another uid write access.
+    if (fchmod(fd, kSegmentMode) != 0) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError("fchmod", name, err);
+    }
+  } else {
+    bip::shared_memory_object object;
+    try {
+      // Boost.Interprocess creates with exactly `mode` (it applies fchmod after creation, so the
+      // umask does not widen or narrow it).
+      object = bip::shared_memory_object(bip::create_only, name.c_str() + 1, bip::read_write,
+                                         bip::permissions(kSegmentMode));
+    } catch (const bip::interprocess_exception& e) {
+      return ErrnoError("shm_open", name, e.get_native_error());
+    }
+    // `object` closes its descriptor when it goes; the segment keeps one of its own.
+    fd = fcntl(object.get_mapping_handle().handle, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) {
+      const int err = errno;
+      bip::shared_memory_object::remove(name.c_str() + 1);
+      return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", name, err);
+    }
+  }
+  // From here on `segment` owns the descriptor, and removes a named object on failure.
+  ShmSegment segment(name, size, fd, nullptr, backing);
+  if (absl::Status s = Reserve(fd, name, 0, size, backing); !s.ok()) return s;
+  if (backing == SegmentBacking::kMemfd &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return ErrnoError("fcntl(F_ADD_SEALS)", name, errno);
+  }
+  if (map) {
+    void* address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (address == MAP_FAILED) return ErrnoError("mmap", name, errno);
+    segment.address_ = address;
+  }
+  return segment;
+}
+
+absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
+  const std::string path = absl::StrCat("/dev/shm", name);
+  const uid_t euid = geteuid();
+  // Refusals name the object and say what to do; the object is never removed: it is not ours.
+  auto foreign = [&](const struct stat& st, absl::string_view what) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: %s, owned by uid %u with mode %04o; tensorshmd creates its shm objects as regular "
+        "files owned by its uid (%u) with mode %04o, so this is not one of its own and is left "
+        "alone: remove it (rm %s) if it is stale, or start tensorshmd with another --shm-prefix",
+        path, what, st.st_uid, st.st_mode & 07777, euid, kSegmentMode, path));
+  };
+  // O_NOFOLLOW: a link planted under the name must not lead the daemon to another file.
+  const int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat st;
+    if (err == ELOOP && lstat(path.c_str(), &st) == 0) return foreign(st, "a symbolic link");
+    if (err == EACCES && stat(path.c_str(), &st) == 0) return foreign(st, "not writable by it");
+    return ErrnoError("shm_open", name, err);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return ErrnoError("fstat", name, err);
+  }
+  if (!S_ISREG(st.st_mode) || st.st_uid != euid || (st.st_mode & 07777) != kSegmentMode) {
+    close(fd);
+    return foreign(st, !S_ISREG(st.st_mode) ? "not a regular file"
+                       : st.st_uid != euid  ? "another user's object"
+                                            : "not of the mode tensorshmd gives its objects");
+  }
+  ShmSegment segment(name, static_cast<uint64_t>(st.st_size), fd, nullptr, SegmentBacking::kNamed);
+  if (map) {
+    void* address = mmap(nullptr, segment.size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (address == MAP_FAILED) {
+      segment.keep_ = true;  // not ours to remove on a failed open
+      return ErrnoError("mmap", name, errno);
+    }
+    segment.address_ = address;
+  }
+  return segment;
+}
+
+absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
+  if (writable) {
+    const int fd = fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", name_, errno);
+    return fd;
+  }
+  // A new open file description, read-only: a duplicate of fd_ would carry its write access.
+  if (backing_ == SegmentBacking::kNamed) {
+    const int fd = shm_open(name_.c_str(), O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return ErrnoError("shm_open(O_RDONLY)", name_, errno);
+    // The name must still be this object: never hand out another under it.
+    struct stat ours;
+    struct stat opened;
+    if (fstat(fd_, &ours) != 0 || fstat(fd, &opened) != 0 || ours.st_dev != opened.st_dev ||
+        ours.st_ino != opened.st_ino) {
+      close(fd);
+      return absl::DataLossError(
+          absl::StrCat(name_,
+                       ": the name belongs to another object now (removed or replaced behind the "
+                       "daemon's back)"));
+    }
+    return fd;
+  }
+  // A memfd has no name to open: its /proc link is reopened instead.
+  const std::string path = absl::StrCat("/proc/self/fd/", fd_);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError("open(" + path + ", O_RDONLY)", name_, errno);
+  return fd;
+}
+
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept
+    : name_(std::move(other.name_)),
+      size_(other.size_),
+      fd_(other.fd_),
+      address_(other.address_),
+      backing_(other.backing_),
+      keep_(other.keep_) {
+  other.name_.clear();
+  other.fd_ = -1;
+  other.address_ = nullptr;
+}
+
+ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    name_ = std::move(other.name_);
+    size_ = other.size_;
+    fd_ = other.fd_;
+    address_ = other.address_;
+    backing_ = other.backing_;
+    keep_ = other.keep_;
+    other.name_.clear();
+    other.fd_ = -1;
+    other.address_ = nullptr;
+  }
+  return *this;
+}
+
+ShmSegment::~ShmSegment() { Reset(); }
+
+absl::Status ShmSegment::Discard() {
+  if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size_)) !=
+      0) {
+    return ErrnoError("fallocate(PUNCH_HOLE)", name_, errno);
+  }
+  return absl::OkStatus();
+}
+
+void ShmSegment::Unlink() {
+  if (keep_ || backing_ != SegmentBacking::kNamed || name_.empty()) return;
+  bip::shared_memory_object::remove(name_.c_str() + 1);
+  keep_ = true;  // nothing left to unlink, and never a later object under the same name
+}
+
+void ShmSegment::Reset() {
+  if (address_ != nullptr) munmap(address_, size_);
+  address_ = nullptr;
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+  if (!name_.empty() && !keep_ && backing_ == SegmentBacking::kNamed) {
+    bip::shared_memory_object::remove(name_.c_str() + 1);
+  }
+  name_.clear();
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,92 @@
+// A shared memory object created by tensorshmd: one host pool segment, or the control segment.
+// Either a named POSIX shm object in /dev/shm (survives the daemon, so a restarted daemon can
+// recover it) or an anonymous memfd (not bound by the size of /dev/shm; dies with the daemon).
+// Move-only; the creator unlinks a named object when destroyed.
+#ifndef TENSORSHM_SERVER_MEMORY_SHM_SEGMENT_H_
+#define TENSORSHM_SERVER_MEMORY_SHM_SEGMENT_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace tensorshm {
+
+// The mode of every object tensorshmd creates; a restarted daemon takes back only objects of
+// exactly this mode, owned by its uid.
+inline constexpr mode_t kSegmentMode = 0600;
+
+enum class SegmentBacking {
+  kNamed,  // POSIX shm object "/<name>" in /dev/shm
+  kMemfd,  // memfd_create: anonymous, sealed against resizing
+};
+
+// Thread-compatible.
+class ShmSegment {
+ public:
+  // Creates the object `name` ("/..."; a memfd takes it as its debugging name), `size` bytes,
+  // mode 0600 regardless of the umask, and reserves all its pages with posix_fallocate so that
+  // a full /dev/shm (or memory cgroup) fails here rather than later as SIGBUS in a client. With
+  // `map` the daemon also maps it read-write. Returns ALREADY_EXISTS if the name is taken,
+  // RESOURCE_EXHAUSTED if `size` bytes cannot be reserved (the object is removed again), or
+  // another error naming the call and object.
+  static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size, bool map,
+                                           SegmentBacking backing = SegmentBacking::kNamed);
+
+  // Re-opens the existing named object `name` (a restarted daemon taking its segments back); the
+  // result owns it like a created one. Its size is the object's. NOT_FOUND if it is gone.
+  // Only an object this daemon could have created is taken: opened without following a link
+  // (O_NOFOLLOW), it must be a regular file owned by the daemon's euid with mode kSegmentMode;
+  // anything else is FAILED_PRECONDITION naming the object, its owner and mode and the fix, and
+  // is left in place (never unlinked).
+  static absl::StatusOr<ShmSegment> Open(const std::string& name, bool map);
+
+  ShmSegment(ShmSegment&& other) noexcept;
+  ShmSegment& operator=(ShmSegment&& other) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();  // unmaps, closes, and unlinks a named object
+
+  // Leaves a named object in place when this is destroyed (--keep-segments).
+  void Keep() { keep_ = true; }
+
+  // Removes a named object's name now (the object lives on until its last descriptor and
+  // mapping go), so that the name is free for a new object at once; destroying this then
+  // unlinks nothing. Nothing for a memfd or a kept object.
+  void Unlink();
+
+  // Frees every page of the object (punches it out; the size stays), whoever maps it: a segment
+  // given back to the pool keeps no memory for clients that still map it. Errors name the call
+  // and the object.
+  absl::Status Discard();
+
+  // A new descriptor of the object for a client (close-on-exec; the caller closes it):
+  // read-only, or read-write. A read-only one cannot be mapped writable nor reopened writable by
+  // anyone but the daemon's uid (the object is mode 0600). Errors name the call and the object.
+  absl::StatusOr<int> OpenForClient(bool writable) const;
+
+  const std::string& name() const { return name_; }
+  uint64_t size() const { return size_; }
+  SegmentBacking backing() const { return backing_; }
+  // The daemon's read-write mapping; nullptr unless created with `map`.
+  void* address() const { return address_; }
+
+ private:
+  ShmSegment(std::string name, uint64_t size, int fd, void* address, SegmentBacking backing)
+      : name_(std::move(name)), size_(size), fd_(fd), address_(address), backing_(backing) {}
+  void Reset();
+
+  std::string name_;
+  uint64_t size_ = 0;
+  int fd_ = -1;  // read-write, kept for OpenForClient
+  void* address_ = nullptr;
+  SegmentBacking backing_ = SegmentBacking::kNamed;
+  bool keep_ = false;
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_MEMORY_SHM_SEGMENT_H_

@@ -1,0 +1,201 @@
+#include "server/rpc/memory_channel.h"
+
+#include <sched.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/shm/channel_frame.h"
+#include "common/base/sys_error.h"
+#include "server/ops/log.h"
+
+namespace tensorshm {
+
+absl::StatusOr<std::unique_ptr<ChannelServer>> ChannelServer::Start(Handler handler) {
+  const int epoll = epoll_create1(EPOLL_CLOEXEC);
+  if (epoll < 0) return ErrnoError("epoll_create1", "memory channel", errno);
+  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake < 0) {
+    const int err = errno;
+    close(epoll);
+    return ErrnoError("eventfd", "memory channel", err);
+  }
+  epoll_event event{};
+  event.events = EPOLLIN;
+  event.data.fd = wake;
+  if (epoll_ctl(epoll, EPOLL_CTL_ADD, wake, &event) != 0) {
+    const int err = errno;
+    close(wake);
+    close(epoll);
+    return ErrnoError("epoll_ctl", "memory channel", err);
+  }
+  std::unique_ptr<ChannelServer> server(new ChannelServer(std::move(handler), epoll, wake));
+  server->thread_ = std::thread(&ChannelServer::Run, server.get());
+  return server;
+}
+
+ChannelServer::~ChannelServer() {
+  Stop();
+  close(epoll_fd_);
+  close(wake_fd_);
+}
+
+void ChannelServer::Add(int fd, const PeerCredentials& peer) {
+  {
+    MutexLock lock(&mu_);
+    auto connection = std::make_unique<Connection>();
+    connection->state.peer = peer;
+    connections_[fd] = std::move(connection);
+  }
+  epoll_event event{};
+  event.events = EPOLLIN | EPOLLRDHUP;
+  event.data.fd = fd;
+  if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &event) != 0) {
+    TSM_LOG(kWarning) << "memory channel of pid " << peer.pid
+                      << ": epoll_ctl: " << std::strerror(errno);
+    Close(fd);
+  }
+}
+
+size_t ChannelServer::connection_count() const {
+  MutexLock lock(&mu_);
+  return connections_.size();
+}
+
+void ChannelServer::Stop() {
+  if (!thread_.joinable()) return;
+  const uint64_t one = 1;
+  if (write(wake_fd_, &one, sizeof(one)) < 0) {
+    TSM_LOG(kWarning) << "waking the memory channel: " << std::strerror(errno);
+  }
+  thread_.join();
+  MutexLock lock(&mu_);
+  for (const auto& [fd, connection] : connections_) close(fd);
+  connections_.clear();
+}
+
+void ChannelServer::Close(int fd) {
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+  MutexLock lock(&mu_);
+  if (connections_.erase(fd) > 0) close(fd);
+}
+
+void ChannelServer::Run() {
+  // After serving a request, look for the next for a little while before sleeping: a producer's
+  // next request (a put's publish after its create, a delete after a put) usually comes within
+  // tens of microseconds, and finding it awake spares the sender a wake-up of this thread, which
+  // costs it more than the request itself on a virtual machine. Yields between looks; idle, the
+  // thread sleeps in epoll_wait as before. A client filling a buffer asks for a longer look
+  // (ChannelExpect) before its publish.
+  constexpr absl::Duration kLinger = absl::Microseconds(50);
+  absl::Time linger_until = absl::InfinitePast();
+  while (true) {
+    epoll_event events[64];
+    int n = 0;
+    while (true) {
+      n = epoll_wait(epoll_fd_, events, 64, 0);
+      if (n != 0 || absl::Now() >= linger_until) break;
+      sched_yield();
+    }
+    if (n == 0 && expect_fd_ >= 0) {
+      // The expected request did not come in time (a slow fill, a crowded machine, where the
+      // look only takes CPU from the others): the next expectations are not looked for.
+      expect_fd_ = -1;
+      expect_until_ = absl::InfinitePast();
+      expects_skipped_ = kExpectsAfterMiss;
+    }
+    if (n == 0) n = epoll_wait(epoll_fd_, events, 64, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      TSM_LOG(kError) << "memory channel: epoll_wait: " << std::strerror(errno);
+      return;
+    }
+    for (int i = 0; i < n; ++i) {
+      const int fd = events[i].data.fd;
+      if (fd == wake_fd_) return;
+      Connection* connection;
+      {
+        MutexLock lock(&mu_);
+        auto it = connections_.find(fd);
+        if (it == connections_.end()) continue;
+        connection = it->second.get();  // only this thread removes connections while running
+      }
+      if (!Serve(fd, *connection)) Close(fd);
+    }
+    linger_until = std::max(absl::Now() + kLinger, expect_until_);
+  }
+}
+
+bool ChannelServer::Serve(int fd, Connection& connection) {
+  const PeerCredentials& peer = connection.state.peer;
+  const std::string who = absl::StrCat("of pid ", peer.pid, " (uid ", peer.uid, ")");
+  char buffer[16 * 1024];
+  bool closed = false;
+  while (true) {
+    // Plain recv: descriptors a client might attach are discarded by the kernel.
+    const ssize_t got = recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT);
+    if (got > 0) {
+      connection.input.Append(buffer, static_cast<size_t>(got));
+      // Enough for a whole frame: answer what is there first (epoll tells again about the rest).
+      if (connection.input.buffered() > kFrameHeaderBytes + kMaxChannelFrame) break;
+      continue;
+    }
+    if (got == 0) closed = true;
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK) closed = true;
+    break;
+  }
+  while (true) {
+    absl::string_view body;
+    uint32_t length = 0;
+    const FrameReader::Result next = connection.input.Next(&body, &length);
+    if (next == FrameReader::Result::kNeedMore) break;
+    if (next == FrameReader::Result::kTooLarge) {
+      TSM_LOG(kWarning) << "memory channel " << who << ": frame of " << length << " bytes (at most "
+                        << kMaxChannelFrame << "); closed";
+      return false;
+    }
+    v1::ChannelRequest request;
+    if (!request.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
+      TSM_LOG(kWarning) << "memory channel " << who << ": a frame that is no ChannelRequest; "
+                        << "closed";
+      return false;
+    }
+    if (fd == expect_fd_) {  // the request it expected
+      expect_until_ = absl::InfinitePast();
+      expect_fd_ = -1;
+    }
+    if (request.kind_case() == v1::ChannelRequest::kExpect) {
+      // Bounded, so that a client cannot keep this thread looking for long with one message.
+      constexpr absl::Duration kLongestExpect = absl::Milliseconds(1);
+      if (expects_skipped_ > 0) {
+        --expects_skipped_;
+      } else if (!connection.state.session_token.empty()) {
+        expect_until_ =
+            absl::Now() + std::min(absl::Microseconds(request.expect().micros()), kLongestExpect);
+        expect_fd_ = fd;
+      }
+      continue;  // answered by nothing
+    }
+    ChannelReply reply = handler_(connection.state, request);
+    std::string frame(kFrameHeaderBytes, '\0');
+    reply.response.AppendToString(&frame);
+    EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
+    absl::Status sent = SendWithFd(fd, frame, reply.fd, /*nonblocking=*/true, who);
+    if (reply.fd >= 0) close(reply.fd);
+    if (!sent.ok()) {
+      TSM_LOG(kWarning) << sent.message();
+      return false;
+    }
+  }
+  return !closed;
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,84 @@
+// The daemon's side of the memory channel: the connections clients open next to their gRPC
+// connection to receive segment descriptors (see ChannelRequest in the .proto). One thread
+// serves them all with epoll; requests are answered in order, one response each.
+#ifndef TENSORSHM_SERVER_RPC_MEMORY_CHANNEL_H_
+#define TENSORSHM_SERVER_RPC_MEMORY_CHANNEL_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/shm/channel_frame.h"
+#include "common/base/mutex.h"
+#include "server/core/access.h"
+#include "tensorshm/v1/tensorshm.pb.h"
+
+namespace tensorshm {
+
+// One memory channel connection as the request handler sees it.
+struct ChannelConnection {
+  PeerCredentials peer;       // from SO_PEERCRED when it was accepted
+  std::string session_token;  // the session it is bound to; empty until a bind succeeds
+};
+
+// What the handler answers: the response, and a descriptor to send with it (or -1), which the
+// server closes once sent.
+struct ChannelReply {
+  v1::ChannelResponse response;
+  int fd = -1;
+};
+
+// Thread-safe.
+class ChannelServer {
+ public:
+  using Handler = std::function<ChannelReply(ChannelConnection&, const v1::ChannelRequest&)>;
+
+  // Starts the serving thread. Errors name the call that failed.
+  static absl::StatusOr<std::unique_ptr<ChannelServer>> Start(Handler handler);
+  ~ChannelServer();  // Stop()s
+  ChannelServer(const ChannelServer&) = delete;
+  ChannelServer& operator=(const ChannelServer&) = delete;
+
+  // Serves connection `fd` (non-blocking; its hello already read), which it now owns.
+  void Add(int fd, const PeerCredentials& peer) ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes every connection and joins the thread; idempotent. The handler is not called after.
+  void Stop();
+
+  size_t connection_count() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Connection {
+    ChannelConnection state;
+    FrameReader input;  // bytes received, not yet a whole frame
+  };
+  ChannelServer(Handler handler, int epoll_fd, int wake_fd)
+      : handler_(std::move(handler)), epoll_fd_(epoll_fd), wake_fd_(wake_fd) {}
+  void Run();
+  // Reads what `fd` has and answers every whole frame; false if the connection must go.
+  bool Serve(int fd, Connection& connection);
+  void Close(int fd) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const Handler handler_;
+  const int epoll_fd_;
+  const int wake_fd_;
+  std::thread thread_;
+  // The latest ChannelExpect (serving thread only): until when the thread looks for connection
+  // expect_fd_'s next request rather than sleep; that request ends it.
+  absl::Time expect_until_ = absl::InfinitePast();
+  int expect_fd_ = -1;
+  // After an expected request did not come within its look, this many ChannelExpects are
+  // ignored (the channel thread sleeps as without them).
+  static constexpr int kExpectsAfterMiss = 32;
+  int expects_skipped_ = 0;
+  mutable Mutex mu_;
+  std::map<int, std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_RPC_MEMORY_CHANNEL_H_

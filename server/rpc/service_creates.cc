@@ -1,0 +1,404 @@
+// Creates that wait for memory (CreateRequest.wait_ms): when the pool cannot hold the buffer,
+// the create is a reactor on a first-come-first-served queue, tried again whenever memory may
+// have come free (UnlockAndFinish sees the catalog's release epoch move), and finished by
+// success, its deadline (ExpireWaiters), its cancellation, its session's end or BeginShutdown.
+// No thread waits with it.
+#include <algorithm>
+#include <limits>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/base/check.h"
+#include "common/tensor/grpc_status.h"
+#include "common/tensor/layout.h"
+#include "common/tensor/wire.h"
+#include "server/ops/log.h"
+#include "server/rpc/service.h"
+
+namespace tensorshm {
+
+class TensorShmService::CreateWaiter final : public grpc::ServerUnaryReactor {
+ public:
+  CreateWaiter(TensorShmService* service, grpc::CallbackServerContext* context,
+               const v1::CreateRequest* request, v1::CreateResponse* response)
+      : service(service),
+        context(context),
+        request(request),
+        response(response),
+        wait_ms(request->wait_ms()),
+        request_id(request->request_id()),
+        started(absl::Now()) {}
+
+  void OnCancel() override { service->CancelCreate(this); }
+  void OnDone() override {
+    service->CreateWaiterDone(this, context->IsCancelled());
+    delete this;
+  }
+
+  // The answer once the wait is over: RESOURCE_EXHAUSTED with the last refusal, how long it
+  // waited and the pool's usage now (`usage`).
+  grpc::Status Expired(const std::string& usage) const {
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat(
+            refusal.message(), "; waited ",
+            absl::FormatDuration(absl::Trunc(absl::Now() - started, absl::Milliseconds(1))),
+            " for memory to be freed (",
+            wait_ms > 0 ? absl::StrCat("wait_ms = ", wait_ms)
+                        : std::string("until the call's deadline"),
+            "); ", usage, "; delete or release tensors, or raise the pool's size"));
+  }
+
+  TensorShmService* const service;
+  grpc::CallbackServerContext* const context;
+  const v1::CreateRequest* const request;  // gRPC's, until the call is finished
+  v1::CreateResponse* const response;
+  const int64_t wait_ms;
+  const uint64_t request_id;  // CreateRequest.request_id: 0 if none
+  const absl::Time started;
+  absl::Time deadline = absl::InfiniteFuture();
+  // Counted against --uid-waiters while queued (UidLimits has its own lock).
+  std::optional<UidLimits::WaitCharge> wait_charge;
+
+  // Under the service's mu_.
+  bool listed = false;  // on the queue: not finished yet
+  PoolKey key;
+  uint64_t session_id = 0;
+  std::string token;
+  absl::Status refusal;           // the last RESOURCE_EXHAUSTED the create got
+  std::vector<uint64_t> created;  // the buffers the answer carried, once created
+  std::list<CreateWaiter*>::iterator in_queue;
+  std::multimap<absl::Time, CreateWaiter*>::iterator by_deadline;  // if deadline is finite
+};
+
+namespace {
+
+// The call's deadline; gRPC reports "no deadline" as a far-future time point that absl cannot
+// represent exactly.
+absl::Time CallDeadline(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  return deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)
+             ? absl::InfiniteFuture()
+             : absl::FromChrono(deadline);
+}
+
+// Ids of the tensors a create's answer carries (its own and the stocked ones).
+std::vector<uint64_t> CreatedIds(const v1::CreateResponse& response) {
+  std::vector<uint64_t> ids = {response.tensor_id()};
+  for (const v1::StockedBuffer& stocked : response.stocked()) ids.push_back(stocked.tensor_id());
+  return ids;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerContext* context,
+                                                          const v1::CreateRequest* request,
+                                                          v1::CreateResponse* response) {
+  auto* waiter = new CreateWaiter(this, context, request, response);
+  const absl::Time call_deadline = CallDeadline(*context);
+  waiter->deadline =
+      waiter->wait_ms > 0
+          ? std::min(call_deadline, waiter->started + absl::Milliseconds(waiter->wait_ms))
+          : call_deadline;
+  bool answered_later = false;
+  const grpc::Status status = [&]() -> grpc::Status {
+    absl::StatusOr<PeerCredentials> peer = Admit(*context);
+    if (!peer.ok()) return ToGrpcStatus(peer.status());
+    ServiceLock lock(this);
+    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
+    if (!session.ok()) return ToGrpcStatus(session.status());
+    waiter->token = (*session)->token;
+    if ((*session)->TakeSettled(waiter->request_id)) {
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "create: settled (cancelled) by the client before it arrived");
+    }
+    SegmentGrowth growth;
+    bool pool_full = false;
+    absl::Status created =
+        CreateFor(**session, *request, response, &growth, /*waited=*/false, &pool_full);
+    if (growth.needed() || growth.busy()) {
+      // A pool must grow first: GrowPools answers it (or queues it if still full).
+      if (shutting_down_)
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+      pending_creates_.push_back(PendingCreate{waiter, waiter->token, request, response, waiter});
+      creates_pending_.Signal();
+      answered_later = true;
+      return grpc::Status::OK;
+    }
+    if (created.ok()) {
+      waiter->created = CreatedIds(*response);
+      (*session)->RecordGrant(waiter->request_id, {0, waiter->created});
+      return grpc::Status::OK;
+    }
+    if (!pool_full) return ToGrpcStatus(created);
+    if (shutting_down_)
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+    if (context->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "create cancelled by the client");
+    }
+    if (absl::Now() >= waiter->deadline) return ToGrpcStatus(created);
+    if (absl::Status s = AddCreateWaiter(waiter, **session, created); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
+    answered_later = true;  // queued: whoever takes it off the queue finishes it
+    return grpc::Status::OK;
+  }();
+  if (!answered_later) {
+    metrics_.CountOp(MetricOp::kCreate, static_cast<absl::StatusCode>(status.error_code()));
+    FinishGranting(waiter, status, status.ok() && waiter->request_id != 0);
+  }
+  // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
+  // this returns.
+  return waiter;
+}
+
+void TensorShmService::FinishCreate(CreateWaiter* waiter, grpc::Status status) {
+  metrics_.CountOp(MetricOp::kCreate, static_cast<absl::StatusCode>(status.error_code()));
+  const bool granted = status.ok() && waiter->request_id != 0;
+  finishing_.push_back({waiter, std::move(status), granted});
+}
+
+absl::Status TensorShmService::AddCreateWaiter(CreateWaiter* waiter,
+                                               const tensorshm::Session& session,
+                                               const absl::Status& refusal) {
+  absl::StatusOr<UidLimits::WaitCharge> charge = uid_limits_.StartWait(session.uid);
+  if (!charge.ok()) return charge.status();
+  waiter->wait_charge = *std::move(charge);
+  DLDevice device =
+      waiter->request->has_device() ? FromWire(waiter->request->device()) : DLDevice{kDLCPU, 0};
+  if (!waiter->request->device_uuid().empty()) {
+    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, waiter->request->device_uuid());
+    TSM_CHECK(ordinal.ok());  // CreateFor resolved it
+    device.device_id = *ordinal;
+  }
+  waiter->key =
+      PoolKey{device.device_type, device.device_id, device.device_type == kDLCPU ? session.uid : 0};
+  waiter->session_id = session.id;
+  waiter->token = session.token;
+  waiter->refusal = refusal;
+  waiter->in_queue = creates_waiting_.insert(creates_waiting_.end(), waiter);
+  if (waiter->deadline != absl::InfiniteFuture()) {
+    waiter->by_deadline = creates_by_deadline_.emplace(waiter->deadline, waiter);
+    // The timer sleeps until the earliest deadline: wake it (it looks at both kinds of waiter).
+    next_deadline_.Signal();
+  }
+  waiter->listed = true;
+  TSM_LOG(kDebug) << "session " << session.id << ": create waits for memory (" << refusal.message()
+                  << ")";
+  return absl::OkStatus();
+}
+
+void TensorShmService::RemoveCreateWaiter(CreateWaiter* waiter) {
+  TSM_CHECK(waiter->listed);
+  waiter->listed = false;
+  waiter->wait_charge.reset();
+  creates_waiting_.erase(waiter->in_queue);
+  if (waiter->deadline != absl::InfiniteFuture()) creates_by_deadline_.erase(waiter->by_deadline);
+  // The creates behind it no longer wait for it.
+  retry_creates_ = true;
+}
+
+absl::Status TensorShmService::CheckCreateQuotas(tensorshm::Session& session,
+                                                 const DLDataType& dtype,
+                                                 absl::Span<const int64_t> shape,
+                                                 absl::Span<const int64_t> strides,
+                                                 const DLDevice& device, bool subbyte_padded) {
+  absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides, subbyte_padded);
+  if (!layout.ok() || layout->nbytes <= 0) return absl::OkStatus();
+  // The buffer's length as the pool rounds it (HostPool: whole pages; CudaPool: its alignment).
+  const uint64_t unit = device.device_type == kDLCUDA ? kCudaAlignment : HostPool::PageSize();
+  const uint64_t nbytes = static_cast<uint64_t>(layout->nbytes);
+  if (nbytes > std::numeric_limits<uint64_t>::max() - unit) return absl::OkStatus();
+  const uint64_t length = (nbytes + unit - 1) / unit * unit;
+  if (session_quota_bytes_ > 0 && (length > session_quota_bytes_ ||
+                                   session.unpublished_bytes > session_quota_bytes_ - length)) {
+    metrics_.CountAllocationFailure(AllocationFailure::kQuota);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session quota: ", length, " more bytes requested, ",
+                     session.unpublished_bytes, " bytes of unpublished tensors held, quota ",
+                     session_quota_bytes_, " bytes (--session-quota); publish or drop some first"));
+  }
+  // --uid-quota, asked of the uid's counts as the create would charge them, and given back at
+  // once: the create charges them for real, with its tensor's id, once it has its buffer. All
+  // creates run under mu_, so nothing charges this uid in between.
+  if (absl::Status s = session.uid_charge.AddUnpublished(length); !s.ok()) {
+    if (absl::IsResourceExhausted(s)) metrics_.CountAllocationFailure(AllocationFailure::kQuota);
+    return s;
+  }
+  session.uid_charge.DropUnpublished(length);
+  return absl::OkStatus();
+}
+
+absl::Status TensorShmService::CheckCreateQueue(const PoolKey& key) const {
+  int64_t ahead = 0;
+  for (const CreateWaiter* waiter : creates_waiting_) ahead += waiter->key == key ? 1 : 0;
+  if (ahead == 0) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      PoolUsage(key), ": ", ahead, " earlier create", ahead == 1 ? " waits" : "s wait",
+      " for memory", key.device_type == kDLCPU ? absl::StrCat(" of uid ", key.uid) : "",
+      ", and creates are served in order (a create with a timeout queues behind them)"));
+}
+
+std::string TensorShmService::PoolUsage(const PoolKey& key) const {
+  if (key.device_type == kDLCUDA) {
+    const CudaPool* pool = catalog_->cuda_pool(key.device_id);
+    if (pool == nullptr) return absl::StrCat("cuda:", key.device_id, " pool: none");
+    return absl::StrCat("cuda:", key.device_id, " pool: ", pool->used_bytes(), " of ",
+                        pool->capacity_bytes(), " bytes used");
+  }
+  const HostPool& pool = catalog_->host_pool();
+  return absl::StrCat("host pool: ", pool.used_bytes(), " of ", pool.capacity_bytes(),
+                      " bytes used");
+}
+
+void TensorShmService::RetryWaitingCreates() {
+  retry_creates_ = false;
+  std::set<PoolKey> blocked;  // keys whose earliest waiting create still does not fit
+  for (auto it = creates_waiting_.begin(); it != creates_waiting_.end();) {
+    CreateWaiter* waiter = *it++;
+    if (blocked.count(waiter->key) > 0) continue;
+    // A waiting create's session is alive: CloseSession takes its creates off first.
+    tensorshm::Session* session = sessions_.Find(waiter->token);
+    TSM_CHECK(session != nullptr);
+    SegmentGrowth growth;
+    bool pool_full = false;
+    waiter->response->Clear();
+    const absl::Status status = CreateFor(*session, *waiter->request, waiter->response, &growth,
+                                          /*waited=*/true, &pool_full);
+    if (growth.needed() || growth.busy()) {
+      RemoveCreateWaiter(waiter);
+      pending_creates_.push_back(
+          PendingCreate{waiter, waiter->token, waiter->request, waiter->response, waiter});
+      creates_pending_.Signal();
+      continue;
+    }
+    if (pool_full) {
+      waiter->refusal = status;
+      blocked.insert(waiter->key);
+      continue;
+    }
+    RemoveCreateWaiter(waiter);
+    if (status.ok()) {
+      waiter->created = CreatedIds(*waiter->response);
+      session->RecordGrant(waiter->request_id, {0, waiter->created});
+      TSM_LOG(kDebug) << "session " << waiter->session_id << ": waiting create served after "
+                      << absl::FormatDuration(absl::Now() - waiter->started);
+    }
+    FinishCreate(waiter, ToGrpcStatus(status));
+  }
+  // Retried now: what a retry itself freed (an eviction) needs no other round.
+  retry_creates_ = false;
+  retried_epoch_ = catalog_->release_epoch();
+}
+
+bool TensorShmService::ExpireCreates(absl::Time now) {
+  bool expired = false;
+  while (!creates_by_deadline_.empty() && creates_by_deadline_.begin()->first <= now) {
+    CreateWaiter* waiter = creates_by_deadline_.begin()->second;
+    RemoveCreateWaiter(waiter);
+    FinishCreate(waiter, waiter->Expired(PoolUsage(waiter->key)));
+    expired = true;
+  }
+  return expired;
+}
+
+absl::Time TensorShmService::NextCreateDeadline() const {
+  return creates_by_deadline_.empty() ? absl::InfiniteFuture()
+                                      : creates_by_deadline_.begin()->first;
+}
+
+void TensorShmService::FailSessionCreates(uint64_t session_id, const std::string& token) {
+  const grpc::Status status = ToGrpcStatus(NoSession(token));
+  for (auto it = creates_waiting_.begin(); it != creates_waiting_.end();) {
+    CreateWaiter* waiter = *it++;
+    if (waiter->session_id != session_id) continue;
+    RemoveCreateWaiter(waiter);
+    FinishCreate(waiter, status);
+  }
+}
+
+void TensorShmService::FailWaitingCreates(const grpc::Status& status) {
+  while (!creates_waiting_.empty()) {
+    CreateWaiter* waiter = creates_waiting_.front();
+    RemoveCreateWaiter(waiter);
+    FinishCreate(waiter, status);
+  }
+}
+
+void TensorShmService::CancelCreate(CreateWaiter* waiter) {
+  ServiceLock lock(this);
+  if (!waiter->listed) return;  // finished already, or being finished
+  RemoveCreateWaiter(waiter);
+  FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED, "create cancelled by the client"));
+}
+
+void TensorShmService::CreateWaiterDone(CreateWaiter* waiter, bool cancelled) {
+  ServiceLock lock(this);
+  TSM_CHECK(!waiter->listed);
+  if (!cancelled || waiter->created.empty()) return;
+  // The test hook plays an answer that crossed the cancel: only the client's settle gives back.
+  if (waiter->request_id != 0 && cross_cancel_hold_ > absl::ZeroDuration()) return;
+  // Created, but the client gave up on the call before the answer reached it: nobody knows the
+  // buffers' ids, so nobody would publish or drop them before the session ends.
+  tensorshm::Session* session = sessions_.Find(waiter->token);
+  if (session == nullptr) return;  // ended: its unpublished tensors went with it
+  for (uint64_t id : waiter->created) {
+    if (session->unpublished.count(id) == 0) continue;
+    if (catalog_->Abandon(session->id, id).ok()) session->ForgetUnpublished(id);
+  }
+}
+
+void TensorShmService::FinishGrownCreate(CreateWaiter* waiter, const absl::Status& grown,
+                                         bool pool_full) {
+  absl::Status status = grown;
+  if (status.ok()) {
+    status =
+        KeepCreated(waiter->token, NoSession(waiter->token), waiter->request_id, *waiter->response);
+    if (status.ok()) waiter->created = CreatedIds(*waiter->response);
+  } else if (pool_full && !shutting_down_ && absl::Now() < waiter->deadline &&
+             !waiter->context->IsCancelled()) {
+    // The segment it waited for went to others: it waits for memory as any create.
+    tensorshm::Session* session = sessions_.Find(waiter->token);
+    if (session != nullptr && session->TakeSettled(waiter->request_id)) {
+      FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
+                                        "create settled (cancelled) by the client"));
+      return;
+    }
+    if (session != nullptr) {
+      absl::Status queued = AddCreateWaiter(waiter, *session, status);
+      if (queued.ok()) return;
+      FinishCreate(waiter, ToGrpcStatus(queued));
+      return;
+    }
+  }
+  FinishCreate(waiter, ToGrpcStatus(status));
+}
+
+bool TensorShmService::CancelSettledCreate(uint64_t session_id, uint64_t request_id) {
+  for (CreateWaiter* waiter : creates_waiting_) {
+    if (waiter->session_id != session_id || waiter->request_id != request_id) continue;
+    RemoveCreateWaiter(waiter);
+    FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
+                                      "create settled (cancelled) by the client"));
+    return true;
+  }
+  return false;
+}
+
+absl::Status TensorShmService::KeepCreated(const std::string& token, const absl::Status& gone,
+                                           uint64_t request_id,
+                                           const v1::CreateResponse& response) {
+  if (request_id == 0) return absl::OkStatus();
+  tensorshm::Session* session = sessions_.Find(token);
+  if (session == nullptr) return gone;  // its unpublished tensors went with it
+  if (!session->TakeSettled(request_id)) {
+    session->RecordGrant(request_id, {0, CreatedIds(response)});
+    return absl::OkStatus();
+  }
+  // Settled while its segment was being made: nobody will take these buffers.
+  GiveBack(*session, {0, CreatedIds(response)});
+  return absl::CancelledError("create: settled (cancelled) by the client");
+}
+
+}  // namespace tensorshm
