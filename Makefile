@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-ray install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-ray install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -35,6 +35,11 @@ test-cpp: build
 # The Python package, built by scikit-build-core into .venv (incrementally, in build-python/).
 python: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VENV_PY) -m pip install --no-build-isolation -q .
+
+# python/tensorshm/_tensorshm.pyi from the bindings, by nanobind's stubgen (checked in; a test in
+# tests/python fails when it drifts from what stubgen makes of the installed extension).
+stubs: python
+	$(VENV_PY) python/generate_stub.py
 
 PYTEST = TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd \
   TSM_FAKE_CUDA_LIB=$(CURDIR)/$(BUILD_DIR)/tests/libtsm_fake_cuda.so $(VENV_PY) -m pytest -q -rs

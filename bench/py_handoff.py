@@ -23,7 +23,7 @@ every method, so that the consumer is waiting.
   Ray:             ray.put(array) in the driver -> an actor's ray.get of the ref (zero-copy from
                    the object store), on a local Ray started with ray.init(num_cpus=2); run in
                    --ray-python (or RAY_PYTHON, or .venv-ray/bin/python, or this interpreter when
-                   ray imports here; `make bench-ray` makes .venv-ray)
+                   ray imports here; `make bench-ray` makes .venv-ray; bench/py_handoff_ray.py)
 
 Page faults per handoff (getrusage ru_minflt deltas, medians) are measured inside the producer
 around its send (put, copy in, pickle, ...) and inside the consumer around its receive, read and
@@ -38,7 +38,6 @@ each a median.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 
@@ -46,8 +45,6 @@ import os
 # ~9% of the CPU while every method ran; on a 2-core machine that skews every row. One thread,
 # for every row alike (children inherit it).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-import pathlib
-import resource
 import shutil
 import statistics
 import subprocess
@@ -55,8 +52,7 @@ import sys
 import tempfile
 import time
 
-PAGE = 4096
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from py_handoff_ray import ROOT, minor_faults, ray_python, run_ray, touch  # noqa: E402 - after the env
 
 
 def parse_size(text: str) -> int:
@@ -80,18 +76,6 @@ def fmt_ns(ns: float) -> str:
         return f"{ns / 1e6:.2f} ms"
     return f"{ns / 1e9:.2f} s"
 
-
-def minor_faults() -> int:
-    """Minor page faults of this process so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def touch(array) -> int:
-    """Reads one byte per page of the array's memory."""
-    import numpy as np
-
-    flat = array.reshape(-1).view(np.uint8)
-    return int(flat[::PAGE].sum()) + int(flat[-1])
 
 
 # ---- producers and consumers (child processes) ----
@@ -232,105 +216,9 @@ def torch_consumer(size, iterations, ready, report, queue):
         report.send((end, minor_faults() - f0))
 
 
-# ---- Ray (in its own interpreter: --ray-child) ----
-
-def ray_child(spec: dict) -> int:
-    """Runs the Ray handoffs for spec's sizes; prints one JSON object per size, or
-    {"skipped": reason}."""
-    try:
-        import numpy as np
-        import ray
-    except ImportError as e:
-        print(json.dumps({"skipped": f"{e} in {sys.executable}"}), flush=True)
-        return 0
-    largest = max(spec["sizes"])
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=max(2 * largest + (256 << 20), 100 << 20),
-                 _node_ip_address="127.0.0.1")
-    except Exception as e:  # noqa: BLE001 - any failure to start Ray is a reason to skip
-        print(json.dumps({"skipped": f"ray.init failed: {type(e).__name__}: {e}"}), flush=True)
-        return 0
-
-    @ray.remote(num_cpus=1)
-    class Consumer:
-        def consume(self, refs):
-            f0 = minor_faults()
-            array = ray.get(refs[0])
-            touch(array)
-            end = time.monotonic_ns()
-            del array
-            return end, minor_faults() - f0
-
-    consumer = Consumer.remote()
-    ray.get(consumer.consume.remote([ray.put(np.zeros(1, np.uint8))]))  # the actor is up
-    try:
-        for size, iterations in zip(spec["sizes"], spec["iterations"]):
-            array = np.full(size, 7, dtype=np.uint8)
-            times, producer_faults, consumer_faults = [], [], []
-            for _ in range(iterations):
-                time.sleep(0.002)  # the same idle gap as the other methods
-                f0 = minor_faults()
-                start = time.monotonic_ns()
-                ref = ray.put(array)
-                faults = minor_faults() - f0
-                end, actor_faults = ray.get(consumer.consume.remote([ref]))
-                del ref
-                times.append(end - start)
-                producer_faults.append(faults)
-                consumer_faults.append(actor_faults)
-            print(json.dumps({"size": size, "times": times, "producer_faults": producer_faults,
-                              "consumer_faults": consumer_faults}), flush=True)
-    finally:
-        ray.shutdown()
-    return 0
-
-
-def ray_python(flag: str | None) -> str | None:
-    """The interpreter to run the Ray row with, or None."""
-    if flag or os.environ.get("RAY_PYTHON"):
-        return flag or os.environ["RAY_PYTHON"]
-    try:
-        import ray  # noqa: F401
-
-        return sys.executable
-    except ImportError:
-        pass
-    venv = ROOT / ".venv-ray" / "bin" / "python"
-    return str(venv) if venv.exists() else None
-
-
-def run_ray(python: str | None, sizes, iterations) -> dict:
-    """{size: (times, producer faults, consumer faults)}, or {"skipped": reason}."""
-    if python is None:
-        return {"skipped": "ray does not import here and there is no .venv-ray "
-                           "(make bench-ray, or --ray-python PATH)"}
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-    spec = json.dumps({"sizes": sizes, "iterations": iterations})
-    try:
-        run = subprocess.run([python, __file__, "--ray-child", spec], env=env,
-                             capture_output=True, text=True, timeout=1800)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {"skipped": f"{python}: {e}"}
-    results = {}
-    for line in run.stdout.splitlines():
-        if not line.startswith("{"):
-            continue
-        row = json.loads(line)
-        if "skipped" in row:
-            return row
-        results[row["size"]] = (row["times"], row["producer_faults"], row["consumer_faults"])
-    if run.returncode != 0 and len(results) < len(sizes):
-        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"skipped": f"the Ray run failed (exit {run.returncode}): {tail}"}
-    return results
-
-
 # ---- the driver ----
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--ray-child":
-        return ray_child(json.loads(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4Ki,64Ki,1Mi,16Mi,256Mi")
     parser.add_argument("--max-iterations", type=int, default=100)

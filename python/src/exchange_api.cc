@@ -168,4 +168,14 @@ std::array<int64_t, 5> ExchangeApiCalls() {
   return out;
 }
 
+std::map<std::string, int64_t> ExchangeApiCallsByName() {
+  const std::array<int64_t, 5> calls = ExchangeApiCalls();
+  const char* names[] = {"managed_tensor_allocator", "managed_tensor_from_py_object_no_sync",
+                         "managed_tensor_to_py_object_no_sync", "dltensor_from_py_object_no_sync",
+                         "current_work_stream"};
+  std::map<std::string, int64_t> out;
+  for (int i = 0; i < 5; ++i) out[names[i]] = calls[i];
+  return out;
+}
+
 }  // namespace tensorshm::python

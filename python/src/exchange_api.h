@@ -6,6 +6,8 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
+#include <string>
 
 namespace tensorshm::python {
 
@@ -15,6 +17,8 @@ const DLPackExchangeAPI* ExchangeApi();
 // How often each entry has been called, for tests: allocator, managed_from_py,
 // managed_to_py, dltensor_from_py, current_work_stream.
 std::array<int64_t, 5> ExchangeApiCalls();
+// The same, by the entries' names in DLPackExchangeAPI (_exchange_api_calls()).
+std::map<std::string, int64_t> ExchangeApiCallsByName();
 
 }  // namespace tensorshm::python
 

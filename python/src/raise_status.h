@@ -32,6 +32,13 @@ inline void Check(const absl::Status& status) {
   if (!status.ok()) Raise(status);
 }
 
+// Sets tensorshm._errors.`error` (a class name) with `message` as the current Python exception.
+// REQUIRES the GIL.
+inline void SetError(const char* error, const std::string& message) {
+  nanobind::object cls = nanobind::module_::import_("tensorshm._errors").attr(error);
+  PyErr_SetString(cls.ptr(), message.c_str());
+}
+
 }  // namespace tensorshm::python
 
 #endif  // TENSORSHM_PYTHON_RAISE_STATUS_H_

@@ -140,4 +140,32 @@ absl::StatusOr<DLManagedTensor*> ExportLegacy(const std::shared_ptr<Storage>& st
   return &(*e)->legacy;
 }
 
+std::shared_ptr<Storage> FromLease(DLManagedTensorVersioned* lease) {
+  auto storage = std::make_shared<Storage>();
+  storage->versioned = lease;
+  storage->lease = true;
+  storage->tensor = lease->dl_tensor;  // shape/strides stay owned by the lease
+  storage->flags = lease->flags;
+  storage->shape.assign(lease->dl_tensor.shape, lease->dl_tensor.shape + lease->dl_tensor.ndim);
+  storage->strides.assign(lease->dl_tensor.strides,
+                          lease->dl_tensor.strides + lease->dl_tensor.ndim);
+  storage->tensor.shape = storage->shape.data();
+  storage->tensor.strides = storage->strides.data();
+  return storage;
+}
+
+std::shared_ptr<Storage> FromWritable(WritableTensor tensor) {
+  auto storage = std::make_shared<Storage>();
+  storage->tensor = tensor.dl_tensor();
+  storage->shape.assign(storage->tensor.shape, storage->tensor.shape + storage->tensor.ndim);
+  storage->strides.assign(storage->tensor.strides, storage->tensor.strides + storage->tensor.ndim);
+  storage->tensor.shape = storage->shape.data();
+  storage->tensor.strides = storage->strides.data();
+  storage->flags = tensor.dlpack_flags();
+  // The writable tensor stays in the storage, past publish: it keeps its segment's mapping, so
+  // that views taken before publish stay valid after it.
+  storage->writable.emplace(std::move(tensor));
+  return storage;
+}
+
 }  // namespace tensorshm::python

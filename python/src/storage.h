@@ -62,6 +62,12 @@ absl::StatusOr<DLManagedTensorVersioned*> ExportVersioned(const std::shared_ptr<
 // The same as a pre-1.0 DLManagedTensor (no flags: the caller checks writability).
 absl::StatusOr<DLManagedTensor*> ExportLegacy(const std::shared_ptr<Storage>& storage, bool copy);
 
+// Storage owning `lease` (an acquired tensorshm lease; its deleter runs when the storage goes).
+std::shared_ptr<Storage> FromLease(DLManagedTensorVersioned* lease);
+// Storage owning the unpublished `tensor` (kept past publish: its mapping keeps views taken
+// before publish valid).
+std::shared_ptr<Storage> FromWritable(WritableTensor tensor);
+
 }  // namespace tensorshm::python
 
 #endif  // TENSORSHM_PYTHON_STORAGE_H_

@@ -31,7 +31,7 @@ struct PyWritableTensor : PyTensor {
 };
 
 // As nb::gil_scoped_release, counted so that interpreter exit can wait for every call that let go
-// of the GIL to take it back; a no-op once the interpreter is exiting (module.cc says why). Use
+// of the GIL to take it back; a no-op once the interpreter is exiting (waits.cc says why). Use
 // it, not nb::gil_scoped_release, around every call that may block.
 class ReleaseGil {
  public:
@@ -75,6 +75,8 @@ class ClientRef {
 
 // The client to make a call through (see ClientRef). Raises tensorshm.ClosedError once closed.
 ClientRef Live(const ClientState& state);
+// "tensorshm client of session N (tensorshmd at unix:PATH)", for messages.
+std::string DescribeClient(const ClientState& state);
 
 // `tensor`'s storage; raises tensorshm.ReleasedError naming the tensor once it was released
 // (release() or the end of its with block). REQUIRES the GIL; a caller that releases the GIL
@@ -83,6 +85,8 @@ const std::shared_ptr<Storage>& Live(const PyTensor& tensor);
 // As Live, for C callbacks that return -1 with a Python exception set: nullptr, and the
 // ReleasedError set, if `tensor` was released.
 const std::shared_ptr<Storage>* LiveOrSetError(const PyTensor& tensor);
+// 'tensor "NAME"', or "tensor" for an unnamed one, for messages.
+std::string Describe(const PyTensor& tensor);
 
 // The client the DLPack exchange API's allocator creates tensors through: the last one connected
 // in this process that is still alive. Thread-safe.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
+import subprocess
+import sys
 import threading
 import time
 
@@ -89,3 +92,34 @@ def test_create_accepts_numpy_and_ml_dtypes(client):
     packed = client.create(9, "float4_e2m1fn", subbyte_padded=False)
     assert packed.nbytes == 5 and not packed.subbyte_padded
     assert client.create(9, "float4_e2m1fn").nbytes == 9
+
+
+def test_star_import_keeps_the_builtin_exceptions():
+    names: dict[str, object] = {}
+    exec("from tensorshm import *", names)  # noqa: S102 - what a user's module does
+    for builtin in ("ConnectionError", "PermissionError", "TimeoutError"):
+        assert builtin not in names, builtin
+        # Still reachable as tensorshm.X, and caught by `except X:` of the builtin.
+        assert issubclass(getattr(tensorshm, builtin), getattr(builtins, builtin)), builtin
+    for name in tensorshm.__all__:
+        assert names[name] is getattr(tensorshm, name)
+    assert "Client" in names and "connect" in names and "NotFoundError" in names
+    result = subprocess.run(
+        [sys.executable, "-c", "import builtins; from tensorshm import *; "
+         "print(ConnectionError is builtins.ConnectionError, "
+         "PermissionError is builtins.PermissionError, TimeoutError is builtins.TimeoutError)"],
+        capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "True True True", result
+
+
+def test_every_name_the_package_exported_before_the_split_is_there():
+    # tensorshm/__init__.py was split into _client, _aio, _put, _lifecycle: the public surface
+    # stays where it was.
+    for name in ("AlreadyExistsError", "CancelledError", "Client", "ClosedError",
+                 "ConnectionError", "DataLossError", "Error", "FailedPreconditionError",
+                 "InternalError", "InvalidArgumentError", "NotFoundError", "PermissionError",
+                 "ReleasedError", "ResourceExhaustedError", "Tensor", "TimeoutError",
+                 "UnimplementedError", "WritableTensor", "connect", "to_numpy", "__version__"):
+        assert hasattr(tensorshm, name), name
+    assert tensorshm.Client.__module__ == "tensorshm"
+    assert set(tensorshm.__all__) <= set(dir(tensorshm))

@@ -1,18 +1,13 @@
-// tensorshm tensors through the Arrow PyCapsule interface (the C Data Interface and the C Device
-// Data Interface), as the canonical extension type arrow.fixed_shape_tensor: export (zero-copy,
-// the lease held until Arrow releases the array) and import for Client.put (a DLPack view over
-// an Arrow array, copied in as any DLPack tensor).
-#ifndef TENSORSHM_PYTHON_ARROW_H_
-#define TENSORSHM_PYTHON_ARROW_H_
+// Arrow arrays of the canonical extension type arrow.fixed_shape_tensor imported for Client.put:
+// a DLPack view over the Arrow array, copied in as any DLPack tensor.
+#ifndef TENSORSHM_PYTHON_ARROW_IMPORT_H_
+#define TENSORSHM_PYTHON_ARROW_IMPORT_H_
 
 #include <nanobind/nanobind.h>
 
 #include "tensor_object.h"
 
 namespace tensorshm::python {
-
-// Adds __arrow_c_schema__, __arrow_c_array__ and __arrow_c_device_array__ to tensorshm.Tensor.
-void DefineArrowExports(nanobind::class_<PyTensor>& tensor);
 
 // Adds _Client.arrow_to_dlpack(schema_capsule, array_capsule): takes the Arrow array (an
 // "arrow_array" or "arrow_device_array" capsule, moved out of it) of type arrow.fixed_shape_tensor
@@ -23,4 +18,4 @@ void DefineArrowImport(nanobind::class_<PyClient>& client);
 
 }  // namespace tensorshm::python
 
-#endif  // TENSORSHM_PYTHON_ARROW_H_
+#endif  // TENSORSHM_PYTHON_ARROW_IMPORT_H_
