@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "arrow_abi.h"
+#include "client/interop.h"
 #include "common/tensor/dtype.h"
 #include "common/tensor/wire.h"
 #include "raise_status.h"
@@ -789,7 +790,7 @@ nb::object ArrowToDLPack(PyClient& self, nb::handle schema_capsule, nb::handle a
     absl::Status waited;
     {
       ReleaseGil release;
-      waited = client->StreamWaitEvent(device.device_id, kLegacyDefaultStream, event);
+      waited = StreamWaitEvent(*client, device.device_id, kLegacyDefaultStream, event);
     }
     if (!waited.ok()) {
       moved.release(&moved);
