@@ -27,17 +27,14 @@
 // ready event -> consumer acquire, waiting on the event; acquire = warm re-acquire; memcpy = a
 // device-to-device cuMemcpy of the same bytes in the consumer, the cost tensorshm avoids.
 #include <fcntl.h>
-#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -46,30 +43,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "bench.grpc.pb.h"
 #include "common/cuda/cuda_driver.h"
+#include "handoff_roles.h"
 #include "tensorshm/client.h"
 
 extern char** environ;
 
+namespace handoff {
 namespace {
-
-constexpr size_t kPage = 4096;
-
-int64_t NowNs() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-
-// Reads one byte per page, so every page is really mapped and present.
-uint64_t TouchPages(const void* data, size_t size) {
-  const auto* bytes = static_cast<const volatile unsigned char*>(data);
-  uint64_t sum = 0;
-  for (size_t i = 0; i < size; i += kPage) sum += bytes[i];
-  if (size > 0) sum += bytes[size - 1];
-  return sum;
-}
 
 uint64_t ParseSize(const std::string& text) {
   size_t end = 0;
@@ -97,20 +78,6 @@ std::string FormatNs(double ns) {
   return absl::StrFormat("%.2f s", ns / 1e9);
 }
 
-// Minor page faults of this process so far.
-int64_t MinorFaults() {
-  rusage usage;
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_minflt;
-}
-
-double Median(std::vector<int64_t> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2.0;
-}
-
-// Line-oriented I/O with a child's stdin / stdout.
 struct Child {
   pid_t pid = -1;
   FILE* in = nullptr;   // the child's stdin
@@ -176,241 +143,6 @@ void WaitForSocket(const std::string& socket) {
   }
   std::cerr << "tensorshmd did not make " << socket << " within 20 s\n";
   std::exit(1);
-}
-
-bool ReadLine(std::string& line) { return static_cast<bool>(std::getline(std::cin, line)); }
-
-void Say(const std::string& line) {
-  std::fputs((line + "\n").c_str(), stdout);
-  std::fflush(stdout);
-}
-
-[[noreturn]] void Die(const absl::Status& status) {
-  std::cerr << "handoff_bench: " << status << "\n";
-  std::exit(1);
-}
-
-std::shared_ptr<tensorshm::Client> ConnectOrDie(const std::string& socket) {
-  auto client = tensorshm::Client::Connect({socket, "handoff_bench"});
-  if (!client.ok()) Die(client.status());
-  return *client;
-}
-
-// ---- roles (child processes) ----
-
-int TsmProducer(const std::string& socket, uint64_t size, int iterations) {
-  auto client = ConnectOrDie(socket);
-  std::string line;
-  for (int i = 0; i < iterations && ReadLine(line); ++i) {
-    const int64_t faults = MinorFaults();
-    const int64_t start = NowNs();
-    auto tensor = client->Create({{kDLUInt, 8, 1}, {static_cast<int64_t>(size)}});
-    if (!tensor.ok()) Die(tensor.status());
-    std::memset(tensor->data(), i & 0xff, size);
-    if (absl::Status s = client->Publish(*tensor, absl::StrFormat("bench/%d", i)); !s.ok()) Die(s);
-    Say(absl::StrFormat("start %d %d", start, MinorFaults() - faults));
-  }
-  return 0;
-}
-
-int TsmConsumer(const std::string& socket, uint64_t size, int iterations) {
-  auto client = ConnectOrDie(socket);
-  uint64_t sink = 0;
-  for (int i = 0; i < iterations; ++i) {
-    const std::string name = absl::StrFormat("bench/%d", i);
-    Say("ready");
-    const int64_t faults = MinorFaults();
-    auto tensor = client->Acquire(name, absl::InfiniteDuration());
-    if (!tensor.ok()) Die(tensor.status());
-    sink += TouchPages((*tensor)->dl_tensor.data, size);
-    const int64_t end = NowNs();
-    (*tensor)->deleter(*tensor);
-    const int64_t consumer_faults = MinorFaults() - faults;
-    // Warm: the tensor is published and its segment already mapped.
-    const int64_t warm_start = NowNs();
-    auto again = client->Acquire(name);
-    if (!again.ok()) Die(again.status());
-    sink += TouchPages((*again)->dl_tensor.data, size);
-    const int64_t warm = NowNs() - warm_start;
-    (*again)->deleter(*again);
-    if (absl::Status s = client->Delete(name); !s.ok()) Die(s);
-    if (absl::Status s = client->Flush(); !s.ok()) Die(s);
-    Say(absl::StrFormat("end %d %d %d", end, warm, consumer_faults));
-  }
-  return sink == 42 ? 1 : 0;  // keeps the reads from being optimised away
-}
-
-// A memcpy of `size` bytes into a destination touched beforehand, `iterations` times; says the
-// median time (and the median page faults per copy, 0 when the destination is warm).
-int WarmMemcpy(uint64_t size, int iterations) {
-  std::vector<unsigned char> source(size, 0x5a), destination(size, 0);
-  std::vector<int64_t> times, faults;
-  uint64_t sink = 0;
-  for (int i = 0; i < iterations; ++i) {
-    source[0] = static_cast<unsigned char>(i);
-    const int64_t faults_before = MinorFaults();
-    const int64_t start = NowNs();
-    std::memcpy(destination.data(), source.data(), size);
-    times.push_back(NowNs() - start);
-    faults.push_back(MinorFaults() - faults_before);
-    sink += destination[i % size];
-  }
-  Say(absl::StrFormat("memcpy %d %d", static_cast<int64_t>(Median(times)),
-                      static_cast<int64_t>(Median(faults))));
-  return sink == 42 ? 1 : 0;
-}
-
-// ---- CUDA roles ----
-
-// Device `ordinal`'s primary context, retained for the process's life and made current.
-CUcontext EnterCuda(const tensorshm::CudaDriver* driver, int ordinal) {
-  CUdevice device;
-  CUcontext context;
-  if (absl::Status s = TSM_CU(driver, ordinal, cuDeviceGet, &device, ordinal); !s.ok()) Die(s);
-  if (absl::Status s = TSM_CU(driver, ordinal, cuDevicePrimaryCtxRetain, &context, device);
-      !s.ok()) {
-    Die(s);
-  }
-  if (absl::Status s = TSM_CU(driver, ordinal, cuCtxPushCurrent_v2, context); !s.ok()) Die(s);
-  return context;
-}
-
-const tensorshm::CudaDriver* DriverOrDie() {
-  absl::StatusOr<const tensorshm::CudaDriver*> driver = tensorshm::CudaDriver::Get();
-  if (!driver.ok()) Die(driver.status());
-  return *driver;
-}
-
-int CudaProducer(const std::string& socket, uint64_t size, int iterations) {
-  const tensorshm::CudaDriver* driver = DriverOrDie();
-  EnterCuda(driver, 0);
-  auto client = ConnectOrDie(socket);
-  std::vector<char> host(size, 0x5a);
-  std::string line;
-  for (int i = 0; i < iterations && ReadLine(line); ++i) {
-    const int64_t start = NowNs();
-    auto tensor = client->Create({{kDLUInt, 8, 1}, {static_cast<int64_t>(size)}, {}, {kDLCUDA, 0}});
-    if (!tensor.ok()) Die(tensor.status());
-    host[0] = static_cast<char>(i);
-    if (absl::Status s = TSM_CU(driver, 0, cuMemcpyHtoD_v2,
-                                reinterpret_cast<CUdeviceptr>(tensor->data()), host.data(), size);
-        !s.ok()) {
-      Die(s);
-    }
-    if (absl::Status s = client->Publish(*tensor, absl::StrFormat("cuda/%d", i)); !s.ok()) Die(s);
-    Say(absl::StrFormat("start %d", start));
-  }
-  // The ready events live in this process: stay until the consumer is done.
-  while (ReadLine(line)) {
-  }
-  return 0;
-}
-
-int CudaConsumer(const std::string& socket, uint64_t size, int iterations) {
-  const tensorshm::CudaDriver* driver = DriverOrDie();
-  EnterCuda(driver, 0);
-  auto client = ConnectOrDie(socket);
-  CUdeviceptr scratch;
-  if (absl::Status s = TSM_CU(driver, 0, cuMemAlloc_v2, &scratch, size); !s.ok()) Die(s);
-  for (int i = 0; i < iterations; ++i) {
-    const std::string name = absl::StrFormat("cuda/%d", i);
-    Say("ready");
-    auto tensor = client->Acquire(name, absl::InfiniteDuration(), tensorshm::ReadySync::Host());
-    if (!tensor.ok()) Die(tensor.status());
-    const int64_t end = NowNs();
-    (*tensor)->deleter(*tensor);
-    const int64_t warm_start = NowNs();
-    auto again = client->Acquire(name, absl::ZeroDuration(), tensorshm::ReadySync::Host());
-    if (!again.ok()) Die(again.status());
-    const int64_t warm = NowNs() - warm_start;
-    const int64_t copy_start = NowNs();
-    if (absl::Status s =
-            TSM_CU(driver, 0, cuMemcpyDtoDAsync_v2, scratch,
-                   reinterpret_cast<CUdeviceptr>((*again)->dl_tensor.data), size, nullptr);
-        !s.ok()) {
-      Die(s);
-    }
-    if (absl::Status s = TSM_CU(driver, 0, cuStreamSynchronize, nullptr); !s.ok()) Die(s);
-    const int64_t copy = NowNs() - copy_start;
-    (*again)->deleter(*again);
-    if (absl::Status s = client->Delete(name); !s.ok()) Die(s);
-    if (absl::Status s = client->Flush(); !s.ok()) Die(s);
-    Say(absl::StrFormat("end %d %d %d", end, warm, copy));
-  }
-  driver->cuMemFree_v2(scratch);
-  return 0;
-}
-
-// Why the CUDA row cannot run here, or OK.
-absl::Status CudaAvailable() {
-  absl::StatusOr<const tensorshm::CudaDriver*> driver = tensorshm::CudaDriver::Get();
-  if (!driver.ok()) return driver.status();
-  absl::StatusOr<int> count = (*driver)->DeviceCount();
-  if (!count.ok()) return count.status();
-  if (*count == 0) return absl::FailedPreconditionError("the CUDA driver sees no device");
-  return absl::OkStatus();
-}
-
-class BytesService final : public tensorshm::bench::BytesBench::Service {
-  grpc::Status Send(grpc::ServerContext*, const tensorshm::bench::Blob* blob,
-                    tensorshm::bench::Empty*) override {
-    sink_ += TouchPages(blob->data().data(), blob->data().size());
-    Say(absl::StrFormat("end %d", NowNs()));
-    return grpc::Status::OK;
-  }
-  grpc::Status Ping(grpc::ServerContext*, const tensorshm::bench::Empty*,
-                    tensorshm::bench::Empty*) override {
-    return grpc::Status::OK;
-  }
-  uint64_t sink_ = 0;
-};
-
-int GrpcConsumer(const std::string& socket) {
-  BytesService service;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
-  builder.SetMaxReceiveMessageSize(INT32_MAX);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) return 1;
-  Say("listening");
-  std::string line;
-  while (ReadLine(line)) {
-  }
-  server->Shutdown();
-  return 0;
-}
-
-int GrpcProducer(const std::string& socket, uint64_t size, int iterations) {
-  grpc::ChannelArguments args;
-  args.SetMaxSendMessageSize(INT32_MAX);
-  auto stub = tensorshm::bench::BytesBench::NewStub(
-      grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args));
-  std::string line;
-  for (int i = 0; i < iterations && ReadLine(line); ++i) {
-    const int64_t start = NowNs();
-    tensorshm::bench::Blob blob;
-    blob.mutable_data()->resize(size);
-    std::memset(blob.mutable_data()->data(), i & 0xff, size);
-    grpc::ClientContext context;
-    tensorshm::bench::Empty reply;
-    grpc::Status status = stub->Send(&context, blob, &reply);
-    if (!status.ok()) {
-      std::cerr << "Send: " << status.error_message() << "\n";
-      return 1;
-    }
-    Say(absl::StrFormat("start %d", start));
-  }
-  std::vector<int64_t> pings;
-  for (int i = 0; i < 2000; ++i) {
-    grpc::ClientContext context;
-    tensorshm::bench::Empty request, reply;
-    const int64_t start = NowNs();
-    if (!stub->Ping(&context, request, &reply).ok()) return 1;
-    pings.push_back(NowNs() - start);
-  }
-  Say(absl::StrFormat("ping %d", static_cast<int64_t>(Median(pings))));
-  return 0;
 }
 
 // ---- the driver ----
@@ -584,6 +316,7 @@ int Driver(const std::string& self, const std::vector<uint64_t>& sizes, int max_
 }
 
 }  // namespace
+}  // namespace handoff
 
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
@@ -592,13 +325,13 @@ int main(int argc, char** argv) {
     const std::string socket = argv[3];
     const uint64_t size = std::stoull(argv[4]);
     const int iterations = std::stoi(argv[5]);
-    if (role == "tsm-producer") return TsmProducer(socket, size, iterations);
-    if (role == "tsm-consumer") return TsmConsumer(socket, size, iterations);
-    if (role == "memcpy") return WarmMemcpy(size, iterations);
-    if (role == "grpc-producer") return GrpcProducer(socket, size, iterations);
-    if (role == "grpc-consumer") return GrpcConsumer(socket);
-    if (role == "cuda-producer") return CudaProducer(socket, size, iterations);
-    if (role == "cuda-consumer") return CudaConsumer(socket, size, iterations);
+    if (role == "tsm-producer") return handoff::TsmProducer(socket, size, iterations);
+    if (role == "tsm-consumer") return handoff::TsmConsumer(socket, size, iterations);
+    if (role == "memcpy") return handoff::WarmMemcpy(size, iterations);
+    if (role == "grpc-producer") return handoff::GrpcProducer(socket, size, iterations);
+    if (role == "grpc-consumer") return handoff::GrpcConsumer(socket);
+    if (role == "cuda-producer") return handoff::CudaProducer(socket, size, iterations);
+    if (role == "cuda-consumer") return handoff::CudaConsumer(socket, size, iterations);
     return 2;
   }
   std::vector<uint64_t> sizes = {4ull << 10, 1ull << 20, 64ull << 20, 1ull << 30};
@@ -608,7 +341,7 @@ int main(int argc, char** argv) {
     if (arg == "--sizes" && i + 1 < argc) {
       sizes.clear();
       for (absl::string_view s : absl::StrSplit(argv[++i], ','))
-        sizes.push_back(ParseSize(std::string(s)));
+        sizes.push_back(handoff::ParseSize(std::string(s)));
     } else if (arg == "--max-iterations" && i + 1 < argc) {
       max_iterations = std::max(5, std::stoi(argv[++i]));
     } else {
@@ -616,5 +349,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  return Driver(std::filesystem::canonical("/proc/self/exe").string(), sizes, max_iterations);
+  return handoff::Driver(std::filesystem::canonical("/proc/self/exe").string(), sizes,
+                         max_iterations);
 }

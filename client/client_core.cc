@@ -14,25 +14,7 @@ namespace tensorshm {
 namespace {
 
 constexpr char kSessionMetadataKey[] = "tensorshm-session";
-// Largest number of ids sent in one release batch.
-constexpr int kMaxBatch = 4096;
-// Reconnecting: the pause between attempts.
-constexpr absl::Duration kMinBackoff = absl::Milliseconds(50);
-constexpr absl::Duration kMaxBackoff = absl::Seconds(2);
 
-// Stocked buffers (CreateRequest.stock): per buffer length, the client asks for enough to hold
-// kStockTargetBytes (between 1 and kMaxStockPerLength buffers), for lengths up to
-// kMaxStockedLength, and holds at most kMaxStockBytes in all.
-// A length is stocked once this client created kStockAfterCreates tensors of it: a
-// producer in a loop, not a one-off.
-constexpr uint64_t kStockAfterCreates = 8;
-constexpr uint64_t kStockTargetBytes = 2 << 20;
-constexpr uint64_t kMaxStockPerLength = 16;
-constexpr uint64_t kMaxStockedLength = 4 << 20;
-constexpr uint64_t kMaxStockBytes = 16 << 20;
-
-// How often an idle sender looks at the channel's state.
-constexpr absl::Duration kIdleCheck = absl::Milliseconds(100);
 // How often a call waiting for a new session (CallAcrossRestart) has the sender try again.
 constexpr absl::Duration kSessionPoll = absl::Milliseconds(100);
 
@@ -208,64 +190,6 @@ absl::Status ClientCore::Open(bool reattach, absl::Time deadline, CancelState* c
   return absl::OkStatus();
 }
 
-std::optional<ClientCore::StockedBuffer> ClientCore::TakeStock(uint64_t length) {
-  MutexLock lock(&stock_mu_);
-  auto it = stock_.find(length);
-  if (it == stock_.end() || it->second.empty()) return std::nullopt;
-  StockedBuffer buffer = it->second.back();
-  it->second.pop_back();
-  stock_bytes_ -= length;
-  return buffer;
-}
-
-uint32_t ClientCore::StockWanted(uint64_t length) const {
-  if (length == 0 || length > kMaxStockedLength) return 0;
-  const uint64_t target = std::clamp<uint64_t>(kStockTargetBytes / length, 1, kMaxStockPerLength);
-  MutexLock lock(&stock_mu_);
-  auto created = creates_.find(length);
-  if (created == creates_.end() || created->second < kStockAfterCreates) return 0;
-  auto it = stock_.find(length);
-  const uint64_t have = it == stock_.end() ? 0 : it->second.size();
-  // Refilled ahead of need: when half is gone.
-  if (have * 2 > target || stock_bytes_ + (target - have) * length > kMaxStockBytes) return 0;
-  return static_cast<uint32_t>(target - have);
-}
-
-void ClientCore::AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked) {
-  for (const v1::StockedBuffer& buffer : stocked) {
-    // Populated on the sender thread: the publish or create that brought the stock does not
-    // wait for it (CreateImpl populates whatever is left when it takes the buffer).
-    absl::StatusOr<HostBuffer> mapped = MapHostBuffer(buffer.location(), /*populate=*/false);
-    if (!mapped.ok()) continue;
-    {
-      MutexLock lock(&mu_);
-      to_populate_.push_back(
-          [segment = mapped->segment, offset = buffer.location().offset(),
-           length = buffer.location().length()] { segment->Populate(offset, length); });
-      work_.Signal();
-    }
-    MutexLock lock(&stock_mu_);
-    stock_[buffer.location().length()].push_back(
-        StockedBuffer{buffer.tensor_id(), *std::move(mapped), buffer.location()});
-    stock_bytes_ += buffer.location().length();
-  }
-}
-
-void ClientCore::ExpectFill(uint64_t length) {
-  // A fill at a conservative 4 GB/s (a single-threaded copy from cold memory), plus what the
-  // caller does around it; the daemon bounds the wait to 1 ms anyway.
-  constexpr uint64_t kBytesPerMicro = 4096;
-  constexpr uint64_t kAround = 100;
-  memory_.Expect(session_id(), static_cast<uint32_t>(
-                                   std::min<uint64_t>(length / kBytesPerMicro + kAround, 1000)));
-}
-
-void ClientCore::DropStock() {
-  MutexLock lock(&stock_mu_);
-  stock_.clear();
-  stock_bytes_ = 0;
-}
-
 void ClientCore::SetUpFastPath() {
   const std::string token = session_id();
   absl::StatusOr<std::shared_ptr<FastPath>> fast = FastPath::Open(memory_, token);
@@ -325,35 +249,6 @@ absl::Status ClientCore::PageLeaseStatus(const FastPath& fast, uint32_t page_slo
   uint64_t key = 0;
   if (fast.ConvertedKey(page_slot, &key)) return LeaseStatus(key);
   return absl::OkStatus();
-}
-
-bool ClientCore::Reconnect() {
-  absl::Duration backoff = kMinBackoff;
-  while (true) {
-    {
-      MutexLock lock(&mu_);
-      // What was queued for the dead session needs no sending: the daemon that held those
-      // leases is gone, and they must not be re-registered.
-      for (uint64_t key : pending_leases_) held_.erase(key);
-      for (uint64_t key : pending_abandons_) unpublished_.erase(key);
-      // Settled, as is the batch the broken stream lost: nothing is left to send for them.
-      taken_releases_ += pending_leases_.size();
-      taken_abandons_ += pending_abandons_.size();
-      settled_releases_ = taken_releases_;
-      settled_abandons_ = taken_abandons_;
-      pending_leases_.clear();
-      pending_abandons_.clear();
-      pending_settles_.clear();  // the dead session's grants went with it
-      if (SenderDone()) return false;
-    }
-    absl::Status opened = Open(/*reattach=*/true, absl::Now() + connect_timeout_, nullptr);
-    if (opened.ok()) return true;
-    MutexLock lock(&mu_);
-    reconnect_error_ = opened;
-    // A call waiting for the new session (WaitForSession) cuts the pause short.
-    if (!SenderDone()) work_.WaitWithTimeout(&mu_, backoff);
-    backoff = std::min(backoff * 2, kMaxBackoff);
-  }
 }
 
 std::string ClientCore::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
@@ -429,51 +324,6 @@ absl::Status ClientCore::CheckProcess() const {
       "this process"));
 }
 
-absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment(
-    const SegmentKey& key, uint64_t segment_size, uint64_t offset, uint64_t length) {
-  absl::StatusOr<std::shared_ptr<const SegmentMapping>> found = segments_.Find(key, segment_size);
-  if (!found.ok() || *found != nullptr) return found;
-  uint64_t size = 0;
-  absl::StatusOr<int> fd =
-      memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/false, &size);
-  if (!fd.ok()) return fd.status();
-  if (size < segment_size) {
-    close(*fd);
-    return absl::InternalError(absl::StrCat("tensorshmd granted ", SegmentLabel(key), " as ", size,
-                                            " bytes; its location said ", segment_size));
-  }
-  // The whole segment, as the daemon granted it (at least what the caller needs).
-  absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
-      segments_.Insert(key, *fd, size, offset, length);
-  if (mapping.ok() && (*mapping)->size() > length) {
-    // The rest of the segment on the sender thread: a small first tensor does not wait for a
-    // large segment, and later reads of it do not fault.
-    MutexLock lock(&mu_);
-    to_populate_.push_back([mapping = *mapping] { mapping->Populate(); });
-    work_.Signal();
-  }
-  return mapping;
-}
-
-absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Location& location,
-                                                                 bool populate) {
-  const SegmentKey key{location.segment_instance(), location.segment_id()};
-  std::shared_ptr<WritableSegment> segment = segments_.FindWritable(key);
-  if (segment == nullptr) {
-    uint64_t size = 0;
-    absl::StatusOr<int> fd =
-        memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/true, &size);
-    if (!fd.ok()) return fd.status();
-    absl::StatusOr<std::shared_ptr<WritableSegment>> inserted =
-        segments_.InsertWritable(key, *fd, size);
-    if (!inserted.ok()) return inserted.status();
-    segment = *std::move(inserted);
-  }
-  absl::StatusOr<char*> data = segment->Prepare(location.offset(), location.length(), populate);
-  if (!data.ok()) return data.status();
-  return HostBuffer{std::move(segment), *data};
-}
-
 uint64_t ClientCore::AddLease(uint64_t tensor_id, uint64_t lease_id) {
   MutexLock lock(&mu_);
   const uint64_t key = next_key_++;
@@ -535,160 +385,6 @@ void ClientCore::QueueAbandon(uint64_t key) noexcept {
   ++queued_abandons_;
   --outstanding_;
   work_.Signal();
-}
-
-bool ClientCore::CloseClient() {
-  MutexLock lock(&mu_);
-  client_closed_ = true;
-  closing_.store(true, std::memory_order_release);
-  work_.Signal();
-  return outstanding_ == 0 && page_leases_.load(std::memory_order_acquire) == 0;
-}
-
-absl::Status ClientCore::Flush() {
-  MutexLock lock(&mu_);
-  // Always a round trip: page leases were given back by a store the daemon has not seen yet,
-  // and an empty batch makes it look (and free what they held). Then as many more as it takes
-  // to send everything queued before now: a batch holds at most kMaxBatch ids of each kind, and
-  // the sender keeps sending while the queues are not empty.
-  const uint64_t target = next_sequence_;
-  const uint64_t releases = queued_releases_;
-  const uint64_t abandons = queued_abandons_;
-  flush_requested_ = true;
-  work_.Signal();
-  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return acked_sequence_ >= target && settled_releases_ >= releases &&
-           settled_abandons_ >= abandons;
-  };
-  while (!done() && connected_) acked_.Wait(&mu_);
-  if (!done()) {
-    return absl::UnavailableError(absl::StrCat(
-        "session with tensorshmd at unix:", socket_, " ended; reconnecting",
-        reconnect_error_.ok() ? ""
-                              : absl::StrCat(" (last attempt: ", reconnect_error_.message(), ")")));
-  }
-  absl::Status result = rejection_;
-  rejection_ = absl::OkStatus();
-  return result;
-}
-
-bool ClientCore::TakeBatch(v1::ReleaseBatch* batch) {
-  size_t taken = 0;
-  for (; taken < pending_leases_.size() && batch->lease_ids_size() < kMaxBatch; ++taken) {
-    auto it = held_.find(pending_leases_[taken]);
-    if (it == held_.end()) continue;
-    if (it->second.lease_id != 0) batch->add_lease_ids(it->second.lease_id);
-    held_.erase(it);
-  }
-  pending_leases_.erase(pending_leases_.begin(), pending_leases_.begin() + taken);
-  taken_releases_ += taken;
-  taken = 0;
-  for (; taken < pending_abandons_.size() && batch->abandoned_tensor_ids_size() < kMaxBatch;
-       ++taken) {
-    auto it = unpublished_.find(pending_abandons_[taken]);
-    if (it == unpublished_.end()) continue;
-    batch->add_abandoned_tensor_ids(it->second);
-    unpublished_.erase(it);
-  }
-  pending_abandons_.erase(pending_abandons_.begin(), pending_abandons_.begin() + taken);
-  taken_abandons_ += taken;
-  taken = std::min<size_t>(pending_settles_.size(), kMaxBatch);
-  batch->mutable_settled_request_ids()->Add(pending_settles_.begin(),
-                                            pending_settles_.begin() + taken);
-  pending_settles_.erase(pending_settles_.begin(), pending_settles_.begin() + taken);
-  return batch->lease_ids_size() > 0 || batch->abandoned_tensor_ids_size() > 0 ||
-         batch->settled_request_ids_size() > 0;
-}
-
-void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
-  while (true) {
-    v1::SessionRequest request;
-    uint64_t sequence = 0;
-    std::vector<std::function<void()>> populate;
-    {
-      MutexLock lock(&mu_);
-      bool probe = false;
-      while (connected_ && pending_leases_.empty() && pending_abandons_.empty() &&
-             pending_settles_.empty() && to_populate_.empty() && !flush_requested_ &&
-             !SenderDone()) {
-        // The sync stream says nothing until used, so a daemon gone while this client is idle
-        // shows as its connection hung up, or sooner as the index's heartbeat going stale: an
-        // empty batch then tells whether the stream lives.
-        if (work_.WaitWithTimeout(&mu_, kIdleCheck) &&
-            (connection()->Broken() || (fast_ != nullptr && !fast_->DaemonServing()))) {
-          probe = true;
-          break;
-        }
-      }
-      if (SenderDone()) break;
-      if (!to_populate_.empty()) {
-        populate.swap(to_populate_);
-      } else if (connected_) {
-        sequence = next_sequence_++;
-        request.mutable_release()->set_sequence(sequence);
-        const bool flush = flush_requested_;
-        flush_requested_ = false;
-        if (!TakeBatch(request.mutable_release()) && !probe && !flush) {
-          // Only ids the daemon no longer knows: nothing to send.
-          acked_sequence_ = sequence;
-          settled_releases_ = taken_releases_;
-          settled_abandons_ = taken_abandons_;
-          acked_.SignalAll();
-          continue;
-        }
-      }
-    }
-    if (!populate.empty()) {
-      for (const std::function<void()>& job : populate) job();
-      continue;
-    }
-    if (!request.has_release()) {
-      if (!Reconnect()) break;
-      continue;
-    }
-    v1::SessionResponse response;
-    const bool ok = stream_->Write(request) && stream_->Read(&response) && response.has_ack();
-    if (!ok) {
-      stream_->WritesDone();
-      stream_->Finish().ok();
-    }
-    MutexLock lock(&mu_);
-    if (!ok) {
-      // The daemon is gone and with it every lease this batch released; Flush callers learn
-      // that the session ended.
-      connected_ = false;
-      acked_.SignalAll();
-      continue;
-    }
-    for (const v1::Rejection& r : response.ack().rejected()) {
-      if (rejection_.ok()) {
-        rejection_ = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
-      }
-    }
-    acked_sequence_ = sequence;
-    // One batch is in flight at a time: what was taken is what this ack settles.
-    settled_releases_ = taken_releases_;
-    settled_abandons_ = taken_abandons_;
-    acked_.SignalAll();
-  }
-  // Tensors released while the process exits (Python's finalization) end a detached sender in
-  // the middle of exit(): gRPC must then be left alone (see BeginSenderTeardown).
-  if (!BeginSenderTeardown()) {
-    KeepForever(std::move(self));
-    return;
-  }
-  bool connected;
-  {
-    MutexLock lock(&mu_);
-    connected = connected_;
-  }
-  if (connected) {
-    stream_->WritesDone();
-    stream_->Finish().ok();
-  }
-  // `self` kept the core alive while tensors outlived the Client; it goes here, possibly last.
-  self.reset();
-  EndSenderTeardown();
 }
 
 }  // namespace tensorshm

@@ -14,6 +14,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -179,6 +180,21 @@ class ClientCore {
   // Forgets the stock (the session it belonged to ended, and the daemon frees it).
   void DropStock() ABSL_LOCKS_EXCLUDED(stock_mu_);
 
+  // Starts the sender thread (SendReleases), which holds `self` (this core) until it ends. Called
+  // once, by Connect, after the session opened.
+  void StartSender(std::shared_ptr<ClientCore> self) {
+    sender_ = std::thread(&ClientCore::SendReleases, this, std::move(self));
+  }
+  // The Client is gone (not in a forked child): with nothing outstanding, waits for the sender to
+  // close the session and exit; else the sender keeps the session open until the tensors'
+  // deleters ran, and then ends by itself.
+  void StopSender() ABSL_LOCKS_EXCLUDED(mu_) {
+    if (CloseClient()) {
+      sender_.join();
+    } else {
+      sender_.detach();
+    }
+  }
   // The sender thread's body; returns once the Client is gone and no tensor is outstanding.
   void SendReleases(std::shared_ptr<ClientCore> self);
   // Tells the sender the Client is gone; true if nothing is outstanding (it will exit soon).
@@ -322,6 +338,10 @@ class ClientCore {
   // Leases held in lease page slots: counted without the mutex (a release is one store).
   std::atomic<int64_t> page_leases_{0};
   std::atomic<bool> closing_{false};  // client_closed_, for releases that do not lock
+  // Sends batched releases on the session stream; started and stopped by the Client's owner
+  // (StartSender, StopSender), never touched by the sender itself. In a forked child it is the
+  // parent's, and the core is kept forever (KeepForever) with it.
+  std::thread sender_;
 };
 
 namespace internal {

@@ -11,18 +11,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "client/admin.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
 namespace tensorshm {
-
-// Connects a new stream socket (blocking, close-on-exec) to the daemon's socket `socket` and
-// checks who serves it, with SO_PEERCRED on that very connection: the server's uid must be this
-// process's effective uid, root, or `server_uid` when given (ClientOptions::server_uid). Another
-// local user could otherwise have made the socket's path first and serve it, and read or write
-// every tensor the client hands it. Returns the connected descriptor (the caller owns it).
-// UNAVAILABLE if nothing accepts the connection (no daemon, no socket); PERMISSION_DENIED naming
-// the socket, the server's uid and pid, the uids expected and the option that adds one.
-absl::StatusOr<int> ConnectToDaemon(const std::string& socket, std::optional<uint32_t> server_uid);
 
 // One checked connection to the daemon and the gRPC channel gRPC runs on it. gRPC never makes
 // this connection again by itself: once the daemon closes it, calls on the channel fail

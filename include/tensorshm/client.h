@@ -18,13 +18,12 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
-#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "tensorshm/export.h"
 
 namespace tensorshm {
 
@@ -137,35 +136,20 @@ struct ReadySync {
 // For a tensor acquired with ReadySync::None(): waits for its ready event as `sync` says.
 // OK at once for host tensors, tensors without an event, and Mode::kNone. INVALID_ARGUMENT for a
 // tensor that did not come from a tensorshm Client.
-absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync);
-
-// For bindings that hand the ready event on (the Arrow C Device Data Interface's sync_event): a
-// pointer to a CUevent, opened in this process on first call and valid as long as `tensor`'s
-// lease is held (destroyed, or given back to this process's producer side, when it ends); a
-// consumer waits on it (cuStreamWaitEvent) before using the tensor. nullptr for host tensors and
-// CUDA tensors published without an event. INVALID_ARGUMENT for a tensor that did not come from a
-// tensorshm Client; errors of the driver opening the event. Thread-safe.
-absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor);
+TENSORSHM_EXPORT absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync);
 
 // Whether an acquired tensor's lease still holds: OK while the daemon keeps the tensor's memory
 // for it. DATA_LOSS once the daemon restarted and did not take the lease back (a clean restart,
 // or a recovery whose grace period ended before this client reconnected): the tensor stays
 // mapped and readable, but its bytes are no longer guaranteed. FAILED_PRECONDITION in a forked
 // child, INVALID_ARGUMENT for a tensor that did not come from a tensorshm Client.
-absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor);
+TENSORSHM_EXPORT absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor);
 
-// For bindings: copies `bytes` of an acquired CUDA tensor's device memory, starting at `src`
-// (inside the tensor), to host memory `dst`, after its ready event. INVALID_ARGUMENT for a
-// tensor that is not a CUDA tensor acquired from a tensorshm Client.
-absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src, void* dst,
-                        size_t bytes);
-
+// The library's own: what these classes hide (client/).
+class ClientAccess;
 class ClientCore;
 class CancelState;
-class WritableSegment;
-namespace v1 {
-class AcquireResponse;
-}  // namespace v1
+class WritableTensorState;
 
 // A tensor being filled by its producer. Move-only. Dropping it unpublished frees its buffer
 // (asynchronously, through the session stream). Not thread-safe.
@@ -176,7 +160,7 @@ class AcquireResponse;
 // buffer (data() is nullptr). A pointer kept from before the publish still writes into it (the
 // producer's process holds a writable descriptor of its own uid's segments, as in Plasma and
 // iceoryx), and consumers would see such writes: don't keep one.
-class WritableTensor {
+class TENSORSHM_EXPORT WritableTensor {
  public:
   WritableTensor(WritableTensor&& other) noexcept;
   WritableTensor& operator=(WritableTensor&& other) noexcept;
@@ -184,14 +168,15 @@ class WritableTensor {
   WritableTensor& operator=(const WritableTensor&) = delete;
   ~WritableTensor();
 
-  // data points at the producer's writable mapping; after Publish it is nullptr.
-  const DLTensor& dl_tensor() const { return tensor_; }
+  // data points at the producer's writable mapping; after Publish it is nullptr. A moved-from
+  // tensor is empty: no data, ids and sizes 0.
+  const DLTensor& dl_tensor() const;
   // dl_tensor().data + byte_offset: element [0, ..., 0]. nullptr once published.
   void* data() const;
-  uint64_t tensor_id() const { return tensor_id_; }
-  int64_t nbytes() const { return nbytes_; }
+  uint64_t tensor_id() const;
+  int64_t nbytes() const;
   // DLPack flags describing the storage (DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED or 0).
-  uint64_t dlpack_flags() const { return flags_; }
+  uint64_t dlpack_flags() const;
   // For bindings that keep views of the buffer alive past Publish (they must hold a lease on the
   // tensor too): makes the buffer read-only in this process, so that a write through such a view
   // faults (SIGSEGV) instead of changing bytes consumers read, until the buffer is freed and
@@ -199,34 +184,14 @@ class WritableTensor {
   // FAILED_PRECONDITION before Publish; OK for tensors with no host buffer; errors of mprotect.
   absl::Status SealViews();
   // The address the buffer had while writable (nullptr for no host buffer), for such views.
-  void* buffer_address() const { return buffer_address_; }
-  bool published() const { return published_; }
+  void* buffer_address() const;
+  bool published() const;
 
  private:
-  friend class Client;
-  WritableTensor() = default;
-  void Reset();  // frees the buffer if unpublished
+  friend class WritableTensorState;
+  explicit WritableTensor(std::unique_ptr<WritableTensorState> state);
 
-  std::shared_ptr<ClientCore> core_;
-  uint64_t tensor_id_ = 0;
-  uint64_t key_ = 0;  // the core's key for it while unpublished
-  DLTensor tensor_{};
-  std::vector<int64_t> shape_;
-  std::vector<int64_t> strides_;
-  // The segment's writable mapping (host buffers), kept alive by this tensor; the buffer's
-  // address and page-rounded length in it.
-  std::shared_ptr<WritableSegment> segment_mapping_;
-  void* buffer_address_ = nullptr;
-  size_t buffer_length_ = 0;
-  int64_t nbytes_ = 0;
-  uint64_t flags_ = 0;
-  bool published_ = false;
-  bool stocked_ = false;  // made from a buffer the daemon stocked: Publish sends the descriptor
-  // Host tensors: where the buffer lies, for a lease on it after publish.
-  uint64_t segment_instance_ = 0;
-  uint64_t segment_id_ = 0;
-  uint64_t segment_size_ = 0;
-  uint64_t buffer_offset_ = 0;
+  std::unique_ptr<WritableTensorState> state_;  // null once moved from
 };
 
 // Cancels waits: pass one to Acquire or Create (with a timeout), from any number of threads,
@@ -236,7 +201,7 @@ class WritableTensor {
 //   std::thread waiter([&] { auto t = client->Acquire("x", absl::InfiniteDuration(),
 //                                                     tensorshm::ReadySync::Host(), cancel); });
 //   cancel.Cancel();  // the Acquire answers CANCELLED, holding no lease
-class WaitCanceller {
+class TENSORSHM_EXPORT WaitCanceller {
  public:
   WaitCanceller();
   // Wakes every call waiting with this canceller now (it answers CANCELLED, and the daemon
@@ -246,7 +211,7 @@ class WaitCanceller {
   bool cancelled() const;
 
  private:
-  friend class Client;
+  friend class ClientAccess;
   std::shared_ptr<CancelState> state_;
 };
 
@@ -256,7 +221,7 @@ class WaitCanceller {
 // A Client belongs to the process that connected. In a child made by fork(), every call on an
 // inherited Client answers FAILED_PRECONDITION (connect again there), and destroying it, or
 // deleting tensors or writable tensors inherited from it, does nothing to the parent's session.
-class Client {
+class TENSORSHM_EXPORT Client {
  public:
   // Connects to tensorshmd and opens a session. UNAVAILABLE naming the socket if the daemon does
   // not accept the connection and open the session within options.connect_timeout (a stopped
@@ -373,14 +338,6 @@ class Client {
   // PERMISSION_DENIED if the daemon does not admit this uid.
   absl::StatusOr<std::vector<SessionInfo>> Sessions();
 
-  // For bindings: copies `bytes` from device memory `src` to device memory `dst` on this
-  // process's CUDA device `ordinal`, asynchronously on `stream`.
-  absl::Status CopyOnDevice(int ordinal, void* dst, const void* src, size_t bytes,
-                            CudaStream stream);
-  // For bindings: makes `stream` of this process's CUDA device `ordinal` wait for `event` (a
-  // CUevent of this process, e.g. an Arrow C Device Data Interface sync_event's target).
-  absl::Status StreamWaitEvent(int ordinal, CudaStream stream, void* event);
-
   // Blocks until every release queued before the call has been applied by the daemon. Returns
   // the first refusal the daemon reported for those releases, DATA_LOSS if since the last Flush
   // a restarted daemon did not take back leases or unpublished tensors of this client (naming
@@ -399,19 +356,11 @@ class Client {
   const std::string& socket() const;
 
  private:
-  explicit Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
-  static absl::StatusOr<std::shared_ptr<Client>> ConnectImpl(const ClientOptions& options,
-                                                             CancelState* cancel);
-  absl::StatusOr<WritableTensor> CreateImpl(const TensorSpec& spec, absl::Duration timeout,
-                                            CancelState* cancel);
-  // CreateImpl, run again on the new session when a daemon restart ended the old one.
-  absl::StatusOr<WritableTensor> CreateAcrossRestart(const TensorSpec& spec, absl::Duration timeout,
-                                                     CancelState* cancel);
-  // Publish, filling *acquired (when not null) with the lease the daemon took in the same step.
-  absl::Status PublishImpl(WritableTensor& tensor, std::string_view name, bool replace,
-                           CudaStream ready_stream, v1::AcquireResponse* acquired);
+  friend class ClientAccess;
+  explicit Client(std::shared_ptr<ClientCore> core);
+
+  // The session, its sender thread and everything the tensors handed out share.
   std::shared_ptr<ClientCore> core_;
-  std::thread sender_;  // sends batched releases on the session stream
 };
 
 }  // namespace tensorshm

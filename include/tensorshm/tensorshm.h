@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "tensorshm/export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -54,7 +56,7 @@ typedef struct {
 } tsm_stats;
 
 /* The message of the calling thread's last failure ("" if none). */
-const char* tsm_last_error(void);
+TENSORSHM_EXPORT const char* tsm_last_error(void);
 
 /* Connects. socket may be NULL (the default path); client_name may be NULL. On success *out is a
  * client to free with tsm_client_free; on failure *out is NULL. The daemon must run as this
@@ -66,46 +68,48 @@ const char* tsm_last_error(void);
  * the new session and runs there within its deadline (its timeout when positive, else 60 s);
  * a publish in flight when the daemon died is not repeated: TSM_UNAVAILABLE, its message saying
  * its fate is unknown (see tensorshm::Client::Connect). */
-int tsm_connect(const char* socket, const char* client_name, tsm_client** out);
+TENSORSHM_EXPORT int tsm_connect(const char* socket, const char* client_name, tsm_client** out);
 /* As tsm_connect, and also accepts a daemon served by server_uid. Every connection's server is
  * checked (SO_PEERCRED): by default it must be this process's effective uid or root, else
  * TSM_PERMISSION_DENIED naming the socket, the server's uid and pid. server_uid -1: no other uid
  * (as tsm_connect); otherwise a uid (0 to 4294967294). */
-int tsm_connect_server_uid(const char* socket, const char* client_name, int64_t server_uid,
-                           tsm_client** out);
+TENSORSHM_EXPORT int tsm_connect_server_uid(const char* socket, const char* client_name,
+                                            int64_t server_uid, tsm_client** out);
 /* Drops the client; tensors acquired through it stay valid until their deleters run. NULL is
  * ignored. */
-void tsm_client_free(tsm_client* client);
+TENSORSHM_EXPORT void tsm_client_free(tsm_client* client);
 
 /* Allocates a writable tensor of ndim (0..32) dimensions: shape holds ndim values; strides may be
  * NULL (C-contiguous), else ndim values in elements. An ndim out of range is TSM_INVALID_ARGUMENT
  * before shape or strides are read.
  * On success *out is to be published with tsm_publish or dropped with tsm_writable_free. */
-int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
-               const int64_t* strides, DLDevice device, tsm_writable** out);
+TENSORSHM_EXPORT int tsm_create(tsm_client* client, DLDataType dtype, int32_t ndim,
+                                const int64_t* shape, const int64_t* strides, DLDevice device,
+                                tsm_writable** out);
 /* As tsm_create; when the pool cannot hold the buffer, waits for memory to be freed. timeout_ms:
  * 0 no wait (tsm_create), > 0 wait that long, TSM_WAIT_FOREVER; then TSM_RESOURCE_EXHAUSTED.
  * Waiting creates are served in order (see tensorshm::Client::Create). */
-int tsm_create_wait(tsm_client* client, DLDataType dtype, int32_t ndim, const int64_t* shape,
-                    const int64_t* strides, DLDevice device, int64_t timeout_ms,
-                    tsm_writable** out);
+TENSORSHM_EXPORT int tsm_create_wait(tsm_client* client, DLDataType dtype, int32_t ndim,
+                                     const int64_t* shape, const int64_t* strides, DLDevice device,
+                                     int64_t timeout_ms, tsm_writable** out);
 /* The tensor's metadata; data points at the writable mapping (NULL once published). */
-const DLTensor* tsm_writable_dltensor(const tsm_writable* tensor);
+TENSORSHM_EXPORT const DLTensor* tsm_writable_dltensor(const tsm_writable* tensor);
 /* data + byte_offset; NULL once published. */
-void* tsm_writable_data(const tsm_writable* tensor);
+TENSORSHM_EXPORT void* tsm_writable_data(const tsm_writable* tensor);
 /* Seals and binds to name. On failure the tensor is unchanged. */
-int tsm_publish(tsm_client* client, tsm_writable* tensor, const char* name, int replace);
+TENSORSHM_EXPORT int tsm_publish(tsm_client* client, tsm_writable* tensor, const char* name,
+                                 int replace);
 /* Frees the handle; an unpublished tensor's buffer goes back to the pool. NULL is ignored. */
-void tsm_writable_free(tsm_writable* tensor);
+TENSORSHM_EXPORT void tsm_writable_free(tsm_writable* tensor);
 
 /* Acquires name. timeout_ms: 0 no wait, > 0 wait that long, TSM_WAIT_FOREVER. On success *out is
  * a read-only tensor; the caller calls (*out)->deleter(*out) exactly once. */
-int tsm_acquire(tsm_client* client, const char* name, int64_t timeout_ms,
-                DLManagedTensorVersioned** out);
-int tsm_delete(tsm_client* client, const char* name);
-int tsm_stat(tsm_client* client, tsm_stats* out);
+TENSORSHM_EXPORT int tsm_acquire(tsm_client* client, const char* name, int64_t timeout_ms,
+                                 DLManagedTensorVersioned** out);
+TENSORSHM_EXPORT int tsm_delete(tsm_client* client, const char* name);
+TENSORSHM_EXPORT int tsm_stat(tsm_client* client, tsm_stats* out);
 /* Waits until releases queued so far are applied by the daemon. */
-int tsm_flush(tsm_client* client);
+TENSORSHM_EXPORT int tsm_flush(tsm_client* client);
 
 #ifdef __cplusplus
 } /* extern "C" */

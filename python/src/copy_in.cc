@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/interop.h"
 #include "common/tensor/dtype.h"
 #include "common/tensor/layout.h"
 #include "common/tensor/wire.h"
@@ -104,8 +105,8 @@ absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, ui
   if (tensor->nbytes() == 0) return tensor;
   if (cuda) {
     const char* from = static_cast<const char*>(source.data) + source.byte_offset;
-    if (absl::Status s = client.CopyOnDevice(source.device.device_id, tensor->data(), from,
-                                             static_cast<size_t>(tensor->nbytes()), stream);
+    if (absl::Status s = CopyOnDevice(client, source.device.device_id, tensor->data(), from,
+                                      static_cast<size_t>(tensor->nbytes()), stream);
         !s.ok()) {
       return s;
     }

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "client/interop.h"
 #include "common/tensor/dtype.h"
 
 namespace tensorshm::python {

@@ -50,7 +50,7 @@
  *   (DCRASH_POINT, and between requests); it then restarts (RECOVER) and serves on.
  *
  *   proctype Client(c): a client process, its FastPath (client/fast_path.cc) and ClientCore
- *   (client/client.cc):
+ *   (client/client_core.cc, client/session_sender.cc):
  *     TryAcquire      FastPath::TryAcquire: load the bucket's sequence s1 (odd: give up this
  *                     try), walk the chain to the name's entry, load the sequence again (!= s1:
  *                     give up); store the tensor id in a free slot of its page (seq_cst), load
@@ -665,7 +665,7 @@ finish:
 }
 
 /* =============================================================================================
- * A client: its FastPath (client/fast_path.cc) and ClientCore's reconnection (client/client.cc).
+ * A client: its FastPath (client/fast_path.cc) and ClientCore's reconnection (client/session_sender.cc).
  */
 /* The client dies (killed, or it crashed): it reads nothing any more; its page stays as it is
  * until the daemon drops it. It may die between two operations (whatever it holds), right after

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/daemon_connection.h"
+#include "client/admin.h"
 #include "common/tensor/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 

@@ -254,7 +254,7 @@ nb::object ArrowToDLPack(PyClient& self, nb::handle schema_capsule, nb::handle a
     absl::Status waited;
     {
       ReleaseGil release;
-      waited = client->StreamWaitEvent(device.device_id, kLegacyDefaultStream, event);
+      waited = StreamWaitEvent(*client, device.device_id, kLegacyDefaultStream, event);
     }
     if (!waited.ok()) {
       moved.release(&moved);

@@ -1,0 +1,200 @@
+// Client's creates: from this client's stock, else by the daemon (over the memory channel, or a
+// gRPC call that waits for memory), across restarts.
+#include <grpcpp/client_context.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/calls.h"
+#include "client/cancel.h"
+#include "client/client_access.h"
+#include "client/client_core.h"
+#include "client/lease.h"
+#include "client/writable_tensor.h"
+#include "common/tensor/grpc_status.h"
+#include "common/tensor/layout.h"
+#include "common/tensor/wire.h"
+#include "tensorshm/client.h"
+#include "tensorshm/v1/tensorshm.grpc.pb.h"
+
+namespace tensorshm {
+namespace {
+
+// The gRPC Create of `request`, waiting up to `timeout` (> 0; infinite: until the call ends) in
+// the daemon for memory to be freed.
+absl::Status CreateWaiting(ClientCore& core, const v1::CreateRequest& request,
+                           absl::Duration timeout, CancelState* cancel,
+                           v1::CreateResponse* response) {
+  v1::CreateRequest waiting = request;
+  // As an acquire's: a create whose answer this client does not take is settled (its buffers
+  // freed) by the daemon.
+  const uint64_t request_id = core.NextRequestId();
+  waiting.set_request_id(request_id);
+  grpc::ClientContext context;
+  std::string session;
+  if (timeout == absl::InfiniteDuration()) {
+    waiting.set_wait_ms(-1);
+    session = core.PrepareContext(context, absl::InfiniteDuration());
+  } else {
+    waiting.set_wait_ms(std::max<int64_t>(
+        1, absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)))));
+    // The call's own deadline leaves room for the daemon to answer RESOURCE_EXHAUSTED itself.
+    session = core.PrepareContext(context, timeout + kCallTimeout);
+  }
+  ScopedWait wait(cancel, CancelState::Wait{&context, nullptr});
+  if (!wait.registered()) return Cancelled("create");
+  absl::Status s = FromGrpcStatus(core.stub()->Create(&context, waiting, response));
+  if (!s.ok() && MayHaveBeenGranted(s, context)) core.QueueSettle(session, request_id);
+  if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) return Cancelled("create");
+  return s;
+}
+
+// One create on the current session.
+absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& core,
+                                          const TensorSpec& spec, absl::Duration timeout,
+                                          CancelState* cancel) {
+  if (absl::Status s = core->CheckProcess(); !s.ok()) return s;
+  // A host tensor whose buffer length is in stock is made here, without asking the daemon.
+  uint64_t stock_length = 0;
+  if (spec.device.device_type == kDLCPU && spec.device.device_id == 0) {
+    absl::StatusOr<TensorLayout> layout =
+        ComputeLayout(spec.dtype, spec.shape, spec.strides, spec.subbyte_padded);
+    if (layout.ok() && layout->nbytes > 0) {
+      const uint64_t page = static_cast<uint64_t>(getpagesize());
+      stock_length = (layout->byte_offset + layout->nbytes + page - 1) / page * page;
+      core->NoteCreate(stock_length);
+      if (std::optional<ClientCore::StockedBuffer> stocked = core->TakeStock(stock_length)) {
+        auto tensor = std::make_unique<WritableTensorState>();
+        tensor->core = core;
+        tensor->tensor_id = stocked->tensor_id;
+        tensor->key = core->AddUnpublished(stocked->tensor_id);
+        tensor->stocked = true;
+        tensor->segment_mapping = std::move(stocked->buffer.segment);
+        tensor->buffer_address = stocked->buffer.data;
+        tensor->buffer_length = stock_length;
+        tensor->shape = spec.shape;
+        tensor->strides = std::move(layout->strides);
+        tensor->nbytes = layout->nbytes;
+        tensor->flags = spec.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
+        tensor->tensor.data = stocked->buffer.data;
+        tensor->tensor.device = spec.device;
+        tensor->tensor.dtype = spec.dtype;
+        tensor->PointAtShape();
+        tensor->tensor.byte_offset = layout->byte_offset;
+        tensor->segment_instance = stocked->location.segment_instance();
+        tensor->segment_id = stocked->location.segment_id();
+        tensor->segment_size = stocked->location.segment_size();
+        tensor->buffer_offset = stocked->location.offset();
+        // Populated in the background since it was stocked; what is left, now.
+        tensor->segment_mapping->Populate(tensor->buffer_offset, stock_length);
+        // The daemon was not asked for this buffer: it may be asleep when the publish comes.
+        core->ExpectFill(stock_length);
+        return WritableTensorState::Wrap(std::move(tensor));
+      }
+    }
+  }
+  v1::ChannelRequest call;
+  v1::CreateRequest& request = *call.mutable_create();
+  request.set_stock(core->StockWanted(stock_length));
+  ToWire(spec.dtype, request.mutable_dtype());
+  request.mutable_shape()->Assign(spec.shape.begin(), spec.shape.end());
+  request.mutable_strides()->Assign(spec.strides.begin(), spec.strides.end());
+  ToWire(spec.device, request.mutable_device());
+  request.set_subbyte_padded(spec.subbyte_padded);
+  if (spec.device.device_type == kDLCUDA) {
+    // The daemon numbers devices its own way: the UUID names the device.
+    absl::StatusOr<std::string> uuid = core->cuda().UuidOf(spec.device.device_id);
+    if (!uuid.ok()) return uuid.status();
+    request.set_device_uuid(*std::move(uuid));
+  }
+  v1::CreateResponse response;
+  absl::Status created = ChannelOrRpc(*core, call, &v1::ChannelResponse::mutable_created,
+                                      &v1::TensorShm::Stub::Create, request, &response);
+  if (absl::IsResourceExhausted(created) && timeout > absl::ZeroDuration()) {
+    // The memory channel's creates never wait: the gRPC Create does, in the daemon.
+    response.Clear();
+    created = CreateWaiting(*core, request, timeout, cancel, &response);
+  }
+  if (!created.ok()) return created;
+  core->AddStock(response.stocked());
+  auto state = std::make_unique<WritableTensorState>();
+  state->core = core;
+  state->tensor_id = response.tensor_id();
+  state->key = core->AddUnpublished(state->tensor_id);
+  WritableTensorState& tensor = *state;
+  // From here on the WritableTensor's destructor gives the buffer back if anything fails.
+  WritableTensor writable = WritableTensorState::Wrap(std::move(state));
+  absl::StatusOr<DecodedTensor> decoded = DecodeDescriptor(response.desc(), response.location());
+  if (!decoded.ok()) {
+    return absl::InternalError(
+        absl::StrCat("tensorshmd sent a bad descriptor: ", decoded.status().message()));
+  }
+  const v1::Location& location = response.location();
+  void* data = const_cast<char*>(kEmptyData);
+  if (location.has_cuda()) {
+    absl::StatusOr<CudaBuffer> buffer = OpenCudaLocation(*core, location);
+    if (!buffer.ok()) return buffer.status();
+    decoded->device.device_id = buffer->ordinal;
+    data = buffer->data;
+  } else if (location.length() > 0) {
+    absl::StatusOr<ClientCore::HostBuffer> mapped = core->MapHostBuffer(location);
+    if (!mapped.ok()) return mapped.status();
+    tensor.segment_mapping = std::move(mapped->segment);
+    tensor.buffer_address = mapped->data;
+    tensor.buffer_length = location.length();
+    tensor.segment_instance = location.segment_instance();
+    tensor.segment_id = location.segment_id();
+    tensor.segment_size = location.segment_size();
+    tensor.buffer_offset = location.offset();
+    data = tensor.buffer_address;
+  }
+  tensor.shape = std::move(decoded->shape);
+  tensor.strides = std::move(decoded->strides);
+  tensor.nbytes = decoded->nbytes;
+  tensor.flags = decoded->flags;
+  tensor.tensor.data = data;
+  tensor.tensor.device = decoded->device;
+  tensor.tensor.dtype = decoded->dtype;
+  tensor.PointAtShape();
+  tensor.tensor.byte_offset = decoded->byte_offset;
+  return writable;
+}
+
+// CreateOnce, run again on the new session when a daemon restart ended the old one.
+absl::StatusOr<WritableTensor> CreateAcrossRestart(const std::shared_ptr<ClientCore>& core,
+                                                   const TensorSpec& spec, absl::Duration timeout,
+                                                   CancelState* cancel) {
+  // A create the daemon made before it died is freed by it (or its successor, after the grace
+  // period): made again on the new session, it costs nothing twice.
+  const absl::Time start = absl::Now();
+  return core->CallAcrossRestart(
+      "create", ClientCore::RestartDeadline(timeout), /*repeatable=*/true, cancel, [&] {
+        absl::Duration left = timeout;
+        if (timeout != absl::InfiniteDuration() && timeout > absl::ZeroDuration()) {
+          // At least a millisecond: zero would mean "do not wait" to a wait that ran out.
+          left = std::max(absl::Milliseconds(1), start + timeout - absl::Now());
+        }
+        return CreateOnce(core, spec, left, cancel);
+      });
+}
+
+}  // namespace
+
+absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
+  return Create(spec, absl::ZeroDuration());
+}
+
+absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout) {
+  return CreateAcrossRestart(core_, spec, timeout, nullptr);
+}
+
+absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout,
+                                              const WaitCanceller& cancel) {
+  return CreateAcrossRestart(core_, spec, timeout, ClientAccess::State(cancel));
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,44 @@
+// What only the bindings (python/src) use: the ready event of an acquired CUDA tensor, and
+// copies and stream waits on this process's CUDA devices. Not part of the public API: the
+// bindings link the client library's objects themselves.
+#ifndef TENSORSHM_CLIENT_INTEROP_H_
+#define TENSORSHM_CLIENT_INTEROP_H_
+
+#include <dlpack/dlpack.h>
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tensorshm/client.h"
+
+namespace tensorshm {
+
+// For bindings that hand the ready event on (the Arrow C Device Data Interface's sync_event): a
+// pointer to a CUevent, opened in this process on first call and valid as long as `tensor`'s
+// lease is held (destroyed, or given back to this process's producer side, when it ends); a
+// consumer waits on it (cuStreamWaitEvent) before using the tensor. nullptr for host tensors and
+// CUDA tensors published without an event. INVALID_ARGUMENT for a tensor that did not come from a
+// tensorshm Client; errors of the driver opening the event. Thread-safe.
+absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor);
+
+// Copies `bytes` of an acquired CUDA tensor's device memory, starting at `src` (inside the
+// tensor), to host memory `dst`, after its ready event. INVALID_ARGUMENT for a tensor that is not
+// a CUDA tensor acquired from a tensorshm Client.
+absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src, void* dst,
+                        size_t bytes);
+
+// Copies `bytes` from device memory `src` to device memory `dst` on this process's CUDA device
+// `ordinal`, asynchronously on `stream`, with `client`'s driver. FAILED_PRECONDITION in a forked
+// child.
+absl::Status CopyOnDevice(Client& client, int ordinal, void* dst, const void* src, size_t bytes,
+                          CudaStream stream);
+
+// Makes `stream` of this process's CUDA device `ordinal` wait for `event` (a CUevent of this
+// process, e.g. an Arrow C Device Data Interface sync_event's target). FAILED_PRECONDITION in a
+// forked child.
+absl::Status StreamWaitEvent(Client& client, int ordinal, CudaStream stream, void* event);
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_CLIENT_INTEROP_H_

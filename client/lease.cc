@@ -1,0 +1,213 @@
+#include "client/lease.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/fork.h"
+#include "client/interop.h"
+#include "common/tensor/wire.h"
+
+namespace tensorshm {
+
+alignas(256) const char kEmptyData[256] = {};
+
+namespace {
+
+void ReleaseLease(Lease* lease) noexcept {
+  {
+    MutexLock lock(&lease->event_mu);
+    // A forked child leaves the driver alone (the event is the parent's business).
+    if (lease->opened_event != nullptr && !lease->core->forked()) {
+      lease->core->cuda().CloseEvent(lease->cuda_ordinal, lease->ready_event, lease->opened_event,
+                                     lease->own_event);
+    }
+  }
+  if (lease->core->forked()) {
+    // The lease is the parent's: the child only lets go of its own copy of the tensor.
+    KeepForever(std::move(lease->core));
+  } else if (lease->fast != nullptr) {
+    lease->core->ReleasePageLease(*lease->fast, lease->page_slot);
+  } else {
+    lease->core->QueueRelease(lease->key);
+  }
+  delete lease;
+}
+
+}  // namespace
+
+void DeleteVersioned(DLManagedTensorVersioned* self) noexcept {
+  if (self != nullptr) ReleaseLease(static_cast<Lease*>(self->manager_ctx));
+}
+
+void DeleteLegacy(DLManagedTensor* self) noexcept {
+  if (self != nullptr) ReleaseLease(static_cast<Lease*>(self->manager_ctx));
+}
+
+absl::StatusOr<CudaBuffer> OpenCudaLocation(ClientCore& core, const v1::Location& location) {
+  const v1::CudaLocation& cuda = location.cuda();
+  absl::StatusOr<int> ordinal = core.cuda().OrdinalOf(cuda.device_uuid());
+  if (!ordinal.ok()) return ordinal.status();
+  CudaBuffer buffer{*ordinal, nullptr};
+  if (location.length() > 0) {
+    absl::StatusOr<CUdeviceptr> base = core.cuda().OpenSegment(
+        *ordinal, SegmentKey{location.segment_instance(), location.segment_id()},
+        cuda.ipc_handle());
+    if (!base.ok()) return base.status();
+    buffer.data = reinterpret_cast<char*>(*base + location.offset());
+  }
+  return buffer;
+}
+
+// Points `lease`'s DLPack structs at `data` with its shape and strides.
+void FillTensor(Lease& lease, const char* data, DLDevice device, DLDataType dtype,
+                uint64_t byte_offset, uint64_t flags) {
+  DLTensor tensor{};
+  tensor.data = const_cast<char*>(data);
+  tensor.device = device;
+  tensor.ndim = static_cast<int32_t>(lease.shape.size());
+  tensor.dtype = dtype;
+  tensor.shape = lease.shape.data();
+  tensor.strides = lease.strides.data();
+  tensor.byte_offset = byte_offset;
+  lease.versioned.version = {DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION};
+  lease.versioned.manager_ctx = &lease;
+  lease.versioned.flags = DLPACK_FLAG_BITMASK_READ_ONLY | flags;
+  lease.versioned.dl_tensor = tensor;
+  lease.legacy.manager_ctx = &lease;
+  lease.legacy.dl_tensor = tensor;
+}
+
+// Builds the tensor for a lease the daemon granted. On failure the lease is given back.
+absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCore>& core,
+                                                 const v1::AcquireResponse& response) {
+  auto lease = std::make_unique<Lease>();
+  lease->core = core;
+  // From here a failure must still give the lease back.
+  lease->key = core->AddLease(response.tensor_id(), response.lease_id());
+  auto give_back = [&](absl::Status status) {
+    core->QueueRelease(lease->key);
+    return status;
+  };
+  absl::StatusOr<DecodedTensor> decoded = DecodeDescriptor(response.desc(), response.location());
+  if (!decoded.ok()) {
+    return give_back(absl::InternalError(
+        absl::StrCat("tensorshmd sent a bad descriptor: ", decoded.status().message())));
+  }
+  const v1::Location& location = response.location();
+  const char* data = kEmptyData;
+  if (decoded->device.device_type == kDLCUDA && location.has_cuda()) {
+    absl::StatusOr<CudaBuffer> buffer = OpenCudaLocation(*core, location);
+    if (!buffer.ok()) return give_back(buffer.status());
+    decoded->device.device_id = buffer->ordinal;
+    lease->cuda_ordinal = buffer->ordinal;
+    lease->ready_event = location.cuda().ready_event();
+    data = buffer->data;
+  } else if (decoded->device.device_type != kDLCPU ||
+             (!location.has_host() && location.length() > 0)) {
+    return give_back(absl::UnimplementedError(
+        absl::StrCat("device = ", DeviceName(decoded->device), ": not supported by this client")));
+  } else if (location.length() > 0) {
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
+        core->MapHostSegment(SegmentKey{location.segment_instance(), location.segment_id()},
+                             location.segment_size(), location.offset(), location.length());
+    if (!mapping.ok()) return give_back(mapping.status());
+    lease->mapping = *std::move(mapping);
+    data = lease->mapping->address() + location.offset();
+  }
+  lease->shape = std::move(decoded->shape);
+  lease->strides = std::move(decoded->strides);
+  FillTensor(*lease, data, decoded->device, decoded->dtype, decoded->byte_offset, decoded->flags);
+  return lease;
+}
+
+// Builds the tensor for a lease slot the fast path took, from what TryAcquire copied out of the
+// record. On failure the slot is given back (the caller then asks the daemon).
+absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<ClientCore>& core,
+                                                     std::shared_ptr<FastPath> fast,
+                                                     FastPath::Leased& leased) {
+  auto lease = std::make_unique<Lease>();
+  lease->core = core;
+  lease->fast = std::move(fast);
+  lease->page_slot = leased.page_slot;
+  core->PageLeaseTaken();
+  const char* data = kEmptyData;
+  if (leased.length > 0) {
+    // The mapping covers what the daemon says the segment holds; the record's byte range must
+    // lie inside it (MapHostSegment refuses a segment smaller than `end`).
+    const uint64_t end = leased.offset + leased.length;  // no overflow: TryAcquire checked
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(
+        SegmentKey{leased.segment_instance, leased.segment_id}, end, leased.offset, leased.length);
+    if (mapping.ok() && (*mapping)->size() < end) {
+      mapping = absl::FailedPreconditionError("the record's range is outside its segment");
+    }
+    if (!mapping.ok()) {
+      core->ReleasePageLease(*lease->fast, lease->page_slot);
+      return mapping.status();
+    }
+    lease->mapping = *std::move(mapping);
+    data = lease->mapping->address() + leased.offset;
+  }
+  RecordLayout& layout = leased.layout;
+  lease->shape = std::move(layout.shape);
+  lease->strides = std::move(layout.layout.strides);
+  FillTensor(*lease, data, DLDevice{kDLCPU, 0}, layout.dtype, layout.layout.byte_offset,
+             layout.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
+  return lease;
+}
+
+// Waits for `lease`'s ready event as `sync` says.
+absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync) {
+  if (lease.ready_event.empty() || sync.mode == ReadySync::Mode::kNone) return absl::OkStatus();
+  return lease.core->cuda().WaitReady(lease.cuda_ordinal, lease.ready_event,
+                                      sync.mode == ReadySync::Mode::kHost,
+                                      static_cast<CUstream>(sync.stream));
+}
+
+absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src, void* dst,
+                        size_t bytes) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned ||
+      tensor->dl_tensor.device.device_type != kDLCUDA) {
+    return absl::InvalidArgumentError("tensor: not a CUDA tensor acquired from a tensorshm Client");
+  }
+  const auto& lease = *static_cast<const Lease*>(tensor->manager_ctx);
+  if (absl::Status s = WaitLeaseReady(lease, ReadySync::Host()); !s.ok()) return s;
+  return lease.core->cuda().CopyDeviceToHost(lease.cuda_ordinal, dst,
+                                             reinterpret_cast<CUdeviceptr>(src), bytes);
+}
+
+absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
+    return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
+  }
+  const auto& lease = *static_cast<const Lease*>(tensor->manager_ctx);
+  if (absl::Status s = lease.core->CheckProcess(); !s.ok()) return s;
+  if (lease.fast != nullptr) return lease.core->PageLeaseStatus(*lease.fast, lease.page_slot);
+  return lease.core->LeaseStatus(lease.key);
+}
+
+absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
+    return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
+  }
+  auto& lease = *static_cast<Lease*>(tensor->manager_ctx);
+  if (lease.ready_event.empty()) return nullptr;
+  MutexLock lock(&lease.event_mu);
+  if (lease.opened_event == nullptr) {
+    bool own = false;
+    absl::StatusOr<CUevent> event =
+        lease.core->cuda().OpenEvent(lease.cuda_ordinal, lease.ready_event, &own);
+    if (!event.ok()) return event.status();
+    lease.opened_event = *event;
+    lease.own_event = own;
+  }
+  return static_cast<const void*>(&lease.opened_event);
+}
+
+absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
+    return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
+  }
+  return WaitLeaseReady(*static_cast<const Lease*>(tensor->manager_ctx), sync);
+}
+
+}  // namespace tensorshm

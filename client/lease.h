@@ -1,0 +1,92 @@
+// Acquired tensors: the lease behind each DLManagedTensor(Versioned) the client hands out, and how
+// it is built from what the daemon (or the fast path) granted. Private to the client library.
+#ifndef TENSORSHM_CLIENT_LEASE_H_
+#define TENSORSHM_CLIENT_LEASE_H_
+
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "client/client_core.h"
+#include "client/fast_path.h"
+#include "client/segment_map.h"
+#include "common/base/mutex.h"
+#include "common/cuda/cuda_driver.h"
+#include "tensorshm/client.h"
+#include "tensorshm/v1/tensorshm.pb.h"
+
+namespace tensorshm {
+
+// Data pointer of empty tensors: non-null and 256-byte aligned, never read.
+alignas(256) extern const char kEmptyData[256];
+
+// What an acquired tensor's manager_ctx points at: the lease and storage for shape and strides.
+struct Lease {
+  DLManagedTensorVersioned versioned{};
+  DLManagedTensor legacy{};
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  uint64_t key = 0;  // ClientCore's key for the lease (an RPC lease)
+  std::shared_ptr<ClientCore> core;
+  std::shared_ptr<FastPath> fast;  // a page lease: the fast path whose page holds it
+  uint32_t page_slot = 0;
+  std::shared_ptr<const SegmentMapping> mapping;  // host tensors: the segment the data lies in
+  int cuda_ordinal = -1;                          // CUDA tensors: this process's device ordinal
+  std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
+  // ReadyEvent: the event opened from `ready_event` on first call, kept until the lease ends.
+  Mutex event_mu;
+  CUevent opened_event ABSL_GUARDED_BY(event_mu) = nullptr;
+  bool own_event ABSL_GUARDED_BY(event_mu) = false;
+};
+
+// The deleters of the tensors handed out: each gives its lease back.
+void DeleteVersioned(DLManagedTensorVersioned* self) noexcept;
+void DeleteLegacy(DLManagedTensor* self) noexcept;
+
+// Hands `lease` out as the caller's tensor, which owns it from here (its deleter gives it back).
+inline DLManagedTensorVersioned* HandOut(std::unique_ptr<Lease> lease) {
+  Lease* raw = lease.release();
+  raw->versioned.deleter = DeleteVersioned;
+  return &raw->versioned;
+}
+inline DLManagedTensor* HandOutLegacy(std::unique_ptr<Lease> lease) {
+  Lease* raw = lease.release();
+  raw->legacy.deleter = DeleteLegacy;
+  return &raw->legacy;
+}
+
+// A CUDA location as this process sees it: its ordinal for the location's device (found by UUID)
+// and the buffer's device address (nullptr for an empty tensor), the segment opened once.
+struct CudaBuffer {
+  int ordinal = -1;
+  char* data = nullptr;
+};
+
+// Opens the CUDA segment of `location` (once per segment) and finds the buffer in it.
+absl::StatusOr<CudaBuffer> OpenCudaLocation(ClientCore& core, const v1::Location& location);
+
+// Points `lease`'s DLPack structs at `data` with its shape and strides.
+void FillTensor(Lease& lease, const char* data, DLDevice device, DLDataType dtype,
+                uint64_t byte_offset, uint64_t flags);
+
+// Builds the tensor for a lease the daemon granted. On failure the lease is given back.
+absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCore>& core,
+                                                 const v1::AcquireResponse& response);
+
+// Builds the tensor for a lease slot the fast path took, from what TryAcquire copied out of the
+// record. On failure the slot is given back (the caller then asks the daemon).
+absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<ClientCore>& core,
+                                                     std::shared_ptr<FastPath> fast,
+                                                     FastPath::Leased& leased);
+
+// Waits for `lease`'s ready event as `sync` says.
+absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync);
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_CLIENT_LEASE_H_

@@ -1,0 +1,79 @@
+#include "client/writable_tensor.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/client_core.h"
+#include "client/fork.h"
+#include "client/segment_map.h"
+
+namespace tensorshm {
+namespace {
+
+// What a moved-from tensor shows.
+const DLTensor kNoTensor{};
+
+// Lets go of a writable tensor: frees its buffer if unpublished.
+void Drop(std::unique_ptr<WritableTensorState> state) {
+  if (state == nullptr) return;
+  state->tensor.data = nullptr;
+  state->segment_mapping.reset();
+  if (state->core != nullptr && state->core->forked()) {
+    // The parent's tensor: the child drops its own mapping and nothing else.
+    KeepForever(std::move(state->core));
+  } else if (state->core != nullptr && !state->published) {
+    state->core->QueueAbandon(state->key);
+  }
+}
+
+}  // namespace
+
+WritableTensor::WritableTensor(std::unique_ptr<WritableTensorState> state)
+    : state_(std::move(state)) {}
+
+WritableTensor::WritableTensor(WritableTensor&& other) noexcept = default;
+
+WritableTensor& WritableTensor::operator=(WritableTensor&& other) noexcept {
+  if (this == &other) return *this;
+  Drop(std::move(state_));
+  state_ = std::move(other.state_);
+  return *this;
+}
+
+WritableTensor::~WritableTensor() { Drop(std::move(state_)); }
+
+const DLTensor& WritableTensor::dl_tensor() const {
+  return state_ == nullptr ? kNoTensor : state_->tensor;
+}
+
+void* WritableTensor::data() const {
+  if (state_ == nullptr || state_->tensor.data == nullptr) return nullptr;
+  return static_cast<char*>(state_->tensor.data) + state_->tensor.byte_offset;
+}
+
+uint64_t WritableTensor::tensor_id() const { return state_ == nullptr ? 0 : state_->tensor_id; }
+
+int64_t WritableTensor::nbytes() const { return state_ == nullptr ? 0 : state_->nbytes; }
+
+uint64_t WritableTensor::dlpack_flags() const { return state_ == nullptr ? 0 : state_->flags; }
+
+void* WritableTensor::buffer_address() const {
+  return state_ == nullptr ? nullptr : state_->buffer_address;
+}
+
+bool WritableTensor::published() const { return state_ != nullptr && state_->published; }
+
+absl::Status WritableTensor::SealViews() {
+  if (state_ == nullptr || !state_->published) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor ", tensor_id(), ": SealViews before Publish"));
+  }
+  const WritableTensorState& state = *state_;
+  if (state.segment_mapping == nullptr || state.buffer_length == 0) return absl::OkStatus();
+  return state.segment_mapping->Seal(
+      static_cast<uint64_t>(static_cast<char*>(state.buffer_address) -
+                            state.segment_mapping->address()),
+      state.buffer_length);
+}
+
+}  // namespace tensorshm
