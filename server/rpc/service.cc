@@ -30,13 +30,6 @@ constexpr int kMaxReleaseIds = 16384;
 // kHeartbeatIntervalNs): a table of 65,536 records in under 3 s, some tens of microseconds a round.
 constexpr size_t kRecordsCheckedPerRound = 256;
 
-// Finishes a unary call's default reactor with `status`, on the calling thread.
-grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 }  // namespace
 
 TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
@@ -70,6 +63,15 @@ absl::Duration TensorShmService::CrossCancelHoldFromEnvironment() {
   return absl::Milliseconds(ms);
 }
 
+absl::Duration TensorShmService::GrowthDelayFromEnvironment() {
+  const char* value = std::getenv("TENSORSHMD_TEST_GROWTH_DELAY_MS");
+  int64_t ms = 0;
+  if (value == nullptr || !absl::SimpleAtoi(value, &ms) || ms <= 0) return absl::ZeroDuration();
+  TSM_LOG(kWarning) << "TENSORSHMD_TEST_GROWTH_DELAY_MS = " << ms
+                    << ": test mode (every pool growth is slowed down); never in production";
+  return absl::Milliseconds(ms);
+}
+
 void TensorShmService::FinishGranting(grpc::ServerUnaryReactor* reactor, grpc::Status status,
                                       bool granted) {
   if (!granted || cross_cancel_hold_ == absl::ZeroDuration() || !status.ok()) {
@@ -82,6 +84,33 @@ void TensorShmService::FinishGranting(grpc::ServerUnaryReactor* reactor, grpc::S
     absl::SleepFor(hold);
     reactor->Finish(std::move(status));
   }).detach();
+}
+
+grpc::ServerUnaryReactor* TensorShmService::Unary(
+    grpc::CallbackServerContext* context, const UnaryFrame& frame,
+    absl::FunctionRef<absl::Status(UnaryCall&)> body) {
+  grpc::ServerUnaryReactor* reactor =
+      frame.reactor != nullptr ? frame.reactor : context->DefaultReactor();
+  bool answered_later = false;
+  const absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<PeerCredentials> peer = Admit(*context);
+    if (!peer.ok()) return peer.status();
+    if (!frame.checked.ok()) return frame.checked;
+    ServiceLock lock(this);
+    UnaryCall call{*peer, reactor};
+    if (frame.needs_session) {
+      absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
+      if (!session.ok()) return session.status();
+      call.session = *session;
+    }
+    const absl::Status answer = body(call);
+    answered_later = call.answered_later;
+    return answer;
+  }();  // `lock` goes: what the body queued is finished
+  if (answered_later) return reactor;
+  if (frame.counted) metrics_.CountOp(frame.op, status);
+  FinishGranting(reactor, ToGrpcStatus(status), status.ok() && frame.request_id != 0);
+  return reactor;
 }
 
 absl::Status TensorShmService::MayChange(const tensorshm::Session& session, const Tensor& tensor,
@@ -590,35 +619,27 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
                                                    const v1::CreateRequest* request,
                                                    v1::CreateResponse* response) {
   if (request->wait_ms() != 0) return CreateWaiting(context, request, response);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  bool deferred = false;
-  const absl::Status status = [&]() -> absl::Status {
-    absl::StatusOr<PeerCredentials> peer = Admit(*context);
-    if (!peer.ok()) return peer.status();
-    ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
-    if (!session.ok()) return session.status();
-    if ((*session)->TakeSettled(request->request_id())) {
-      return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
-    }
-    SegmentGrowth growth;
-    absl::Status created = CreateFor(**session, *request, response, &growth);
-    if (!growth.needed() && !growth.busy()) {
-      if (!created.ok()) return created;
-      return KeepCreated((*session)->token, absl::OkStatus(), request->request_id(), *response);
-    }
-    // A pool must grow first: not on this thread, one of gRPC's few.
-    if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
-    pending_creates_.push_back(PendingCreate{reactor, (*session)->token, request, response});
-    creates_pending_.Signal();
-    deferred = true;
-    return absl::OkStatus();
-  }();
-  if (!deferred) {
-    metrics_.CountOp(MetricOp::kCreate, status);
-    FinishGranting(reactor, ToGrpcStatus(status), status.ok() && request->request_id() != 0);
-  }
-  return reactor;
+  return Unary(context, {.op = MetricOp::kCreate, .request_id = request->request_id()},
+               [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+                 if (call.session->TakeSettled(request->request_id())) {
+                   return absl::CancelledError(
+                       "create: settled (cancelled) by the client before it arrived");
+                 }
+                 SegmentGrowth growth;
+                 absl::Status created = CreateFor(*call.session, *request, response, &growth);
+                 if (!growth.needed() && !growth.busy()) {
+                   if (!created.ok()) return created;
+                   return KeepCreated(call.session->token, absl::OkStatus(), request->request_id(),
+                                      *response);
+                 }
+                 // A pool must grow first: not on this thread, one of gRPC's few.
+                 if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
+                 pending_creates_.push_back(
+                     PendingCreate{call.reactor, call.session->token, request, response});
+                 creates_pending_.Signal();
+                 call.answered_later = true;
+                 return absl::OkStatus();
+               });
 }
 
 void TensorShmService::GrowPools() {
@@ -694,6 +715,11 @@ absl::Status TensorShmService::GrowUnlocked(SegmentGrowth& growth) {
   // goes on meanwhile.
   catalog_->BeginGrowth(growth);
   UnlockAndFinish();
+  if (growth_delay_ > absl::ZeroDuration()) {
+    TSM_LOG(kWarning) << "TENSORSHMD_TEST_GROWTH_DELAY_MS: a pool growth sleeps "
+                      << absl::FormatDuration(growth_delay_) << " before it makes its segment";
+    absl::SleepFor(growth_delay_);
+  }
   growth.Make();
   mu_.lock();
   const absl::Status grown = catalog_->EndGrowth(growth);
@@ -856,16 +882,10 @@ void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint3
 grpc::ServerUnaryReactor* TensorShmService::Publish(grpc::CallbackServerContext* context,
                                                     const v1::PublishRequest* request,
                                                     v1::PublishResponse* response) {
-  const absl::Status status = [&]() -> absl::Status {
-    absl::StatusOr<PeerCredentials> peer = Admit(*context);
-    if (!peer.ok()) return peer.status();
-    ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
-    if (!session.ok()) return session.status();
-    return PublishFor(**session, *request, response);
-  }();
-  metrics_.CountOp(MetricOp::kPublish, status);
-  return Answer(context, status);
+  return Unary(context, {.op = MetricOp::kPublish},
+               [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                 return PublishFor(*call.session, *request, response);
+               });
 }
 
 absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
@@ -928,17 +948,10 @@ absl::Status TensorShmService::PublishFor(tensorshm::Session& session,
 grpc::ServerUnaryReactor* TensorShmService::Delete(grpc::CallbackServerContext* context,
                                                    const v1::DeleteRequest* request,
                                                    v1::DeleteResponse*) {
-  const absl::Status status = [&]() -> absl::Status {
-    absl::StatusOr<PeerCredentials> peer = Admit(*context);
-    if (!peer.ok()) return peer.status();
-    if (absl::Status s = ValidateName(request->name()); !s.ok()) return s;
-    ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
-    if (!session.ok()) return session.status();
-    return DeleteFor(**session, *request);
-  }();
-  metrics_.CountOp(MetricOp::kDelete, status);
-  return Answer(context, status);
+  return Unary(context, {.op = MetricOp::kDelete, .checked = ValidateName(request->name())},
+               [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                 return DeleteFor(*call.session, *request);
+               });
 }
 
 absl::Status TensorShmService::DeleteFor(const tensorshm::Session& session,
@@ -953,11 +966,10 @@ absl::Status TensorShmService::DeleteFor(const tensorshm::Session& session,
 grpc::ServerUnaryReactor* TensorShmService::List(grpc::CallbackServerContext* context,
                                                  const v1::ListRequest* request,
                                                  v1::ListResponse* response) {
-  const absl::Status status = [&]() -> absl::Status {
-    absl::StatusOr<PeerCredentials> peer = Admit(*context);
-    if (!peer.ok()) return peer.status();
-    if (absl::Status s = ValidateNamePrefix(request->prefix()); !s.ok()) return s;
-    ServiceLock lock(this);
+  const UnaryFrame frame{.op = MetricOp::kList,
+                         .needs_session = false,
+                         .checked = ValidateNamePrefix(request->prefix())};
+  return Unary(context, frame, [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     catalog_->ReadLeasePages();  // once: each entry's page leases are then a look-up
     for (const Tensor* tensor : catalog_->List(request->prefix())) {
       v1::TensorInfo* info = response->add_tensors();
@@ -966,60 +978,59 @@ grpc::ServerUnaryReactor* TensorShmService::List(grpc::CallbackServerContext* co
       info->set_leases(catalog_->LeaseCount(*tensor));
       info->set_published_unix_ms(tensor->published_unix_ms);
       info->set_publisher_uid(tensor->owner_uid);
-      if (SeesDetailsOf(*peer, tensor->owner_uid)) info->set_publisher_pid(tensor->publisher_pid);
+      if (SeesDetailsOf(call.peer, tensor->owner_uid)) {
+        info->set_publisher_pid(tensor->publisher_pid);
+      }
       Describe(*tensor, info->mutable_desc(), nullptr);
     }
     return absl::OkStatus();
-  }();
-  metrics_.CountOp(MetricOp::kList, status);
-  return Answer(context, status);
+  });
 }
 
 grpc::ServerUnaryReactor* TensorShmService::Stat(grpc::CallbackServerContext* context,
                                                  const v1::StatRequest*,
                                                  v1::StatResponse* response) {
-  const absl::Status status = [&]() -> absl::Status {
-    if (absl::Status s = Admit(*context).status(); !s.ok()) return s;
-    *response = StatSnapshot();
-    return absl::OkStatus();
-  }();
-  metrics_.CountOp(MetricOp::kStat, status);
-  return Answer(context, status);
+  return Unary(context, {.op = MetricOp::kStat, .needs_session = false},
+               [&](UnaryCall&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                 StatLocked(response);
+                 return absl::OkStatus();
+               });
 }
 
 v1::StatResponse TensorShmService::StatSnapshot() {
   v1::StatResponse stat;
-  v1::StatResponse* response = &stat;
-  {
-    ServiceLock lock(this);
-    FoldFastAcquires();
-    catalog_->ReadLeasePages();
-    response->set_tensors(catalog_->tensor_count());
-    response->set_names(catalog_->name_count());
-    response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
-    response->set_sessions(sessions_.size());
-    response->set_evicted_tensors(catalog_->evicted_tensors());
-    response->set_evicted_bytes(catalog_->evicted_bytes());
-    response->set_creates_waiting(static_cast<int64_t>(creates_waiting_.size()));
-    response->set_stocked_tensors(catalog_->stocked_tensors());
-    const HostPool& pool = catalog_->host_pool();
-    v1::PoolStats* stats = response->add_pools();
-    ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
-    stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
-    // Stock is allocated from the pool like any buffer: the pool's own figure holds both.
-    stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()));
-    stats->set_stock_bytes(static_cast<int64_t>(catalog_->stock_bytes()));
-    stats->set_segments(static_cast<int64_t>(pool.live_segment_count()));
-    for (const CudaPool* cuda : catalog_->cuda_pools()) {
-      v1::PoolStats* device = response->add_pools();
-      ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());
-      device->set_capacity_bytes(static_cast<int64_t>(cuda->capacity_bytes()));
-      device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
-      device->set_segments(static_cast<int64_t>(cuda->segment_count()));
-    }
-    // Eviction (--evict lru) adds its figures here; metrics.cc exports them.
-  }
+  ServiceLock lock(this);
+  StatLocked(&stat);
   return stat;
+}
+
+void TensorShmService::StatLocked(v1::StatResponse* response) {
+  FoldFastAcquires();
+  catalog_->ReadLeasePages();
+  response->set_tensors(catalog_->tensor_count());
+  response->set_names(catalog_->name_count());
+  response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
+  response->set_sessions(sessions_.size());
+  response->set_evicted_tensors(catalog_->evicted_tensors());
+  response->set_evicted_bytes(catalog_->evicted_bytes());
+  response->set_creates_waiting(static_cast<int64_t>(creates_waiting_.size()));
+  response->set_stocked_tensors(catalog_->stocked_tensors());
+  const HostPool& pool = catalog_->host_pool();
+  v1::PoolStats* stats = response->add_pools();
+  ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
+  stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
+  // Stock is allocated from the pool like any buffer: the pool's own figure holds both.
+  stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()));
+  stats->set_stock_bytes(static_cast<int64_t>(catalog_->stock_bytes()));
+  stats->set_segments(static_cast<int64_t>(pool.live_segment_count()));
+  for (const CudaPool* cuda : catalog_->cuda_pools()) {
+    v1::PoolStats* device = response->add_pools();
+    ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());
+    device->set_capacity_bytes(static_cast<int64_t>(cuda->capacity_bytes()));
+    device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
+    device->set_segments(static_cast<int64_t>(cuda->segment_count()));
+  }
+  // Eviction (--evict lru) adds its figures here; metrics.cc exports them.
 }
 
 }  // namespace tensorshm

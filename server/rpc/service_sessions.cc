@@ -2,7 +2,6 @@
 #include <string>
 
 #include "absl/time/time.h"
-#include "common/tensor/grpc_status.h"
 #include "server/rpc/service.h"
 
 namespace tensorshm {
@@ -15,20 +14,19 @@ bool TensorShmService::SeesDetailsOf(const PeerCredentials& caller, uint32_t uid
 grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext* context,
                                                      const v1::SessionsRequest*,
                                                      v1::SessionsResponse* response) {
-  const absl::Status status = [&]() -> absl::Status {
-    absl::StatusOr<PeerCredentials> caller = Admit(*context);
-    if (!caller.ok()) return caller.status();
+  const UnaryFrame frame{.counted = false, .needs_session = false};
+  return Unary(context, frame, [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const PeerCredentials& caller = call.peer;
     // The caller's own session, if it names one; a caller without one sees the same list.
     std::string own_token;
     const auto& metadata = context->client_metadata();
     if (auto it = metadata.find(kSessionMetadataKey); it != metadata.end()) {
       own_token.assign(it->second.data(), it->second.size());
     }
-    ServiceLock lock(this);
     // Naming a session is for its own process only, as on every call (Session::CheckCaller); a
     // token that names no open session marks none as `own`.
     if (const tensorshm::Session* own = sessions_.Find(own_token); own != nullptr) {
-      if (absl::Status s = own->CheckCaller(*caller); !s.ok()) return s;
+      if (absl::Status s = own->CheckCaller(caller); !s.ok()) return s;
     }
     for (const auto& [id, session] : sessions_.by_id()) {
       v1::SessionInfo* info = response->add_sessions();
@@ -40,10 +38,10 @@ grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext
       info->set_unpublished_bytes(static_cast<int64_t>(session->unpublished_bytes));
       info->set_opened_unix_ms(absl::ToUnixMillis(session->opened_at));
       info->set_own(!own_token.empty() && own_token == session->token);
-      if (auto waiting = waiters_by_session_.find(id); waiting != waiters_by_session_.end()) {
-        info->set_waiting_acquires(static_cast<int64_t>(waiting->second.size()));
+      if (const size_t waiting = acquires_waiting_.CountOfSession(id); waiting > 0) {
+        info->set_waiting_acquires(static_cast<int64_t>(waiting));
       }
-      if (!SeesDetailsOf(*caller, session->uid)) {
+      if (!SeesDetailsOf(caller, session->uid)) {
         info->set_redacted(true);
         continue;
       }
@@ -54,10 +52,7 @@ grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext
       info->set_client_version(session->client_version);
     }
     return absl::OkStatus();
-  }();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  });
 }
 
 }  // namespace tensorshm
