@@ -161,7 +161,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
     // The call's request id (0: none): an OK answer to it carries a grant (FinishGranting).
     uint64_t request_id = 0;
     // A check of the request that needs no lock, answered (if not OK) right after Admit.
-    absl::Status checked;
+    absl::Status checked = absl::OkStatus();
   };
   // What a unary call's body is given, under mu_.
   struct UnaryCall {
