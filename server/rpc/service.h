@@ -128,7 +128,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
  private:
   class SessionReactor;  // service_reactors.cc
   class Waiter;          // service_reactors.cc
-  class CreateWaiter;    // service_creates.cc
+  class CreateWaiter;    // service_create_waiters.cc
 
   // The memory a create draws from: a pool, and on the host pool the uid (each uid's buffers
   // take segments of their own). Waiting creates are served in order per key.
@@ -356,7 +356,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
                                    const v1::SegmentRequest& request, v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // ---- Creates that wait for memory (service_creates.cc) ----
+  // ---- Creates that wait for memory (service_create_waiters.cc) ----
 
   // Create's work for a create with wait_ms != 0: its reactor, answered at once when it can be
   // (or queued for GrowPools), else put on the queue of waiting creates.
