@@ -1,3 +1,6 @@
+// The catalog: the table of tensors and names (create, publish, reshape, acquire, delete, free)
+// and its lease counts. Its record store is record_store.cc, recovery recovery.cc, pool growth
+// growth.cc and eviction catalog_eviction.cc.
 #include "server/catalog/catalog.h"
 
 #include <algorithm>
@@ -9,25 +12,16 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/base/check.h"
-#include "common/tensor/dtype.h"
 #include "common/shm/fast_path_layout.h"
+#include "common/shm/tensor_record.h"
+#include "common/tensor/dtype.h"
 #include "common/tensor/layout.h"
 #include "common/tensor/name.h"
-#include "common/shm/tensor_record.h"
 #include "common/tensor/wire.h"
 #include "server/ops/log.h"
 #include "server/ops/uid_limits.h"
 
 namespace tensorshm {
-namespace {
-
-HostPoolOptions PoolOptions(const CatalogOptions& options) {
-  return HostPoolOptions{options.shm_prefix, options.host_pool_bytes, options.host_segment_bytes,
-                         options.backing,    options.owner_uid,       options.instance_id};
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& options) {
   if (options.max_tensors == 0) {
     return absl::InvalidArgumentError("max tensors = 0: must be at least 1");
@@ -41,7 +35,7 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Create(const CatalogOptions& o
   if (!index.ok()) return index.status();
   std::unique_ptr<Catalog> catalog(
       new Catalog(*std::move(control), *std::move(index), options.instance_id));
-  absl::StatusOr<HostPool> pool = HostPool::Create(PoolOptions(options), &catalog->control_);
+  absl::StatusOr<HostPool> pool = HostPool::Create(HostPoolOptionsOf(options), &catalog->control_);
   if (!pool.ok()) return pool.status();
   catalog->pool_.emplace(*std::move(pool));
   return catalog;
@@ -54,99 +48,6 @@ Catalog::Catalog(ControlSegment control, CatalogIndex index, uint64_t instance_i
   const uint32_t count = control_.record_count();
   free_slots_.reserve(count);
   for (uint32_t slot = count; slot-- > 0;) free_slots_.push_back(slot);
-}
-
-absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Recover(const CatalogOptions& options) {
-  if (options.backing != SegmentBacking::kNamed) {
-    return absl::FailedPreconditionError("recovery needs named segments (--segments shm)");
-  }
-  absl::StatusOr<ControlSegment> control = ControlSegment::Open(options.shm_prefix);
-  if (!control.ok()) return control.status();
-  absl::StatusOr<CatalogIndex> index =
-      CatalogIndex::Create(control->record_count(), options.instance_id);
-  if (!index.ok()) {
-    control->Keep();
-    return index.status();
-  }
-  std::unique_ptr<Catalog> catalog(new Catalog(*std::move(control), *std::move(index),
-                                               options.instance_id, /*all_slots_free=*/false));
-  absl::StatusOr<HostPool> pool = HostPool::Recover(PoolOptions(options), &catalog->control_);
-  if (!pool.ok()) {
-    catalog->control_.Keep();  // a failed recovery leaves the objects in place (see HostPool)
-    return pool.status();
-  }
-  catalog->pool_.emplace(*std::move(pool));
-
-  const uint32_t count = catalog->control_.record_count();
-  // Published records, by name: the highest publish_seq wins (a replace that was cut short
-  // leaves two); the others are unbound.
-  std::unordered_map<std::string, uint64_t> winners;  // name -> tensor id
-  uint64_t highest_id = 0;
-  uint64_t highest_seq = 0;
-  TensorRecord copy;
-  for (uint32_t slot = count; slot-- > 0;) {
-    TensorRecord& record = catalog->control_.record(slot);
-    record.state.load(std::memory_order_acquire);  // orders the copy after the commit
-    CopyRecord(record, copy);
-    const auto state = static_cast<RecordState>(copy.state.load(std::memory_order_relaxed));
-    if (state != RecordState::kPublished && state != RecordState::kUnbound &&
-        state != RecordState::kWriting) {
-      catalog->free_slots_.push_back(slot);
-      continue;
-    }
-    // Unpublished buffers are kept too: their producer may reconnect and publish them.
-    if (!catalog->Restore(slot, copy, state)) {
-      record.state.store(static_cast<uint32_t>(RecordState::kFree), std::memory_order_release);
-      catalog->free_slots_.push_back(slot);
-      continue;
-    }
-    Tensor& tensor = catalog->tensors_.at(copy.tensor_id);
-    highest_id = std::max(highest_id, tensor.id);
-    highest_seq = std::max(highest_seq, tensor.publish_seq);
-    if (state != RecordState::kPublished) continue;
-    auto [it, inserted] = winners.emplace(tensor.record_name, tensor.id);
-    if (!inserted) {
-      Tensor& other = catalog->tensors_.at(it->second);
-      Tensor* loser = &tensor;
-      if (tensor.publish_seq > other.publish_seq) {
-        loser = &other;
-        it->second = tensor.id;
-      }
-      catalog->WriteRecordState(*loser, RecordState::kUnbound);
-    }
-  }
-  for (const auto& [name, id] : winners) {
-    Tensor& tensor = catalog->tensors_.at(id);
-    tensor.name = name;
-    catalog->names_.emplace(name, id);
-    catalog->index_.Bind(NameHash(name.data(), name.size()), tensor.slot, id, std::nullopt);
-  }
-  // The counters go on from the larger of the header's word (tensors freed before the restart
-  // had ids up to it) and what the records hold; a header word no daemon could have reached was
-  // written by something else and is ignored.
-  ControlHeader& header = catalog->control_.header();
-  const uint64_t header_id = header.next_tensor_id.load(std::memory_order_relaxed);
-  const uint64_t header_seq = header.next_publish_seq.load(std::memory_order_relaxed);
-  catalog->next_tensor_id_ = highest_id + 1;
-  catalog->next_publish_seq_ = highest_seq + 1;
-  if (header_id <= kMaxRecordCounter) {
-    catalog->next_tensor_id_ = std::max(catalog->next_tensor_id_, header_id);
-  } else {
-    TSM_LOG(kWarning) << "recovery: " << catalog->control_.name() << " header next_tensor_id "
-                      << header_id << " is past any id a daemon hands out; continuing from "
-                      << catalog->next_tensor_id_;
-  }
-  if (header_seq <= kMaxRecordCounter) {
-    catalog->next_publish_seq_ = std::max(catalog->next_publish_seq_, header_seq);
-  } else {
-    TSM_LOG(kWarning) << "recovery: " << catalog->control_.name() << " header next_publish_seq "
-                      << header_seq << " is past any sequence a daemon hands out; continuing from "
-                      << catalog->next_publish_seq_;
-  }
-  header.next_tensor_id.store(catalog->next_tensor_id_, std::memory_order_relaxed);
-  header.next_publish_seq.store(catalog->next_publish_seq_, std::memory_order_relaxed);
-  catalog->in_grace_ = true;
-  return catalog;
 }
 
 void Catalog::AddCudaPool(std::unique_ptr<CudaPool> pool) {
@@ -163,128 +64,6 @@ std::vector<const CudaPool*> Catalog::cuda_pools() const {
   std::vector<const CudaPool*> pools;
   for (const auto& [ordinal, pool] : cuda_pools_) pools.push_back(pool.get());
   return pools;
-}
-
-bool Catalog::Restore(uint32_t slot, const TensorRecord& record, RecordState state) {
-  const bool unpublished = state == RecordState::kWriting;
-  if (record.device_type == kDLCUDA) {
-    // Device memory belongs to the process that allocated it: it ended with the old daemon.
-    TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
-                      << ") was on cuda:" << record.device_id
-                      << ", whose memory ended with the old daemon; dropped";
-    return false;
-  }
-  const std::string name(record.name, std::min<size_t>(record.name_length, sizeof(record.name)));
-  if (record.device_type != kDLCPU || record.device_id != 0 || record.tensor_id == 0 ||
-      record.tensor_id > kMaxRecordCounter || record.publish_seq > kMaxRecordCounter ||
-      (record.name_length == 0) != unpublished ||
-      (!unpublished && (record.name_length > kMaxNameLength || !ValidateName(name).ok())) ||
-      tensors_.count(record.tensor_id) > 0) {
-    TSM_LOG(kWarning) << "recovery: record " << slot << " is not a valid tensor; dropped";
-    return false;
-  }
-  absl::StatusOr<RecordLayout> decoded = DecodeRecordLayout(record);
-  if (!decoded.ok()) {
-    TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
-                      << ") is not a valid tensor (" << decoded.status().message() << "); dropped";
-    return false;
-  }
-  Tensor tensor;
-  tensor.id = record.tensor_id;
-  tensor.slot = slot;
-  tensor.device = DLDevice{kDLCPU, 0};
-  tensor.buffer = Buffer{record.segment_id, record.offset, record.length};
-  if (record.owner_uid != pool_->owner_uid()) {
-    // Another uid's buffers are in segments reserved to it, sealed memfds that nothing outlives.
-    TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
-                      << (unpublished ? "" : absl::StrCat(", \"", LogEscape(name), "\""))
-                      << ") was uid " << record.owner_uid
-                      << "'s, in a memfd segment reserved to that uid, whose memory ended with the "
-                         "old daemon (only the daemon's own uid's tensors survive a restart); "
-                         "dropped";
-    return false;
-  }
-  const uint64_t page = HostPool::PageSize();
-  if (tensor.buffer.offset % page != 0 || tensor.buffer.length % page != 0 ||
-      (tensor.buffer.length > 0 && !pool_->Reserve(tensor.buffer))) {
-    TSM_LOG(kWarning) << "recovery: record " << slot << " (tensor " << record.tensor_id
-                      << ") does not fit its buffer or overlaps another; dropped";
-    return false;
-  }
-  SetLayout(tensor, decoded->dtype, decoded->shape, std::move(decoded->layout),
-            decoded->subbyte_padded);
-  tensor.sealed = !unpublished;
-  tensor.owner_uid = record.owner_uid;
-  tensor.recovered = true;
-  tensor.publish_seq = record.publish_seq;
-  tensor.last_use = absl::Now();  // use_seq 0: older than anything this daemon saw used
-  // Shown to operators only; a time past now (a wrong clock, a scribbled record) is unknown.
-  if (!unpublished && record.published_unix_ms > 0 &&
-      record.published_unix_ms <= absl::ToUnixMillis(absl::Now())) {
-    tensor.published_unix_ms = record.published_unix_ms;
-  }
-  tensor.record_state = state;
-  tensor.record_name = name;
-  const uint32_t uid = tensor.owner_uid;
-  if (tensors_.emplace(tensor.id, std::move(tensor)).second) CountRecord(uid, 1);
-  return true;
-}
-
-int Catalog::ExpireUnbound() {
-  in_grace_ = false;
-  int freed = 0;
-  for (auto it = tensors_.begin(); it != tensors_.end();) {
-    auto next = std::next(it);
-    Tensor& tensor = it->second;
-    tensor.recovered = false;
-    const bool orphaned = !tensor.sealed && tensor.owner_session == 0;
-    if (orphaned) {
-      Free(it);
-      ++freed;
-    } else if (tensor.sealed && tensor.name.empty()) {
-      const size_t before = tensors_.size();
-      FreeIfUnheld(it);
-      freed += static_cast<int>(before - tensors_.size());
-    }
-    it = next;
-  }
-  return freed;
-}
-
-absl::Status Catalog::ReattachLease(uint64_t tensor_id) {
-  if (!in_grace_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tensor_id = ", tensor_id, ": leases are re-registered only in a restart's grace period"));
-  }
-  auto it = tensors_.find(tensor_id);
-  if (it == tensors_.end() || !it->second.sealed) {
-    return absl::NotFoundError(
-        absl::StrCat("tensor_id = ", tensor_id, ": no such published tensor"));
-  }
-  ++it->second.leases;
-  return absl::OkStatus();
-}
-
-absl::Status Catalog::Readopt(uint64_t session, uint32_t uid, uint64_t tensor_id) {
-  if (!in_grace_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tensor_id = ", tensor_id, ": tensors are taken back only in a restart's grace period"));
-  }
-  auto it = tensors_.find(tensor_id);
-  if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
-  }
-  Tensor& tensor = it->second;
-  if (tensor.sealed || tensor.owner_session != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("tensor_id = ", tensor_id, ": published or already taken back"));
-  }
-  if (tensor.owner_uid != uid) {
-    return absl::PermissionDeniedError(absl::StrCat("tensor_id = ", tensor_id, ": created by uid ",
-                                                    tensor.owner_uid, ", not uid ", uid));
-  }
-  tensor.owner_session = session;
-  return absl::OkStatus();
 }
 
 void Catalog::Unbind(std::map<uint64_t, Tensor>::iterator it) {
@@ -356,207 +135,6 @@ void Catalog::SetLayout(Tensor& tensor, const DLDataType& dtype, absl::Span<cons
   tensor.byte_offset = layout.byte_offset;
   tensor.nbytes = layout.nbytes;
   tensor.subbyte_padded = subbyte_padded;
-}
-
-void Catalog::WriteRecordLayout(const Tensor& tensor, TensorRecord& record) {
-  record.dtype_code = tensor.dtype.code;
-  record.dtype_bits = tensor.dtype.bits;
-  record.dtype_lanes = tensor.dtype.lanes;
-  record.ndim = static_cast<int32_t>(tensor.shape.size());
-  record.byte_offset = tensor.byte_offset;
-  record.nbytes = tensor.nbytes;
-  record.dlpack_flags = tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
-  std::copy(tensor.shape.begin(), tensor.shape.end(), record.shape);
-  std::copy(tensor.strides.begin(), tensor.strides.end(), record.strides);
-}
-
-void Catalog::WriteRecordState(Tensor& tensor, RecordState state) {
-  tensor.record_state = state;
-  control_.record(tensor.slot).state.store(static_cast<uint32_t>(state), std::memory_order_release);
-}
-
-void Catalog::WriteNewRecord(Tensor& tensor) {
-  TensorRecord& record = control_.record(tensor.slot);
-  // Whatever the slot held (a freed tensor's fields, or another process's bytes) goes: free
-  // first, then every byte after the state word, then the fields, then the state.
-  record.state.store(static_cast<uint32_t>(RecordState::kFree), std::memory_order_release);
-  static_assert(offsetof(TensorRecord, state) == 0);
-  std::memset(reinterpret_cast<char*>(&record) + sizeof(record.state), 0,
-              sizeof(TensorRecord) - sizeof(record.state));
-  record.name_length = 0;
-  record.tensor_id = tensor.id;
-  record.publish_seq = 0;
-  record.segment_id = tensor.buffer.segment_id;
-  record.offset = tensor.buffer.offset;
-  record.length = tensor.buffer.length;
-  record.device_type = tensor.device.device_type;
-  record.device_id = tensor.device.device_id;
-  record.owner_uid = tensor.owner_uid;
-  WriteRecordLayout(tensor, record);
-  tensor.publish_seq = 0;
-  tensor.record_name.clear();
-  WriteRecordState(tensor, RecordState::kWriting);
-}
-
-uint64_t Catalog::TakeTensorId() {
-  const uint64_t id = next_tensor_id_++;
-  control_.header().next_tensor_id.store(next_tensor_id_, std::memory_order_relaxed);
-  return id;
-}
-
-uint64_t Catalog::TakePublishSeq() {
-  const uint64_t seq = next_publish_seq_++;
-  control_.header().next_publish_seq.store(next_publish_seq_, std::memory_order_relaxed);
-  return seq;
-}
-
-std::string Catalog::RecordMismatch(const Tensor& tensor) const {
-  TensorRecord found;
-  CopyRecord(control_.record(tensor.slot), found);
-  auto differs = [](absl::string_view field, auto value, auto expected) {
-    return absl::StrCat(field, " ", value, " (the daemon wrote ", expected, ")");
-  };
-  const uint32_t state = found.state.load(std::memory_order_relaxed);
-  if (state != static_cast<uint32_t>(tensor.record_state)) {
-    return differs("state", state, static_cast<uint32_t>(tensor.record_state));
-  }
-  if (found.tensor_id != tensor.id) return differs("tensor_id", found.tensor_id, tensor.id);
-  if (found.publish_seq != tensor.publish_seq) {
-    return differs("publish_seq", found.publish_seq, tensor.publish_seq);
-  }
-  if (found.name_length != tensor.record_name.size()) {
-    return differs("name_length", found.name_length, tensor.record_name.size());
-  }
-  if (std::memcmp(found.name, tensor.record_name.data(), tensor.record_name.size()) != 0) {
-    return absl::StrCat("name \"",
-                        absl::CHexEscape(absl::string_view(found.name, tensor.record_name.size())),
-                        "\" (the daemon wrote \"", tensor.record_name, "\")");
-  }
-  if (found.segment_id != tensor.buffer.segment_id) {
-    return differs("segment_id", found.segment_id, tensor.buffer.segment_id);
-  }
-  if (found.offset != tensor.buffer.offset) {
-    return differs("offset", found.offset, tensor.buffer.offset);
-  }
-  if (found.length != tensor.buffer.length) {
-    return differs("length", found.length, tensor.buffer.length);
-  }
-  if (found.device_type != tensor.device.device_type ||
-      found.device_id != tensor.device.device_id) {
-    return differs("device", absl::StrCat(found.device_type, ":", found.device_id),
-                   DeviceName(tensor.device));
-  }
-  if (found.dtype_code != tensor.dtype.code || found.dtype_bits != tensor.dtype.bits ||
-      found.dtype_lanes != tensor.dtype.lanes) {
-    return differs("dtype",
-                   absl::StrCat("(code ", found.dtype_code, ", bits ", found.dtype_bits, ", lanes ",
-                                found.dtype_lanes, ")"),
-                   DataTypeName(tensor.dtype));
-  }
-  const auto ndim = static_cast<int32_t>(tensor.shape.size());
-  if (found.ndim != ndim) return differs("ndim", found.ndim, ndim);
-  for (int32_t i = 0; i < ndim; ++i) {
-    if (found.shape[i] != tensor.shape[i]) {
-      return differs(absl::StrCat("shape[", i, "]"), found.shape[i], tensor.shape[i]);
-    }
-    if (found.strides[i] != tensor.strides[i]) {
-      return differs(absl::StrCat("strides[", i, "]"), found.strides[i], tensor.strides[i]);
-    }
-  }
-  if (found.byte_offset != tensor.byte_offset) {
-    return differs("byte_offset", found.byte_offset, tensor.byte_offset);
-  }
-  if (found.nbytes != tensor.nbytes) return differs("nbytes", found.nbytes, tensor.nbytes);
-  const uint64_t flags = tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
-  if (found.dlpack_flags != flags) return differs("dlpack_flags", found.dlpack_flags, flags);
-  if (found.owner_uid != tensor.owner_uid) {
-    return differs("owner_uid", found.owner_uid, tensor.owner_uid);
-  }
-  return "";
-}
-
-void Catalog::MarkDamaged(Tensor& tensor, std::string found) {
-  tensor.damage = std::move(found);
-  std::string what;
-  std::string consequence;
-  if (!tensor.name.empty()) {
-    what = absl::StrCat(" \"", tensor.name, "\"");
-    consequence = "acquiring it answers DATA_LOSS until it is deleted or replaced";
-  } else if (tensor.sealed) {
-    what = " (unbound)";
-    consequence = "it is freed once unleased";
-  } else {
-    what = " (unpublished)";
-    consequence = "publishing it answers DATA_LOSS";
-  }
-  TSM_LOG(kError) << "tensor " << tensor.id << what << ": its record in " << control_.name()
-                  << " was overwritten by another process: found " << tensor.damage << "; "
-                  << consequence;
-  if (!tensor.name.empty()) {
-    // The entry stays (the name is bound) but sends readers to the daemon.
-    index_.Bind(NameHash(tensor.name.data(), tensor.name.size()), tensor.slot, kIndexAskDaemon,
-                tensor.slot);
-  }
-}
-
-absl::Status Catalog::DamageError(const Tensor& tensor) const {
-  const std::string& name = tensor.name.empty() ? tensor.record_name : tensor.name;
-  const std::string what = name.empty() ? absl::StrCat("tensor_id = ", tensor.id, " (unpublished)")
-                                        : absl::StrCat("name = \"", name, "\"");
-  return absl::DataLossError(
-      absl::StrCat(what, ": tensor ", tensor.id, "'s record in ", control_.name(),
-                   " was overwritten by another process (found ", tensor.damage, "); ",
-                   name.empty() ? "create the tensor again"
-                                : "its publisher can delete it or publish a replacement"));
-}
-
-absl::Status Catalog::Verify(uint64_t tensor_id) {
-  auto it = tensors_.find(tensor_id);
-  if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("tensor_id = ", tensor_id, ": no such tensor"));
-  }
-  Tensor& tensor = it->second;
-  if (tensor.damage.empty()) {
-    std::string found = RecordMismatch(tensor);
-    if (found.empty()) return absl::OkStatus();
-    MarkDamaged(tensor, std::move(found));
-  }
-  return DamageError(tensor);
-}
-
-int Catalog::CheckRecords(size_t budget) {
-  const bool header = control_.RepairHeader(next_tensor_id_, next_publish_seq_);
-  const int segments = pool_->RepairSegmentRecords();
-  if ((header || segments > 0) && !reported_repair_) {
-    reported_repair_ = true;
-    TSM_LOG(kError) << control_.name() << ": another process wrote " << (header ? "the header" : "")
-                    << (header && segments > 0 ? " and " : "")
-                    << (segments > 0 ? absl::StrCat(segments, " segment records") : "")
-                    << "; rewritten as the daemon knows them (logged once)";
-  }
-  int damaged = 0;
-  budget = std::min(budget, tensors_.size());
-  auto it = tensors_.upper_bound(sweep_after_);
-  for (size_t checked = 0; checked < budget; ++checked) {
-    if (it == tensors_.end()) it = tensors_.begin();
-    Tensor& tensor = it->second;
-    if (tensor.damage.empty()) {
-      std::string found = RecordMismatch(tensor);
-      if (!found.empty()) {
-        MarkDamaged(tensor, std::move(found));
-        ++damaged;
-      }
-    }
-    sweep_after_ = it->first;
-    ++it;
-  }
-  return damaged;
-}
-
-int64_t Catalog::damaged_count() const {
-  int64_t count = 0;
-  for (const auto& [id, tensor] : tensors_) count += tensor.damage.empty() ? 0 : 1;
-  return count;
 }
 
 absl::StatusOr<const Tensor*> Catalog::Create(uint64_t session, const DLDataType& dtype,
@@ -640,38 +218,6 @@ void Catalog::CountRecord(uint32_t uid, int delta) {
   auto it = records_of_.find(uid);
   TSM_CHECK(it != records_of_.end() && it->second > 0);
   if (--it->second == 0) records_of_.erase(it);
-}
-
-void SegmentGrowth::Make() {
-  if (cuda_pool != nullptr) {
-    cuda_segment = cuda_pool->MakeSegment(request);
-  } else {
-    TSM_CHECK(host_pool != nullptr);
-    // The room first: their pages are what the new segment's reservation may need.
-    HostPool::DisposeSegments(std::move(given_back));
-    given_back.clear();
-    host_segment = host_pool->MakeSegment(request);
-  }
-}
-
-void Catalog::BeginGrowth(SegmentGrowth& growth) {
-  TSM_CHECK(growth.needed());
-  if (growth.cuda_ordinal >= 0) {
-    CudaPool* pool = cuda_pools_.at(growth.cuda_ordinal).get();
-    pool->BeginGrowth();
-    growth.cuda_pool = pool;
-  } else {
-    growth.given_back = pool_->BeginGrowth(growth.request);
-    growth.host_pool = &*pool_;
-  }
-}
-
-absl::Status Catalog::EndGrowth(SegmentGrowth& growth) {
-  if (growth.cuda_ordinal >= 0) {
-    return cuda_pools_.at(growth.cuda_ordinal)
-        ->EndGrowth(growth.request, std::move(growth.cuda_segment));
-  }
-  return pool_->EndGrowth(growth.request, std::move(growth.host_segment));
 }
 
 absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::string& name,

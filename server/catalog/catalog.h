@@ -20,10 +20,10 @@
 #include "common/shm/catalog_layout.h"
 #include "common/tensor/layout.h"
 #include "server/catalog/catalog_index.h"
+#include "server/catalog/lease_board.h"
 #include "server/memory/control_segment.h"
 #include "server/memory/cuda_pool.h"
 #include "server/memory/host_pool.h"
-#include "server/catalog/lease_board.h"
 
 namespace tensorshm {
 
@@ -99,6 +99,12 @@ struct CatalogOptions {
   uint32_t owner_uid = 0;    // the daemon's uid (see HostPoolOptions)
   uint64_t instance_id = 0;  // this daemon start's, random and non-zero
 };
+
+// The host pool's part of `options`.
+inline HostPoolOptions HostPoolOptionsOf(const CatalogOptions& options) {
+  return HostPoolOptions{options.shm_prefix, options.host_pool_bytes, options.host_segment_bytes,
+                         options.backing,    options.owner_uid,       options.instance_id};
+}
 
 // Thread-compatible: the service serialises all calls under its mutex. Tensor pointers returned
 // stay valid until the tensor is freed (by Release, Delete, Abandon or a replace).

@@ -15,15 +15,17 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/time/time.h"
 #include "common/base/mutex.h"
-#include "server/core/access.h"
 #include "server/catalog/catalog.h"
-#include "server/ops/eviction.h"
-#include "server/rpc/memory_channel.h"
-#include "server/ops/metrics.h"
+#include "server/core/access.h"
 #include "server/core/session.h"
+#include "server/core/wait_queue.h"
+#include "server/ops/eviction.h"
+#include "server/ops/metrics.h"
 #include "server/ops/uid_limits.h"
+#include "server/rpc/memory_channel.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
 namespace tensorshm {
@@ -126,8 +128,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
  private:
   class SessionReactor;  // service_reactors.cc
   class Waiter;          // service_reactors.cc
-  class CreateWaiter;    // service_creates.cc
-  using WaiterList = std::list<Waiter*>;
+  class CreateWaiter;    // service_create_waiters.cc
 
   // The memory a create draws from: a pool, and on the host pool the uid (each uid's buffers
   // take segments of their own). Waiting creates are served in order per key.
@@ -142,7 +143,43 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
     bool operator==(const PoolKey& other) const {
       return device_type == other.device_type && device_id == other.device_id && uid == other.uid;
     }
+    template <typename H>
+    friend H AbslHashValue(H h, const PoolKey& key) {
+      return H::combine(std::move(h), key.device_type, key.device_id, key.uid);
+    }
   };
+
+  // ---- The frame of every unary call (service.cc) ----
+
+  // How Unary() opens and closes a call.
+  struct UnaryFrame {
+    MetricOp op = MetricOp::kCount;
+    bool counted = true;        // false: the call is not counted in metrics_ (Sessions)
+    bool needs_session = true;  // the body needs the caller's session (CallerSession)
+    // The call's reactor; null: the context's default reactor.
+    grpc::ServerUnaryReactor* reactor = nullptr;
+    // The call's request id (0: none): an OK answer to it carries a grant (FinishGranting).
+    uint64_t request_id = 0;
+    // A check of the request that needs no lock, answered (if not OK) right after Admit.
+    absl::Status checked = absl::OkStatus();
+  };
+  // What a unary call's body is given, under mu_.
+  struct UnaryCall {
+    const PeerCredentials& peer;            // what Admit returned for the call
+    grpc::ServerUnaryReactor* reactor;      // the call's, finished by Unary unless answered_later
+    tensorshm::Session* session = nullptr;  // the caller's if UnaryFrame::needs_session, else null
+    // Set by a body that leaves the call to whoever takes it off a queue (GrowPools, a waiter
+    // list), who then counts it and finishes it; Unary does neither.
+    bool answered_later = false;
+  };
+  // The frame every unary handler shares: Admit, frame.checked, ServiceLock, CallerSession (if
+  // frame.needs_session), `body`; then, with mu_ released, counts the answer in metrics_ and
+  // finishes the reactor with it (FinishGranting). Returns the reactor, for gRPC.
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const UnaryFrame& frame,
+                                  absl::FunctionRef<absl::Status(UnaryCall&)> body)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // StatSnapshot's work, under mu_.
+  void StatLocked(v1::StatResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Holds mu_ for its scope; on release, finishes the reactors queued in finishing_ meanwhile,
   // after unlocking.
@@ -179,8 +216,9 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // A waiter's OnDone (`cancelled`: its call failed before the client had the answer): drops
   // the lease the answer carried, if any.
   void WaiterDone(Waiter* waiter, bool cancelled) ABSL_LOCKS_EXCLUDED(mu_);
-  // Answers `waiter` at once or puts it on the lists (Acquire's work).
-  void StartWaiter(Waiter* waiter, grpc::CallbackServerContext* context) ABSL_LOCKS_EXCLUDED(mu_);
+  // Answers `waiter` at once or puts it on the lists (Acquire's work); returns it, for gRPC.
+  grpc::ServerUnaryReactor* StartWaiter(Waiter* waiter, grpc::CallbackServerContext* context)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // A session stream's `open`: the new session's SessionOpened, or the refusal.
   absl::StatusOr<v1::SessionResponse> OpenSession(const grpc::CallbackServerContext& context,
@@ -318,7 +356,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
                                    const v1::SegmentRequest& request, v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // ---- Creates that wait for memory (service_creates.cc) ----
+  // ---- Creates that wait for memory (service_create_waiters.cc) ----
 
   // Create's work for a create with wait_ms != 0: its reactor, answered at once when it can be
   // (or queued for GrowPools), else put on the queue of waiting creates.
@@ -335,8 +373,6 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   void RetryWaitingCreates() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finishes the waiting creates whose deadline is not after `now`; true if there were any.
   bool ExpireCreates(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The earliest deadline of a waiting create, or absl::InfiniteFuture().
-  absl::Time NextCreateDeadline() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finishes the waiting creates of session `session_id` (ending), or all of them, with `status`.
   void FailSessionCreates(uint64_t session_id, const std::string& token)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -366,10 +402,8 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   CondVar next_deadline_;  // signalled when the earliest waiter deadline moves closer, or shutdown
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool keep_held_on_stop_ ABSL_GUARDED_BY(mu_) = false;  // KeepHeldOnStop
-  // Waiting acquires by name, by session id, and by deadline (only finite ones).
-  absl::flat_hash_map<std::string, WaiterList> waiters_by_name_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, WaiterList> waiters_by_session_ ABSL_GUARDED_BY(mu_);
-  std::multimap<absl::Time, Waiter*> waiters_by_deadline_ ABSL_GUARDED_BY(mu_);
+  // Waiting acquires, keyed by the name they wait for.
+  WaitQueue<std::string, Waiter> acquires_waiting_ ABSL_GUARDED_BY(mu_);
   // gRPC creates waiting for GrowPools.
   struct PendingCreate {
     grpc::ServerUnaryReactor* reactor;
@@ -397,10 +431,14 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // acquires take the RPC. Zero in production.
   static absl::Duration CrossCancelHoldFromEnvironment();
   const absl::Duration cross_cancel_hold_ = CrossCancelHoldFromEnvironment();
+  // Test only (TENSORSHMD_TEST_GROWTH_DELAY_MS, read at start): non-zero, every growth of a pool
+  // (GrowUnlocked) sleeps this long, with mu_ released, before it makes its segment, as a slow
+  // posix_fallocate or cuMemAlloc would. Zero in production.
+  static absl::Duration GrowthDelayFromEnvironment();
+  const absl::Duration growth_delay_ = GrowthDelayFromEnvironment();
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
-  // Creates waiting for memory, first come first served, and those with a finite deadline by it.
-  std::list<CreateWaiter*> creates_waiting_ ABSL_GUARDED_BY(mu_);
-  std::multimap<absl::Time, CreateWaiter*> creates_by_deadline_ ABSL_GUARDED_BY(mu_);
+  // Creates waiting for memory, keyed by the memory they wait for, first come first served.
+  WaitQueue<PoolKey, CreateWaiter> creates_waiting_ ABSL_GUARDED_BY(mu_);
   // The catalog's release_epoch() at the last retry, and whether a waiting create left the queue
   // since (those behind it may fit now): either makes UnlockAndFinish retry them.
   uint64_t retried_epoch_ ABSL_GUARDED_BY(mu_) = 0;

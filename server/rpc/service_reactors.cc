@@ -99,9 +99,10 @@ class TensorShmService::SessionReactor final
   std::string token_;
 };
 
-// An Acquire: answered at once when it can be, else kept on the service's waiter lists until
-// one of a publish of its name, its deadline, its cancellation, its session's end or shutdown
-// takes it off them (under mu_, so exactly one does) and finishes it. Deletes itself in OnDone.
+// An Acquire: answered at once when it can be, else kept in the service's acquires_waiting_
+// until one of a publish of its name, its deadline, its cancellation, its session's end or
+// shutdown takes it off (under mu_, so exactly one does) and finishes it. Deletes itself in
+// OnDone.
 class TensorShmService::Waiter final : public grpc::ServerUnaryReactor {
  public:
   Waiter(TensorShmService* service, grpc::CallbackServerContext* context,
@@ -139,13 +140,9 @@ class TensorShmService::Waiter final : public grpc::ServerUnaryReactor {
   std::optional<UidLimits::WaitCharge> wait_charge;
 
   // Under the service's mu_ (set by AddWaiter, and Grant).
-  bool listed = false;  // on the lists: not finished yet
   uint64_t session_id = 0;
   std::string token;
   uint64_t lease_id = 0;  // the lease granted in `response`, if any
-  WaiterList::iterator by_name;
-  WaiterList::iterator by_session;
-  std::multimap<absl::Time, Waiter*>::iterator by_deadline;  // if deadline is finite
 };
 
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* TensorShmService::Session(
@@ -156,90 +153,52 @@ grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* TensorShmServi
 grpc::ServerUnaryReactor* TensorShmService::Acquire(grpc::CallbackServerContext* context,
                                                     const v1::AcquireRequest* request,
                                                     v1::AcquireResponse* response) {
-  auto* waiter = new Waiter(this, context, *request, response);
-  StartWaiter(waiter, context);
   // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
   // this returns.
-  return waiter;
+  return StartWaiter(new Waiter(this, context, *request, response), context);
 }
 
-void TensorShmService::StartWaiter(Waiter* waiter, grpc::CallbackServerContext* context) {
-  grpc::Status status;
-  [&] {
-    absl::StatusOr<PeerCredentials> peer = Admit(*context);
-    if (!peer.ok()) {
-      status = ToGrpcStatus(peer.status());
-      return;
-    }
-    if (absl::Status s = ValidateName(waiter->name); !s.ok()) {
-      status = ToGrpcStatus(s);
-      return;
-    }
-    // gRPC reports "no deadline" as a far-future time point that absl cannot represent exactly.
-    const auto grpc_deadline = context->deadline();
-    const absl::Time call_deadline =
-        grpc_deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)
-            ? absl::InfiniteFuture()
-            : absl::FromChrono(grpc_deadline);
-    waiter->deadline =
-        waiter->wait_ms > 0
-            ? std::min(call_deadline, absl::Now() + absl::Milliseconds(waiter->wait_ms))
-            : call_deadline;
-    ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
-    if (!session.ok()) {
-      status = ToGrpcStatus(session.status());
-      return;
-    }
-    if ((*session)->TakeSettled(waiter->request_id)) {
-      status = grpc::Status(grpc::StatusCode::CANCELLED,
-                            "acquire settled (cancelled) by the client before it arrived");
-      return;
+grpc::ServerUnaryReactor* TensorShmService::StartWaiter(Waiter* waiter,
+                                                        grpc::CallbackServerContext* context) {
+  // gRPC reports "no deadline" as a far-future time point that absl cannot represent exactly.
+  const auto grpc_deadline = context->deadline();
+  const absl::Time call_deadline =
+      grpc_deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)
+          ? absl::InfiniteFuture()
+          : absl::FromChrono(grpc_deadline);
+  waiter->deadline =
+      waiter->wait_ms > 0
+          ? std::min(call_deadline, absl::Now() + absl::Milliseconds(waiter->wait_ms))
+          : call_deadline;
+  const UnaryFrame frame{.op = MetricOp::kAcquire,
+                         .reactor = waiter,
+                         .request_id = waiter->request_id,
+                         .checked = ValidateName(waiter->name)};
+  return Unary(context, frame, [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    tensorshm::Session& session = *call.session;
+    if (session.TakeSettled(waiter->request_id)) {
+      return absl::CancelledError("acquire settled (cancelled) by the client before it arrived");
     }
     if (const Tensor* tensor = catalog_->Find(waiter->name); tensor != nullptr) {
       // A tensor whose record another process overwrote is DATA_LOSS, not served.
-      if (absl::Status s = catalog_->Verify(tensor->id); !s.ok()) {
-        status = ToGrpcStatus(s);
-        return;
-      }
-      if (absl::Status s = (*session)->uid_charge.AddLeases(); !s.ok()) {
-        status = ToGrpcStatus(s);
-        return;
-      }
-      Grant(**session, *tensor, waiter->response);
-      waiter->token = (*session)->token;
+      if (absl::Status s = catalog_->Verify(tensor->id); !s.ok()) return s;
+      if (absl::Status s = session.uid_charge.AddLeases(); !s.ok()) return s;
+      Grant(session, *tensor, waiter->response);
+      waiter->token = session.token;
       waiter->lease_id = waiter->response->lease_id();
-      (*session)->RecordGrant(waiter->request_id, {waiter->lease_id, {}});
-      status = grpc::Status::OK;
-      return;
+      session.RecordGrant(waiter->request_id, {waiter->lease_id, {}});
+      return absl::OkStatus();
     }
     if (waiter->wait_ms == 0) {
-      status = grpc::Status(grpc::StatusCode::NOT_FOUND,
-                            absl::StrCat("name = \"", waiter->name, "\": not published"));
-      return;
+      return absl::NotFoundError(absl::StrCat("name = \"", waiter->name, "\": not published"));
     }
-    if (shutting_down_) {
-      status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
-      return;
-    }
-    if (context->IsCancelled()) {
-      status = grpc::Status(grpc::StatusCode::CANCELLED, "acquire cancelled by the client");
-      return;
-    }
-    if (absl::Now() >= waiter->deadline) {
-      status = waiter->Expired();
-      return;
-    }
-    if (absl::Status s = AddWaiter(waiter, **session); !s.ok()) {
-      status = ToGrpcStatus(s);
-      return;
-    }
-    waiter = nullptr;  // listed: whoever takes it off the lists finishes it
-  }();
-  if (waiter != nullptr) {
-    metrics_.CountOp(MetricOp::kAcquire, static_cast<absl::StatusCode>(status.error_code()));
-    FinishGranting(waiter, status, waiter->lease_id != 0 && waiter->request_id != 0);
-  }
+    if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
+    if (context->IsCancelled()) return absl::CancelledError("acquire cancelled by the client");
+    if (absl::Now() >= waiter->deadline) return FromGrpcStatus(waiter->Expired());
+    if (absl::Status s = AddWaiter(waiter, session); !s.ok()) return s;
+    call.answered_later = true;  // listed: whoever takes it off the lists finishes it
+    return absl::OkStatus();
+  });
 }
 
 absl::Status TensorShmService::AddWaiter(Waiter* waiter, const tensorshm::Session& session) {
@@ -248,37 +207,23 @@ absl::Status TensorShmService::AddWaiter(Waiter* waiter, const tensorshm::Sessio
   waiter->wait_charge = *std::move(charge);
   waiter->session_id = session.id;
   waiter->token = session.token;
-  WaiterList& by_name = waiters_by_name_[waiter->name];
-  waiter->by_name = by_name.insert(by_name.end(), waiter);
-  WaiterList& by_session = waiters_by_session_[session.id];
-  waiter->by_session = by_session.insert(by_session.end(), waiter);
-  if (waiter->deadline != absl::InfiniteFuture()) {
-    waiter->by_deadline = waiters_by_deadline_.emplace(waiter->deadline, waiter);
-    // The timer sleeps until the earliest deadline: wake it if this one is earlier.
-    if (waiter->by_deadline == waiters_by_deadline_.begin()) next_deadline_.Signal();
+  // The timer sleeps until the earliest deadline: wake it if this one is earlier.
+  if (acquires_waiting_.Add(waiter, waiter->name, session.id, waiter->deadline)) {
+    next_deadline_.Signal();
   }
-  waiter->listed = true;
   waiter->waiting_since = absl::Now();
   metrics_.WaitStarted();
   return absl::OkStatus();
 }
 
 void TensorShmService::RemoveWaiter(Waiter* waiter) {
-  TSM_CHECK(waiter->listed);
-  waiter->listed = false;
+  acquires_waiting_.Remove(waiter);
   waiter->wait_charge.reset();
   metrics_.WaitEnded();
-  auto name = waiters_by_name_.find(waiter->name);
-  name->second.erase(waiter->by_name);
-  if (name->second.empty()) waiters_by_name_.erase(name);
-  auto session = waiters_by_session_.find(waiter->session_id);
-  session->second.erase(waiter->by_session);
-  if (session->second.empty()) waiters_by_session_.erase(session);
-  if (waiter->deadline != absl::InfiniteFuture()) waiters_by_deadline_.erase(waiter->by_deadline);
 }
 
 void TensorShmService::FinishLater(Waiter* waiter, grpc::Status status) {
-  TSM_CHECK(!waiter->listed);
+  TSM_CHECK(!acquires_waiting_.Contains(waiter));
   const auto code = static_cast<absl::StatusCode>(status.error_code());
   metrics_.CountOp(MetricOp::kAcquire, code);
   metrics_.ObserveAcquireWait(absl::Now() - waiter->waiting_since, code);
@@ -299,11 +244,10 @@ void TensorShmService::UnlockAndFinish() {
 }
 
 void TensorShmService::WakeWaiters(const std::string& name) {
-  auto it = waiters_by_name_.find(name);
-  if (it == waiters_by_name_.end()) return;
+  const std::vector<Waiter*> woken = acquires_waiting_.WithKey(name);
+  if (woken.empty()) return;
   const Tensor* tensor = catalog_->Find(name);
   TSM_CHECK(tensor != nullptr);
-  const std::vector<Waiter*> woken(it->second.begin(), it->second.end());
   for (Waiter* waiter : woken) {
     RemoveWaiter(waiter);
     // A waiter's session is alive: CloseSession takes its waiters off first.
@@ -323,10 +267,9 @@ void TensorShmService::WakeWaiters(const std::string& name) {
 }
 
 void TensorShmService::FailSessionWaiters(uint64_t session_id, const std::string& token) {
-  auto it = waiters_by_session_.find(session_id);
-  if (it == waiters_by_session_.end()) return;
+  const std::vector<Waiter*> failed = acquires_waiting_.OfSession(session_id);
+  if (failed.empty()) return;
   const grpc::Status status = ToGrpcStatus(NoSession(token));
-  const std::vector<Waiter*> failed(it->second.begin(), it->second.end());
   for (Waiter* waiter : failed) {
     RemoveWaiter(waiter);
     FinishLater(waiter, status);
@@ -342,14 +285,12 @@ void TensorShmService::SettleRequest(tensorshm::Session& session, uint64_t reque
     return;
   }
   // Waiting (the client gave up before the daemon heard of it): ends now, with nothing granted.
-  if (auto it = waiters_by_session_.find(session.id); it != waiters_by_session_.end()) {
-    for (Waiter* waiter : it->second) {
-      if (waiter->request_id != request_id) continue;
-      RemoveWaiter(waiter);
-      FinishLater(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
-                                       "acquire settled (cancelled) by the client"));
-      return;
-    }
+  for (Waiter* waiter : acquires_waiting_.OfSession(session.id)) {
+    if (waiter->request_id != request_id) continue;
+    RemoveWaiter(waiter);
+    FinishLater(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
+                                     "acquire settled (cancelled) by the client"));
+    return;
   }
   if (CancelSettledCreate(session.id, request_id)) return;
   // Not arrived yet, answered without a grant, or being made (GrowPools): KeepCreated and the
@@ -359,14 +300,15 @@ void TensorShmService::SettleRequest(tensorshm::Session& session, uint64_t reque
 
 void TensorShmService::CancelWaiter(Waiter* waiter) {
   ServiceLock lock(this);
-  if (!waiter->listed) return;  // finished already, or being finished
+  // Finished already, or being finished.
+  if (!acquires_waiting_.Contains(waiter)) return;
   RemoveWaiter(waiter);
   FinishLater(waiter, grpc::Status(grpc::StatusCode::CANCELLED, "acquire cancelled by the client"));
 }
 
 void TensorShmService::WaiterDone(Waiter* waiter, bool cancelled) {
   ServiceLock lock(this);
-  TSM_CHECK(!waiter->listed);
+  TSM_CHECK(!acquires_waiting_.Contains(waiter));
   if (!cancelled || waiter->lease_id == 0) return;
   // The test hook plays an answer that crossed the cancel: only the client's settle gives back.
   if (waiter->request_id != 0 && cross_cancel_hold_ > absl::ZeroDuration()) return;
@@ -385,12 +327,8 @@ void TensorShmService::BeginShutdown() {
   ServiceLock lock(this);
   shutting_down_ = true;
   catalog_->mutable_index().StopServing();
-  std::vector<Waiter*> all;
-  for (const auto& [session_id, waiters] : waiters_by_session_) {
-    all.insert(all.end(), waiters.begin(), waiters.end());
-  }
   const grpc::Status stopping(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
-  for (Waiter* waiter : all) {
+  for (Waiter* waiter : acquires_waiting_.All()) {
     RemoveWaiter(waiter);
     FinishLater(waiter, stopping);
   }
@@ -406,16 +344,15 @@ void TensorShmService::ExpireWaiters() {
     if (shutting_down_) return;
     const absl::Time now = absl::Now();
     bool expired = false;
-    while (!waiters_by_deadline_.empty() && waiters_by_deadline_.begin()->first <= now) {
-      Waiter* waiter = waiters_by_deadline_.begin()->second;
+    while (Waiter* waiter = acquires_waiting_.Expired(now)) {
       RemoveWaiter(waiter);
       FinishLater(waiter, waiter->Expired());
       expired = true;
     }
     if (ExpireCreates(now)) expired = true;
     if (expired) continue;  // finished as `lock` goes, then the queue is looked at again
-    absl::Time next = NextCreateDeadline();
-    if (!waiters_by_deadline_.empty()) next = std::min(next, waiters_by_deadline_.begin()->first);
+    const absl::Time next =
+        std::min(creates_waiting_.NextDeadline(), acquires_waiting_.NextDeadline());
     if (next == absl::InfiniteFuture()) {
       next_deadline_.Wait(&mu_);
     } else {

@@ -1,11 +1,26 @@
-// The Sessions RPC: every open session, for operators (tensorshmctl sessions).
+// Sessions: a Session stream's open (and a reconnecting client's reattach), its release batches
+// and settles, its close; and the Sessions RPC, every open session for operators (tensorshmctl
+// sessions).
+#include <optional>
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/tensor/grpc_status.h"
+#include "common/base/check.h"
+#include "common/tensor/name.h"
+#include "common/tensor/wire.h"
+#include "server/ops/log.h"
 #include "server/rpc/service.h"
 
 namespace tensorshm {
+namespace {
+
+// Ids of each kind one ReleaseBatch may carry (clients send at most 4096): each refused id costs
+// a Rejection in the ack, many times its own size.
+constexpr int kMaxReleaseIds = 16384;
+
+}  // namespace
 
 bool TensorShmService::SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const {
   return policy_ == nullptr || caller.uid == uid || caller.uid == policy_->owner() ||
@@ -15,20 +30,19 @@ bool TensorShmService::SeesDetailsOf(const PeerCredentials& caller, uint32_t uid
 grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext* context,
                                                      const v1::SessionsRequest*,
                                                      v1::SessionsResponse* response) {
-  const absl::Status status = [&]() -> absl::Status {
-    absl::StatusOr<PeerCredentials> caller = Admit(*context);
-    if (!caller.ok()) return caller.status();
+  const UnaryFrame frame{.counted = false, .needs_session = false};
+  return Unary(context, frame, [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const PeerCredentials& caller = call.peer;
     // The caller's own session, if it names one; a caller without one sees the same list.
     std::string own_token;
     const auto& metadata = context->client_metadata();
     if (auto it = metadata.find(kSessionMetadataKey); it != metadata.end()) {
       own_token.assign(it->second.data(), it->second.size());
     }
-    ServiceLock lock(this);
     // Naming a session is for its own process only, as on every call (Session::CheckCaller); a
     // token that names no open session marks none as `own`.
     if (const tensorshm::Session* own = sessions_.Find(own_token); own != nullptr) {
-      if (absl::Status s = own->CheckCaller(*caller); !s.ok()) return s;
+      if (absl::Status s = own->CheckCaller(caller); !s.ok()) return s;
     }
     for (const auto& [id, session] : sessions_.by_id()) {
       v1::SessionInfo* info = response->add_sessions();
@@ -40,10 +54,10 @@ grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext
       info->set_unpublished_bytes(static_cast<int64_t>(session->unpublished_bytes));
       info->set_opened_unix_ms(absl::ToUnixMillis(session->opened_at));
       info->set_own(!own_token.empty() && own_token == session->token);
-      if (auto waiting = waiters_by_session_.find(id); waiting != waiters_by_session_.end()) {
-        info->set_waiting_acquires(static_cast<int64_t>(waiting->second.size()));
+      if (const size_t waiting = acquires_waiting_.CountOfSession(id); waiting > 0) {
+        info->set_waiting_acquires(static_cast<int64_t>(waiting));
       }
-      if (!SeesDetailsOf(*caller, session->uid)) {
+      if (!SeesDetailsOf(caller, session->uid)) {
         info->set_redacted(true);
         continue;
       }
@@ -54,10 +68,205 @@ grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext
       info->set_client_version(session->client_version);
     }
     return absl::OkStatus();
-  }();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  });
+}
+
+absl::StatusOr<v1::SessionResponse> TensorShmService::OpenSession(
+    const grpc::CallbackServerContext& context, const PeerCredentials& peer,
+    const v1::SessionOpen& open, uint64_t* session_id, std::string* token) {
+  v1::SessionResponse opened;
+  // The client's own words are kept for the session's life (Sessions, logs): bounded.
+  if (absl::Status s = ValidateSessionOpen(open); !s.ok()) return s;
+  {
+    ServiceLock lock(this);
+    if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
+    // Per-uid limits: the reattach list is bounded, and the session counts against its uid.
+    if (absl::Status s = uid_limits_.CheckHeldList(open.held_tensor_ids_size()); !s.ok()) return s;
+    absl::StatusOr<UidLimits::SessionCharge> charge = uid_limits_.OpenSession(peer.uid);
+    if (!charge.ok()) return charge.status();
+    tensorshm::Session& session = sessions_.Open(open.pid(), open.client_name(), context.peer());
+    session.client_version = open.client_version();
+    session.opened_at = absl::Now();
+    session.uid_charge = *std::move(charge);
+    session.uid = peer.uid;
+    session.gid = peer.gid;
+    if (peer.pid != 0) session.pid = peer.pid;  // the kernel's word over the client's
+    session.peer_pid = peer.pid;
+    *session_id = session.id;
+    *token = session.token;
+    Reattach(session, open, opened.mutable_opened());
+    opened.mutable_opened()->set_instance_id(catalog_->instance_id());
+    const HostPool& pool = catalog_->host_pool();
+    for (uint64_t id = 1; id <= pool.segment_count(); ++id) {
+      if (!pool.HasSegment(id)) continue;  // lost in a restart
+      v1::SegmentRef* segment = opened.mutable_opened()->add_segments();
+      segment->set_segment_instance(pool.SegmentInstance(id));
+      segment->set_segment_id(id);
+    }
+  }
+  TSM_LOG(kInfo) << "session " << *session_id << " opened: pid " << open.pid() << ", uid "
+                 << peer.uid << ", client \"" << LogEscape(open.client_name()) << "\", "
+                 << context.peer();
+  opened.mutable_opened()->set_session_id(*token);
+  opened.mutable_opened()->set_session_number(*session_id);
+  opened.mutable_opened()->set_server_version(TENSORSHM_VERSION);
+  return opened;
+}
+
+std::optional<v1::SessionResponse> TensorShmService::SessionRelease(const std::string& token,
+                                                                    const v1::ReleaseBatch& batch) {
+  v1::SessionResponse response;
+  ServiceLock lock(this);
+  tensorshm::Session* session = sessions_.Find(token);
+  if (session == nullptr) return std::nullopt;
+  HandleReleases(*session, batch, response.mutable_ack());
+  return response;
+}
+
+void TensorShmService::Reattach(tensorshm::Session& session, const v1::SessionOpen& open,
+                                v1::SessionOpened* opened) {
+  if (open.held_tensor_ids_size() == 0 && open.unpublished_tensor_ids_size() == 0) return;
+  int leases = 0;
+  for (uint64_t tensor_id : open.held_tensor_ids()) {
+    uint64_t lease = 0;
+    // A lease past the uid's --uid-leases is not taken back (its client reports the loss).
+    const bool room = session.uid_charge.AddLeases().ok();
+    if (room && catalog_->ReattachLease(tensor_id).ok()) {
+      lease = sessions_.NextLeaseId();
+      session.leases.emplace(lease, tensor_id);
+      ++leases;
+    } else if (room) {
+      session.uid_charge.DropLeases();
+    }
+    opened->add_lease_ids(lease);
+  }
+  int readopted = 0;
+  for (uint64_t tensor_id : open.unpublished_tensor_ids()) {
+    // Charged before it is taken back: a buffer past the uid's --uid-quota is not.
+    const Tensor* tensor = catalog_->FindId(tensor_id);
+    bool ok = tensor != nullptr && session.unpublished.count(tensor_id) == 0 &&
+              session.AddUnpublished(tensor_id, tensor->buffer.length).ok();
+    if (ok && !catalog_->Readopt(session.id, session.uid, tensor_id).ok()) {
+      session.ForgetUnpublished(tensor_id);
+      ok = false;
+    }
+    if (ok) ++readopted;
+    opened->add_readopted(ok);
+  }
+  TSM_LOG(kInfo) << "session " << session.id << " reconnected: " << leases << " of "
+                 << open.held_tensor_ids_size() << " leases and " << readopted << " of "
+                 << open.unpublished_tensor_ids_size() << " unpublished tensors taken back";
+}
+
+void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
+                                      v1::ReleaseAck* ack) {
+  ack->set_sequence(batch.sequence());
+  if (batch.lease_ids_size() > kMaxReleaseIds ||
+      batch.abandoned_tensor_ids_size() > kMaxReleaseIds) {
+    v1::Rejection* rejection = ack->add_rejected();
+    rejection->set_code(grpc::StatusCode::INVALID_ARGUMENT);
+    rejection->set_message(absl::StrCat(
+        "lease_ids: ", batch.lease_ids_size(), " ids, abandoned_tensor_ids: ",
+        batch.abandoned_tensor_ids_size(), " ids; at most ", kMaxReleaseIds,
+        " of each per batch: nothing in this batch was released; send it in smaller ones"));
+    return;
+  }
+  for (int i = 0; i < batch.lease_ids_size(); ++i) {
+    const uint64_t lease = batch.lease_ids(i);
+    auto it = session.leases.find(lease);
+    if (it == session.leases.end()) {
+      v1::Rejection* rejection = ack->add_rejected();
+      rejection->set_id(lease);
+      rejection->set_code(grpc::StatusCode::FAILED_PRECONDITION);
+      rejection->set_message(
+          absl::StrCat("lease_ids[", i, "] = ", lease, ": not held by this session"));
+      continue;
+    }
+    catalog_->DropLease(it->second);
+    session.leases.erase(it);
+    session.uid_charge.DropLeases();
+  }
+  for (int i = 0; i < batch.abandoned_tensor_ids_size(); ++i) {
+    const uint64_t tensor_id = batch.abandoned_tensor_ids(i);
+    absl::Status status = session.unpublished.count(tensor_id) == 0
+                              ? absl::FailedPreconditionError(
+                                    absl::StrCat("abandoned_tensor_ids[", i, "] = ", tensor_id,
+                                                 ": not an unpublished tensor of this session"))
+                              : catalog_->Abandon(session.id, tensor_id);
+    if (status.ok()) {
+      session.ForgetUnpublished(tensor_id);
+      continue;
+    }
+    v1::Rejection* rejection = ack->add_rejected();
+    rejection->set_id(tensor_id);
+    rejection->set_code(static_cast<int32_t>(status.code()));
+    rejection->set_message(std::string(status.message()));
+  }
+  for (uint64_t request_id : batch.settled_request_ids()) SettleRequest(session, request_id);
+  // What the session's lease page let go of is freed by the time the batch is acknowledged
+  // (Client::Flush relies on it).
+  catalog_->Reclaim();
+}
+
+void TensorShmService::GiveBack(tensorshm::Session& session,
+                                const tensorshm::Session::RequestGrant& grant) {
+  if (auto lease = session.leases.find(grant.lease_id); lease != session.leases.end()) {
+    catalog_->DropLease(lease->second);
+    session.leases.erase(lease);
+    session.uid_charge.DropLeases();
+  }
+  for (uint64_t tensor_id : grant.tensor_ids) {
+    if (session.unpublished.count(tensor_id) == 0) continue;  // published, or dropped already
+    if (catalog_->Abandon(session.id, tensor_id).ok()) session.ForgetUnpublished(tensor_id);
+  }
+}
+
+void TensorShmService::CloseSession(uint64_t session_id, const std::string& token) {
+  size_t leases = 0;
+  size_t unpublished = 0;
+  bool kept = false;
+  {
+    ServiceLock lock(this);
+    tensorshm::Session* session = sessions_.Find(token);
+    if (session == nullptr) return;
+    FailSessionWaiters(session_id, token);
+    FailSessionCreates(session_id, token);
+    leases = session->leases.size();
+    unpublished = session->unpublished.size();
+    kept = keep_held_on_stop_;
+    if (kept) {
+      // The segments stay for the next daemon: nothing the session held is freed, as if the
+      // daemon had crashed (its records stay unbound or unpublished, its lease page untouched).
+      // Its client re-registers the leases and takes back the unpublished buffers in the next
+      // daemon's grace period; that daemon frees what nobody took back.
+      leases += static_cast<size_t>(catalog_->PageLeasesOf(session_id));
+      session->leases.clear();
+      session->unpublished.clear();
+    } else {
+      uint64_t unpublished_bytes = 0;
+      for (const auto& [tensor_id, bytes] : session->unpublished) unpublished_bytes += bytes;
+      for (const auto& [lease, tensor_id] : session->leases) catalog_->DropLease(tensor_id);
+      session->leases.clear();
+      for (const auto& [tensor_id, bytes] : session->unpublished) {
+        absl::Status s = catalog_->Abandon(session_id, tensor_id);
+        TSM_CHECK(s.ok());
+      }
+      session->unpublished.clear();
+      // Its lease page goes whole: what only it held is freed now.
+      const int64_t page_leases = catalog_->DropLeasePage(session_id);
+      metrics_.CountReclaimed(unpublished_bytes, unpublished, leases + page_leases);
+      catalog_->Reclaim();
+    }
+    sessions_.Close(session_id);
+  }
+  if (kept) {
+    TSM_LOG(kInfo) << "session " << session_id << " ended by the stop: kept its " << leases
+                   << " leases and " << unpublished
+                   << " unpublished tensors for the next daemon (--keep-segments)";
+    return;
+  }
+  TSM_LOG(kInfo) << "session " << session_id << " closed: released " << leases << " leases, freed "
+                 << unpublished << " unpublished tensors";
 }
 
 }  // namespace tensorshm

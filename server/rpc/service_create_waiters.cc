@@ -62,14 +62,11 @@ class TensorShmService::CreateWaiter final : public grpc::ServerUnaryReactor {
   std::optional<UidLimits::WaitCharge> wait_charge;
 
   // Under the service's mu_.
-  bool listed = false;  // on the queue: not finished yet
   PoolKey key;
   uint64_t session_id = 0;
   std::string token;
   absl::Status refusal;           // the last RESOURCE_EXHAUSTED the create got
   std::vector<uint64_t> created;  // the buffers the answer carried, once created
-  std::list<CreateWaiter*>::iterator in_queue;
-  std::multimap<absl::Time, CreateWaiter*>::iterator by_deadline;  // if deadline is finite
 };
 
 namespace {
@@ -101,56 +98,41 @@ grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerCo
       waiter->wait_ms > 0
           ? std::min(call_deadline, waiter->started + absl::Milliseconds(waiter->wait_ms))
           : call_deadline;
-  bool answered_later = false;
-  const grpc::Status status = [&]() -> grpc::Status {
-    absl::StatusOr<PeerCredentials> peer = Admit(*context);
-    if (!peer.ok()) return ToGrpcStatus(peer.status());
-    ServiceLock lock(this);
-    absl::StatusOr<tensorshm::Session*> session = CallerSession(*context, *peer);
-    if (!session.ok()) return ToGrpcStatus(session.status());
-    waiter->token = (*session)->token;
-    if ((*session)->TakeSettled(waiter->request_id)) {
-      return grpc::Status(grpc::StatusCode::CANCELLED,
-                          "create: settled (cancelled) by the client before it arrived");
+  const UnaryFrame frame{
+      .op = MetricOp::kCreate, .reactor = waiter, .request_id = waiter->request_id};
+  // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
+  // this returns.
+  return Unary(context, frame, [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    tensorshm::Session& session = *call.session;
+    waiter->token = session.token;
+    if (session.TakeSettled(waiter->request_id)) {
+      return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
     }
     SegmentGrowth growth;
     bool pool_full = false;
     absl::Status created =
-        CreateFor(**session, *request, response, &growth, /*waited=*/false, &pool_full);
+        CreateFor(session, *request, response, &growth, /*waited=*/false, &pool_full);
     if (growth.needed() || growth.busy()) {
       // A pool must grow first: GrowPools answers it (or queues it if still full).
-      if (shutting_down_)
-        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
+      if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
       pending_creates_.push_back(PendingCreate{waiter, waiter->token, request, response, waiter});
       creates_pending_.Signal();
-      answered_later = true;
-      return grpc::Status::OK;
+      call.answered_later = true;
+      return absl::OkStatus();
     }
     if (created.ok()) {
       waiter->created = CreatedIds(*response);
-      (*session)->RecordGrant(waiter->request_id, {0, waiter->created});
-      return grpc::Status::OK;
+      session.RecordGrant(waiter->request_id, {0, waiter->created});
+      return absl::OkStatus();
     }
-    if (!pool_full) return ToGrpcStatus(created);
-    if (shutting_down_)
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensorshmd is stopping");
-    if (context->IsCancelled()) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "create cancelled by the client");
-    }
-    if (absl::Now() >= waiter->deadline) return ToGrpcStatus(created);
-    if (absl::Status s = AddCreateWaiter(waiter, **session, created); !s.ok()) {
-      return ToGrpcStatus(s);
-    }
-    answered_later = true;  // queued: whoever takes it off the queue finishes it
-    return grpc::Status::OK;
-  }();
-  if (!answered_later) {
-    metrics_.CountOp(MetricOp::kCreate, static_cast<absl::StatusCode>(status.error_code()));
-    FinishGranting(waiter, status, status.ok() && waiter->request_id != 0);
-  }
-  // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
-  // this returns.
-  return waiter;
+    if (!pool_full) return created;
+    if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
+    if (context->IsCancelled()) return absl::CancelledError("create cancelled by the client");
+    if (absl::Now() >= waiter->deadline) return created;
+    if (absl::Status s = AddCreateWaiter(waiter, session, created); !s.ok()) return s;
+    call.answered_later = true;  // queued: whoever takes it off the queue finishes it
+    return absl::OkStatus();
+  });
 }
 
 void TensorShmService::FinishCreate(CreateWaiter* waiter, grpc::Status status) {
@@ -177,24 +159,18 @@ absl::Status TensorShmService::AddCreateWaiter(CreateWaiter* waiter,
   waiter->session_id = session.id;
   waiter->token = session.token;
   waiter->refusal = refusal;
-  waiter->in_queue = creates_waiting_.insert(creates_waiting_.end(), waiter);
-  if (waiter->deadline != absl::InfiniteFuture()) {
-    waiter->by_deadline = creates_by_deadline_.emplace(waiter->deadline, waiter);
-    // The timer sleeps until the earliest deadline: wake it (it looks at both kinds of waiter).
+  // The timer sleeps until the earliest deadline: wake it if this one is earlier.
+  if (creates_waiting_.Add(waiter, waiter->key, session.id, waiter->deadline)) {
     next_deadline_.Signal();
   }
-  waiter->listed = true;
   TSM_LOG(kDebug) << "session " << session.id << ": create waits for memory (" << refusal.message()
                   << ")";
   return absl::OkStatus();
 }
 
 void TensorShmService::RemoveCreateWaiter(CreateWaiter* waiter) {
-  TSM_CHECK(waiter->listed);
-  waiter->listed = false;
+  creates_waiting_.Remove(waiter);
   waiter->wait_charge.reset();
-  creates_waiting_.erase(waiter->in_queue);
-  if (waiter->deadline != absl::InfiniteFuture()) creates_by_deadline_.erase(waiter->by_deadline);
   // The creates behind it no longer wait for it.
   retry_creates_ = true;
 }
@@ -231,8 +207,7 @@ absl::Status TensorShmService::CheckCreateQuotas(tensorshm::Session& session,
 }
 
 absl::Status TensorShmService::CheckCreateQueue(const PoolKey& key) const {
-  int64_t ahead = 0;
-  for (const CreateWaiter* waiter : creates_waiting_) ahead += waiter->key == key ? 1 : 0;
+  const int64_t ahead = static_cast<int64_t>(creates_waiting_.CountWithKey(key));
   if (ahead == 0) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       PoolUsage(key), ": ", ahead, " earlier create", ahead == 1 ? " waits" : "s wait",
@@ -255,8 +230,7 @@ std::string TensorShmService::PoolUsage(const PoolKey& key) const {
 void TensorShmService::RetryWaitingCreates() {
   retry_creates_ = false;
   std::set<PoolKey> blocked;  // keys whose earliest waiting create still does not fit
-  for (auto it = creates_waiting_.begin(); it != creates_waiting_.end();) {
-    CreateWaiter* waiter = *it++;
+  for (CreateWaiter* waiter : creates_waiting_.All()) {
     if (blocked.count(waiter->key) > 0) continue;
     // A waiting create's session is alive: CloseSession takes its creates off first.
     tensorshm::Session* session = sessions_.Find(waiter->token);
@@ -294,8 +268,7 @@ void TensorShmService::RetryWaitingCreates() {
 
 bool TensorShmService::ExpireCreates(absl::Time now) {
   bool expired = false;
-  while (!creates_by_deadline_.empty() && creates_by_deadline_.begin()->first <= now) {
-    CreateWaiter* waiter = creates_by_deadline_.begin()->second;
+  while (CreateWaiter* waiter = creates_waiting_.Expired(now)) {
     RemoveCreateWaiter(waiter);
     FinishCreate(waiter, waiter->Expired(PoolUsage(waiter->key)));
     expired = true;
@@ -303,24 +276,16 @@ bool TensorShmService::ExpireCreates(absl::Time now) {
   return expired;
 }
 
-absl::Time TensorShmService::NextCreateDeadline() const {
-  return creates_by_deadline_.empty() ? absl::InfiniteFuture()
-                                      : creates_by_deadline_.begin()->first;
-}
-
 void TensorShmService::FailSessionCreates(uint64_t session_id, const std::string& token) {
   const grpc::Status status = ToGrpcStatus(NoSession(token));
-  for (auto it = creates_waiting_.begin(); it != creates_waiting_.end();) {
-    CreateWaiter* waiter = *it++;
-    if (waiter->session_id != session_id) continue;
+  for (CreateWaiter* waiter : creates_waiting_.OfSession(session_id)) {
     RemoveCreateWaiter(waiter);
     FinishCreate(waiter, status);
   }
 }
 
 void TensorShmService::FailWaitingCreates(const grpc::Status& status) {
-  while (!creates_waiting_.empty()) {
-    CreateWaiter* waiter = creates_waiting_.front();
+  for (CreateWaiter* waiter : creates_waiting_.All()) {
     RemoveCreateWaiter(waiter);
     FinishCreate(waiter, status);
   }
@@ -328,14 +293,15 @@ void TensorShmService::FailWaitingCreates(const grpc::Status& status) {
 
 void TensorShmService::CancelCreate(CreateWaiter* waiter) {
   ServiceLock lock(this);
-  if (!waiter->listed) return;  // finished already, or being finished
+  // Finished already, or being finished.
+  if (!creates_waiting_.Contains(waiter)) return;
   RemoveCreateWaiter(waiter);
   FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED, "create cancelled by the client"));
 }
 
 void TensorShmService::CreateWaiterDone(CreateWaiter* waiter, bool cancelled) {
   ServiceLock lock(this);
-  TSM_CHECK(!waiter->listed);
+  TSM_CHECK(!creates_waiting_.Contains(waiter));
   if (!cancelled || waiter->created.empty()) return;
   // The test hook plays an answer that crossed the cancel: only the client's settle gives back.
   if (waiter->request_id != 0 && cross_cancel_hold_ > absl::ZeroDuration()) return;
@@ -376,8 +342,8 @@ void TensorShmService::FinishGrownCreate(CreateWaiter* waiter, const absl::Statu
 }
 
 bool TensorShmService::CancelSettledCreate(uint64_t session_id, uint64_t request_id) {
-  for (CreateWaiter* waiter : creates_waiting_) {
-    if (waiter->session_id != session_id || waiter->request_id != request_id) continue;
+  for (CreateWaiter* waiter : creates_waiting_.OfSession(session_id)) {
+    if (waiter->request_id != request_id) continue;
     RemoveCreateWaiter(waiter);
     FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
                                       "create settled (cancelled) by the client"));

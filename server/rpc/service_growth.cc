@@ -1,0 +1,145 @@
+// GrowPools: the one thread that makes pool segments once the service runs, for the creates that
+// need one (gRPC's, and the memory channel's sent to gRPC) and ahead of need; every growth runs
+// with mu_ released (GrowUnlocked), so no call and no channel waits for it.
+#include <cstdlib>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/time/clock.h"
+#include "common/tensor/grpc_status.h"
+#include "server/ops/log.h"
+#include "server/rpc/service.h"
+
+namespace tensorshm {
+
+absl::Duration TensorShmService::GrowthDelayFromEnvironment() {
+  const char* value = std::getenv("TENSORSHMD_TEST_GROWTH_DELAY_MS");
+  int64_t ms = 0;
+  if (value == nullptr || !absl::SimpleAtoi(value, &ms) || ms <= 0) return absl::ZeroDuration();
+  TSM_LOG(kWarning) << "TENSORSHMD_TEST_GROWTH_DELAY_MS = " << ms
+                    << ": test mode (every pool growth is slowed down); never in production";
+  return absl::Milliseconds(ms);
+}
+
+void TensorShmService::GrowPools() {
+  while (true) {
+    ServiceLock lock(this);
+    // Between growths, the segments of uids that have gone are given back (looked for once a
+    // second: a uid's last session may have ended).
+    while (pending_creates_.empty() && grow_ahead_.empty() && !shutting_down_ &&
+           !catalog_->host_pool().HasIdleSegments()) {
+      creates_pending_.WaitWithTimeout(&mu_, absl::Seconds(1));
+    }
+    if (shutting_down_) {
+      for (const PendingCreate& create : pending_creates_) {
+        metrics_.CountOp(MetricOp::kCreate, absl::StatusCode::kUnavailable);
+        finishing_.push_back({create.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                           "tensorshmd is stopping")});
+      }
+      pending_creates_.clear();
+      return;
+    }
+    if (pending_creates_.empty() && grow_ahead_.empty()) {
+      GiveBackIdleSegments();
+      continue;
+    }
+    if (pending_creates_.empty()) {
+      // Nothing waits for a segment now: grow ahead of need.
+      const uint32_t uid = *grow_ahead_.begin();
+      grow_ahead_.erase(grow_ahead_.begin());
+      GrowAheadNow(uid);
+      continue;
+    }
+    const PendingCreate create = pending_creates_.front();
+    pending_creates_.pop_front();
+    bool pool_full = false;
+    absl::Status status = CreateGrowing(create.token, NoSession(create.token), *create.request,
+                                        create.response, &pool_full);
+    if (create.waiter != nullptr) {
+      FinishGrownCreate(create.waiter, status, pool_full);  // counted when it is answered
+    } else {
+      const uint64_t request_id = create.request->request_id();
+      if (status.ok()) {
+        status = KeepCreated(create.token, NoSession(create.token), request_id, *create.response);
+      }
+      metrics_.CountOp(MetricOp::kCreate, status);
+      finishing_.push_back({create.reactor, ToGrpcStatus(status), status.ok() && request_id != 0});
+    }
+  }  // `lock` goes: the create is answered
+}
+
+absl::Status TensorShmService::CreateGrowing(const std::string& token, const absl::Status& gone,
+                                             const v1::CreateRequest& request,
+                                             v1::CreateResponse* response, bool* pool_full) {
+  while (true) {
+    tensorshm::Session* session = sessions_.Find(token);
+    if (session == nullptr) return gone;
+    SegmentGrowth growth;
+    absl::Status status =
+        CreateFor(*session, request, response, &growth, /*waited=*/false, pool_full);
+    if (growth.busy()) {
+      // Another call is making a segment of that pool: it may be the one this create needs.
+      grown_.Wait(&mu_);
+      continue;
+    }
+    if (!growth.needed()) return status;
+    const absl::Status grown = GrowUnlocked(growth);
+    if (absl::IsResourceExhausted(grown)) metrics_.CountAllocationFailure(AllocationFailure::kPool);
+    if (!grown.ok()) return grown;
+  }
+}
+
+absl::Status TensorShmService::GrowUnlocked(SegmentGrowth& growth) {
+  // Making a segment reserves all its memory (posix_fallocate, cuMemAlloc): every other call
+  // goes on meanwhile.
+  catalog_->BeginGrowth(growth);
+  UnlockAndFinish();
+  if (growth_delay_ > absl::ZeroDuration()) {
+    TSM_LOG(kWarning) << "TENSORSHMD_TEST_GROWTH_DELAY_MS: a pool growth sleeps "
+                      << absl::FormatDuration(growth_delay_) << " before it makes its segment";
+    absl::SleepFor(growth_delay_);
+  }
+  growth.Make();
+  mu_.lock();
+  const absl::Status grown = catalog_->EndGrowth(growth);
+  grown_.SignalAll();
+  return grown;
+}
+
+void TensorShmService::GiveBackIdleSegments() {
+  std::vector<ShmSegment> idle = catalog_->mutable_host_pool().GiveBackIdle();
+  // Emptying them takes a while (their pages punched out): every other call goes on meanwhile.
+  UnlockAndFinish();
+  HostPool::DisposeSegments(std::move(idle));
+  mu_.lock();
+}
+
+void TensorShmService::GrowAhead(uint32_t uid) {
+  if (shutting_down_ || !catalog_->host_pool().PlanAhead(uid).has_value()) return;
+  if (grow_ahead_.insert(uid).second) creates_pending_.Signal();
+}
+
+void TensorShmService::GrowAheadNow(uint32_t uid) {
+  std::optional<GrowthRequest> plan = catalog_->host_pool().PlanAhead(uid);
+  if (!plan.has_value()) return;  // grown meanwhile, or room was freed or taken
+  SegmentGrowth growth;
+  growth.cuda_ordinal = -1;
+  growth.request = *plan;
+  const absl::Status grown = GrowUnlocked(growth);
+  if (grown.ok()) {
+    retry_creates_ = true;  // a waiting create of that uid may fit now
+    return;
+  }
+  // Creates still grow the pool on demand; an operator hears of this once (e.g. /dev/shm full).
+  if (!warned_growth_ahead_) {
+    warned_growth_ahead_ = true;
+    TSM_LOG(kWarning) << "host pool: growing segment " << plan->segment_id << " (" << plan->size
+                      << " bytes) ahead of need for uid " << uid << " failed: " << grown
+                      << "; creates will grow the pool as they need it "
+                      << "(logged once)";
+  }
+}
+
+}  // namespace tensorshm
