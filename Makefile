@@ -125,9 +125,9 @@ fuzz: setup
 # The Dockerfile built for real without a Docker engine (debootstrapped bookworm chroots; needs
 # root and the network), then the image's daemon, HEALTHCHECK and a client run in the result,
 # and the Kubernetes manifests' containers as the manifests say. Minutes, not part of `make test`
-# (see scripts/test-container.sh); reruns use the cache in /var/cache/tensorshm-test-container.
+# (see tests/container/test-container.sh); reruns use the cache in /var/cache/tensorshm-test-container.
 test-container:
-	bash scripts/test-container.sh
+	bash tests/container/test-container.sh
 
 # The soak (tests/soak/soak.py): one daemon under mixed load for SECONDS seconds, with clients
 # SIGKILLed every ~2 s and the daemon SIGKILLed (once stopped with SIGTERM) and restarted every
