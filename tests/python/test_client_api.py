@@ -90,6 +90,27 @@ def test_tensors_stay_valid_after_close_and_the_session_ends_with_them(daemon, o
     assert leases(observer) == baseline
 
 
+# The futex syscall's number, for reading /proc/self/task/*/syscall.
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
+FUTEX_WAIT = 0
+
+
+def waiting_gets(client) -> int:
+    """Gets of this process that wait now: threads asleep in the fast path's futex (FUTEX_WAIT
+    on a shared word; the client's mutexes wait on private words), plus the acquires the daemon
+    lists as waiting (a get the fast path cannot answer waits there)."""
+    sleeping = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/syscall") as f:
+                fields = f.read().split()
+        except OSError:
+            continue  # the thread ended
+        if len(fields) >= 3 and fields[0] == str(SYS_FUTEX) and int(fields[2], 16) == FUTEX_WAIT:
+            sleeping += 1
+    return sleeping + sum(s["waiting_acquires"] for s in client.sessions())
+
+
 def test_close_wakes_a_get_waiting_in_another_thread(client):
     caught: list[BaseException] = []
     started = threading.Event()
@@ -104,7 +125,8 @@ def test_close_wakes_a_get_waiting_in_another_thread(client):
     thread = threading.Thread(target=wait)
     thread.start()
     started.wait()
-    time.sleep(0.2)  # let it wait; the assertions do not depend on it
+    # close must wake a sleeping get: it is seen waiting first.
+    assert wait_for(lambda: waiting_gets(client) == 1, timeout=30), waiting_gets(client)
     client.close()
     thread.join(PROMPT)
     assert not thread.is_alive()
