@@ -315,6 +315,45 @@ def test_get_many_timeout_bounds_the_whole_call_and_leaves_no_lease(client):
     assert own_leases(client) == baseline
 
 
+# Publishes argv[2] and argv[3] after argv[4] and argv[5] seconds, counted from a "go" line.
+PUBLISH_ON_SCHEDULE = """
+import sys, time, numpy as np, tensorshm
+client = tensorshm.connect(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.monotonic()
+for name, at in ((sys.argv[2], float(sys.argv[4])), (sys.argv[3], float(sys.argv[5]))):
+    time.sleep(max(0.0, start + at - time.monotonic()))
+    client.put(name, np.zeros(1), replace=True).release()
+"""
+
+
+def test_get_many_timeout_is_one_deadline_not_one_per_name(client, daemon):
+    # The first late name comes at 0.5 timeout, the second at 1.25: within one timeout of the
+    # first (a per-name timeout would get it), after the call's one deadline.
+    timeout = 2.0
+    for name in ("many/t1", "many/t2"):
+        if name in client:
+            client.delete(name)
+    client.put("many/a", np.zeros(1), replace=True)
+    baseline = own_leases(client)
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", PUBLISH_ON_SCHEDULE, daemon.socket, "many/t1", "many/t2",
+         str(0.5 * timeout), str(1.25 * timeout)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert publisher.stdout.readline().strip() == "ready"
+        publisher.stdin.write("go\n")
+        publisher.stdin.flush()
+        with pytest.raises(tensorshm.TimeoutError) as info:
+            client.get_many(["many/a", "many/t1", "many/t2"], timeout=timeout)
+        assert "'many/t2'" in str(info.value) and "#2 of 3" in str(info.value), info.value
+        assert own_leases(client) == baseline
+    finally:
+        publisher.stdin.close()
+        assert publisher.wait(60) == 0
+
+
 # ---- asyncio ----
 
 PUBLISH_LATER = """
