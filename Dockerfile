@@ -6,7 +6,7 @@
 #   docker run --rm -v tensorshm-sock:/run/tensorshm --user 10001 --entrypoint tensorshmctl \
 #     tensorshm status
 #
-# No Docker engine runs on the project's machines: `make test-container` (scripts/test-container.sh)
+# No Docker engine runs on the project's machines: `make test-container` (tests/container/test-container.sh)
 # executes this file's steps for real in debootstrapped bookworm chroots and then runs the daemon
 # from the result. It understands the instructions used here (FROM, ARG, ENV, WORKDIR, RUN,
 # COPY [--from] [--chown], USER, VOLUME, ENTRYPOINT, CMD, HEALTHCHECK, STOPSIGNAL, LABEL): keep

@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-ray install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-ray install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -28,9 +28,21 @@ run: build
 
 test: test-cpp test-python
 
-# --no-tests=error: a run that found no test fails.
+# Every run writes JUnit XML under $(BUILD_DIR)/test-results/; tests/check_skips.py then lists
+# what was skipped, with the reasons, and fails the run on a skip this machine does not excuse
+# (only: not root, no GPU, a package that does not import, a sanitizer build): where the test
+# could have run (CI runs as root, with everything scripts/setup.sh installs), a skip is a
+# failure.
+RESULTS = $(CURDIR)/$(BUILD_DIR)/test-results
+CHECK_SKIPS = $(VENV_PY) tests/check_skips.py
+
+# --no-tests=error: a run that found no test fails. The passed tests' output is kept whole in
+# the XML: a GTEST_SKIP's reason is in it.
+CTEST_RESULTS = --output-junit $(RESULTS)/ctest.xml --test-output-size-passed 65536
 test-cpp: build
-	cd $(BUILD_DIR) && ctest -j$(JOBS) --output-on-failure --no-tests=error
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/ctest.xml
+	cd $(BUILD_DIR) && ctest -j$(JOBS) --output-on-failure --no-tests=error $(CTEST_RESULTS)
+	$(CHECK_SKIPS) --label test-cpp $(RESULTS)/ctest.xml
 
 # The Python package, built by scikit-build-core into .venv (incrementally, in build-python/).
 python: setup
@@ -45,12 +57,15 @@ PYTEST = TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd \
   TSM_FAKE_CUDA_LIB=$(CURDIR)/$(BUILD_DIR)/tests/libtsm_fake_cuda.so $(VENV_PY) -m pytest -q -rs
 
 # pytest exits 5 when it collects nothing, which fails the run like any failure. tests/gpu runs
-# on its own (with the real driver, not the emulated one tests/python loads); without a GPU it
-# is skipped with the reason.
+# on its own (with the real driver, not the emulated one tests/python loads); here it skips
+# unless torch is installed (test-gpu installs it) and a GPU is there.
 test-python: build python
-	$(PYTEST) tests/python
-	$(PYTEST) tests/gpu
-	$(PYTEST) tests/deploy
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/python.xml $(RESULTS)/gpu.xml $(RESULTS)/deploy.xml
+	$(PYTEST) tests/python --junitxml=$(RESULTS)/python.xml
+	$(PYTEST) tests/gpu --junitxml=$(RESULTS)/gpu.xml
+	$(PYTEST) tests/deploy --junitxml=$(RESULTS)/deploy.xml
+	$(CHECK_SKIPS) --label test-python $(RESULTS)/python.xml $(RESULTS)/gpu.xml \
+	  $(RESULTS)/deploy.xml
 
 # The tests that need an optional package (torch, JAX, pyarrow, nanoarrow: the pytest marker
 # `ecosystem`, given by tests/python/conftest.py to every test that uses one) and mypy --strict on
@@ -58,28 +73,36 @@ test-python: build python
 # .venv only when one of them does not import. TSM_REQUIRE_ECOSYSTEM=1 makes a missing package
 # or any skipped test a failure: a run that skipped does not pass.
 ECOSYSTEM_IMPORTS = import torch, jax, pyarrow, nanoarrow, tvm_ffi, mypy
-test-ecosystem: build python
+ecosystem-packages: python
 	@$(VENV_PY) -c '$(ECOSYSTEM_IMPORTS)' 2>/dev/null || { \
-	  echo "test-ecosystem: installing scripts/requirements-ecosystem.txt into .venv"; \
+	  echo "ecosystem-packages: installing scripts/requirements-ecosystem.txt into .venv"; \
 	  $(VENV_PY) -m pip install -q -r scripts/requirements-ecosystem.txt; }
+
+test-ecosystem: build python ecosystem-packages
 	TSM_REQUIRE_ECOSYSTEM=1 $(PYTEST) -m ecosystem tests/python
 	$(VENV_PY) -m mypy --strict examples python/tensorshm
 
 # The same as test-ecosystem (torch's tests are ecosystem tests); kept for old habits.
 test-torch: test-ecosystem
 
-# The real-GPU test alone (torch on CUDA; needs a GPU, the driver and torch with CUDA).
-test-gpu: build python
-	$(PYTEST) -s tests/gpu
+# The real-GPU test (torch on CUDA, with the real driver), after the ecosystem packages (torch)
+# are in: CI runs it after test-ecosystem. It may skip only where the machine has no GPU.
+test-gpu: build python ecosystem-packages
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/gpu.xml
+	$(PYTEST) -s tests/gpu --junitxml=$(RESULTS)/gpu.xml
+	$(CHECK_SKIPS) --label test-gpu $(RESULTS)/gpu.xml
 
 # The C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer (CI runs this too).
 test-asan: setup
 	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTENSORSHM_SANITIZE=address \
 	  -DTENSORSHM_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
 	@cmake --build build-asan -j$(JOBS)
+	@mkdir -p build-asan/test-results && rm -f build-asan/test-results/ctest.xml
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  ctest -j$(JOBS) --output-on-failure --no-tests=error
+	  ctest -j$(JOBS) --output-on-failure --no-tests=error \
+	  --output-junit test-results/ctest.xml --test-output-size-passed 65536
+	$(CHECK_SKIPS) --sanitizer --label test-asan build-asan/test-results/ctest.xml
 
 # The concurrency tests (integration, load, client death) under ThreadSanitizer.
 test-tsan: setup
@@ -130,9 +153,10 @@ fuzz: setup
 # The Dockerfile built for real without a Docker engine (debootstrapped bookworm chroots; needs
 # root and the network), then the image's daemon, HEALTHCHECK and a client run in the result,
 # and the Kubernetes manifests' containers as the manifests say. Minutes, not part of `make test`
-# (see scripts/test-container.sh); reruns use the cache in /var/cache/tensorshm-test-container.
+# (see tests/container/test-container.sh); reruns use the cache in
+# /var/cache/tensorshm-test-container.
 test-container:
-	bash scripts/test-container.sh
+	bash tests/container/test-container.sh
 
 # The soak (tests/soak/soak.py): one daemon under mixed load for SECONDS seconds, with clients
 # SIGKILLed every ~2 s and the daemon SIGKILLed (once stopped with SIGTERM) and restarted every

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 apt_packages=(build-essential cmake pkg-config python3 python3-venv python3-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libboost-dev libabsl-dev libgtest-dev libgmock-dev clang libclang-rt-dev spin
-  libcli11-dev libspdlog-dev libtoml11-dev libcpp-httplib-dev nlohmann-json3-dev)
+  libcli11-dev libspdlog-dev libtoml11-dev libcpp-httplib-dev nlohmann-json3-dev
+  systemd)  # systemd: systemd-analyze, for tests/deploy's unit check
 
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -136,7 +136,7 @@ TEST(CtlHealthTest, StoppedDaemonMissingSocketAndWrongPathExitOne) {
   ASSERT_OK(daemon);
   const std::string socket = daemon->socket();
   // Killed: its socket file stays, nobody listens on it.
-  daemon->process().Kill(SIGKILL);
+  daemon->KillOnPurpose(SIGKILL);
   ASSERT_TRUE(daemon->process().Wait(absl::Seconds(30)).ok());
   CtlRun killed = RunCtl(daemon->dir(), {"--socket", socket, "health"});
   EXPECT_EQ(killed.exit_code, 1);

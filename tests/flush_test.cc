@@ -1,8 +1,14 @@
 // Client::Flush drains every release and abandon queued before it, however many batches that
 // takes (a batch carries at most 4096 ids of each kind). A real daemon, this process the client.
 #include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
-#include <thread>
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +26,14 @@ constexpr int kQueued = 3 * kMaxBatch + 500;
 // Leases beyond the session's lease page (512 slots, released by a store) go through the RPC
 // and are released in batches.
 constexpr int kPageSlots = 512;
+
+// True while thread `tid` of this process blocks in a futex wait (Flush waiting for acks).
+bool InFutexWait(pid_t tid) {
+  if (tid == 0) return false;
+  std::ifstream in(absl::StrCat("/proc/self/task/", tid, "/syscall"));
+  std::string number;
+  return static_cast<bool>(in >> number) && number == std::to_string(SYS_futex);
+}
 
 class FlushTest : public ::testing::Test {
  protected:
@@ -47,15 +61,22 @@ class FlushTest : public ::testing::Test {
     const pid_t daemon = daemon_->process().pid();
     kill(daemon, SIGSTOP);
     queue();
-    std::thread resume([daemon] {
-      // Only for Flush to start first, so that the batches it must wait for are still queued;
-      // the assertions do not depend on it.
-      absl::SleepFor(absl::Milliseconds(100));
-      kill(daemon, SIGCONT);
+    std::atomic<pid_t> flusher{0};
+    std::future<absl::Status> flushed = std::async(std::launch::async, [&] {
+      flusher.store(static_cast<pid_t>(syscall(SYS_gettid)));
+      return client_->Flush();
     });
-    absl::Status flushed = client_->Flush();
-    resume.join();
-    return flushed;
+    // Flush must wait for batches still queued: the daemon resumes only once Flush sleeps (it
+    // cannot finish while the daemon is stopped).
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (!InFutexWait(flusher.load()) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    const bool slept = InFutexWait(flusher.load());
+    kill(daemon, SIGCONT);
+    EXPECT_TRUE(slept) << "Flush never waited while the daemon was stopped";
+    EXPECT_EQ(flushed.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+    return flushed.get();
   }
 
   std::unique_ptr<TestDaemon> daemon_;

@@ -21,12 +21,15 @@
 //                                                  the emulated driver's counters as it goes
 //   tsm_peer replace-loop SOCKET NAME --count N --bytes B [--max-bytes M] [--seed S]
 //                                     N times: create a uint32 tensor of B bytes (with M: a
-//                                     random multiple of 4 in [B, M]), fill every element with
+//                                     multiple of 4 in [B, M] picked by a hash of the version,
+//                                     VersionBytes), fill every element with
 //                                     the version number (1..N), publish with replace; prints
 //                                     "published N"
-//   tsm_peer verify-loop SOCKET NAME (--until-version N | --forever) [--keep K] [--wait-ms W]
+//   tsm_peer verify-loop SOCKET NAME (--until-version N | --forever) --bytes B [--max-bytes M]
+//                    [--keep K] [--wait-ms W]
 //                                     acquire (waiting up to W ms for a publish), check that
-//                                     every element equals one version v, v >= the last one
+//                                     every element equals one version v, that the tensor has
+//                                     the size replace-loop gives v (same B, M), v >= the last one
 //                                     seen (and <= N), yield, check again; keep the last K
 //                                     acquired, re-check them all, release the oldest; until it
 //                                     acquired version N (or killed). Prints "verifying" after
@@ -58,8 +61,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/shm/channel_frame.h"
 #include "common/cuda/cuda_driver.h"
+#include "common/shm/channel_frame.h"
 #include "common/tensor/dtype.h"
 #include "common/tensor/layout.h"
 #include "common/tensor/wire.h"
@@ -160,6 +163,17 @@ struct Verified {
   DLManagedTensorVersioned* tensor = nullptr;
   uint32_t version = 0;
 };
+
+// replace-loop and verify-loop: the bytes of version `version`, a multiple of 4 from `min` to
+// `max`, picked by a hash of the version alone: a consumer knows the size each version must
+// have (a buffer freed early and reused by another version shows in the size too).
+int64_t VersionBytes(uint64_t version, int64_t min, int64_t max) {
+  uint64_t x = version + 0x9e3779b97f4a7c15ull;  // splitmix64's finalizer
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return min + 4 * static_cast<int64_t>(x % static_cast<uint64_t>((max - min) / 4 + 1));
+}
 
 // Counts the bytes of `t` (a 1-d uint32 tensor) that differ from `version` in every element.
 // Reports the first wrong element on stdout, with `phase`.
@@ -478,12 +492,9 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (mode == "replace-loop") {
-    std::mt19937_64 random(seed);
     bytes_max = std::max(bytes_max, bytes_min);
     for (int64_t version = 1; version <= count; ++version) {
-      const int64_t bytes =
-          bytes_min + 4 * static_cast<int64_t>(
-                              random() % static_cast<uint64_t>((bytes_max - bytes_min) / 4 + 1));
+      const int64_t bytes = VersionBytes(version, bytes_min, bytes_max);
       absl::StatusOr<tensorshm::WritableTensor> w =
           (*client)->Create({{kDLUInt, 32, 1}, {bytes / 4}});
       if (!w.ok()) return Fail(w.status());
@@ -497,6 +508,11 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (mode == "verify-loop") {
+    if (bytes_min <= 0) {
+      std::cerr << "verify-loop: --bytes (and --max-bytes) as the producer's replace-loop\n";
+      return 2;
+    }
+    bytes_max = std::max(bytes_max, bytes_min);
     std::mt19937_64 random(seed);
     std::deque<Verified> held;
     uint32_t last = 0;
@@ -526,6 +542,11 @@ int Main(int argc, char** argv) {
       int64_t wrong = WrongBytes(dl, version, "at acquire");
       if (version < last || version == 0 || (!forever && version > until_version)) {
         std::cout << "wrong version " << version << " after " << last << std::endl;
+        wrong += 4;
+      }
+      if (dl.shape[0] * 4 != VersionBytes(version, bytes_min, bytes_max)) {
+        std::cout << "wrong size: version " << version << " has " << dl.shape[0] * 4
+                  << " bytes, not " << VersionBytes(version, bytes_min, bytes_max) << std::endl;
         wrong += 4;
       }
       // A premature free and reuse of the buffer would show now, or while it is kept.

@@ -132,7 +132,7 @@ TEST(PrefixLockTest, AKilledDaemonsPrefixIsRecovered) {
     for (const Sized& t : kTensors) Put(**producer, t.name, t.bytes, t.seed);
   }
   const pid_t first_pid = first->process().pid();
-  first->process().Kill(SIGKILL);
+  first->KillOnPurpose(SIGKILL);
   ASSERT_OK(first->process().Wait(absl::Seconds(30)));
   // The lock file stays, naming the dead holder; its lock went with the process.
   absl::StatusOr<PrefixHolder> holder = ReadPrefixHolder(first->shm_prefix());

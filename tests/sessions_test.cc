@@ -220,7 +220,7 @@ TEST(SessionsRpcTest, PublishTimeSurvivesARecoveringRestart) {
     published = (*list)[0].published_unix_ms;
     ASSERT_GT(published, 0);
   }
-  first->process().Kill(SIGKILL);
+  first->KillOnPurpose(SIGKILL);
   ASSERT_TRUE(first->process().Wait(absl::Seconds(30)).ok());
 
   // A second daemon with the same prefix and socket recovers the segments.

@@ -151,6 +151,9 @@ TEST(CrashTest, DaemonKilledAtRandomPointsServesEveryPublishedTensorAgain) {
   std::mt19937 random(seed);
   const int cycles =
       std::getenv("TSM_CRASH_CYCLES") != nullptr ? std::atoi(std::getenv("TSM_CRASH_CYCLES")) : 20;
+  // One crash and the restart after it at least: fewer would check nothing.
+  ASSERT_GE(cycles, 2) << "TSM_CRASH_CYCLES=" << std::getenv("TSM_CRASH_CYCLES")
+                       << ": at least 2 (a crash, then a restart that is checked)";
   const std::string prefix = absl::StrCat("tsmtest-crash-", getpid());
   const std::string dir = std::filesystem::temp_directory_path().string() + "/" + prefix;
   std::filesystem::remove_all(dir);

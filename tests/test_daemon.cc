@@ -17,12 +17,14 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/base/sys_error.h"
+#include "gtest/gtest.h"
 
 extern char** environ;
 
@@ -200,20 +202,80 @@ absl::StatusOr<TestDaemon> TestDaemon::Start(const std::string& test_name,
   daemon.process_ = std::make_unique<ChildProcess>(*std::move(process));
   if (!daemon.process_->WaitForOutput("serving on", absl::Seconds(20)) ||
       !SocketAccepts(daemon.socket_)) {
+    // The status carries the log: its exit is the caller's to judge (the log is still checked).
+    daemon.killed_on_purpose_ = true;
     return absl::UnavailableError(
         absl::StrCat("tensorshmd did not start: ", daemon.process_->Output()));
   }
   return daemon;
 }
 
+TestDaemon::TestDaemon(TestDaemon&& other) noexcept
+    : dir_(std::exchange(other.dir_, "")),
+      socket_(std::exchange(other.socket_, "")),
+      shm_prefix_(std::exchange(other.shm_prefix_, "")),
+      process_(std::move(other.process_)),
+      killed_on_purpose_(std::exchange(other.killed_on_purpose_, false)) {}
+
+TestDaemon& TestDaemon::operator=(TestDaemon&& other) noexcept {
+  if (this == &other) return *this;
+  Finish();
+  dir_ = std::exchange(other.dir_, "");
+  socket_ = std::exchange(other.socket_, "");
+  shm_prefix_ = std::exchange(other.shm_prefix_, "");
+  process_ = std::move(other.process_);
+  killed_on_purpose_ = std::exchange(other.killed_on_purpose_, false);
+  return *this;
+}
+
 TestDaemon::~TestDaemon() {
-  if (process_ != nullptr) {
-    process_->Kill(SIGTERM);
-    if (!process_->Wait(absl::Seconds(10)).ok()) process_->Kill(SIGKILL);
-    process_.reset();
-  }
+  Finish();
   if (!shm_prefix_.empty()) RemoveShmObjects(shm_prefix_);
   if (!dir_.empty()) std::filesystem::remove_all(dir_);
+}
+
+void TestDaemon::KillOnPurpose(int signal_number) {
+  killed_on_purpose_ = true;
+  if (process_ != nullptr) process_->Kill(signal_number);
+}
+
+std::string SanitizerReport(const std::string& log) {
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    for (absl::string_view sanitizer :
+         {"AddressSanitizer", "LeakSanitizer", "ThreadSanitizer", "UndefinedBehaviorSanitizer",
+          "MemorySanitizer", "runtime error:"}) {
+      if (absl::StrContains(line, sanitizer)) return std::string(line);
+    }
+  }
+  return "";
+}
+
+void TestDaemon::Finish() {
+  if (process_ == nullptr) return;
+  process_->Kill(SIGTERM);  // nothing if it already exited
+  absl::StatusOr<int> status = process_->Wait(absl::Seconds(60));
+  std::string why;
+  if (!status.ok()) {
+    process_->Kill(SIGKILL);
+    (void)process_->Wait(absl::Seconds(10));
+    why = "did not exit within 60 s of SIGTERM";
+  } else if (!killed_on_purpose_ && !(WIFEXITED(*status) && WEXITSTATUS(*status) == 0)) {
+    why = WIFSIGNALED(*status)
+              ? absl::StrCat("was killed by signal ", WTERMSIG(*status),
+                             " (a test that kills it on purpose says so: KillOnPurpose)")
+              : absl::StrCat("exited ", WEXITSTATUS(*status), ", not 0");
+  }
+  const std::string log = process_->Output();
+  if (const std::string report = SanitizerReport(log); !report.empty()) {
+    absl::StrAppend(&why, why.empty() ? "" : "; ", "its log holds a sanitizer report: ", report);
+  }
+  if (!why.empty()) {
+    ADD_FAILURE() << "tensorshmd " << shm_prefix_ << " " << why << "\n---- its log (" << dir_
+                  << "/daemon.log) ----\n"
+                  << log << "---- end of its log ----";
+  }
+  process_.reset();
+  killed_on_purpose_ = false;
 }
 
 int TestDaemon::ShmObjectCount() const {

@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,9 +49,20 @@ class TestDaemon {
   static absl::StatusOr<TestDaemon> Start(const std::string& test_name,
                                           const std::vector<std::string>& extra_args = {},
                                           const std::vector<std::string>& env = {});
-  TestDaemon(TestDaemon&&) = default;
-  TestDaemon& operator=(TestDaemon&&) = default;
-  ~TestDaemon();  // SIGTERMs the daemon and removes the directory
+  TestDaemon(TestDaemon&& other) noexcept;
+  // Ends this daemon as the destructor does (without removing its directory, which a daemon
+  // restarted under the same name shares), then takes `other`'s.
+  TestDaemon& operator=(TestDaemon&& other) noexcept;
+  // SIGTERMs the daemon (unless it already exited) and fails the running test, printing the
+  // daemon's log, unless the daemon exited 0 within 60 s, or if its log holds a sanitizer report
+  // (AddressSanitizer, LeakSanitizer, ThreadSanitizer, UndefinedBehaviorSanitizer, "runtime
+  // error:"). After KillOnPurpose any exit passes; the log is still checked. Then removes the
+  // directory and the daemon's /dev/shm objects.
+  ~TestDaemon();
+
+  // Sends `signal_number` to the daemon, which the test kills on purpose: its exit status is not
+  // checked at the end (its log still is). For SIGTERM, which must exit 0, use process().Kill.
+  void KillOnPurpose(int signal_number);
 
   const std::string& socket() const { return socket_; }
   const std::string& shm_prefix() const { return shm_prefix_; }
@@ -61,11 +73,17 @@ class TestDaemon {
 
  private:
   TestDaemon() = default;
+  // The destructor's check: stops the daemon and reports a bad exit or a sanitizer report.
+  void Finish();
   std::string dir_;
   std::string socket_;
   std::string shm_prefix_;
   std::unique_ptr<ChildProcess> process_;
+  bool killed_on_purpose_ = false;
 };
+
+// Why a daemon's `log` fails a test: the first line of a sanitizer report in it, or "" if none.
+std::string SanitizerReport(const std::string& log);
 
 // True in a sanitizer build (ASan, TSan): everything runs several times slower, and ASan keeps
 // freed memory in quarantine (a process's RSS does not fall back).

@@ -2,9 +2,18 @@
 // call waiting in the daemon for memory) answers CANCELLED well before its timeout, and leaves
 // no lease or buffer in the daemon. Also the Client's daemon_instance() and socket(). A real
 // daemon; this process is the client.
-#include <future>
-#include <thread>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <fstream>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
@@ -15,6 +24,17 @@ namespace {
 
 // Generous: the waits cancelled below would last this long; a cancel must end them far sooner.
 constexpr absl::Duration kLongWait = absl::Seconds(60);
+
+// True while thread `tid` of this process blocks in FUTEX_WAIT on a shared (not process-private)
+// word: where the fast path sleeps for a publish. The client's own mutexes and condition
+// variables wait on private words (FUTEX_WAIT_PRIVATE), so they do not count.
+bool InSharedFutexWait(pid_t tid) {
+  if (tid == 0) return false;
+  std::ifstream in(absl::StrCat("/proc/self/task/", tid, "/syscall"));
+  std::string number, word, op;
+  if (!(in >> number >> word >> op)) return false;  // "running", or the thread is gone
+  return number == std::to_string(SYS_futex) && std::stoull(op, nullptr, 16) == FUTEX_WAIT;
+}
 
 class WaitCancelTest : public ::testing::Test {
  protected:
@@ -95,13 +115,22 @@ TEST_F(WaitCancelTest, ACancelledCancellerFailsLaterWaitsAtOnceAndOthersStillWai
 TEST_F(WaitCancelTest, OneCancelWakesEveryWaiterSharingIt) {
   WaitCanceller cancel;
   std::vector<std::future<absl::Status>> waiters;
+  std::vector<std::atomic<pid_t>> threads(4);
   for (int i = 0; i < 4; ++i) {
-    waiters.push_back(std::async(std::launch::async, [&] {
+    waiters.push_back(std::async(std::launch::async, [&, i] {
+      threads[i].store(static_cast<pid_t>(syscall(SYS_gettid)));
       return client_->Acquire("never", absl::InfiniteDuration(), ReadySync::Host(), cancel)
           .status();
     }));
   }
-  absl::SleepFor(absl::Milliseconds(200));  // let them sleep; the assertions do not depend on it
+  // The cancel must wake sleepers: each waiter is seen asleep in the fast path's futex first.
+  for (std::atomic<pid_t>& thread : threads) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (!InSharedFutexWait(thread.load()) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    ASSERT_TRUE(InSharedFutexWait(thread.load())) << "a waiter never slept in the fast path";
+  }
   cancel.Cancel();
   for (auto& waiter : waiters) {
     ASSERT_EQ(waiter.wait_for(std::chrono::seconds(30)), std::future_status::ready);

@@ -51,13 +51,29 @@ class WaiterTest : public ::testing::Test {
     return false;
   }
 
+  // Acquires the daemon lists as waiting now (every session's waiting_acquires), -1 on error.
+  int64_t AcquiresWaiting() {
+    absl::StatusOr<std::vector<SessionInfo>> sessions = client_->Sessions();
+    EXPECT_TRUE(sessions.ok()) << sessions.status();
+    if (!sessions.ok()) return -1;
+    int64_t waiting = 0;
+    for (const SessionInfo& session : *sessions) waiting += session.waiting_acquires;
+    return waiting;
+  }
+
+  // Waits (bounded) until the daemon lists `count` waiting acquires: the calls just sent have
+  // arrived and wait, so what happens next wakes them instead of meeting them on arrival.
+  void AwaitWaitingAcquires(int64_t count) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (AcquiresWaiting() != count && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_EQ(AcquiresWaiting(), count) << "the daemon never listed the acquires as waiting";
+  }
+
   std::unique_ptr<TestDaemon> daemon_;
   std::shared_ptr<Client> client_;
 };
-
-// Gives calls just sent time to reach the daemon before what they wait for happens. Nothing
-// checked depends on it: a call that arrives later gets the same answer.
-void LetCallsArrive() { absl::SleepFor(absl::Milliseconds(200)); }
 
 TEST_F(WaiterTest, PublishOverTheMemoryChannelWakesEveryWaiterOfThatNameOnly) {
   RawSession session(daemon_->socket());
@@ -66,7 +82,7 @@ TEST_F(WaiterTest, PublishOverTheMemoryChannelWakesEveryWaiterOfThatNameOnly) {
   PendingAcquire a2(session, "wake/a", 60000);
   PendingAcquire a3(session, "wake/a", -1);
   PendingAcquire b(session, "wake/b", -1);
-  LetCallsArrive();
+  ASSERT_NO_FATAL_FAILURE(AwaitWaitingAcquires(4));
   const int64_t leases_before = Leases();
   // The C++ client publishes over the memory channel.
   absl::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {128}});
@@ -95,7 +111,7 @@ TEST_F(WaiterTest, PublishOverGrpcWakesWaitersOfEverySession) {
   RawSession producer(daemon_->socket());
   PendingAcquire mine(waiting, "grpc/x", -1);
   PendingAcquire theirs(other, "grpc/x", 30000);
-  LetCallsArrive();
+  ASSERT_NO_FATAL_FAILURE(AwaitWaitingAcquires(2));
   const uint64_t id = producer.Publish("grpc/x");
   ASSERT_NE(id, 0u);
   EXPECT_TRUE(mine.Wait().ok());
@@ -143,7 +159,7 @@ TEST_F(WaiterTest, EndOfTheSessionFailsItsWaitersOnly) {
   PendingAcquire lost1(ending, "gone/a", -1);
   PendingAcquire lost2(ending, "gone/b", 60000);
   PendingAcquire kept(staying, "gone/a", -1);
-  LetCallsArrive();
+  ASSERT_NO_FATAL_FAILURE(AwaitWaitingAcquires(3));
   ending.Close();
   for (PendingAcquire* waiter : {&lost1, &lost2}) {
     grpc::Status status = waiter->Wait();
@@ -165,7 +181,7 @@ TEST_F(WaiterTest, StoppingDaemonAnswersWaitersUnavailableAndExitsZero) {
     waiters.push_back(
         std::make_unique<PendingAcquire>(session, absl::StrCat("stop/", i), i % 2 ? -1 : 60000));
   }
-  LetCallsArrive();
+  ASSERT_NO_FATAL_FAILURE(AwaitWaitingAcquires(20));
   daemon_->process().Kill(SIGTERM);
   for (auto& waiter : waiters) {
     grpc::Status status = waiter->Wait();

@@ -5,12 +5,16 @@
 #     path's in two configurations: "clients die" (2 clients with 2 lease slots each, 2
 #     replacements, a client may die at any point) and "daemon restarts" (the same with 1 lease
 #     slot each, and the daemon may also crash at any point and restart once);
-#   - each deliberately broken variant (-DBROKEN_...) must be caught (>= 1 error); its shortest
+#   - each deliberately broken variant (-DBROKEN_...) must be caught violating the property it
+#     is named with (P1, P2, ...: the tag in the comment on the violated assertion's line, or
+#     "end-state" for a run that ends with a process blocked); another error (a deadlock where
+#     an assertion was expected, another property's assertion) fails the check. Its shortest
 #     counterexample is replayed and summarised;
 #   - each witness (-DWITNESS=n) must be reached, showing that the situations the properties are
 #     about (a retire, a failed re-check, a validation on a crashed daemon's index, ...) occur.
 # Exits non-zero if spin or gcc is missing, if the correct model has an error or is not explored
-# completely, if a broken variant is not caught, or if a witness is not reached. Works in a
+# completely, if a broken variant is not caught violating its property, or if a witness is not
+# reached. Works in a
 # temporary directory; runs two searches at a time (about 15 s on 2 cores).
 #
 #   tests/model/check.sh                          # what ctest runs (fast_path_model)
@@ -123,10 +127,28 @@ expect_pass() {
   echo "$me: ok: $what [spin $*]: 0 errors, ${s:-?} states stored (exhaustive), ${t:-0} s"
 }
 
-# expect_caught NAME DESCRIPTION DEFINES...: >= 1 error; the shortest trail summarised.
+# violated DIR: the property the trail in DIR violates: the P<n> tag on the violated
+# assertion's source line, "end-state" (pan's "invalid end state": a process blocked where it
+# may not end), or "other: <pan's error line>".
+violated() {
+  local dir=$1 line tag
+  line=$(sed -n 's/^spin: model.pml:\([0-9]*\), Error: assertion violated.*/\1/p' \
+           "$dir/replay.log" | head -n 1)
+  if [ -n "$line" ]; then
+    tag=$(sed -n "${line}p" "$dir/model.pml" | grep -o '/\* *P[0-9][0-9]*' | grep -o 'P[0-9]*')
+    echo "${tag:-other: untagged assertion at line $line}"
+  elif grep -q '^pan:1: invalid end state' "$dir/pan.log"; then
+    echo end-state
+  else
+    echo "other: $(grep -m1 '^pan:1:' "$dir/pan.log")"
+  fi
+}
+
+# expect_caught NAME DESCRIPTION PROPERTY DEFINES...: >= 1 error, and the shortest counterexample
+# violates PROPERTY (see violated); the shortest trail summarised.
 expect_caught() {
-  local name=$1 what=$2
-  shift 2
+  local name=$1 what=$2 property=$3
+  shift 3
   build "$name" shortest "$@" || return
   local dir="$work/$name"
   (cd "$dir" && ./pan >pan.log 2>&1)
@@ -138,7 +160,17 @@ expect_caught() {
     sed 's/^/    /' "$dir/pan.log"
     return
   fi
-  echo "$me: ok: $what [spin $*]: caught, $e error after ${s:-?} states; shortest trail:"
+  (cd "$dir" && spin -t "$@" model.pml >replay.log 2>&1)
+  local found
+  found=$(violated "$dir")
+  if [ "$found" != "$property" ]; then
+    fail "$name ($what) [spin $*]: caught, but violating $found, not $property; shortest trail:"
+    replay "$dir" "$@"
+    sed 's/^/    /' "$dir/pan.log"
+    return
+  fi
+  echo "$me: ok: $what [spin $*]: caught violating $property, $e error after ${s:-?} states;" \
+       "shortest trail:"
   replay "$dir" "$@"
 }
 
@@ -181,11 +213,11 @@ check clients_die pass "correct model, clients die (2 slots each, 2 replacements
   "${crash_clients[@]}"
 check daemon_restarts pass "correct model, clients die, the daemon restarts (1 slot each)" \
   "${crash_daemon[@]}"
-check no_recheck caught "broken: no re-check of the sequence after the hazard store" \
+check no_recheck caught "broken: no re-check of the sequence after the hazard store" P1 \
   "${crash_clients[@]}" -DBROKEN_NO_RECHECK
-check scan_before_unlink caught "broken: the daemon scans the pages before it unlinks" \
+check scan_before_unlink caught "broken: the daemon scans the pages before it unlinks" P1 \
   "${crash_clients[@]}" -DBROKEN_SCAN_BEFORE_UNLINK
-check no_grace caught "broken: a restarted daemon frees unbound tensors at once" \
+check no_grace caught "broken: a restarted daemon frees unbound tensors at once" P1 \
   "${crash_daemon[@]}" -DBROKEN_NO_GRACE
 check w1 reached "W1 a validated slot makes the daemon retire a tensor" \
   "${crash_clients[@]}" -DWITNESS=1
@@ -207,14 +239,14 @@ check w10 reached "W10 a replaced tensor is kept as recovered in the grace perio
 model=$wake_model check wake pass "correct wake-up model, 2 waiters, early wake-up, a refused publish"
 model=$wake_model check wake_producer pass "correct wake-up model, the producer wakes as well" \
   -DPRODUCER_WAKE
-model=$wake_model check wake_trust caught "broken: a consumer woken early takes the tensor unlooked" \
-  -DBROKEN_TRUST_WAKE
-model=$wake_model check wake_no_bump_wake caught "broken: the daemon bumps without waking" \
+model=$wake_model check wake_trust caught \
+  "broken: a consumer woken early takes the tensor unlooked" P1 -DBROKEN_TRUST_WAKE
+model=$wake_model check wake_no_bump_wake caught "broken: the daemon bumps without waking" P2 \
   -DBROKEN_NO_BUMP_WAKE
-model=$wake_model check wake_bump_first caught "broken: the daemon bumps before it commits" \
+model=$wake_model check wake_bump_first caught "broken: the daemon bumps before it commits" P2 \
   -DBROKEN_BUMP_BEFORE_COMMIT
-model=$wake_model check wake_seen_late caught "broken: the consumer loads the word after its lookup" \
-  -DBROKEN_SEEN_AFTER_LOOKUP
+model=$wake_model check wake_seen_late caught \
+  "broken: the consumer loads the word after its lookup" P2 -DBROKEN_SEEN_AFTER_LOOKUP
 model=$wake_model check wake_w1 reached "wake W1 a consumer is woken before the commit" -DWITNESS=1
 model=$wake_model check wake_w2 reached "wake W2 its looks run out and it sleeps again" -DWITNESS=2
 model=$wake_model check wake_w3 reached "wake W3 it sees the bump while it looks" -DWITNESS=3

@@ -187,7 +187,7 @@ end_sleep:
   od;
   /* P1: the tensor is taken only once committed. */
   printf("MSC: consumer %d takes the tensor\n", c);
-  assert(committed);
+  assert(committed);  /* P1 */
   took[c] = true
 }
 
@@ -196,7 +196,7 @@ proctype Monitor() {
 end:
   atomic {
     producer_done && daemon_done && (asleep[0] || asleep[1]) ->
-    assert(!committed)
+    assert(!committed)  /* P2 */
   }
 }
 

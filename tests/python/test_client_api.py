@@ -90,6 +90,27 @@ def test_tensors_stay_valid_after_close_and_the_session_ends_with_them(daemon, o
     assert leases(observer) == baseline
 
 
+# The futex syscall's number, for reading /proc/self/task/*/syscall.
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
+FUTEX_WAIT = 0
+
+
+def waiting_gets(client) -> int:
+    """Gets of this process that wait now: threads asleep in the fast path's futex (FUTEX_WAIT
+    on a shared word; the client's mutexes wait on private words), plus the acquires the daemon
+    lists as waiting (a get the fast path cannot answer waits there)."""
+    sleeping = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/syscall") as f:
+                fields = f.read().split()
+        except OSError:
+            continue  # the thread ended
+        if len(fields) >= 3 and fields[0] == str(SYS_FUTEX) and int(fields[2], 16) == FUTEX_WAIT:
+            sleeping += 1
+    return sleeping + sum(s["waiting_acquires"] for s in client.sessions())
+
+
 def test_close_wakes_a_get_waiting_in_another_thread(client):
     caught: list[BaseException] = []
     started = threading.Event()
@@ -104,7 +125,8 @@ def test_close_wakes_a_get_waiting_in_another_thread(client):
     thread = threading.Thread(target=wait)
     thread.start()
     started.wait()
-    time.sleep(0.2)  # let it wait; the assertions do not depend on it
+    # close must wake a sleeping get: it is seen waiting first.
+    assert wait_for(lambda: waiting_gets(client) == 1, timeout=30), waiting_gets(client)
     client.close()
     thread.join(PROMPT)
     assert not thread.is_alive()
@@ -291,6 +313,45 @@ def test_get_many_timeout_bounds_the_whole_call_and_leaves_no_lease(client):
         client.get_many(["many/a", "many/a", "many/none"])
     assert "'many/none'" in str(info.value)
     assert own_leases(client) == baseline
+
+
+# Publishes argv[2] and argv[3] after argv[4] and argv[5] seconds, counted from a "go" line.
+PUBLISH_ON_SCHEDULE = """
+import sys, time, numpy as np, tensorshm
+client = tensorshm.connect(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.monotonic()
+for name, at in ((sys.argv[2], float(sys.argv[4])), (sys.argv[3], float(sys.argv[5]))):
+    time.sleep(max(0.0, start + at - time.monotonic()))
+    client.put(name, np.zeros(1), replace=True).release()
+"""
+
+
+def test_get_many_timeout_is_one_deadline_not_one_per_name(client, daemon):
+    # The first late name comes at 0.5 timeout, the second at 1.25: within one timeout of the
+    # first (a per-name timeout would get it), after the call's one deadline.
+    timeout = 2.0
+    for name in ("many/t1", "many/t2"):
+        if name in client:
+            client.delete(name)
+    client.put("many/a", np.zeros(1), replace=True)
+    baseline = own_leases(client)
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", PUBLISH_ON_SCHEDULE, daemon.socket, "many/t1", "many/t2",
+         str(0.5 * timeout), str(1.25 * timeout)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert publisher.stdout.readline().strip() == "ready"
+        publisher.stdin.write("go\n")
+        publisher.stdin.flush()
+        with pytest.raises(tensorshm.TimeoutError) as info:
+            client.get_many(["many/a", "many/t1", "many/t2"], timeout=timeout)
+        assert "'many/t2'" in str(info.value) and "#2 of 3" in str(info.value), info.value
+        assert own_leases(client) == baseline
+    finally:
+        publisher.stdin.close()
+        assert publisher.wait(60) == 0
 
 
 # ---- asyncio ----

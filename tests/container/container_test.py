@@ -2,8 +2,9 @@
 """`make test-container`: builds the Dockerfile for real in bookworm chroots (dockerfile_chroot)
 and runs the image's daemon the way an engine would, then the Kubernetes manifests' containers.
 
-Run by scripts/test-container.sh as root in a private mount namespace. Prints each step; exits 0
-only if every check passed (checks whose interface is not merged yet say SKIP with the reason).
+Run by tests/container/test-container.sh as root in a private mount namespace. Prints each step;
+exits 0 only if every check passed (checks whose interface is not merged yet say SKIP with the
+reason).
 """
 
 import argparse

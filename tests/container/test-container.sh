@@ -2,13 +2,13 @@
 # `make test-container`: builds the Dockerfile's stages for real in debootstrapped bookworm
 # chroots (no Docker engine needed) and runs the resulting image's daemon, HEALTHCHECK and a
 # client, then the Kubernetes manifests' containers, in the image's root. See
-# scripts/container_test.py. Needs root and the network (Debian mirror, PyPI).
+# tests/container/container_test.py. Needs root and the network (Debian mirror, PyPI).
 #
 # The debootstrap tarball and the package layers are cached under $TSM_CONTAINER_CACHE
 # (default /var/cache/tensorshm-test-container): a rerun skips them. Safe to rerun; everything
 # it mounts lives in a private mount namespace, unmounted on exit whatever happens.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ "$(id -u)" -ne 0 ]; then
   echo "test-container: needs root (debootstrap, chroot, mounts)" >&2
   exit 1
@@ -26,4 +26,4 @@ cache=${TSM_CONTAINER_CACHE:-/var/cache/tensorshm-test-container}
 # A private mount namespace: nothing mounted here is seen outside, and it all goes when the
 # namespace's last process exits, even if the script is killed.
 exec unshare --mount --propagation private \
-  "$python" scripts/container_test.py --cache "$cache" "$@"
+  "$python" tests/container/container_test.py --cache "$cache" "$@"

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Builds a Dockerfile's stages for real in debootstrapped Debian chroots, without a Docker engine.
 
-Used by scripts/test-container.sh (`make test-container`), which runs it as root in a private
-mount namespace. Each stage starts from a fresh copy of a minbase debootstrap of bookworm (what
-the official debian:bookworm and debian:bookworm-slim images are made from); its RUN steps run in
-the chroot with the stage's ENV, ARG, WORKDIR and USER; COPY takes files from the build context
-(less .dockerignore) or, with --from, from an earlier stage's root. The image configuration
+Used by tests/container/test-container.sh (`make test-container`), which runs it as root in a
+private mount namespace. Each stage starts from a fresh copy of a minbase debootstrap of bookworm
+(what the official debian:bookworm and debian:bookworm-slim images are made from); its RUN steps
+run in the chroot with the stage's ENV, ARG, WORKDIR and USER; COPY takes files from the build
+context (less .dockerignore) or, with --from, from an earlier stage's root. The image configuration
 (ENTRYPOINT, CMD, HEALTHCHECK, ...) is collected for the caller to run.
 
 Layer cache: the root of a stage after its steps up to the first COPY (the package installs) is
