@@ -14,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "arrow/abi.h"
 #include "arrow/metadata.h"
+#include "client/interop.h"
 #include "dlpack_export.h"
 #include "raise_status.h"
 
