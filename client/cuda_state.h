@@ -12,8 +12,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "client/segment_map.h"
-#include "common/cuda/cuda_driver.h"
 #include "common/base/mutex.h"
+#include "common/cuda/cuda_driver.h"
 
 namespace tensorshm {
 

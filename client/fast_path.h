@@ -16,9 +16,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/memory_channel.h"
+#include "common/base/mutex.h"
 #include "common/shm/catalog_layout.h"
 #include "common/shm/fast_path_layout.h"
-#include "common/base/mutex.h"
 #include "common/shm/tensor_record.h"
 
 namespace tensorshm {

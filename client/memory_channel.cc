@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/daemon_connection.h"
 #include "client/fork.h"
-#include "common/shm/channel_frame.h"
 #include "common/base/sys_error.h"
+#include "common/shm/channel_frame.h"
 
 namespace tensorshm {
 namespace {

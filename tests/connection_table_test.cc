@@ -1,4 +1,5 @@
-// The connection accounting behind admission at accept (server/rpc/connection_table.h) and its flag,
+// The connection accounting behind admission at accept (server/rpc/connection_table.h) and its
+// flag,
 // --uid-connections: limits, stale entries of connections closed elsewhere, reused descriptor
 // numbers, the daemon-wide limit and the owner's reserve, and the rate-limited refusal log.
 #include "server/rpc/connection_table.h"

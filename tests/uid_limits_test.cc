@@ -1,5 +1,5 @@
-// UidLimits (server/ops/uid_limits.h): the per-uid counts, their limits and messages, and that every
-// charge gives back what it took.
+// UidLimits (server/ops/uid_limits.h): the per-uid counts, their limits and messages, and that
+// every charge gives back what it took.
 #include "server/ops/uid_limits.h"
 
 #include <optional>

@@ -1,5 +1,6 @@
 // libFuzzer target over the memory channel's framing (common/shm/channel_frame.h) and the daemon's
-// frame loop (server/rpc/memory_channel.cc): an arbitrary byte stream, cut at arbitrary points, goes
+// frame loop (server/rpc/memory_channel.cc): an arbitrary byte stream, cut at arbitrary points,
+// goes
 //   1. through FrameReader, chunk by chunk,
 //   2. through ReceiveFrame, written chunk by chunk into a socket pair (some chunks carrying
 //      descriptors), and
@@ -29,8 +30,8 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "common/shm/channel_frame.h"
 #include "common/base/check.h"
+#include "common/shm/channel_frame.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/ops/log.h"
 #include "server/rpc/memory_channel.h"

@@ -16,8 +16,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "common/shm/catalog_layout.h"
 #include "common/base/prefix_lock.h"
+#include "common/shm/catalog_layout.h"
 #include "tools/ctl/report.h"
 
 namespace tensorshm::ctl {
