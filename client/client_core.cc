@@ -275,21 +275,29 @@ bool ClientCore::SessionEnded(uint64_t generation, bool look) const {
   return look && connection()->Broken();
 }
 
-bool ClientCore::WaitForSession(uint64_t generation, absl::Time deadline,
-                                const CancelState* cancel) {
+ClientCore::SessionWait ClientCore::WaitForSession(uint64_t generation, absl::Time deadline,
+                                                   const CancelState* cancel,
+                                                   absl::Duration serving_proof) {
   MutexLock lock(&mu_);
+  const absl::Time began = absl::Now();
+  uint64_t probe = 0;  // the first batch sent serving_proof after `began`: its ack is the proof
   while (generation_ == generation) {
     const absl::Time now = absl::Now();
     if (now >= deadline || (cancel != nullptr && cancel->cancelled()) || client_closed_) {
-      return false;
+      return SessionWait::kGaveUp;
     }
+    if (probe != 0 && connected_ && acked_sequence_ >= probe &&
+        (fast_ == nullptr || fast_->DaemonServing())) {
+      return SessionWait::kServing;
+    }
+    if (probe == 0 && connected_ && now - began >= serving_proof) probe = next_sequence_;
     // A live stream is probed with an empty batch (the daemon may be stopping without having
     // hung up yet); a broken one is reconnected now rather than after the backoff.
     if (connected_) flush_requested_ = true;
     work_.Signal();
     session_opened_.WaitWithTimeout(&mu_, std::min(kSessionPoll, deadline - now));
   }
-  return true;
+  return SessionWait::kNewSession;
 }
 
 absl::Status ClientCore::NoSession(std::string_view what) const {

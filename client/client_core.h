@@ -36,6 +36,10 @@ namespace tensorshm {
 
 // Deadline of unary calls that do not wait for anything.
 inline constexpr absl::Duration kCallTimeout = absl::Seconds(60);
+// How long after a call failed UNAVAILABLE its session must still be answering for the failure
+// to be taken as the call's own rather than the daemon stopping: a stopping daemon cancels the
+// session streams within 2 s (server/main.cc) and tells the fast path at once.
+inline constexpr absl::Duration kServingProof = absl::Seconds(3);
 
 // Everything a Client and its tensors share: the channel, the session stream, the release queue,
 // the fast path, the stock and the segment mappings. Lives as long as the Client or any tensor from
@@ -258,10 +262,19 @@ class ClientCore {
   // True once session `generation` is known to have ended: a newer one opened, the sender saw
   // its stream break, or the daemon hung up its connection (`look`: poll the connection too).
   bool SessionEnded(uint64_t generation, bool look) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Waits until a session newer than `generation` is open (true), or until `deadline` or
-  // `cancel` (false). Meanwhile the sender is asked to look at the stream and to try
-  // reconnecting at least every kSessionPoll, instead of backing off.
-  bool WaitForSession(uint64_t generation, absl::Time deadline, const CancelState* cancel)
+  // How a wait for the session after `generation` ended (WaitForSession).
+  enum class SessionWait {
+    kNewSession,  // a newer session opened
+    kServing,     // session `generation` itself is still served (see WaitForSession)
+    kGaveUp,      // `deadline` passed or `cancel` was cancelled
+  };
+  // Waits until a session newer than `generation` is open, or until `deadline` or `cancel`.
+  // Meanwhile the sender is asked to look at the stream and to try reconnecting at least every
+  // kSessionPoll, instead of backing off. With `serving_proof` finite, also ends (kServing) once
+  // session `generation` answered a probe sent `serving_proof` after the wait began, with the
+  // fast path (if any) saying the daemon serves: the call's failure was not the session ending.
+  SessionWait WaitForSession(uint64_t generation, absl::Time deadline, const CancelState* cancel,
+                             absl::Duration serving_proof = absl::InfiniteDuration())
       ABSL_LOCKS_EXCLUDED(mu_);
   // UNAVAILABLE for a call of `what` that found no session by its deadline.
   absl::Status NoSession(std::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -360,7 +373,9 @@ auto ClientCore::CallAcrossRestart(std::string_view what, absl::Time deadline, b
     const uint64_t generation = session_generation();
     // Not sent on a session known to have ended: what is sent there has an unknown fate.
     if (!repeatable && !forked() && SessionEnded(generation, /*look=*/true)) {
-      if (!WaitForSession(generation, deadline, cancel)) return NoSession(what);
+      if (WaitForSession(generation, deadline, cancel) != SessionWait::kNewSession) {
+        return NoSession(what);
+      }
       continue;
     }
     auto result = attempt();
@@ -386,7 +401,11 @@ auto ClientCore::CallAcrossRestart(std::string_view what, absl::Time deadline, b
           "twice is not harmless: check before retrying (",
           status.message(), ")"));
     }
-    if (!WaitForSession(generation, deadline, cancel)) return result;
+    // A daemon that serves the session all along refused this one call (its memory channel
+    // connection, say, past --uid-connections): the failure is answered, not waited out.
+    if (WaitForSession(generation, deadline, cancel, kServingProof) != SessionWait::kNewSession) {
+      return result;
+    }
   }
 }
 

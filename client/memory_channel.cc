@@ -27,6 +27,18 @@ constexpr int kIoTimeoutSeconds = 30;
 // The payload that marks a failure after the request was sent (SentWithoutAnswer).
 constexpr char kSentWithoutAnswer[] = "tensorshm.dev/memory-channel/sent-without-answer";
 
+// UNAVAILABLE for a new connection that the daemon closed before it was bound (`cause`: the
+// failed send or receive). A daemon that serves closes a connection unanswered when it refuses
+// it at accept.
+absl::Status ClosedBeforeBound(const std::string& where, const absl::Status& cause) {
+  return absl::UnavailableError(absl::StrCat(
+      "memory channel: tensorshmd at ", where,
+      " closed the connection before answering its bind (it is stopping, or it refused the "
+      "connection at accept: its log says why, e.g. past --uid-connections or the daemon's "
+      "connection limit): ",
+      cause.message()));
+}
+
 }  // namespace
 
 MemoryChannel::~MemoryChannel() {
@@ -60,14 +72,15 @@ absl::Status MemoryChannel::Open(const std::string& session_token) {
                                   /*nonblocking=*/false, where);
       !s.ok()) {
     CloseConnection();
-    return absl::UnavailableError(s.message());
+    return ClosedBeforeBound(where, s);
   }
   v1::ChannelRequest bind;
   bind.mutable_bind()->set_session_id(session_token);
   int unexpected = -1;
   absl::StatusOr<v1::ChannelResponse> response = Call(bind, &unexpected);
   if (unexpected >= 0) close(unexpected);
-  if (!response.ok()) return response.status();
+  // The request the caller wants sent was not: only the bind was, which is harmless.
+  if (!response.ok()) return ClosedBeforeBound(where, response.status());
   if (response->code() != 0 || !response->has_bound()) {
     CloseConnection();
     return absl::Status(
@@ -193,7 +206,7 @@ absl::StatusOr<int> MemoryChannel::RequestSegment(const std::string& session_tok
   absl::StatusOr<v1::ChannelResponse> response = Exchange(session_token, request, &fd);
   if (!response.ok()) {
     return absl::Status(response.status().code(),
-                        absl::StrCat("memory channel: ", response.status().message()));
+                        absl::StrCat("segment ", segment_id, ": ", response.status().message()));
   }
   if (fd < 0 || !response->has_segment() || response->segment().segment_id() != segment_id ||
       response->segment().segment_instance() != segment_instance ||

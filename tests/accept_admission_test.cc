@@ -233,6 +233,41 @@ TEST(AcceptAdmissionTest, AnAdmittedUidPastUidConnectionsIsRefusedAndItsSessions
   EXPECT_EQ(Closed(own).first, 0) << own;
 }
 
+// A session whose gRPC connection fits under --uid-connections but whose memory channel does not:
+// the daemon serves the session all along, so the calls that need the channel (a create maps
+// its segment through it) fail with an error that says why, at once, rather than waiting out
+// the call's deadline (kCallTimeout, 60 s) for a restart that is not coming.
+TEST(AcceptAdmissionTest, ASessionWhoseMemoryChannelIsRefusedIsToldSoPromptly) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run the clients as uid 65534";
+  absl::StatusOr<TestDaemon> daemon = StartShared("accept-channel-cap", {"--uid-connections", "3"});
+  ASSERT_OK(daemon);
+  // Two connections of the uid held open: its next (the client's gRPC) is the last that fits.
+  ChildProcess holder = StartFlood(
+      *daemon, 2,
+      {"--as-uid", std::to_string(kNobody), "--preface", "--wait-closed", "1", "--hold"});
+  ASSERT_TRUE(holder.WaitForOutput("holding\n", absl::Seconds(30))) << holder.Output();
+  ASSERT_TRUE(absl::StrContains(holder.Output(), "closed 0 of 2")) << holder.Output();
+
+  const absl::Time start = absl::Now();
+  const std::string output =
+      RunFlood(*daemon, 0, {"--as-uid", std::to_string(kNobody), "--client"});
+  const absl::Duration took = absl::Now() - start;
+  std::cout << output << "took " << took << "\n";
+  EXPECT_TRUE(absl::StrContains(output, "error put: UNAVAILABLE")) << output;
+  EXPECT_TRUE(absl::StrContains(output, "closed the connection before answering its bind"))
+      << output;
+  EXPECT_TRUE(absl::StrContains(output, "--uid-connections")) << output;
+  EXPECT_LT(took, absl::Seconds(30));  // half the call deadline
+  EXPECT_TRUE(absl::StrContains(daemon->process().Output(),
+                                "uid 65534 has 3 connections open, limit 3 (--uid-connections)"))
+      << daemon->process().Output();
+  // The daemon serves its own uid meanwhile.
+  absl::StatusOr<std::shared_ptr<Client>> owner =
+      Client::Connect(ClientOptions{daemon->socket(), "accept-channel-owner"});
+  ASSERT_OK(owner);
+  EXPECT_TRUE(PutAndGet(**owner, "owner").ok());
+}
+
 // A tensorshmd started under `prlimit --nofile=N:N` (this process cannot lower its own limit and
 // raise it back: no CAP_SYS_RESOURCE here), in a directory of its own; stopped and cleaned up
 // when it goes.

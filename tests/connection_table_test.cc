@@ -88,6 +88,28 @@ TEST(ConnectionTableTest, AReusedDescriptorNumberIsANewConnection) {
   close(file);
 }
 
+// What the listener does with a number accept() returns: the connection recorded under it has
+// closed, and must not count against its uid, even where the uid was looked at a moment ago.
+TEST(ConnectionTableTest, ANumberAcceptReturnsIsNotCountedBeforeTheCheck) {
+  ConnectionTable table({kOwner, /*per_uid=*/2, 0, 0});
+  const absl::Time now = absl::Now();
+  std::vector<int> fds = {Socket(), Socket()};
+  for (int fd : fds) ASSERT_TRUE(table.Add(fd, kOther, true).ok());
+  ASSERT_EQ(table.Check(kOther, true, now), ConnectionRefusal::kUidLimit);  // a look at `now`
+  close(fds[0]);
+  const int accepted = Socket();  // the lowest free number: fds[0] again
+  ASSERT_EQ(accepted, fds[0]);
+  // Within the interval the uid's entries are not looked at again: the stale one still counts.
+  EXPECT_EQ(table.Check(kOther, true, now), ConnectionRefusal::kUidLimit);
+  table.Remove(accepted);
+  EXPECT_EQ(table.count(kOther), 1u);
+  EXPECT_EQ(table.Check(kOther, true, now), ConnectionRefusal::kNone);
+  ASSERT_TRUE(table.Add(accepted, kOther, true).ok());
+  EXPECT_EQ(table.count(kOther), 2u);
+  close(accepted);
+  close(fds[1]);
+}
+
 TEST(ConnectionTableTest, TheLastOfTheDaemonLimitIsTheOwnersAlone) {
   ConnectionTable table({kOwner, 0, /*total=*/4, /*owner_reserve=*/2});
   const absl::Time now = absl::Now();

@@ -65,7 +65,9 @@ class ConnectionTable {
   // closed (the number was reused) and is forgotten. An error naming the fd if fstat fails (the
   // caller then closes it).
   absl::Status Add(int fd, uid_t uid, bool admitted);
-  // Forgets `fd`, which the caller closes now.
+  // Forgets what is recorded under `fd`: the caller closes it now, or accept() just returned
+  // that number (so what was recorded under it has closed; the listener forgets it before Check,
+  // which would otherwise count it until the uid's next look).
   void Remove(int fd);
   // Drops every entry whose descriptor is closed or another file now.
   void Sweep(absl::Time now);

@@ -15,8 +15,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "common/shm/channel_frame.h"
 #include "common/base/sys_error.h"
+#include "common/shm/channel_frame.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
@@ -218,6 +218,8 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
             close(conn);
             continue;
           }
+          // The number is free again, so whatever held it before has closed: not counted.
+          connections.Remove(conn);
           // Admission before resources: past its few connections that are held only to be
           // told why, a stranger's connection is closed before it is read, sorted or handed to
           // anyone; so is one past its uid's or the daemon's limit.
