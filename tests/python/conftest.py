@@ -80,7 +80,7 @@ def client(daemon):
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """The emulated CUDA driver (tests/fake_cuda) names its device memory and events
+    """The emulated CUDA driver (tests/support/fake_cuda) names its device memory and events
     /dev/shm/tsmfakecu.<pid>.*; a process that exits holding one (a producer child whose event
     outlives it, as a real driver's would not) leaves the file behind. Remove those of this
     process and of processes that are gone."""

@@ -1,4 +1,4 @@
-"""The emulated CUDA driver (tests/fake_cuda) from Python: its counters, and host<->device
+"""The emulated CUDA driver (tests/support/fake_cuda) from Python: its counters, and host<->device
 copies through its driver calls. Importing this changes nothing; tests set the environment."""
 
 from __future__ import annotations

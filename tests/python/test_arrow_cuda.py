@@ -1,8 +1,8 @@
 """CUDA tensors through the Arrow C Device Data Interface, against the emulated driver
-(tests/fake_cuda): __arrow_c_device_array__ says ARROW_DEVICE_CUDA, this process's device id and
-the ready event as sync_event (opened once per lease, from another process's IPC handle or the
-event this process recorded); __arrow_c_array__ refuses device memory; put() copies a CUDA Arrow
-array device to device after its sync_event."""
+(tests/support/fake_cuda): __arrow_c_device_array__ says ARROW_DEVICE_CUDA, this process's
+device id and the ready event as sync_event (opened once per lease, from another process's IPC
+handle or the event this process recorded); __arrow_c_array__ refuses device memory; put() copies a
+CUDA Arrow array device to device after its sync_event."""
 
 from __future__ import annotations
 

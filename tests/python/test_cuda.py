@@ -1,6 +1,6 @@
-"""CUDA tensors from Python against the emulated driver (tests/fake_cuda): create on a device,
-put a CUDA tensor, get it zero-copy as kDLCUDA in another process, the DLPack stream rules, and
-host copies. Device memory is filled and read back only through driver calls."""
+"""CUDA tensors from Python against the emulated driver (tests/support/fake_cuda): create on a
+device, put a CUDA tensor, get it zero-copy as kDLCUDA in another process, the DLPack stream rules,
+and host copies. Device memory is filled and read back only through driver calls."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A pre-1.0 DLPack consumer (no max_version, as JAX calls it) and a published CUDA tensor:
 refused with what to do, since the only copy tensorshm makes is on the host, not on the device
 __dlpack_device__ names; dl_device=(1, 0) asks for that host copy explicitly. Runs against the
-emulated driver (tests/fake_cuda) in a child process, so this process's driver stays untouched."""
+emulated driver (tests/support/fake_cuda) in a child process, so this process's driver stays
+untouched."""
 
 from __future__ import annotations
 
