@@ -81,15 +81,16 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
                                                    const v1::CreateRequest* request,
                                                    v1::CreateResponse* response) {
   if (request->wait_ms() != 0) return CreateWaiting(context, request, response);
-  return Unary(
-      context, {.op = MetricOp::kCreate, .request_id = request->request_id()},
-      [&](const PeerCredentials& peer, bool* answered_later) {
-        // A create whose pool must grow first is answered by GrowPools.
-        return store_.Create(
-            peer, SessionToken(*context), *request, response,
-            [&]() -> PendingCall* { return new LaterAnswer(this, context->DefaultReactor()); },
-            answered_later);
-      });
+  // Once only: each DefaultReactor() call makes the reactor anew.
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const UnaryFrame frame{
+      .op = MetricOp::kCreate, .reactor = reactor, .request_id = request->request_id()};
+  return Unary(context, frame, [&](const PeerCredentials& peer, bool* answered_later) {
+    // A create whose pool must grow first is answered by GrowPools.
+    return store_.Create(
+        peer, SessionToken(*context), *request, response,
+        [&]() -> PendingCall* { return new LaterAnswer(this, reactor); }, answered_later);
+  });
 }
 
 grpc::ServerUnaryReactor* TensorShmService::Publish(grpc::CallbackServerContext* context,
