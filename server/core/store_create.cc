@@ -1,5 +1,5 @@
-// Create: the gRPC handler (a create that may wait for memory goes to CreateWaiting,
-// service_create_waiters.cc), CreateFor (every transport's create) and its stock.
+// Create: a create that does not wait for memory (one that may wait goes to CreateWaiting,
+// store_create_waiters.cc), CreateFor (every transport's create) and its stock.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 #include "common/tensor/wire.h"
-#include "server/rpc/service.h"
+#include "server/core/store.h"
 
 namespace tensorshm {
 namespace {
@@ -19,8 +19,7 @@ constexpr uint64_t kMaxStockedBytes = 4 << 20;
 
 }  // namespace
 
-absl::StatusOr<int> TensorShmService::CudaOrdinalOf(const DLDevice& device,
-                                                    const std::string& uuid) const {
+absl::StatusOr<int> Store::CudaOrdinalOf(const DLDevice& device, const std::string& uuid) const {
   if (device.device_type != kDLCUDA || uuid.size() != 16) {
     return absl::InvalidArgumentError(absl::StrCat("device_uuid: ", uuid.size(),
                                                    " bytes for device ", DeviceName(device),
@@ -38,37 +37,33 @@ absl::StatusOr<int> TensorShmService::CudaOrdinalOf(const DLDevice& device,
       pools.empty() ? "no CUDA pools" : "CUDA pools on " + pools, "; see --cuda-pool)"));
 }
 
-grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* context,
-                                                   const v1::CreateRequest* request,
-                                                   v1::CreateResponse* response) {
-  if (request->wait_ms() != 0) return CreateWaiting(context, request, response);
-  return Unary(context, {.op = MetricOp::kCreate, .request_id = request->request_id()},
-               [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-                 if (call.session->TakeSettled(request->request_id())) {
-                   return absl::CancelledError(
-                       "create: settled (cancelled) by the client before it arrived");
-                 }
-                 SegmentGrowth growth;
-                 absl::Status created = CreateFor(*call.session, *request, response, &growth);
-                 if (!growth.needed() && !growth.busy()) {
-                   if (!created.ok()) return created;
-                   return KeepCreated(call.session->token, absl::OkStatus(), request->request_id(),
-                                      *response);
-                 }
-                 // A pool must grow first: not on this thread, one of gRPC's few.
-                 if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
-                 pending_creates_.push_back(
-                     PendingCreate{call.reactor, call.session->token, request, response});
-                 creates_pending_.Signal();
-                 call.answered_later = true;
-                 return absl::OkStatus();
-               });
+absl::Status Store::Create(const PeerCredentials& peer, const std::optional<std::string>& token,
+                           const v1::CreateRequest& request, v1::CreateResponse* response,
+                           absl::FunctionRef<PendingCall*()> later, bool* answered_later) {
+  Lock lock(this);
+  absl::StatusOr<tensorshm::Session*> caller = CallerSession(token, peer);
+  if (!caller.ok()) return caller.status();
+  tensorshm::Session& session = **caller;
+  if (session.TakeSettled(request.request_id())) {
+    return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
+  }
+  SegmentGrowth growth;
+  absl::Status created = CreateFor(session, request, response, &growth);
+  if (!growth.needed() && !growth.busy()) {
+    if (!created.ok()) return created;
+    return KeepCreated(session.token, absl::OkStatus(), request.request_id(), *response);
+  }
+  // A pool must grow first: not on this thread, one of the transport's few.
+  if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
+  pending_creates_.push_back(PendingCreate{later(), session.token, &request, response});
+  creates_pending_.Signal();
+  *answered_later = true;
+  return absl::OkStatus();
 }
 
-absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
-                                         const v1::CreateRequest& request,
-                                         v1::CreateResponse* response, SegmentGrowth* growth,
-                                         bool waited, bool* pool_full) {
+absl::Status Store::CreateFor(tensorshm::Session& session, const v1::CreateRequest& request,
+                              v1::CreateResponse* response, SegmentGrowth* growth, bool waited,
+                              bool* pool_full) {
   absl::StatusOr<DLDataType> dtype = FromWire(request.dtype());
   if (!dtype.ok()) return dtype.status();
   DLDevice device = request.has_device() ? FromWire(request.device()) : DLDevice{kDLCPU, 0};
@@ -145,8 +140,8 @@ absl::Status TensorShmService::CreateFor(tensorshm::Session& session,
   return absl::OkStatus();
 }
 
-void TensorShmService::Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
-                             google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked) {
+void Store::Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
+                  google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked) {
   // Stock is memory nobody uses yet: it never takes the last eighth of the pool, and a session
   // or uid with a quota gets none (its quota is for what it creates).
   const HostPool& pool = catalog_->host_pool();

@@ -1,6 +1,6 @@
 // Creates that wait for memory (CreateRequest.wait_ms): when the pool cannot hold the buffer,
-// the create is a reactor on a first-come-first-served queue, tried again whenever memory may
-// have come free (UnlockAndFinish sees the catalog's release epoch move), and finished by
+// the create (a CreateWait) waits on a first-come-first-served queue, tried again whenever
+// memory may have come free (UnlockAndFinish sees the catalog's release epoch move), and ended by
 // success, its deadline (ExpireWaiters), its cancellation, its session's end or BeginShutdown.
 // No thread waits with it.
 #include <algorithm>
@@ -10,75 +10,23 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/check.h"
-#include "common/tensor/grpc_status.h"
 #include "common/tensor/layout.h"
 #include "common/tensor/wire.h"
+#include "server/core/store.h"
 #include "server/ops/log.h"
-#include "server/rpc/service.h"
 
 namespace tensorshm {
 
-class TensorShmService::CreateWaiter final : public grpc::ServerUnaryReactor {
- public:
-  CreateWaiter(TensorShmService* service, grpc::CallbackServerContext* context,
-               const v1::CreateRequest* request, v1::CreateResponse* response)
-      : service(service),
-        context(context),
-        request(request),
-        response(response),
-        wait_ms(request->wait_ms()),
-        request_id(request->request_id()),
-        started(absl::Now()) {}
-
-  void OnCancel() override { service->CancelCreate(this); }
-  void OnDone() override {
-    service->CreateWaiterDone(this, context->IsCancelled());
-    delete this;
-  }
-
-  // The answer once the wait is over: RESOURCE_EXHAUSTED with the last refusal, how long it
-  // waited and the pool's usage now (`usage`).
-  grpc::Status Expired(const std::string& usage) const {
-    return grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat(
-            refusal.message(), "; waited ",
-            absl::FormatDuration(absl::Trunc(absl::Now() - started, absl::Milliseconds(1))),
-            " for memory to be freed (",
-            wait_ms > 0 ? absl::StrCat("wait_ms = ", wait_ms)
-                        : std::string("until the call's deadline"),
-            "); ", usage, "; delete or release tensors, or raise the pool's size"));
-  }
-
-  TensorShmService* const service;
-  grpc::CallbackServerContext* const context;
-  const v1::CreateRequest* const request;  // gRPC's, until the call is finished
-  v1::CreateResponse* const response;
-  const int64_t wait_ms;
-  const uint64_t request_id;  // CreateRequest.request_id: 0 if none
-  const absl::Time started;
-  absl::Time deadline = absl::InfiniteFuture();
-  // Counted against --uid-waiters while queued (UidLimits has its own lock).
-  std::optional<UidLimits::WaitCharge> wait_charge;
-
-  // Under the service's mu_.
-  PoolKey key;
-  uint64_t session_id = 0;
-  std::string token;
-  absl::Status refusal;           // the last RESOURCE_EXHAUSTED the create got
-  std::vector<uint64_t> created;  // the buffers the answer carried, once created
-};
+absl::Status CreateWait::Expired(const std::string& usage) const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      refusal.message(), "; waited ",
+      absl::FormatDuration(absl::Trunc(absl::Now() - started, absl::Milliseconds(1))),
+      " for memory to be freed (",
+      wait_ms > 0 ? absl::StrCat("wait_ms = ", wait_ms) : std::string("until the call's deadline"),
+      "); ", usage, "; delete or release tensors, or raise the pool's size"));
+}
 
 namespace {
-
-// The call's deadline; gRPC reports "no deadline" as a far-future time point that absl cannot
-// represent exactly.
-absl::Time CallDeadline(const grpc::CallbackServerContext& context) {
-  const auto deadline = context.deadline();
-  return deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)
-             ? absl::InfiniteFuture()
-             : absl::FromChrono(deadline);
-}
 
 // Ids of the tensors a create's answer carries (its own and the stocked ones).
 std::vector<uint64_t> CreatedIds(const v1::CreateResponse& response) {
@@ -89,61 +37,53 @@ std::vector<uint64_t> CreatedIds(const v1::CreateResponse& response) {
 
 }  // namespace
 
-grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerContext* context,
-                                                          const v1::CreateRequest* request,
-                                                          v1::CreateResponse* response) {
-  auto* waiter = new CreateWaiter(this, context, request, response);
-  const absl::Time call_deadline = CallDeadline(*context);
-  waiter->deadline =
-      waiter->wait_ms > 0
-          ? std::min(call_deadline, waiter->started + absl::Milliseconds(waiter->wait_ms))
-          : call_deadline;
-  const UnaryFrame frame{
-      .op = MetricOp::kCreate, .reactor = waiter, .request_id = waiter->request_id};
-  // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
-  // this returns.
-  return Unary(context, frame, [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    tensorshm::Session& session = *call.session;
-    waiter->token = session.token;
-    if (session.TakeSettled(waiter->request_id)) {
-      return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
-    }
-    SegmentGrowth growth;
-    bool pool_full = false;
-    absl::Status created =
-        CreateFor(session, *request, response, &growth, /*waited=*/false, &pool_full);
-    if (growth.needed() || growth.busy()) {
-      // A pool must grow first: GrowPools answers it (or queues it if still full).
-      if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
-      pending_creates_.push_back(PendingCreate{waiter, waiter->token, request, response, waiter});
-      creates_pending_.Signal();
-      call.answered_later = true;
-      return absl::OkStatus();
-    }
-    if (created.ok()) {
-      waiter->created = CreatedIds(*response);
-      session.RecordGrant(waiter->request_id, {0, waiter->created});
-      return absl::OkStatus();
-    }
-    if (!pool_full) return created;
+absl::Status Store::CreateWaiting(const PeerCredentials& peer,
+                                  const std::optional<std::string>& token, CreateWait* waiter,
+                                  bool* answered_later) {
+  const v1::CreateRequest* request = waiter->request;
+  v1::CreateResponse* response = waiter->response;
+  Lock lock(this);
+  absl::StatusOr<tensorshm::Session*> caller = CallerSession(token, peer);
+  if (!caller.ok()) return caller.status();
+  tensorshm::Session& session = **caller;
+  waiter->token = session.token;
+  if (session.TakeSettled(waiter->request_id)) {
+    return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
+  }
+  SegmentGrowth growth;
+  bool pool_full = false;
+  absl::Status created =
+      CreateFor(session, *request, response, &growth, /*waited=*/false, &pool_full);
+  if (growth.needed() || growth.busy()) {
+    // A pool must grow first: GrowPools answers it (or queues it if still full).
     if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
-    if (context->IsCancelled()) return absl::CancelledError("create cancelled by the client");
-    if (absl::Now() >= waiter->deadline) return created;
-    if (absl::Status s = AddCreateWaiter(waiter, session, created); !s.ok()) return s;
-    call.answered_later = true;  // queued: whoever takes it off the queue finishes it
+    pending_creates_.push_back(PendingCreate{waiter, waiter->token, request, response, waiter});
+    creates_pending_.Signal();
+    *answered_later = true;
     return absl::OkStatus();
-  });
+  }
+  if (created.ok()) {
+    waiter->created = CreatedIds(*response);
+    session.RecordGrant(waiter->request_id, {0, waiter->created});
+    return absl::OkStatus();
+  }
+  if (!pool_full) return created;
+  if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
+  if (waiter->Cancelled()) return absl::CancelledError("create cancelled by the client");
+  if (absl::Now() >= waiter->deadline) return created;
+  if (absl::Status s = AddCreateWaiter(waiter, session, created); !s.ok()) return s;
+  *answered_later = true;  // queued: whoever takes it off the queue finishes it
+  return absl::OkStatus();
 }
 
-void TensorShmService::FinishCreate(CreateWaiter* waiter, grpc::Status status) {
-  metrics_.CountOp(MetricOp::kCreate, static_cast<absl::StatusCode>(status.error_code()));
+void Store::FinishCreate(CreateWait* waiter, absl::Status status) {
+  metrics_.CountOp(MetricOp::kCreate, status.code());
   const bool granted = status.ok() && waiter->request_id != 0;
-  finishing_.push_back({waiter, std::move(status), granted});
+  AnswerLater(waiter, std::move(status), granted);
 }
 
-absl::Status TensorShmService::AddCreateWaiter(CreateWaiter* waiter,
-                                               const tensorshm::Session& session,
-                                               const absl::Status& refusal) {
+absl::Status Store::AddCreateWaiter(CreateWait* waiter, const tensorshm::Session& session,
+                                    const absl::Status& refusal) {
   absl::StatusOr<UidLimits::WaitCharge> charge = uid_limits_.StartWait(session.uid);
   if (!charge.ok()) return charge.status();
   waiter->wait_charge = *std::move(charge);
@@ -168,18 +108,17 @@ absl::Status TensorShmService::AddCreateWaiter(CreateWaiter* waiter,
   return absl::OkStatus();
 }
 
-void TensorShmService::RemoveCreateWaiter(CreateWaiter* waiter) {
+void Store::RemoveCreateWaiter(CreateWait* waiter) {
   creates_waiting_.Remove(waiter);
   waiter->wait_charge.reset();
   // The creates behind it no longer wait for it.
   retry_creates_ = true;
 }
 
-absl::Status TensorShmService::CheckCreateQuotas(tensorshm::Session& session,
-                                                 const DLDataType& dtype,
-                                                 absl::Span<const int64_t> shape,
-                                                 absl::Span<const int64_t> strides,
-                                                 const DLDevice& device, bool subbyte_padded) {
+absl::Status Store::CheckCreateQuotas(tensorshm::Session& session, const DLDataType& dtype,
+                                      absl::Span<const int64_t> shape,
+                                      absl::Span<const int64_t> strides, const DLDevice& device,
+                                      bool subbyte_padded) {
   absl::StatusOr<TensorLayout> layout = ComputeLayout(dtype, shape, strides, subbyte_padded);
   if (!layout.ok() || layout->nbytes <= 0) return absl::OkStatus();
   // The buffer's length as the pool rounds it (HostPool: whole pages; CudaPool: its alignment).
@@ -206,7 +145,7 @@ absl::Status TensorShmService::CheckCreateQuotas(tensorshm::Session& session,
   return absl::OkStatus();
 }
 
-absl::Status TensorShmService::CheckCreateQueue(const PoolKey& key) const {
+absl::Status Store::CheckCreateQueue(const PoolKey& key) const {
   const int64_t ahead = static_cast<int64_t>(creates_waiting_.CountWithKey(key));
   if (ahead == 0) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
@@ -215,7 +154,7 @@ absl::Status TensorShmService::CheckCreateQueue(const PoolKey& key) const {
       ", and creates are served in order (a create with a timeout queues behind them)"));
 }
 
-std::string TensorShmService::PoolUsage(const PoolKey& key) const {
+std::string Store::PoolUsage(const PoolKey& key) const {
   if (key.device_type == kDLCUDA) {
     const CudaPool* pool = catalog_->cuda_pool(key.device_id);
     if (pool == nullptr) return absl::StrCat("cuda:", key.device_id, " pool: none");
@@ -227,10 +166,10 @@ std::string TensorShmService::PoolUsage(const PoolKey& key) const {
                       " bytes used");
 }
 
-void TensorShmService::RetryWaitingCreates() {
+void Store::RetryWaitingCreates() {
   retry_creates_ = false;
   std::set<PoolKey> blocked;  // keys whose earliest waiting create still does not fit
-  for (CreateWaiter* waiter : creates_waiting_.All()) {
+  for (CreateWait* waiter : creates_waiting_.All()) {
     if (blocked.count(waiter->key) > 0) continue;
     // A waiting create's session is alive: CloseSession takes its creates off first.
     tensorshm::Session* session = sessions_.Find(waiter->token);
@@ -259,16 +198,16 @@ void TensorShmService::RetryWaitingCreates() {
       TSM_LOG(kDebug) << "session " << waiter->session_id << ": waiting create served after "
                       << absl::FormatDuration(absl::Now() - waiter->started);
     }
-    FinishCreate(waiter, ToGrpcStatus(status));
+    FinishCreate(waiter, status);
   }
   // Retried now: what a retry itself freed (an eviction) needs no other round.
   retry_creates_ = false;
   retried_epoch_ = catalog_->release_epoch();
 }
 
-bool TensorShmService::ExpireCreates(absl::Time now) {
+bool Store::ExpireCreates(absl::Time now) {
   bool expired = false;
-  while (CreateWaiter* waiter = creates_waiting_.Expired(now)) {
+  while (CreateWait* waiter = creates_waiting_.Expired(now)) {
     RemoveCreateWaiter(waiter);
     FinishCreate(waiter, waiter->Expired(PoolUsage(waiter->key)));
     expired = true;
@@ -276,31 +215,31 @@ bool TensorShmService::ExpireCreates(absl::Time now) {
   return expired;
 }
 
-void TensorShmService::FailSessionCreates(uint64_t session_id, const std::string& token) {
-  const grpc::Status status = ToGrpcStatus(NoSession(token));
-  for (CreateWaiter* waiter : creates_waiting_.OfSession(session_id)) {
+void Store::FailSessionCreates(uint64_t session_id, const std::string& token) {
+  const absl::Status status = NoSession(token);
+  for (CreateWait* waiter : creates_waiting_.OfSession(session_id)) {
     RemoveCreateWaiter(waiter);
     FinishCreate(waiter, status);
   }
 }
 
-void TensorShmService::FailWaitingCreates(const grpc::Status& status) {
-  for (CreateWaiter* waiter : creates_waiting_.All()) {
+void Store::FailWaitingCreates(const absl::Status& status) {
+  for (CreateWait* waiter : creates_waiting_.All()) {
     RemoveCreateWaiter(waiter);
     FinishCreate(waiter, status);
   }
 }
 
-void TensorShmService::CancelCreate(CreateWaiter* waiter) {
-  ServiceLock lock(this);
+void Store::CancelCreate(CreateWait* waiter) {
+  Lock lock(this);
   // Finished already, or being finished.
   if (!creates_waiting_.Contains(waiter)) return;
   RemoveCreateWaiter(waiter);
-  FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED, "create cancelled by the client"));
+  FinishCreate(waiter, absl::CancelledError("create cancelled by the client"));
 }
 
-void TensorShmService::CreateWaiterDone(CreateWaiter* waiter, bool cancelled) {
-  ServiceLock lock(this);
+void Store::CreateWaiterDone(CreateWait* waiter, bool cancelled) {
+  Lock lock(this);
   TSM_CHECK(!creates_waiting_.Contains(waiter));
   if (!cancelled || waiter->created.empty()) return;
   // The test hook plays an answer that crossed the cancel: only the client's settle gives back.
@@ -315,46 +254,42 @@ void TensorShmService::CreateWaiterDone(CreateWaiter* waiter, bool cancelled) {
   }
 }
 
-void TensorShmService::FinishGrownCreate(CreateWaiter* waiter, const absl::Status& grown,
-                                         bool pool_full) {
+void Store::FinishGrownCreate(CreateWait* waiter, const absl::Status& grown, bool pool_full) {
   absl::Status status = grown;
   if (status.ok()) {
     status =
         KeepCreated(waiter->token, NoSession(waiter->token), waiter->request_id, *waiter->response);
     if (status.ok()) waiter->created = CreatedIds(*waiter->response);
   } else if (pool_full && !shutting_down_ && absl::Now() < waiter->deadline &&
-             !waiter->context->IsCancelled()) {
+             !waiter->Cancelled()) {
     // The segment it waited for went to others: it waits for memory as any create.
     tensorshm::Session* session = sessions_.Find(waiter->token);
     if (session != nullptr && session->TakeSettled(waiter->request_id)) {
-      FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
-                                        "create settled (cancelled) by the client"));
+      FinishCreate(waiter, absl::CancelledError("create settled (cancelled) by the client"));
       return;
     }
     if (session != nullptr) {
       absl::Status queued = AddCreateWaiter(waiter, *session, status);
       if (queued.ok()) return;
-      FinishCreate(waiter, ToGrpcStatus(queued));
+      FinishCreate(waiter, queued);
       return;
     }
   }
-  FinishCreate(waiter, ToGrpcStatus(status));
+  FinishCreate(waiter, status);
 }
 
-bool TensorShmService::CancelSettledCreate(uint64_t session_id, uint64_t request_id) {
-  for (CreateWaiter* waiter : creates_waiting_.OfSession(session_id)) {
+bool Store::CancelSettledCreate(uint64_t session_id, uint64_t request_id) {
+  for (CreateWait* waiter : creates_waiting_.OfSession(session_id)) {
     if (waiter->request_id != request_id) continue;
     RemoveCreateWaiter(waiter);
-    FinishCreate(waiter, grpc::Status(grpc::StatusCode::CANCELLED,
-                                      "create settled (cancelled) by the client"));
+    FinishCreate(waiter, absl::CancelledError("create settled (cancelled) by the client"));
     return true;
   }
   return false;
 }
 
-absl::Status TensorShmService::KeepCreated(const std::string& token, const absl::Status& gone,
-                                           uint64_t request_id,
-                                           const v1::CreateResponse& response) {
+absl::Status Store::KeepCreated(const std::string& token, const absl::Status& gone,
+                                uint64_t request_id, const v1::CreateResponse& response) {
   if (request_id == 0) return absl::OkStatus();
   tensorshm::Session* session = sessions_.Find(token);
   if (session == nullptr) return gone;  // its unpublished tensors went with it

@@ -1,5 +1,5 @@
 // Sessions: a Session stream's open (and a reconnecting client's reattach), its release batches
-// and settles, its close; and the Sessions RPC, every open session for operators (tensorshmctl
+// and settles, its close; and every open session for operators (the Sessions RPC, tensorshmctl
 // sessions).
 #include <optional>
 #include <string>
@@ -10,8 +10,8 @@
 #include "common/base/check.h"
 #include "common/tensor/name.h"
 #include "common/tensor/wire.h"
+#include "server/core/store.h"
 #include "server/ops/log.h"
-#include "server/rpc/service.h"
 
 namespace tensorshm {
 namespace {
@@ -22,69 +22,60 @@ constexpr int kMaxReleaseIds = 16384;
 
 }  // namespace
 
-bool TensorShmService::SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const {
+bool Store::SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const {
   return policy_ == nullptr || caller.uid == uid || caller.uid == policy_->owner() ||
          caller.uid == 0;
 }
 
-grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext* context,
-                                                     const v1::SessionsRequest*,
-                                                     v1::SessionsResponse* response) {
-  const UnaryFrame frame{.counted = false, .needs_session = false};
-  return Unary(context, frame, [&](UnaryCall& call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const PeerCredentials& caller = call.peer;
-    // The caller's own session, if it names one; a caller without one sees the same list.
-    std::string own_token;
-    const auto& metadata = context->client_metadata();
-    if (auto it = metadata.find(kSessionMetadataKey); it != metadata.end()) {
-      own_token.assign(it->second.data(), it->second.size());
+absl::Status Store::Sessions(const PeerCredentials& caller, const std::string& own_token,
+                             v1::SessionsResponse* response) {
+  Lock lock(this);
+  // Naming a session is for its own process only, as on every call (Session::CheckCaller); a
+  // token that names no open session marks none as `own`.
+  if (const tensorshm::Session* own = sessions_.Find(own_token); own != nullptr) {
+    if (absl::Status s = own->CheckCaller(caller); !s.ok()) return s;
+  }
+  for (const auto& [id, session] : sessions_.by_id()) {
+    v1::SessionInfo* info = response->add_sessions();
+    info->set_session_id(id);
+    info->set_uid(session->uid);
+    info->set_rpc_leases(static_cast<int64_t>(session->leases.size()));
+    info->set_page_leases(catalog_->PageLeasesOf(id));
+    info->set_unpublished_tensors(static_cast<int64_t>(session->unpublished.size()));
+    info->set_unpublished_bytes(static_cast<int64_t>(session->unpublished_bytes));
+    info->set_opened_unix_ms(absl::ToUnixMillis(session->opened_at));
+    info->set_own(!own_token.empty() && own_token == session->token);
+    if (const size_t waiting = acquires_waiting_.CountOfSession(id); waiting > 0) {
+      info->set_waiting_acquires(static_cast<int64_t>(waiting));
     }
-    // Naming a session is for its own process only, as on every call (Session::CheckCaller); a
-    // token that names no open session marks none as `own`.
-    if (const tensorshm::Session* own = sessions_.Find(own_token); own != nullptr) {
-      if (absl::Status s = own->CheckCaller(caller); !s.ok()) return s;
+    if (!SeesDetailsOf(caller, session->uid)) {
+      info->set_redacted(true);
+      continue;
     }
-    for (const auto& [id, session] : sessions_.by_id()) {
-      v1::SessionInfo* info = response->add_sessions();
-      info->set_session_id(id);
-      info->set_uid(session->uid);
-      info->set_rpc_leases(static_cast<int64_t>(session->leases.size()));
-      info->set_page_leases(catalog_->PageLeasesOf(id));
-      info->set_unpublished_tensors(static_cast<int64_t>(session->unpublished.size()));
-      info->set_unpublished_bytes(static_cast<int64_t>(session->unpublished_bytes));
-      info->set_opened_unix_ms(absl::ToUnixMillis(session->opened_at));
-      info->set_own(!own_token.empty() && own_token == session->token);
-      if (const size_t waiting = acquires_waiting_.CountOfSession(id); waiting > 0) {
-        info->set_waiting_acquires(static_cast<int64_t>(waiting));
-      }
-      if (!SeesDetailsOf(caller, session->uid)) {
-        info->set_redacted(true);
-        continue;
-      }
-      info->set_pid(session->pid);
-      info->set_gid(session->gid);
-      // Both at most kMaxClientText bytes (ValidateSessionOpen).
-      info->set_client_name(session->client_name);
-      info->set_client_version(session->client_version);
-    }
-    return absl::OkStatus();
-  });
+    info->set_pid(session->pid);
+    info->set_gid(session->gid);
+    // Both at most kMaxClientText bytes (ValidateSessionOpen).
+    info->set_client_name(session->client_name);
+    info->set_client_version(session->client_version);
+  }
+  return absl::OkStatus();
 }
 
-absl::StatusOr<v1::SessionResponse> TensorShmService::OpenSession(
-    const grpc::CallbackServerContext& context, const PeerCredentials& peer,
-    const v1::SessionOpen& open, uint64_t* session_id, std::string* token) {
+absl::StatusOr<v1::SessionResponse> Store::OpenSession(const PeerCredentials& peer,
+                                                       const std::string& peer_address,
+                                                       const v1::SessionOpen& open,
+                                                       uint64_t* session_id, std::string* token) {
   v1::SessionResponse opened;
   // The client's own words are kept for the session's life (Sessions, logs): bounded.
   if (absl::Status s = ValidateSessionOpen(open); !s.ok()) return s;
   {
-    ServiceLock lock(this);
+    Lock lock(this);
     if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
     // Per-uid limits: the reattach list is bounded, and the session counts against its uid.
     if (absl::Status s = uid_limits_.CheckHeldList(open.held_tensor_ids_size()); !s.ok()) return s;
     absl::StatusOr<UidLimits::SessionCharge> charge = uid_limits_.OpenSession(peer.uid);
     if (!charge.ok()) return charge.status();
-    tensorshm::Session& session = sessions_.Open(open.pid(), open.client_name(), context.peer());
+    tensorshm::Session& session = sessions_.Open(open.pid(), open.client_name(), peer_address);
     session.client_version = open.client_version();
     session.opened_at = absl::Now();
     session.uid_charge = *std::move(charge);
@@ -106,25 +97,25 @@ absl::StatusOr<v1::SessionResponse> TensorShmService::OpenSession(
   }
   TSM_LOG(kInfo) << "session " << *session_id << " opened: pid " << open.pid() << ", uid "
                  << peer.uid << ", client \"" << LogEscape(open.client_name()) << "\", "
-                 << context.peer();
+                 << peer_address;
   opened.mutable_opened()->set_session_id(*token);
   opened.mutable_opened()->set_session_number(*session_id);
   opened.mutable_opened()->set_server_version(TENSORSHM_VERSION);
   return opened;
 }
 
-std::optional<v1::SessionResponse> TensorShmService::SessionRelease(const std::string& token,
-                                                                    const v1::ReleaseBatch& batch) {
+std::optional<v1::SessionResponse> Store::SessionRelease(const std::string& token,
+                                                         const v1::ReleaseBatch& batch) {
   v1::SessionResponse response;
-  ServiceLock lock(this);
+  Lock lock(this);
   tensorshm::Session* session = sessions_.Find(token);
   if (session == nullptr) return std::nullopt;
   HandleReleases(*session, batch, response.mutable_ack());
   return response;
 }
 
-void TensorShmService::Reattach(tensorshm::Session& session, const v1::SessionOpen& open,
-                                v1::SessionOpened* opened) {
+void Store::Reattach(tensorshm::Session& session, const v1::SessionOpen& open,
+                     v1::SessionOpened* opened) {
   if (open.held_tensor_ids_size() == 0 && open.unpublished_tensor_ids_size() == 0) return;
   int leases = 0;
   for (uint64_t tensor_id : open.held_tensor_ids()) {
@@ -158,13 +149,13 @@ void TensorShmService::Reattach(tensorshm::Session& session, const v1::SessionOp
                  << open.unpublished_tensor_ids_size() << " unpublished tensors taken back";
 }
 
-void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
-                                      v1::ReleaseAck* ack) {
+void Store::HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
+                           v1::ReleaseAck* ack) {
   ack->set_sequence(batch.sequence());
   if (batch.lease_ids_size() > kMaxReleaseIds ||
       batch.abandoned_tensor_ids_size() > kMaxReleaseIds) {
     v1::Rejection* rejection = ack->add_rejected();
-    rejection->set_code(grpc::StatusCode::INVALID_ARGUMENT);
+    rejection->set_code(static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
     rejection->set_message(absl::StrCat(
         "lease_ids: ", batch.lease_ids_size(), " ids, abandoned_tensor_ids: ",
         batch.abandoned_tensor_ids_size(), " ids; at most ", kMaxReleaseIds,
@@ -177,7 +168,7 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
     if (it == session.leases.end()) {
       v1::Rejection* rejection = ack->add_rejected();
       rejection->set_id(lease);
-      rejection->set_code(grpc::StatusCode::FAILED_PRECONDITION);
+      rejection->set_code(static_cast<int32_t>(absl::StatusCode::kFailedPrecondition));
       rejection->set_message(
           absl::StrCat("lease_ids[", i, "] = ", lease, ": not held by this session"));
       continue;
@@ -208,8 +199,7 @@ void TensorShmService::HandleReleases(tensorshm::Session& session, const v1::Rel
   catalog_->Reclaim();
 }
 
-void TensorShmService::GiveBack(tensorshm::Session& session,
-                                const tensorshm::Session::RequestGrant& grant) {
+void Store::GiveBack(tensorshm::Session& session, const tensorshm::Session::RequestGrant& grant) {
   if (auto lease = session.leases.find(grant.lease_id); lease != session.leases.end()) {
     catalog_->DropLease(lease->second);
     session.leases.erase(lease);
@@ -221,12 +211,12 @@ void TensorShmService::GiveBack(tensorshm::Session& session,
   }
 }
 
-void TensorShmService::CloseSession(uint64_t session_id, const std::string& token) {
+void Store::CloseSession(uint64_t session_id, const std::string& token) {
   size_t leases = 0;
   size_t unpublished = 0;
   bool kept = false;
   {
-    ServiceLock lock(this);
+    Lock lock(this);
     tensorshm::Session* session = sessions_.Find(token);
     if (session == nullptr) return;
     FailSessionWaiters(session_id, token);

@@ -1,4 +1,4 @@
-// GrowPools: the one thread that makes pool segments once the service runs, for the creates that
+// GrowPools: the one thread that makes pool segments once the Store serves, for the creates that
 // need one (gRPC's, and the memory channel's sent to gRPC) and ahead of need; every growth runs
 // with mu_ released (GrowUnlocked), so no call and no channel waits for it.
 #include <cstdlib>
@@ -8,13 +8,12 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
-#include "common/tensor/grpc_status.h"
+#include "server/core/store.h"
 #include "server/ops/log.h"
-#include "server/rpc/service.h"
 
 namespace tensorshm {
 
-absl::Duration TensorShmService::GrowthDelayFromEnvironment() {
+absl::Duration Store::GrowthDelayFromEnvironment() {
   const char* value = std::getenv("TENSORSHMD_TEST_GROWTH_DELAY_MS");
   int64_t ms = 0;
   if (value == nullptr || !absl::SimpleAtoi(value, &ms) || ms <= 0) return absl::ZeroDuration();
@@ -23,9 +22,9 @@ absl::Duration TensorShmService::GrowthDelayFromEnvironment() {
   return absl::Milliseconds(ms);
 }
 
-void TensorShmService::GrowPools() {
+void Store::GrowPools() {
   while (true) {
-    ServiceLock lock(this);
+    Lock lock(this);
     // Between growths, the segments of uids that have gone are given back (looked for once a
     // second: a uid's last session may have ended).
     while (pending_creates_.empty() && grow_ahead_.empty() && !shutting_down_ &&
@@ -35,8 +34,7 @@ void TensorShmService::GrowPools() {
     if (shutting_down_) {
       for (const PendingCreate& create : pending_creates_) {
         metrics_.CountOp(MetricOp::kCreate, absl::StatusCode::kUnavailable);
-        finishing_.push_back({create.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                                           "tensorshmd is stopping")});
+        AnswerLater(create.call, absl::UnavailableError("tensorshmd is stopping"));
       }
       pending_creates_.clear();
       return;
@@ -65,14 +63,14 @@ void TensorShmService::GrowPools() {
         status = KeepCreated(create.token, NoSession(create.token), request_id, *create.response);
       }
       metrics_.CountOp(MetricOp::kCreate, status);
-      finishing_.push_back({create.reactor, ToGrpcStatus(status), status.ok() && request_id != 0});
+      AnswerLater(create.call, status, status.ok() && request_id != 0);
     }
   }  // `lock` goes: the create is answered
 }
 
-absl::Status TensorShmService::CreateGrowing(const std::string& token, const absl::Status& gone,
-                                             const v1::CreateRequest& request,
-                                             v1::CreateResponse* response, bool* pool_full) {
+absl::Status Store::CreateGrowing(const std::string& token, const absl::Status& gone,
+                                  const v1::CreateRequest& request, v1::CreateResponse* response,
+                                  bool* pool_full) {
   while (true) {
     tensorshm::Session* session = sessions_.Find(token);
     if (session == nullptr) return gone;
@@ -91,7 +89,7 @@ absl::Status TensorShmService::CreateGrowing(const std::string& token, const abs
   }
 }
 
-absl::Status TensorShmService::GrowUnlocked(SegmentGrowth& growth) {
+absl::Status Store::GrowUnlocked(SegmentGrowth& growth) {
   // Making a segment reserves all its memory (posix_fallocate, cuMemAlloc): every other call
   // goes on meanwhile.
   catalog_->BeginGrowth(growth);
@@ -108,7 +106,7 @@ absl::Status TensorShmService::GrowUnlocked(SegmentGrowth& growth) {
   return grown;
 }
 
-void TensorShmService::GiveBackIdleSegments() {
+void Store::GiveBackIdleSegments() {
   std::vector<ShmSegment> idle = catalog_->mutable_host_pool().GiveBackIdle();
   // Emptying them takes a while (their pages punched out): every other call goes on meanwhile.
   UnlockAndFinish();
@@ -116,12 +114,12 @@ void TensorShmService::GiveBackIdleSegments() {
   mu_.lock();
 }
 
-void TensorShmService::GrowAhead(uint32_t uid) {
+void Store::GrowAhead(uint32_t uid) {
   if (shutting_down_ || !catalog_->host_pool().PlanAhead(uid).has_value()) return;
   if (grow_ahead_.insert(uid).second) creates_pending_.Signal();
 }
 
-void TensorShmService::GrowAheadNow(uint32_t uid) {
+void Store::GrowAheadNow(uint32_t uid) {
   std::optional<GrowthRequest> plan = catalog_->host_pool().PlanAhead(uid);
   if (!plan.has_value()) return;  // grown meanwhile, or room was freed or taken
   SegmentGrowth growth;

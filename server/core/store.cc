@@ -1,0 +1,327 @@
+// The Store's frame (Admit, the lock, the caller's session), its housekeeping, and the calls on
+// published tensors: Publish, Delete, List, Stat. The rest of the Store lives in
+// store_create.cc (Create), store_create_waiters.cc (creates that wait for memory),
+// store_growth.cc (GrowPools), store_acquire.cc (waiting acquires, shutdown),
+// store_sessions.cc (sessions) and store_channel.cc (the memory channel's requests).
+#include "server/core/store.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/base/check.h"
+#include "common/tensor/name.h"
+#include "common/tensor/wire.h"
+#include "server/ops/log.h"
+
+namespace tensorshm {
+namespace {
+
+// Records the housekeeping thread compares with the catalog's own copies each round (every
+// kHeartbeatIntervalNs): a table of 65,536 records in under 3 s, some tens of microseconds a round.
+constexpr size_t kRecordsCheckedPerRound = 256;
+
+}  // namespace
+
+Store::Store(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
+             const AccessPolicy* policy, const PeerTable* peers, const UidLimitsConfig& uid_limits)
+    : index_(catalog->mutable_index()),
+      catalog_(std::move(catalog)),
+      session_quota_bytes_(session_quota_bytes),
+      policy_(policy),
+      peers_(peers),
+      uid_limits_(uid_limits) {
+  // The host pool is shared evenly between the uids creating tensors (HostPool::FairShare).
+  catalog_->mutable_host_pool().set_creating_uids([this] { return uid_limits_.CreatingUids(); });
+  // Tensor records outlive sessions: the catalog counts them per uid (--uid-tensors).
+  catalog_->set_uid_tensors(uid_limits.tensors);
+  // Lease page slots count against --uid-leases with the RPC leases (see LeaseBoard).
+  catalog_->CountPageLeasesIn(&uid_limits_);
+}
+
+Store::~Store() {
+  // uid_limits_ goes before catalog_, whose lease pages may still count slots in it.
+  catalog_->CountPageLeasesIn(nullptr);
+}
+
+absl::Duration Store::CrossCancelHoldFromEnvironment() {
+  const char* value = std::getenv("TENSORSHMD_TEST_CROSS_CANCEL_MS");
+  int64_t ms = 0;
+  if (value == nullptr || !absl::SimpleAtoi(value, &ms) || ms <= 0) return absl::ZeroDuration();
+  TSM_LOG(kWarning) << "TENSORSHMD_TEST_CROSS_CANCEL_MS = " << ms
+                    << ": test mode (answers held back, no fast path); never in production";
+  return absl::Milliseconds(ms);
+}
+
+absl::Status Store::MayChange(const tensorshm::Session& session, const Tensor& tensor,
+                              absl::string_view verb) const {
+  if (policy_ == nullptr || session.uid == tensor.owner_uid || session.uid == policy_->owner()) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "name = \"", tensor.name, "\": published by uid ", tensor.owner_uid, "; uid ", session.uid,
+      " may not ", verb, " it (only its publisher and the daemon's uid may)"));
+}
+
+int Store::ExpireUnbound() {
+  Lock lock(this);
+  return catalog_->ExpireUnbound();
+}
+
+void Store::KeepHeldOnStop() {
+  Lock lock(this);
+  keep_held_on_stop_ = true;
+}
+
+void Store::KeepSegments() {
+  Lock lock(this);
+  catalog_->KeepSegments();
+}
+
+absl::StatusOr<PeerCredentials> Store::Admit(const std::string& peer_address) const {
+  if (policy_ == nullptr || peers_ == nullptr) return PeerCredentials{};
+  absl::StatusOr<PeerCredentials> peer = peers_->Find(peer_address);
+  if (!peer.ok()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("connection ", peer_address, ": peer credentials unknown"));
+  }
+  if (absl::Status s = policy_->Admit(*peer); !s.ok()) return s;
+  return *peer;
+}
+
+void Store::Housekeep() {
+  while (true) {
+    // The heartbeat does not wait for the mutex: a long call (a segment growing) must not make
+    // clients take the daemon for dead.
+    index_.Heartbeat();
+    Lock lock(this);
+    if (shutting_down_) return;
+    catalog_->ReadLeasePages();
+    catalog_->Reclaim();
+    // --evict lru learns of fast path acquires from the lease pages (Catalog::TouchHeld).
+    if (evict_ == EvictPolicy::kLru) catalog_->TouchHeld();
+    FoldFastAcquires();
+    catalog_->CheckRecords(kRecordsCheckedPerRound);
+    stopping_.WaitWithTimeout(&mu_, absl::Nanoseconds(kHeartbeatIntervalNs));
+    if (shutting_down_) return;
+  }
+}
+
+void Store::FoldFastAcquires() {
+  const uint64_t total = catalog_->FastAcquires();
+  // The board's total never decreases.
+  TSM_CHECK(total >= fast_acquires_counted_);
+  metrics_.CountFastAcquires(total - fast_acquires_counted_);
+  fast_acquires_counted_ = total;
+}
+
+absl::Status Store::NoSession(const std::string& token) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("metadata ", kSessionMetadataKey, " = \"", absl::CHexEscape(token.substr(0, 64)),
+                   "\": no open session has this id (its stream ended, or it never existed)"));
+}
+
+absl::StatusOr<Session*> Store::CallerSession(const std::optional<std::string>& token,
+                                              const PeerCredentials& caller) {
+  if (!token.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metadata ", kSessionMetadataKey, ": missing; open a Session stream and send its id"));
+  }
+  tensorshm::Session* session = sessions_.Find(*token);
+  if (session == nullptr) return NoSession(*token);
+  if (absl::Status s = session->CheckCaller(caller); !s.ok()) return s;
+  return session;
+}
+
+void Store::Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const {
+  ToWire(tensor.dtype, desc->mutable_dtype());
+  ToWire(tensor.device, desc->mutable_device());
+  desc->mutable_shape()->Assign(tensor.shape.begin(), tensor.shape.end());
+  desc->mutable_strides()->Assign(tensor.strides.begin(), tensor.strides.end());
+  desc->set_byte_offset(tensor.byte_offset);
+  desc->set_nbytes(tensor.nbytes);
+  desc->set_flags(tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
+  if (location == nullptr) return;
+  location->set_segment_id(tensor.buffer.segment_id);
+  location->set_offset(tensor.buffer.offset);
+  location->set_length(tensor.buffer.length);
+  // CUDA segments are always this daemon's own (device memory does not survive it).
+  location->set_segment_instance(catalog_->instance_id());
+  if (tensor.device.device_type == kDLCUDA) {
+    const CudaPool* pool = catalog_->cuda_pool(tensor.device.device_id);
+    v1::CudaLocation* cuda = location->mutable_cuda();
+    cuda->set_device_ordinal(pool->ordinal());
+    cuda->set_device_uuid(pool->uuid().data(), pool->uuid().size());
+    if (tensor.buffer.length > 0) {
+      const CUipcMemHandle& handle = pool->SegmentHandle(tensor.buffer.segment_id);
+      location->set_segment_size(pool->SegmentSize(tensor.buffer.segment_id));
+      cuda->set_ipc_handle(handle.reserved, sizeof(handle.reserved));
+    }
+    if (tensor.sealed) cuda->set_ready_event(tensor.ready_event);
+  } else if (tensor.buffer.length > 0) {
+    const HostPool& pool = catalog_->host_pool();
+    location->set_segment_size(pool.SegmentSize(tensor.buffer.segment_id));
+    location->set_segment_instance(pool.SegmentInstance(tensor.buffer.segment_id));
+    // Each segment's own backing: a pool of named segments gives other uids memfd ones.
+    const ShmSegment& segment = pool.Segment(tensor.buffer.segment_id);
+    location->mutable_host()->set_shm_name(
+        segment.backing() == SegmentBacking::kNamed ? segment.name() : "");
+  }
+}
+
+void Store::Grant(tensorshm::Session& session, const Tensor& tensor,
+                  v1::AcquireResponse* response) {
+  response->set_lease_id(AddLease(session, tensor));
+  response->set_tensor_id(tensor.id);
+  Describe(tensor, response->mutable_desc(), response->mutable_location());
+}
+
+uint64_t Store::AddLease(tensorshm::Session& session, const Tensor& tensor) {
+  const uint64_t lease = sessions_.NextLeaseId();
+  session.leases.emplace(lease, tensor.id);
+  catalog_->AddLease(tensor.id);
+  return lease;
+}
+
+absl::Status Store::Publish(const PeerCredentials& peer, const std::optional<std::string>& token,
+                            const v1::PublishRequest& request, v1::PublishResponse* response) {
+  Lock lock(this);
+  absl::StatusOr<tensorshm::Session*> session = CallerSession(token, peer);
+  if (!session.ok()) return session.status();
+  return PublishFor(**session, request, response);
+}
+
+absl::Status Store::PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
+                               v1::PublishResponse* response) {
+  if (absl::Status s = ValidateName(request.name()); !s.ok()) return s;
+  if (const Tensor* bound = catalog_->Find(request.name()); bound != nullptr && request.replace()) {
+    if (absl::Status s = MayChange(session, *bound, "replace"); !s.ok()) return s;
+  }
+  if (!request.ready_event().empty()) {
+    const Tensor* tensor = catalog_->FindId(request.tensor_id());
+    if (request.ready_event().size() != sizeof(CUipcEventHandle)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ready_event: ", request.ready_event().size(), " bytes; must be empty or a ",
+                       sizeof(CUipcEventHandle), "-byte CUipcEventHandle"));
+    }
+    if (tensor != nullptr && tensor->device.device_type != kDLCUDA) {
+      return absl::InvalidArgumentError(absl::StrCat("ready_event: set for tensor ", tensor->id,
+                                                     " on ", DeviceName(tensor->device),
+                                                     "; only CUDA tensors take one"));
+    }
+  }
+  if (request.has_desc()) {
+    const v1::TensorDesc& desc = request.desc();
+    absl::StatusOr<DLDataType> dtype = FromWire(desc.dtype());
+    if (!dtype.ok()) return dtype.status();
+    const std::vector<int64_t> shape(desc.shape().begin(), desc.shape().end());
+    const std::vector<int64_t> strides(desc.strides().begin(), desc.strides().end());
+    if (absl::Status s =
+            catalog_->Reshape(session.id, request.tensor_id(), *dtype, shape, strides,
+                              (desc.flags() & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0);
+        !s.ok()) {
+      return s;
+    }
+  }
+  // The lease of publish-and-acquire is charged first: over --uid-leases nothing is published.
+  if (request.acquire()) {
+    if (absl::Status s = session.uid_charge.AddLeases(); !s.ok()) return s;
+  }
+  absl::Status s = catalog_->Publish(session.id, request.tensor_id(), request.name(),
+                                     request.replace(), request.ready_event(), session.pid);
+  if (!s.ok()) {
+    if (request.acquire()) session.uid_charge.DropLeases();
+    return s;
+  }
+  session.ForgetUnpublished(request.tensor_id());
+  if (request.acquire()) {
+    const Tensor* tensor = catalog_->FindId(request.tensor_id());
+    TSM_CHECK(tensor != nullptr);
+    Grant(session, *tensor, response->mutable_acquired());
+  }
+  WakeWaiters(request.name());
+  if (request.stock() > 0) {
+    Stock(session, request.stock_bytes(), request.stock(), response->mutable_stocked());
+    GrowAhead(session.uid);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::Delete(const PeerCredentials& peer, const std::optional<std::string>& token,
+                           const v1::DeleteRequest& request) {
+  if (absl::Status s = ValidateName(request.name()); !s.ok()) return s;
+  Lock lock(this);
+  absl::StatusOr<tensorshm::Session*> session = CallerSession(token, peer);
+  if (!session.ok()) return session.status();
+  return DeleteFor(**session, request);
+}
+
+absl::Status Store::DeleteFor(const tensorshm::Session& session, const v1::DeleteRequest& request) {
+  if (absl::Status s = ValidateName(request.name()); !s.ok()) return s;
+  if (const Tensor* bound = catalog_->Find(request.name()); bound != nullptr) {
+    if (absl::Status s = MayChange(session, *bound, "delete"); !s.ok()) return s;
+  }
+  return catalog_->Delete(request.name());
+}
+
+absl::Status Store::List(const PeerCredentials& caller, const v1::ListRequest& request,
+                         v1::ListResponse* response) {
+  if (absl::Status s = ValidateNamePrefix(request.prefix()); !s.ok()) return s;
+  Lock lock(this);
+  catalog_->ReadLeasePages();  // once: each entry's page leases are then a look-up
+  for (const Tensor* tensor : catalog_->List(request.prefix())) {
+    v1::TensorInfo* info = response->add_tensors();
+    info->set_name(tensor->name);
+    info->set_tensor_id(tensor->id);
+    info->set_leases(catalog_->LeaseCount(*tensor));
+    info->set_published_unix_ms(tensor->published_unix_ms);
+    info->set_publisher_uid(tensor->owner_uid);
+    if (SeesDetailsOf(caller, tensor->owner_uid)) {
+      info->set_publisher_pid(tensor->publisher_pid);
+    }
+    Describe(*tensor, info->mutable_desc(), nullptr);
+  }
+  return absl::OkStatus();
+}
+
+v1::StatResponse Store::StatSnapshot() {
+  v1::StatResponse stat;
+  Lock lock(this);
+  StatLocked(&stat);
+  return stat;
+}
+
+void Store::StatLocked(v1::StatResponse* response) {
+  FoldFastAcquires();
+  catalog_->ReadLeasePages();
+  response->set_tensors(catalog_->tensor_count());
+  response->set_names(catalog_->name_count());
+  response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
+  response->set_sessions(sessions_.size());
+  response->set_evicted_tensors(catalog_->evicted_tensors());
+  response->set_evicted_bytes(catalog_->evicted_bytes());
+  response->set_creates_waiting(static_cast<int64_t>(creates_waiting_.size()));
+  response->set_stocked_tensors(catalog_->stocked_tensors());
+  const HostPool& pool = catalog_->host_pool();
+  v1::PoolStats* stats = response->add_pools();
+  ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
+  stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
+  // Stock is allocated from the pool like any buffer: the pool's own figure holds both.
+  stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()));
+  stats->set_stock_bytes(static_cast<int64_t>(catalog_->stock_bytes()));
+  stats->set_segments(static_cast<int64_t>(pool.live_segment_count()));
+  for (const CudaPool* cuda : catalog_->cuda_pools()) {
+    v1::PoolStats* device = response->add_pools();
+    ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());
+    device->set_capacity_bytes(static_cast<int64_t>(cuda->capacity_bytes()));
+    device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
+    device->set_segments(static_cast<int64_t>(cuda->segment_count()));
+  }
+  // Eviction (--evict lru) adds its figures here; metrics.cc exports them.
+}
+
+}  // namespace tensorshm

@@ -1,0 +1,247 @@
+// The Store without any transport: sessions, create (growing the pool on GrowPools' thread),
+// publish, acquire (at once and waiting for a publish), delete, list, and the waits' deadlines and
+// shutdown, on an in-process Store over a small host pool. No gRPC, no memory channel.
+#include "server/core/store.h"
+
+#include <unistd.h>
+
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/tensor/wire.h"
+#include "gtest/gtest.h"
+
+namespace tensorshm {
+namespace {
+
+constexpr absl::Duration kPatience = absl::Seconds(30);  // a generous bound, never a timing
+
+// What a transport would do with an answer given later: keep it.
+class Answered {
+ public:
+  void Set(absl::Status status, bool granted) {
+    status_ = std::move(status);
+    granted_ = granted;
+    done_.Notify();
+  }
+  // The answer, once given (nullopt if none came within kPatience).
+  std::optional<absl::Status> Wait() {
+    if (!done_.WaitForNotificationWithTimeout(kPatience)) return std::nullopt;
+    return status_;
+  }
+  bool answered() const { return done_.HasBeenNotified(); }
+  bool granted() const { return granted_; }
+
+ private:
+  absl::Notification done_;
+  absl::Status status_;
+  bool granted_ = false;
+};
+
+class TestCall final : public PendingCall {
+ public:
+  void Answer(absl::Status status, bool granted) override { answered.Set(status, granted); }
+  Answered answered;
+};
+
+class TestAcquire final : public AcquireWait {
+ public:
+  TestAcquire(const v1::AcquireRequest& request, v1::AcquireResponse* response)
+      : AcquireWait(request, response) {}
+  void Answer(absl::Status status, bool granted) override { answered.Set(status, granted); }
+  bool Cancelled() const override { return false; }
+  Answered answered;
+};
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefix_ = absl::StrCat("tsmtest-store-", getpid());
+    boost::interprocess::shared_memory_object::remove((prefix_ + ".ctl").c_str());
+    CatalogOptions options{prefix_, 8 << 20, 2 << 20, 64};
+    options.backing = SegmentBacking::kMemfd;
+    absl::StatusOr<std::unique_ptr<Catalog>> catalog = Catalog::Create(options);
+    ASSERT_TRUE(catalog.ok()) << catalog.status();
+    store_ = std::make_unique<Store>(*std::move(catalog));
+    grower_ = std::thread([this] { store_->GrowPools(); });
+    timer_ = std::thread([this] { store_->ExpireWaiters(); });
+  }
+
+  void TearDown() override {
+    if (store_ == nullptr) return;
+    store_->BeginShutdown();
+    grower_.join();
+    timer_.join();
+    store_.reset();
+    boost::interprocess::shared_memory_object::remove((prefix_ + ".ctl").c_str());
+  }
+
+  // Opens a session for `peer`; its token.
+  std::string Open(const PeerCredentials& peer) {
+    v1::SessionOpen open;
+    open.set_pid(peer.pid);
+    open.set_client_name("store_test");
+    uint64_t id = 0;
+    std::string token;
+    absl::StatusOr<v1::SessionResponse> opened =
+        store_->OpenSession(peer, "test", open, &id, &token);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    EXPECT_NE(id, 0u);
+    EXPECT_EQ(opened->opened().session_id(), token);
+    ids_[token] = id;
+    return token;
+  }
+
+  // Creates a uint8 host tensor of `bytes` for the session `token`; its id. The first create
+  // grows the pool, on GrowPools' thread, and is answered there.
+  absl::StatusOr<uint64_t> Create(const std::string& token, int64_t bytes) {
+    v1::CreateRequest request;
+    ToWire(DLDataType{kDLUInt, 8, 1}, request.mutable_dtype());
+    request.add_shape(bytes);
+    v1::CreateResponse response;
+    TestCall later;
+    bool answered_later = false;
+    absl::Status status = store_->Create(
+        peer_, token, request, &response, [&]() -> PendingCall* { return &later; },
+        &answered_later);
+    if (answered_later) {
+      std::optional<absl::Status> answer = later.answered.Wait();
+      if (!answer.has_value()) return absl::DeadlineExceededError("GrowPools never answered");
+      status = *answer;
+    }
+    if (!status.ok()) return status;
+    return response.tensor_id();
+  }
+
+  absl::Status Publish(const std::string& token, uint64_t tensor_id, const std::string& name) {
+    v1::PublishRequest request;
+    request.set_tensor_id(tensor_id);
+    request.set_name(name);
+    v1::PublishResponse response;
+    return store_->Publish(peer_, token, request, &response);
+  }
+
+  const PeerCredentials peer_{.pid = getpid(), .uid = getuid(), .gid = getgid()};
+  std::string prefix_;
+  std::unique_ptr<Store> store_;
+  std::thread grower_;
+  std::thread timer_;
+  std::map<std::string, uint64_t> ids_;
+};
+
+TEST_F(StoreTest, CreatePublishAcquireAndDeleteWithoutATransport) {
+  const std::string token = Open(peer_);
+  absl::StatusOr<uint64_t> tensor = Create(token, 4096);
+  ASSERT_TRUE(tensor.ok()) << tensor.status();
+
+  // An acquire that may wait is listed until the publish, which answers it with a lease.
+  v1::AcquireRequest wait_for;
+  wait_for.set_name("store.t");
+  wait_for.set_wait_ms(60000);
+  v1::AcquireResponse waited;
+  TestAcquire waiter(wait_for, &waited);
+  waiter.deadline = absl::Now() + absl::Minutes(1);
+  bool answered_later = false;
+  ASSERT_TRUE(store_->Acquire(peer_, token, &waiter, &answered_later).ok());
+  ASSERT_TRUE(answered_later);
+  EXPECT_FALSE(waiter.answered.answered());
+  ASSERT_TRUE(Publish(token, *tensor, "store.t").ok());
+  std::optional<absl::Status> woken = waiter.answered.Wait();
+  ASSERT_TRUE(woken.has_value());
+  EXPECT_TRUE(woken->ok()) << *woken;
+  EXPECT_NE(waited.lease_id(), 0u);
+  EXPECT_EQ(waited.tensor_id(), *tensor);
+  EXPECT_EQ(waited.desc().nbytes(), 4096);
+  store_->WaiterDone(&waiter, /*cancelled=*/false);
+
+  // An acquire of a published name is answered at once.
+  v1::AcquireRequest now;
+  now.set_name("store.t");
+  v1::AcquireResponse acquired;
+  TestAcquire at_once(now, &acquired);
+  answered_later = false;
+  ASSERT_TRUE(store_->Acquire(peer_, token, &at_once, &answered_later).ok());
+  EXPECT_FALSE(answered_later);
+  EXPECT_EQ(acquired.tensor_id(), *tensor);
+  EXPECT_NE(acquired.lease_id(), waited.lease_id());
+  store_->WaiterDone(&at_once, false);
+
+  v1::ListResponse listed;
+  ASSERT_TRUE(store_->List(peer_, v1::ListRequest(), &listed).ok());
+  ASSERT_EQ(listed.tensors_size(), 1);
+  EXPECT_EQ(listed.tensors(0).name(), "store.t");
+  EXPECT_EQ(listed.tensors(0).leases(), 2);
+  EXPECT_EQ(store_->StatSnapshot().sessions(), 1);
+
+  v1::DeleteRequest remove;
+  remove.set_name("store.t");
+  EXPECT_TRUE(store_->Delete(peer_, token, remove).ok());
+  listed.Clear();
+  ASSERT_TRUE(store_->List(peer_, v1::ListRequest(), &listed).ok());
+  EXPECT_EQ(listed.tensors_size(), 0);
+
+  store_->CloseSession(ids_[token], token);
+  EXPECT_EQ(store_->StatSnapshot().sessions(), 0);
+}
+
+TEST_F(StoreTest, RefusalsAreStatusesWithTheirMessages) {
+  const std::string token = Open(peer_);
+  v1::AcquireRequest missing;
+  missing.set_name("store.missing");
+  v1::AcquireResponse response;
+  TestAcquire at_once(missing, &response);
+  bool answered_later = false;
+  absl::Status refused = store_->Acquire(peer_, token, &at_once, &answered_later);
+  EXPECT_FALSE(answered_later);
+  EXPECT_EQ(refused, absl::NotFoundError("name = \"store.missing\": not published"));
+  store_->WaiterDone(&at_once, false);
+
+  // A call that names no session, or a session nobody opened.
+  v1::PublishRequest publish;
+  publish.set_name("store.x");
+  v1::PublishResponse published;
+  EXPECT_EQ(store_->Publish(peer_, std::nullopt, publish, &published),
+            absl::InvalidArgumentError("metadata tensorshm-session: missing; open a Session "
+                                       "stream and send its id"));
+  EXPECT_EQ(store_->Publish(peer_, std::string("nope"), publish, &published).code(),
+            absl::StatusCode::kFailedPrecondition);
+  store_->CloseSession(ids_[token], token);
+}
+
+TEST_F(StoreTest, AWaitingAcquireEndsAtItsDeadlineOrWithItsSession) {
+  const std::string token = Open(peer_);
+  v1::AcquireRequest request;
+  request.set_name("store.late");
+  request.set_wait_ms(50);
+  v1::AcquireResponse response;
+  TestAcquire expiring(request, &response);
+  expiring.deadline = absl::Now() + absl::Milliseconds(50);
+  bool answered_later = false;
+  ASSERT_TRUE(store_->Acquire(peer_, token, &expiring, &answered_later).ok());
+  ASSERT_TRUE(answered_later);
+  std::optional<absl::Status> expired = expiring.answered.Wait();
+  ASSERT_TRUE(expired.has_value());
+  EXPECT_EQ(*expired,
+            absl::DeadlineExceededError("name = \"store.late\": not published within wait_ms = 50"));
+  store_->WaiterDone(&expiring, false);
+
+  request.set_wait_ms(-1);
+  TestAcquire orphan(request, &response);
+  answered_later = false;
+  ASSERT_TRUE(store_->Acquire(peer_, token, &orphan, &answered_later).ok());
+  ASSERT_TRUE(answered_later);
+  store_->CloseSession(ids_[token], token);
+  std::optional<absl::Status> ended = orphan.answered.Wait();
+  ASSERT_TRUE(ended.has_value());
+  EXPECT_EQ(ended->code(), absl::StatusCode::kFailedPrecondition) << *ended;
+  store_->WaiterDone(&orphan, false);
+}
+
+}  // namespace
+}  // namespace tensorshm
