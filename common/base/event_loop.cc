@@ -91,7 +91,9 @@ absl::StatusOr<int> EventLoop::Poll(int timeout_ms) {
     }
     (*callback)(events[i].events);
   }
-  if (retired_pending_.exchange(false, std::memory_order_acquire)) {
+  // A plain load first: the exchange (a locked instruction) only when something was retired.
+  if (retired_pending_.load(std::memory_order_relaxed) &&
+      retired_pending_.exchange(false, std::memory_order_acquire)) {
     MutexLock lock(&mu_);
     retired_.clear();
   }
