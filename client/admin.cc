@@ -11,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/fork.h"
 #include "common/base/sys_error.h"
+#include "common/base/unique_fd.h"
+#include "common/base/unix_socket.h"
 
 namespace tensorshm {
 
@@ -18,7 +20,7 @@ namespace {
 
 // PERMISSION_DENIED for a daemon socket `where` served by `peer`, which is none of the uids the
 // client accepts.
-absl::Status UntrustedServer(const std::string& where, const ucred& peer,
+absl::Status UntrustedServer(const std::string& where, const PeerCredentials& peer,
                              std::optional<uint32_t> server_uid) {
   const uid_t euid = geteuid();
   std::string expected = absl::StrCat("uid ", euid, " (this process's own)");
@@ -45,39 +47,31 @@ absl::StatusOr<int> ConnectToDaemon(const std::string& socket, std::optional<uin
     return absl::InvalidArgumentError(absl::StrCat("socket = \"", socket, "\": longer than ",
                                                    sizeof(address.sun_path) - 1, " bytes"));
   }
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoError("socket", where, errno);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return ErrnoError("socket", where, errno);
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, socket.data(), socket.size());
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    const int err = errno;
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("connect(", where, "): ", std::strerror(err)));
+  if (connect(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    return absl::UnavailableError(absl::StrCat("connect(", where, "): ", std::strerror(errno)));
   }
   // The credentials of the process that made the socket listen, as the kernel recorded them: a
   // file's owner or mode could be anyone's, this cannot.
-  ucred peer{};
-  socklen_t length = sizeof(peer);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0) {
-    const int err = errno;
-    close(fd);
-    return ErrnoError("getsockopt(SO_PEERCRED)", where, err);
-  }
-  if (peer.uid == geteuid() || peer.uid == 0 ||
-      (server_uid.has_value() && peer.uid == *server_uid)) {
+  absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(fd.get(), where);
+  if (!peer.ok()) return peer.status();
+  if (peer->uid == geteuid() || peer->uid == 0 ||
+      (server_uid.has_value() && peer->uid == *server_uid)) {
     // The daemon's end as the kernel names it (a relative, linked or bind-mounted path given to
     // the client may differ): what a fork child recognises the parent's connections by.
     sockaddr_un name{};
     socklen_t name_length = sizeof(name);
-    if (getpeername(fd, reinterpret_cast<sockaddr*>(&name), &name_length) == 0 &&
+    if (getpeername(fd.get(), reinterpret_cast<sockaddr*>(&name), &name_length) == 0 &&
         name.sun_family == AF_UNIX && name_length > offsetof(sockaddr_un, sun_path)) {
       RememberDaemonSocket(
           std::string(name.sun_path, strnlen(name.sun_path, sizeof(name.sun_path))));
     }
-    return fd;
+    return fd.release();  // the caller's to close
   }
-  close(fd);
-  return UntrustedServer(where, peer, server_uid);
+  return UntrustedServer(where, *peer, server_uid);
 }
 
 }  // namespace tensorshm

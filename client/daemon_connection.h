@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/admin.h"
+#include "common/base/unique_fd.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
 namespace tensorshm {
@@ -37,16 +38,16 @@ class DaemonConnection {
   bool Broken() const;
 
  private:
-  DaemonConnection(std::shared_ptr<grpc::Channel> channel, int watch_fd)
+  DaemonConnection(std::shared_ptr<grpc::Channel> channel, UniqueFd watch_fd)
       : channel_(std::move(channel)),
         stub_(v1::TensorShm::NewStub(channel_)),
-        watch_fd_(watch_fd) {}
+        watch_fd_(std::move(watch_fd)) {}
 
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::TensorShm::Stub> stub_;
   // A duplicate of the descriptor gRPC owns, only ever polled (never read): gRPC's own channel
   // on a descriptor reports no connectivity state.
-  int watch_fd_;
+  const UniqueFd watch_fd_;
 };
 
 }  // namespace tensorshm

@@ -73,13 +73,4 @@ size_t PeerTable::size() const {
   return peers_.size();
 }
 
-absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd) {
-  struct ucred credentials;
-  socklen_t length = sizeof(credentials);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
-    return ErrnoError("getsockopt(SO_PEERCRED)", absl::StrCat("fd ", fd), errno);
-  }
-  return PeerCredentials{credentials.pid, credentials.uid, credentials.gid};
-}
-
 }  // namespace tensorshm

@@ -14,14 +14,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/base/mutex.h"
+#include "common/base/unix_socket.h"  // PeerCredentials, ReadPeerCredentials
 
 namespace tensorshm {
-
-struct PeerCredentials {
-  pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-};
 
 // Immutable after construction; thread-safe.
 class AccessPolicy {
@@ -74,9 +69,6 @@ class PeerTable {
   std::map<int, Entry> peers_ ABSL_GUARDED_BY(mu_);
   size_t adds_since_sweep_ ABSL_GUARDED_BY(mu_) = 0;
 };
-
-// Reads the credentials of the process at the other end of Unix socket `fd`.
-absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd);
 
 }  // namespace tensorshm
 

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -69,36 +68,30 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Create(const std::st
   if (path.size() >= sizeof(address.sun_path)) {
     return absl::InvalidArgumentError("--socket = \"" + path + "\": too long for a Unix socket");
   }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return ErrnoError("socket", path, errno);
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) return ErrnoError("socket", path, errno);
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, path.data(), path.size());
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    const int err = errno;
-    close(fd);
-    return ErrnoError("bind", path, err);
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    return ErrnoError("bind", path, errno);
   }
   // The mode is set before listen(): nobody can connect in between.
-  if (chmod(path.c_str(), mode) != 0 || listen(fd, 512) != 0) {
+  if (chmod(path.c_str(), mode) != 0 || listen(fd.get(), 512) != 0) {
     const int err = errno;
-    close(fd);
     unlink(path.c_str());
     return ErrnoError("chmod/listen", path, err);
   }
-  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake < 0) {
-    const int err = errno;
-    close(fd);
+  absl::StatusOr<std::unique_ptr<EventLoop>> loop = EventLoop::Create(path);
+  if (!loop.ok()) {
     unlink(path.c_str());
-    return ErrnoError("eventfd", path, err);
+    return loop.status();
   }
-  return std::unique_ptr<UnixListener>(new UnixListener(path, fd, wake));
+  return std::unique_ptr<UnixListener>(new UnixListener(path, std::move(fd), *std::move(loop)));
 }
 
 UnixListener::~UnixListener() {
   Stop();
-  close(fd_);
-  close(wake_fd_);
+  fd_.reset();
   unlink(path_.c_str());
 }
 
@@ -111,23 +104,9 @@ void UnixListener::Start(Handoff on_grpc, Handoff on_channel, AcceptPolicy polic
 
 void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
                        const AcceptPolicy& policy, absl::Duration sort_timeout) {
-  const int epoll = epoll_create1(EPOLL_CLOEXEC);
-  if (epoll < 0) {
-    TSM_LOG(kError) << "epoll_create1 for " << path_ << ": " << std::strerror(errno);
-    return;
-  }
-  epoll_event event{};
-  event.events = EPOLLIN;
-  event.data.fd = fd_;
-  int added = epoll_ctl(epoll, EPOLL_CTL_ADD, fd_, &event);
-  event.data.fd = wake_fd_;
-  if (added == 0) added = epoll_ctl(epoll, EPOLL_CTL_ADD, wake_fd_, &event);
-  if (added != 0) {
-    // Nothing could ever be accepted: a daemon that cannot serve anyone stops here.
-    TSM_LOG(kError) << "epoll_ctl for " << path_ << ": " << std::strerror(errno);
-    std::abort();
-  }
+  EventLoop& loop = *loop_;
   struct Pending {
+    UniqueFd fd;
     PeerCredentials peer;
     absl::Time deadline;
     bool admitted = true;
@@ -142,16 +121,128 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
   };
   // Closes a connection the listener still holds.
   auto drop = [&](int fd) {
-    epoll_ctl(epoll, EPOLL_CTL_DEL, fd, nullptr);
-    pending.erase(fd);
+    loop.Unwatch(fd);
+    auto it = pending.find(fd);
+    UniqueFd conn = it != pending.end() ? std::move(it->second.fd) : UniqueFd();
+    if (it != pending.end()) pending.erase(it);
     connections.Remove(fd);
-    close(fd);
+    conn.reset();
   };
+  // Hands a sorted connection on (`handoff` owns it from then on).
+  auto hand_on = [&](int fd, const Handoff& handoff) {
+    loop.Unwatch(fd);
+    auto it = pending.find(fd);
+    const PeerCredentials peer = it->second.peer;
+    const int conn = it->second.fd.release();
+    pending.erase(it);
+    handoff(conn, peer);
+  };
+  // A report on an accepted connection: its first bytes, or its hang-up.
+  auto sort = [&](int fd, uint32_t events) {
+    auto it = pending.find(fd);
+    if (it == pending.end()) return;
+    const absl::Time now = absl::Now();
+    char bytes[kChannelHelloBytes];
+    const ssize_t got = recv(fd, bytes, sizeof(bytes), MSG_PEEK | MSG_DONTWAIT);
+    if (got < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    const PeerCredentials peer = it->second.peer;
+    const Kind kind = got > 0 ? Sort(bytes, static_cast<size_t>(got)) : Kind::kUnknown;
+    if (kind == Kind::kNeedMore && (events & (EPOLLRDHUP | EPOLLHUP)) == 0) return;
+    if (kind == Kind::kChannel && !it->second.admitted) {
+      // A stranger's gRPC calls are answered PERMISSION_DENIED; a memory channel could only
+      // be refused, and is closed here.
+      refusals.Refused(peer.uid,
+                       absl::StrCat("memory channel refused: ",
+                                    policy.admit ? policy.admit(peer).message() : ""),
+                       now);
+      drop(fd);
+      return;
+    }
+    if (kind == Kind::kGrpc) {
+      // Handed on, still counted: ConnectionTable notices when its new owner closes it.
+      hand_on(fd, on_grpc);
+    } else if (kind == Kind::kChannel && recv(fd, bytes, sizeof(bytes), MSG_DONTWAIT) ==
+                                             static_cast<ssize_t>(sizeof(bytes))) {
+      hand_on(fd, on_channel);
+    } else {
+      if (got > 0) {
+        refusals.Refused(peer.uid,
+                         absl::StrCat("connection from pid ", peer.pid, " (uid ", peer.uid,
+                                      ") speaks neither gRPC nor the memory channel; closed"),
+                         now);
+      }
+      drop(fd);
+    }
+  };
+  // A report on the listening socket: connections to accept.
+  auto accept_batch = [&](uint32_t) {
+    const absl::Time now = absl::Now();
+    // A bounded batch per wake-up, so that a flood of connections does not keep the loop from
+    // the ones already accepted (and their sort deadlines).
+    for (int batch = 0; batch < kAcceptBatch; ++batch) {
+      UniqueFd conn(accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!conn) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE) {
+          refusals.Refused(kNoUid,
+                           absl::StrCat("accept on ", path_, ": ", std::strerror(errno),
+                                        " (connections wait in the backlog)"),
+                           now);
+          usleep(10000);
+        }
+        break;  // EAGAIN: all taken
+      }
+      const int fd = conn.get();
+      absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(fd);
+      if (!peer.ok()) {
+        refusals.Refused(kNoUid, std::string(peer.status().message()), now);
+        continue;
+      }
+      // The number is free again, so whatever held it before has closed: not counted.
+      connections.Remove(fd);
+      // Admission before resources: past its few connections that are held only to be told
+      // why, a stranger's connection is closed before it is read, sorted or handed to anyone;
+      // so is one past its uid's or the daemon's limit.
+      absl::Status admitted = policy.admit ? policy.admit(*peer) : absl::OkStatus();
+      if (const ConnectionRefusal why = connections.Check(peer->uid, admitted.ok(), now);
+          why != ConnectionRefusal::kNone) {
+        conn.reset();
+        count(why);
+        refusals.Refused(
+            peer->uid,
+            why == ConnectionRefusal::kNotAdmitted
+                ? absl::StrCat("connection refused at accept: ", admitted.message(), " (past the ",
+                               connections.limits().stranger_per_uid,
+                               " connections a uid that is not admitted may hold to be told so, ",
+                               connections.limits().strangers, " in all)")
+                : RefusalLine(*peer, why, connections),
+            now);
+        continue;
+      }
+      if (absl::Status s = connections.Add(fd, peer->uid, admitted.ok()); !s.ok()) {
+        refusals.Refused(peer->uid, std::string(s.message()), now);
+        continue;
+      }
+      // Edge-triggered: a peer that trickles its hello byte by byte wakes the loop once per
+      // arrival, not continuously.
+      if (!loop.Watch(fd, EPOLLIN | EPOLLRDHUP | EPOLLET,
+                      [&sort, fd](uint32_t events) { sort(fd, events); })
+               .ok()) {
+        connections.Remove(fd);
+        continue;
+      }
+      pending[fd] = Pending{std::move(conn), *peer, now + sort_timeout, admitted.ok()};
+    }
+  };
+  if (absl::Status watched = loop.Watch(fd_.get(), EPOLLIN, accept_batch); !watched.ok()) {
+    // Nothing could ever be accepted: a daemon that cannot serve anyone stops here.
+    TSM_LOG(kError) << watched.message();
+    std::abort();
+  }
   absl::Time next_sweep = absl::Now() + kGaugeSweepInterval;
-  bool running = true;
-  while (running) {
+  while (!loop.stopped()) {
     int timeout_ms = -1;
-    absl::Time now = absl::Now();
+    const absl::Time now = absl::Now();
     auto wake_by = [&](absl::Time when) {
       const int64_t ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(when - now) + 1);
       if (timeout_ms < 0 || ms < timeout_ms)
@@ -183,132 +274,20 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
       policy.metrics->SetConnections(static_cast<int64_t>(connections.total()));
     }
     if (connections.total() > 0) wake_by(next_sweep);
-    epoll_event events[64];
-    const int n = epoll_wait(epoll, events, 64, timeout_ms);
-    if (n < 0 && errno != EINTR) {
-      TSM_LOG(kError) << "epoll_wait on " << path_ << ": " << std::strerror(errno);
+    if (absl::StatusOr<int> polled = loop.Poll(timeout_ms); !polled.ok()) {
+      TSM_LOG(kError) << polled.status().message();
       break;
     }
-    now = absl::Now();
-    for (int i = 0; i < n; ++i) {
-      const int fd = events[i].data.fd;
-      if (fd == wake_fd_) {
-        running = false;
-        break;
-      }
-      if (fd == fd_) {
-        // A bounded batch per wake-up, so that a flood of connections does not keep the loop
-        // from the ones already accepted (and their sort deadlines).
-        for (int batch = 0; batch < kAcceptBatch; ++batch) {
-          const int conn = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-          if (conn < 0) {
-            if (errno == EINTR || errno == ECONNABORTED) continue;
-            if (errno == EMFILE || errno == ENFILE) {
-              refusals.Refused(kNoUid,
-                               absl::StrCat("accept on ", path_, ": ", std::strerror(errno),
-                                            " (connections wait in the backlog)"),
-                               now);
-              usleep(10000);
-            }
-            break;  // EAGAIN: all taken
-          }
-          absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(conn);
-          if (!peer.ok()) {
-            refusals.Refused(kNoUid, std::string(peer.status().message()), now);
-            close(conn);
-            continue;
-          }
-          // The number is free again, so whatever held it before has closed: not counted.
-          connections.Remove(conn);
-          // Admission before resources: past its few connections that are held only to be
-          // told why, a stranger's connection is closed before it is read, sorted or handed to
-          // anyone; so is one past its uid's or the daemon's limit.
-          absl::Status admitted = policy.admit ? policy.admit(*peer) : absl::OkStatus();
-          if (const ConnectionRefusal why = connections.Check(peer->uid, admitted.ok(), now);
-              why != ConnectionRefusal::kNone) {
-            close(conn);
-            count(why);
-            refusals.Refused(
-                peer->uid,
-                why == ConnectionRefusal::kNotAdmitted
-                    ? absl::StrCat("connection refused at accept: ", admitted.message(),
-                                   " (past the ", connections.limits().stranger_per_uid,
-                                   " connections a uid that is not admitted may hold to be told "
-                                   "so, ",
-                                   connections.limits().strangers, " in all)")
-                    : RefusalLine(*peer, why, connections),
-                now);
-            continue;
-          }
-          if (absl::Status s = connections.Add(conn, peer->uid, admitted.ok()); !s.ok()) {
-            refusals.Refused(peer->uid, std::string(s.message()), now);
-            close(conn);
-            continue;
-          }
-          // Edge-triggered: a peer that trickles its hello byte by byte wakes the loop once
-          // per arrival, not continuously.
-          epoll_event watch{};
-          watch.events = EPOLLIN | EPOLLRDHUP | EPOLLET;
-          watch.data.fd = conn;
-          if (epoll_ctl(epoll, EPOLL_CTL_ADD, conn, &watch) != 0) {
-            connections.Remove(conn);
-            close(conn);
-            continue;
-          }
-          pending[conn] = Pending{*peer, now + sort_timeout, admitted.ok()};
-        }
-        continue;
-      }
-      auto it = pending.find(fd);
-      if (it == pending.end()) continue;
-      char bytes[kChannelHelloBytes];
-      const ssize_t got = recv(fd, bytes, sizeof(bytes), MSG_PEEK | MSG_DONTWAIT);
-      if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-      const PeerCredentials peer = it->second.peer;
-      const Kind kind = got > 0 ? Sort(bytes, static_cast<size_t>(got)) : Kind::kUnknown;
-      if (kind == Kind::kNeedMore && (events[i].events & (EPOLLRDHUP | EPOLLHUP)) == 0) continue;
-      if (kind == Kind::kChannel && !it->second.admitted) {
-        // A stranger's gRPC calls are answered PERMISSION_DENIED; a memory channel could only
-        // be refused, and is closed here.
-        refusals.Refused(peer.uid,
-                         absl::StrCat("memory channel refused: ",
-                                      policy.admit ? policy.admit(peer).message() : ""),
-                         now);
-        drop(fd);
-        continue;
-      }
-      if (kind == Kind::kGrpc) {
-        // Handed on, still counted: ConnectionTable notices when its new owner closes it.
-        epoll_ctl(epoll, EPOLL_CTL_DEL, fd, nullptr);
-        pending.erase(fd);
-        on_grpc(fd, peer);
-      } else if (kind == Kind::kChannel && recv(fd, bytes, sizeof(bytes), MSG_DONTWAIT) ==
-                                               static_cast<ssize_t>(sizeof(bytes))) {
-        epoll_ctl(epoll, EPOLL_CTL_DEL, fd, nullptr);
-        pending.erase(fd);
-        on_channel(fd, peer);
-      } else {
-        if (got > 0) {
-          refusals.Refused(peer.uid,
-                           absl::StrCat("connection from pid ", peer.pid, " (uid ", peer.uid,
-                                        ") speaks neither gRPC nor the memory channel; closed"),
-                           now);
-        }
-        drop(fd);
-      }
-    }
   }
-  for (const auto& [fd, unused] : pending) close(fd);
+  loop.Unwatch(fd_.get());
+  for (auto& [fd, connection] : pending) loop.Unwatch(fd);
+  pending.clear();  // closes them
   refusals.Flush(absl::InfiniteFuture());
-  close(epoll);
 }
 
 void UnixListener::Stop() {
   if (!thread_.joinable()) return;
-  const uint64_t one = 1;
-  if (write(wake_fd_, &one, sizeof(one)) < 0) {
-    TSM_LOG(kWarning) << "waking the accept loop: " << std::strerror(errno);
-  }
+  loop_->Stop();
   thread_.join();
 }
 

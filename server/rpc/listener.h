@@ -15,9 +15,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/base/event_loop.h"
+#include "common/base/unique_fd.h"
 #include "server/core/access.h"
-#include "server/rpc/connection_table.h"
 #include "server/ops/metrics.h"
+#include "server/rpc/connection_table.h"
 
 namespace tensorshm {
 
@@ -53,13 +55,13 @@ class UnixListener {
   void Stop();
 
  private:
-  UnixListener(std::string path, int fd, int wake_fd)
-      : path_(std::move(path)), fd_(fd), wake_fd_(wake_fd) {}
+  UnixListener(std::string path, UniqueFd fd, std::unique_ptr<EventLoop> loop)
+      : path_(std::move(path)), fd_(std::move(fd)), loop_(std::move(loop)) {}
   void Run(const Handoff& on_grpc, const Handoff& on_channel, const AcceptPolicy& policy,
            absl::Duration sort_timeout);
   std::string path_;
-  int fd_;
-  int wake_fd_;  // an eventfd that Stop() signals
+  UniqueFd fd_;
+  std::unique_ptr<EventLoop> loop_;  // the accept thread's; Stop() stops it
   std::thread thread_;
 };
 

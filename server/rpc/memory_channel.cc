@@ -2,7 +2,6 @@
 
 #include <sched.h>
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,55 +11,41 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/shm/channel_frame.h"
 #include "common/base/sys_error.h"
+#include "common/shm/channel_frame.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
 
 absl::StatusOr<std::unique_ptr<ChannelServer>> ChannelServer::Start(Handler handler) {
-  const int epoll = epoll_create1(EPOLL_CLOEXEC);
-  if (epoll < 0) return ErrnoError("epoll_create1", "memory channel", errno);
-  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake < 0) {
-    const int err = errno;
-    close(epoll);
-    return ErrnoError("eventfd", "memory channel", err);
-  }
-  epoll_event event{};
-  event.events = EPOLLIN;
-  event.data.fd = wake;
-  if (epoll_ctl(epoll, EPOLL_CTL_ADD, wake, &event) != 0) {
-    const int err = errno;
-    close(wake);
-    close(epoll);
-    return ErrnoError("epoll_ctl", "memory channel", err);
-  }
-  std::unique_ptr<ChannelServer> server(new ChannelServer(std::move(handler), epoll, wake));
+  absl::StatusOr<std::unique_ptr<EventLoop>> loop = EventLoop::Create("memory channel");
+  if (!loop.ok()) return loop.status();
+  std::unique_ptr<ChannelServer> server(new ChannelServer(std::move(handler), *std::move(loop)));
   server->thread_ = std::thread(&ChannelServer::Run, server.get());
   return server;
 }
 
-ChannelServer::~ChannelServer() {
-  Stop();
-  close(epoll_fd_);
-  close(wake_fd_);
-}
+ChannelServer::~ChannelServer() { Stop(); }
 
 void ChannelServer::Add(int fd, const PeerCredentials& peer) {
+  Connection* added;
   {
     MutexLock lock(&mu_);
     auto connection = std::make_unique<Connection>();
+    connection->fd.reset(fd);
     connection->state.peer = peer;
+    added = connection.get();
     connections_[fd] = std::move(connection);
   }
-  epoll_event event{};
-  event.events = EPOLLIN | EPOLLRDHUP;
-  event.data.fd = fd;
-  if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &event) != 0) {
-    TSM_LOG(kWarning) << "memory channel of pid " << peer.pid
-                      << ": epoll_ctl: " << std::strerror(errno);
-    Close(fd);
+  // The connection stays where it is until the serving thread closes it (or Stop()).
+  absl::Status watched =
+      loop_->Watch(fd, EPOLLIN | EPOLLRDHUP, [this, fd, added](uint32_t /*events*/) {
+        if (!Serve(fd, *added)) Close(fd);
+      });
+  if (!watched.ok()) {
+    TSM_LOG(kWarning) << "memory channel of pid " << peer.pid << ": " << watched.message();
+    MutexLock lock(&mu_);
+    connections_.erase(fd);
   }
 }
 
@@ -71,20 +56,20 @@ size_t ChannelServer::connection_count() const {
 
 void ChannelServer::Stop() {
   if (!thread_.joinable()) return;
-  const uint64_t one = 1;
-  if (write(wake_fd_, &one, sizeof(one)) < 0) {
-    TSM_LOG(kWarning) << "waking the memory channel: " << std::strerror(errno);
-  }
+  loop_->Stop();
   thread_.join();
   MutexLock lock(&mu_);
-  for (const auto& [fd, connection] : connections_) close(fd);
-  connections_.clear();
+  connections_.clear();  // closes them
 }
 
 void ChannelServer::Close(int fd) {
-  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+  loop_->Unwatch(fd);
+  std::unique_ptr<Connection> closed;  // closed (and freed) once the lock is released
   MutexLock lock(&mu_);
-  if (connections_.erase(fd) > 0) close(fd);
+  auto it = connections_.find(fd);
+  if (it == connections_.end()) return;
+  closed = std::move(it->second);
+  connections_.erase(it);
 }
 
 void ChannelServer::Run() {
@@ -96,38 +81,25 @@ void ChannelServer::Run() {
   // (ChannelExpect) before its publish.
   constexpr absl::Duration kLinger = absl::Microseconds(50);
   absl::Time linger_until = absl::InfinitePast();
-  while (true) {
-    epoll_event events[64];
-    int n = 0;
+  while (!loop_->stopped()) {
+    // Each Poll() serves what came (Serve) before it returns.
+    absl::StatusOr<int> n = 0;
     while (true) {
-      n = epoll_wait(epoll_fd_, events, 64, 0);
-      if (n != 0 || absl::Now() >= linger_until) break;
+      n = loop_->Poll(0);
+      if (!n.ok() || *n != 0 || absl::Now() >= linger_until) break;
       sched_yield();
     }
-    if (n == 0 && expect_fd_ >= 0) {
+    if (n.ok() && *n == 0 && expect_fd_ >= 0) {
       // The expected request did not come in time (a slow fill, a crowded machine, where the
       // look only takes CPU from the others): the next expectations are not looked for.
       expect_fd_ = -1;
       expect_until_ = absl::InfinitePast();
       expects_skipped_ = kExpectsAfterMiss;
     }
-    if (n == 0) n = epoll_wait(epoll_fd_, events, 64, -1);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      TSM_LOG(kError) << "memory channel: epoll_wait: " << std::strerror(errno);
+    if (n.ok() && *n == 0) n = loop_->Poll(-1);
+    if (!n.ok()) {
+      TSM_LOG(kError) << n.status().message();
       return;
-    }
-    for (int i = 0; i < n; ++i) {
-      const int fd = events[i].data.fd;
-      if (fd == wake_fd_) return;
-      Connection* connection;
-      {
-        MutexLock lock(&mu_);
-        auto it = connections_.find(fd);
-        if (it == connections_.end()) continue;
-        connection = it->second.get();  // only this thread removes connections while running
-      }
-      if (!Serve(fd, *connection)) Close(fd);
     }
     linger_until = std::max(absl::Now() + kLinger, expect_until_);
   }
@@ -188,8 +160,8 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
     std::string frame(kFrameHeaderBytes, '\0');
     reply.response.AppendToString(&frame);
     EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
-    absl::Status sent = SendWithFd(fd, frame, reply.fd, /*nonblocking=*/true, who);
-    if (reply.fd >= 0) close(reply.fd);
+    const UniqueFd attached(reply.fd);  // the handler's to send; closed once sent
+    absl::Status sent = SendWithFd(fd, frame, attached.get(), /*nonblocking=*/true, who);
     if (!sent.ok()) {
       TSM_LOG(kWarning) << sent.message();
       return false;

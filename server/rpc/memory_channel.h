@@ -13,8 +13,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "common/shm/channel_frame.h"
+#include "common/base/event_loop.h"
 #include "common/base/mutex.h"
+#include "common/base/unique_fd.h"
+#include "common/shm/channel_frame.h"
 #include "server/core/access.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 
@@ -53,19 +55,20 @@ class ChannelServer {
 
  private:
   struct Connection {
+    UniqueFd fd;
     ChannelConnection state;
     FrameReader input;  // bytes received, not yet a whole frame
   };
-  ChannelServer(Handler handler, int epoll_fd, int wake_fd)
-      : handler_(std::move(handler)), epoll_fd_(epoll_fd), wake_fd_(wake_fd) {}
+  ChannelServer(Handler handler, std::unique_ptr<EventLoop> loop)
+      : handler_(std::move(handler)), loop_(std::move(loop)) {}
   void Run();
   // Reads what `fd` has and answers every whole frame; false if the connection must go.
   bool Serve(int fd, Connection& connection);
+  // Serving thread only: stops watching `fd` and closes it.
   void Close(int fd) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Handler handler_;
-  const int epoll_fd_;
-  const int wake_fd_;
+  const std::unique_ptr<EventLoop> loop_;  // the serving thread's; Stop() stops it
   std::thread thread_;
   // The latest ChannelExpect (serving thread only): until when the thread looks for connection
   // expect_fd_'s next request rather than sleep; that request ends it.
