@@ -38,30 +38,27 @@ absl::Status UntrustedServer(const std::string& where, const ucred& peer,
 
 }  // namespace
 
-absl::StatusOr<int> ConnectToDaemon(const std::string& socket, std::optional<uint32_t> server_uid) {
+absl::StatusOr<UniqueFd> ConnectToDaemonSocket(const std::string& socket,
+                                               std::optional<uint32_t> server_uid) {
   const std::string where = absl::StrCat("unix:", socket);
   sockaddr_un address{};
   if (socket.size() >= sizeof(address.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("socket = \"", socket, "\": longer than ",
                                                    sizeof(address.sun_path) - 1, " bytes"));
   }
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoError("socket", where, errno);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoError("socket", where, errno);
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, socket.data(), socket.size());
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    const int err = errno;
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("connect(", where, "): ", std::strerror(err)));
+  if (connect(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    return absl::UnavailableError(absl::StrCat("connect(", where, "): ", std::strerror(errno)));
   }
   // The credentials of the process that made the socket listen, as the kernel recorded them: a
   // file's owner or mode could be anyone's, this cannot.
   ucred peer{};
   socklen_t length = sizeof(peer);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0) {
-    const int err = errno;
-    close(fd);
-    return ErrnoError("getsockopt(SO_PEERCRED)", where, err);
+  if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0) {
+    return ErrnoError("getsockopt(SO_PEERCRED)", where, errno);
   }
   if (peer.uid == geteuid() || peer.uid == 0 ||
       (server_uid.has_value() && peer.uid == *server_uid)) {
@@ -69,15 +66,20 @@ absl::StatusOr<int> ConnectToDaemon(const std::string& socket, std::optional<uin
     // the client may differ): what a fork child recognises the parent's connections by.
     sockaddr_un name{};
     socklen_t name_length = sizeof(name);
-    if (getpeername(fd, reinterpret_cast<sockaddr*>(&name), &name_length) == 0 &&
+    if (getpeername(fd.get(), reinterpret_cast<sockaddr*>(&name), &name_length) == 0 &&
         name.sun_family == AF_UNIX && name_length > offsetof(sockaddr_un, sun_path)) {
       RememberDaemonSocket(
           std::string(name.sun_path, strnlen(name.sun_path, sizeof(name.sun_path))));
     }
     return fd;
   }
-  close(fd);
   return UntrustedServer(where, peer, server_uid);
+}
+
+absl::StatusOr<int> ConnectToDaemon(const std::string& socket, std::optional<uint32_t> server_uid) {
+  absl::StatusOr<UniqueFd> fd = ConnectToDaemonSocket(socket, server_uid);
+  if (!fd.ok()) return fd.status();
+  return fd->release();  // the caller's now
 }
 
 }  // namespace tensorshm
