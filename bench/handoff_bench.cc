@@ -43,6 +43,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/base/unique_fd.h"
 #include "common/cuda/cuda_driver.h"
 #include "handoff_roles.h"
 #include "tensorshm/client.h"
@@ -86,10 +87,15 @@ struct Child {
   static Child Spawn(const std::vector<std::string>& argv) {
     int to_child[2], from_child[2];
     if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) std::abort();
+    // The child's ends are closed here once it has its copies; ours go to stdio.
+    tensorshm::UniqueFd child_stdin(to_child[0]);
+    tensorshm::UniqueFd child_stdout(from_child[1]);
+    tensorshm::UniqueFd to(to_child[1]);
+    tensorshm::UniqueFd from(from_child[0]);
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, to_child[0], STDIN_FILENO);
-    posix_spawn_file_actions_adddup2(&actions, from_child[1], STDOUT_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, child_stdin.get(), STDIN_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, child_stdout.get(), STDOUT_FILENO);
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -99,10 +105,10 @@ struct Child {
       std::exit(1);
     }
     posix_spawn_file_actions_destroy(&actions);
-    close(to_child[0]);
-    close(from_child[1]);
-    child.in = fdopen(to_child[1], "w");
-    child.out = fdopen(from_child[0], "r");
+    child_stdin.reset();
+    child_stdout.reset();
+    child.in = fdopen(to.release(), "w");  // the FILE closes it (fclose)
+    child.out = fdopen(from.release(), "r");
     return child;
   }
 

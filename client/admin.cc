@@ -40,7 +40,8 @@ absl::Status UntrustedServer(const std::string& where, const PeerCredentials& pe
 
 }  // namespace
 
-absl::StatusOr<int> ConnectToDaemon(const std::string& socket, std::optional<uint32_t> server_uid) {
+absl::StatusOr<UniqueFd> ConnectToDaemon(const std::string& socket,
+                                         std::optional<uint32_t> server_uid) {
   const std::string where = absl::StrCat("unix:", socket);
   sockaddr_un address{};
   if (socket.size() >= sizeof(address.sun_path)) {
@@ -69,7 +70,7 @@ absl::StatusOr<int> ConnectToDaemon(const std::string& socket, std::optional<uin
       RememberDaemonSocket(
           std::string(name.sun_path, strnlen(name.sun_path, sizeof(name.sun_path))));
     }
-    return fd.release();  // the caller's to close
+    return fd;
   }
   return UntrustedServer(where, *peer, server_uid);
 }

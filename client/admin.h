@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/base/unique_fd.h"
 
 namespace tensorshm {
 
@@ -16,10 +17,11 @@ namespace tensorshm {
 // checks who serves it, with SO_PEERCRED on that very connection: the server's uid must be this
 // process's effective uid, root, or `server_uid` when given (ClientOptions::server_uid). Another
 // local user could otherwise have made the socket's path first and serve it, and read or write
-// every tensor the client hands it. Returns the connected descriptor (the caller owns it).
+// every tensor the client hands it. Returns the connected descriptor.
 // UNAVAILABLE if nothing accepts the connection (no daemon, no socket); PERMISSION_DENIED naming
 // the socket, the server's uid and pid, the uids expected and the option that adds one.
-absl::StatusOr<int> ConnectToDaemon(const std::string& socket, std::optional<uint32_t> server_uid);
+absl::StatusOr<UniqueFd> ConnectToDaemon(const std::string& socket,
+                                         std::optional<uint32_t> server_uid);
 
 }  // namespace tensorshm
 

@@ -134,10 +134,8 @@ class ClientCore {
   // A memory channel request for the current session (Create, Publish); UNAVAILABLE when the
   // channel cannot be had (the caller then uses the RPC), else the daemon's answer.
   absl::StatusOr<v1::ChannelResponse> Exchange(v1::ChannelRequest& request) {
-    int fd = -1;
-    absl::StatusOr<v1::ChannelResponse> response = memory_.Exchange(session_id(), request, &fd);
-    if (fd >= 0) close(fd);
-    return response;
+    UniqueFd unused;  // a descriptor that came with the answer is closed
+    return memory_.Exchange(session_id(), request, &unused);
   }
 
   // Tells the daemon that a publish follows once `length` bytes are filled (ChannelExpect).

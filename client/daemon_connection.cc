@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/sys_error.h"
@@ -15,9 +16,9 @@
 namespace tensorshm {
 absl::StatusOr<std::shared_ptr<DaemonConnection>> DaemonConnection::Connect(
     const std::string& socket, std::optional<uint32_t> server_uid) {
-  absl::StatusOr<int> connected = ConnectToDaemon(socket, server_uid);
+  absl::StatusOr<UniqueFd> connected = ConnectToDaemon(socket, server_uid);
   if (!connected.ok()) return connected.status();
-  UniqueFd fd(*connected);
+  UniqueFd fd = *std::move(connected);
   UniqueFd watch(fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
   if (!watch) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", socket, errno);
   grpc::ChannelArguments args;

@@ -46,29 +46,28 @@ inline void CpuRelax() {
 }
 
 // Asks for one part and maps it: read-only, or read-write for the lease page.
-absl::StatusOr<std::pair<char*, size_t>> MapPart(MemoryChannel& channel,
-                                                 const std::string& session_token,
-                                                 v1::FastPathRequest::Part part) {
+absl::StatusOr<Mapping> MapPart(MemoryChannel& channel, const std::string& session_token,
+                                v1::FastPathRequest::Part part) {
   v1::ChannelRequest request;
   request.mutable_fast_path()->set_part(part);
-  int fd = -1;
+  UniqueFd fd;
   absl::StatusOr<v1::ChannelResponse> response = channel.Exchange(session_token, request, &fd);
   if (!response.ok()) return response.status();
   const std::string label = absl::StrCat("fast path part ", v1::FastPathRequest::Part_Name(part));
-  if (fd < 0 || !response->has_fast_path() || response->fast_path().part() != part ||
+  if (!fd.valid() || !response->has_fast_path() || response->fast_path().part() != part ||
       response->fast_path().size() == 0) {
-    if (fd >= 0) close(fd);
     return absl::FailedPreconditionError(absl::StrCat(
         label, ": the daemon granted something else (", response->ShortDebugString(), ")"));
   }
   const size_t size = response->fast_path().size();
   const bool writable = part == v1::FastPathRequest::LEASE_PAGE;
-  void* address =
-      mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+  Mapping mapped(
+      mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd.get(), 0),
+      size);
   const int err = errno;
-  close(fd);
-  if (address == MAP_FAILED) return ErrnoError("mmap", label, err);
-  return std::make_pair(static_cast<char*>(address), size);
+  fd.reset();  // the mapping keeps the object
+  if (!mapped.valid()) return ErrnoError("mmap", label, err);
+  return mapped;
 }
 
 }  // namespace
@@ -76,37 +75,32 @@ absl::StatusOr<std::pair<char*, size_t>> MapPart(MemoryChannel& channel,
 absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
                                                          const std::string& session_token) {
   std::shared_ptr<FastPath> fast(new FastPath());
-  absl::StatusOr<std::pair<char*, size_t>> index =
-      MapPart(channel, session_token, v1::FastPathRequest::INDEX);
+  absl::StatusOr<Mapping> index = MapPart(channel, session_token, v1::FastPathRequest::INDEX);
   if (!index.ok()) return index.status();
-  fast->index_ = index->first;
-  fast->index_size_ = index->second;
-  absl::StatusOr<std::pair<char*, size_t>> records =
-      MapPart(channel, session_token, v1::FastPathRequest::RECORDS);
+  fast->index_ = *std::move(index);
+  absl::StatusOr<Mapping> records = MapPart(channel, session_token, v1::FastPathRequest::RECORDS);
   if (!records.ok()) return records.status();
-  fast->records_ = records->first;
-  fast->records_size_ = records->second;
-  absl::StatusOr<std::pair<char*, size_t>> page =
-      MapPart(channel, session_token, v1::FastPathRequest::LEASE_PAGE);
+  fast->records_ = *std::move(records);
+  absl::StatusOr<Mapping> page = MapPart(channel, session_token, v1::FastPathRequest::LEASE_PAGE);
   if (!page.ok()) return page.status();
-  fast->page_ = page->first;
+  fast->page_ = *std::move(page);
 
   // The daemon is trusted, but its layout version may not be this client's. The control
   // segment's header may be written by another process at any time: each word is read once.
-  if (fast->index_size_ < sizeof(IndexHeader) || fast->records_size_ < sizeof(ControlHeader) ||
-      page->second < kLeasePageBytes) {
+  if (fast->index_.size() < sizeof(IndexHeader) || fast->records_.size() < sizeof(ControlHeader) ||
+      fast->page_.size() < kLeasePageBytes) {
     return absl::FailedPreconditionError(
         "fast path: the daemon's index or control segment is smaller than its header");
   }
   const IndexHeader& header = fast->index_header();
-  const auto* control = reinterpret_cast<const ControlHeader*>(fast->records_);
+  const auto* control = reinterpret_cast<const ControlHeader*>(fast->records_.data());
   const uint32_t buckets = __atomic_load_n(&header.bucket_count, __ATOMIC_RELAXED);
   const uint32_t record_count = __atomic_load_n(&header.record_count, __ATOMIC_RELAXED);
   if (header.magic != kIndexMagic || header.layout_version != kIndexLayoutVersion || buckets == 0 ||
-      (buckets & (buckets - 1)) != 0 || fast->index_size_ < IndexBytes(buckets, record_count) ||
+      (buckets & (buckets - 1)) != 0 || fast->index_.size() < IndexBytes(buckets, record_count) ||
       __atomic_load_n(&control->magic, __ATOMIC_RELAXED) != kControlMagic ||
       __atomic_load_n(&control->layout_version, __ATOMIC_RELAXED) != kControlLayoutVersion ||
-      fast->records_size_ < ControlSegmentBytes(record_count)) {
+      fast->records_.size() < ControlSegmentBytes(record_count)) {
     return absl::FailedPreconditionError(
         "fast path: the daemon's index or control segment is not of this client's layout");
   }
@@ -119,8 +113,9 @@ absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
   }
   fast->bucket_count_ = buckets;
   fast->record_count_ = record_count;
-  fast->buckets_ = reinterpret_cast<const IndexBucket*>(fast->index_ + IndexBucketsOffset());
-  fast->entries_ = reinterpret_cast<const IndexEntry*>(fast->index_ + IndexEntriesOffset(buckets));
+  fast->buckets_ = reinterpret_cast<const IndexBucket*>(fast->index_.data() + IndexBucketsOffset());
+  fast->entries_ =
+      reinterpret_cast<const IndexEntry*>(fast->index_.data() + IndexEntriesOffset(buckets));
   MutexLock lock(&fast->mu_);
   fast->free_slots_.reserve(kLeaseSlots - kFirstLeaseSlot);
   for (uint32_t slot = kLeaseSlots - 1; slot >= kFirstLeaseSlot; --slot) {
@@ -129,14 +124,10 @@ absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
   return fast;
 }
 
-FastPath::~FastPath() {
-  if (index_ != nullptr) munmap(const_cast<char*>(index_), index_size_);
-  if (records_ != nullptr) munmap(const_cast<char*>(records_), records_size_);
-  if (page_ != nullptr) munmap(page_, kLeasePageBytes);
-}
+FastPath::~FastPath() = default;  // the mappings go with it
 
 void FastPath::HeldTensorIds(std::vector<uint64_t>* ids) const {
-  const char* first = records_ + RecordsOffset();
+  const char* first = records_.data() + RecordsOffset();
   for (uint32_t slot = 0; slot < record_count_; ++slot) {
     const auto* record = reinterpret_cast<const TensorRecord*>(first + slot * sizeof(TensorRecord));
     // The id is written before the state (release); a record being rewritten meanwhile belongs
@@ -220,7 +211,7 @@ FastPath::Outcome FastPath::TryAcquire(std::string_view name, Leased* leased) {
 bool FastPath::Describe(uint32_t record_slot, uint64_t tensor_id, std::string_view name,
                         Leased* leased) const {
   const auto& shared = *reinterpret_cast<const TensorRecord*>(
-      records_ + RecordsOffset() + uint64_t{record_slot} * sizeof(TensorRecord));
+      records_.data() + RecordsOffset() + uint64_t{record_slot} * sizeof(TensorRecord));
   shared.state.load(std::memory_order_acquire);  // orders the copy after the daemon's commit
   TensorRecord record;
   CopyRecord(shared, record);
@@ -245,7 +236,7 @@ bool FastPath::Describe(uint32_t record_slot, uint64_t tensor_id, std::string_vi
     }
     SegmentRecord segment;
     CopyRecord(
-        *reinterpret_cast<const SegmentRecord*>(records_ + kControlHeaderBytes +
+        *reinterpret_cast<const SegmentRecord*>(records_.data() + kControlHeaderBytes +
                                                 (record.segment_id - 1) * sizeof(SegmentRecord)),
         segment);
     if (segment.state.load(std::memory_order_relaxed) ==

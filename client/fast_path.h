@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/memory_channel.h"
+#include "common/base/mapping.h"
 #include "common/base/mutex.h"
 #include "common/shm/catalog_layout.h"
 #include "common/shm/fast_path_layout.h"
@@ -101,19 +102,19 @@ class FastPath {
 
  private:
   FastPath() = default;
-  const IndexHeader& index_header() const { return *reinterpret_cast<const IndexHeader*>(index_); }
-  LeasePage& page() const { return *reinterpret_cast<LeasePage*>(page_); }
+  const IndexHeader& index_header() const {
+    return *reinterpret_cast<const IndexHeader*>(index_.data());
+  }
+  LeasePage& page() const { return *reinterpret_cast<LeasePage*>(page_.data()); }
   // Fills `leased` (but its page slot and id) from a checked copy of record `record_slot`, which
   // the index says is `name`'s tensor `tensor_id`; false if the copy does not describe that
   // host tensor consistently. REQUIRES: record_slot < record_count_.
   bool Describe(uint32_t record_slot, uint64_t tensor_id, std::string_view name,
                 Leased* leased) const;
 
-  const char* index_ = nullptr;  // read-only mappings
-  size_t index_size_ = 0;
-  const char* records_ = nullptr;
-  size_t records_size_ = 0;
-  char* page_ = nullptr;  // read-write
+  Mapping index_;    // read-only
+  Mapping records_;  // read-only: the control segment
+  Mapping page_;     // read-write
   const IndexBucket* buckets_ = nullptr;
   const IndexEntry* entries_ = nullptr;
   uint32_t bucket_count_ = 0;

@@ -21,6 +21,8 @@
 #include <cstring>
 #include <mutex>
 
+#include "common/base/unique_fd.h"
+
 namespace tensorshm {
 namespace {
 
@@ -77,13 +79,11 @@ void CutInheritedConnections() {
   for (int i = 0; i < count; ++i) {
     int pair[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) return;
-    close(pair[1]);
+    UniqueFd end(pair[0]);
+    UniqueFd other(pair[1]);
+    other.reset();  // at once: `end` reads end-of-stream
     // Best effort: should dup3 fail, the child still never uses the parent's objects.
-    if (dup3(pair[0], cut[i], O_CLOEXEC) < 0) {
-      close(pair[0]);
-      continue;
-    }
-    close(pair[0]);
+    (void)dup3(end.get(), cut[i], O_CLOEXEC);
   }
 }
 

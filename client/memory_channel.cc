@@ -5,7 +5,6 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstddef>
@@ -47,38 +46,35 @@ MemoryChannel::~MemoryChannel() {
 }
 
 void MemoryChannel::CloseConnection() {
-  if (fd_ >= 0) close(fd_);
-  fd_ = -1;
+  fd_.reset();
   bound_token_.clear();
 }
 
 absl::Status MemoryChannel::Open(const std::string& session_token) {
   const std::string where = absl::StrCat("unix:", socket_);
-  absl::StatusOr<int> connected = ConnectToDaemon(socket_, server_uid_);
+  absl::StatusOr<UniqueFd> connected = ConnectToDaemon(socket_, server_uid_);
   if (!connected.ok()) {
     return absl::Status(connected.status().code(),
                         absl::StrCat("memory channel: ", connected.status().message()));
   }
-  const int fd = *connected;
+  UniqueFd fd = *std::move(connected);
   timeval timeout{kIoTimeoutSeconds, 0};
-  if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0 ||
-      setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout)) != 0) {
-    const int err = errno;
-    close(fd);
-    return ErrnoError("setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", where, err);
+  if (setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0 ||
+      setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout)) != 0) {
+    return ErrnoError("setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", where, errno);
   }
-  fd_ = fd;
-  if (absl::Status s = SendWithFd(fd_, absl::string_view(kChannelHello, kChannelHelloBytes), -1,
-                                  /*nonblocking=*/false, where);
+  fd_ = std::move(fd);
+  if (absl::Status s =
+          SendWithFd(fd_.get(), absl::string_view(kChannelHello, kChannelHelloBytes), -1,
+                     /*nonblocking=*/false, where);
       !s.ok()) {
     CloseConnection();
     return ClosedBeforeBound(where, s);
   }
   v1::ChannelRequest bind;
   bind.mutable_bind()->set_session_id(session_token);
-  int unexpected = -1;
+  UniqueFd unexpected;  // closed here: a bind's answer brings none
   absl::StatusOr<v1::ChannelResponse> response = Call(bind, &unexpected);
-  if (unexpected >= 0) close(unexpected);
   // The request the caller wants sent was not: only the bind was, which is harmless.
   if (!response.ok()) return ClosedBeforeBound(where, response.status());
   if (response->code() != 0 || !response->has_bound()) {
@@ -115,22 +111,22 @@ bool AwaitReply(int socket) {
 
 }  // namespace
 
-absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& request, int* fd) {
+absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& request, UniqueFd* fd) {
   const std::string where = absl::StrCat("unix:", socket_);
   request.set_sequence(next_sequence_++);
   std::string frame(kFrameHeaderBytes, '\0');
   request.AppendToString(&frame);
   EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
-  absl::Status status = SendWithFd(fd_, frame, -1, /*nonblocking=*/false, where);
+  absl::Status status = SendWithFd(fd_.get(), frame, -1, /*nonblocking=*/false, where);
   const bool sent = status.ok();
   std::string body;
   if (status.ok()) {
     if (calls_without_spin_ > 0) {
       --calls_without_spin_;
-    } else if (!AwaitReply(fd_)) {
+    } else if (!AwaitReply(fd_.get())) {
       calls_without_spin_ = kCallsAfterMiss;
     }
-    status = ReceiveFrame(fd_, &body, fd, where);
+    status = ReceiveFrame(fd_.get(), &body, fd, where);
   }
   v1::ChannelResponse response;
   if (status.ok() &&
@@ -139,8 +135,7 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& requ
         absl::StrCat("memory channel ", where, ": the daemon sent a malformed response"));
   }
   if (!status.ok()) {
-    if (*fd >= 0) close(*fd);
-    *fd = -1;
+    fd->reset();
     CloseConnection();
     // The daemon went away or broke the protocol: either way the channel is gone.
     absl::Status gone = absl::UnavailableError(status.message());
@@ -152,14 +147,14 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& requ
 
 void MemoryChannel::Expect(const std::string& session_token, uint32_t micros) {
   MutexLock lock(&mu_);
-  if (fd_ < 0 || bound_token_ != session_token) return;
+  if (!fd_.valid() || bound_token_ != session_token) return;
   v1::ChannelRequest request;
   request.mutable_expect()->set_micros(micros);
   std::string frame(kFrameHeaderBytes, '\0');
   request.AppendToString(&frame);
   EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
   // A failed send shows again on the next Call, which deals with it.
-  (void)SendWithFd(fd_, frame, -1, /*nonblocking=*/false, "memory channel");
+  (void)SendWithFd(fd_.get(), frame, -1, /*nonblocking=*/false, "memory channel");
 }
 
 bool SentWithoutAnswer(const absl::Status& status) {
@@ -167,14 +162,15 @@ bool SentWithoutAnswer(const absl::Status& status) {
 }
 
 absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& session_token,
-                                                            v1::ChannelRequest& request, int* fd) {
-  *fd = -1;
+                                                            v1::ChannelRequest& request,
+                                                            UniqueFd* fd) {
+  fd->reset();
   MutexLock lock(&mu_);
   // A connection that broke (the daemon restarted) is made again once, bound to the session
   // the caller has now.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    if (fd_ >= 0 && bound_token_ != session_token) CloseConnection();
-    if (fd_ < 0) {
+    if (fd_.valid() && bound_token_ != session_token) CloseConnection();
+    if (!fd_.valid()) {
       if (absl::Status s = Open(session_token); !s.ok()) return s;
     }
     absl::StatusOr<v1::ChannelResponse> response = Call(request, fd);
@@ -185,8 +181,7 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& s
       return response.status();
     }
     if (response->code() != 0) {
-      if (*fd >= 0) close(*fd);
-      *fd = -1;
+      fd->reset();
       return absl::Status(static_cast<absl::StatusCode>(response->code()), response->message());
     }
     return response;
@@ -194,24 +189,32 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& s
   return absl::UnavailableError("memory channel: the daemon closed the connection twice");
 }
 
-absl::StatusOr<int> MemoryChannel::RequestSegment(const std::string& session_token,
-                                                  uint64_t segment_instance, uint64_t segment_id,
-                                                  bool writable, uint64_t* size) {
+absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& session_token,
+                                                            v1::ChannelRequest& request, int* fd) {
+  UniqueFd received;
+  absl::StatusOr<v1::ChannelResponse> response = Exchange(session_token, request, &received);
+  *fd = received.release();  // the caller's now
+  return response;
+}
+
+absl::StatusOr<UniqueFd> MemoryChannel::RequestSegment(const std::string& session_token,
+                                                       uint64_t segment_instance,
+                                                       uint64_t segment_id, bool writable,
+                                                       uint64_t* size) {
   v1::ChannelRequest request;
   v1::SegmentRequest* want = request.mutable_segment();
   want->set_segment_id(segment_id);
   want->set_segment_instance(segment_instance);
   want->set_writable(writable);
-  int fd = -1;
+  UniqueFd fd;
   absl::StatusOr<v1::ChannelResponse> response = Exchange(session_token, request, &fd);
   if (!response.ok()) {
     return absl::Status(response.status().code(),
                         absl::StrCat("segment ", segment_id, ": ", response.status().message()));
   }
-  if (fd < 0 || !response->has_segment() || response->segment().segment_id() != segment_id ||
+  if (!fd.valid() || !response->has_segment() || response->segment().segment_id() != segment_id ||
       response->segment().segment_instance() != segment_instance ||
       response->segment().writable() != writable) {
-    if (fd >= 0) close(fd);
     return absl::InternalError(
         absl::StrCat("memory channel: the daemon granted something else than segment ", segment_id,
                      " (", response->ShortDebugString(), ")"));

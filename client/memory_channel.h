@@ -10,6 +10,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "common/base/mutex.h"
+#include "common/base/unique_fd.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {
@@ -33,13 +34,19 @@ class MemoryChannel {
 
   // A descriptor of host segment `segment_id` made by instance `segment_instance`, as the
   // daemon grants it to session `session_token` (its Session stream's id): read-only, or
-  // read-write. The caller owns it; `*size` gets the segment's size. The daemon's refusal keeps
-  // its code (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND ...); no daemon is UNAVAILABLE.
+  // read-write; `*size` gets the segment's size. The daemon's refusal keeps its code
+  // (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND ...); no daemon is UNAVAILABLE.
   // Sends `request` for session `session_token` and returns the daemon's response, with the
-  // descriptor that came with it in `*fd` (the caller owns it) or -1. A response whose code is
-  // not OK becomes that status, with the daemon's message, and its descriptor is closed. A broken
-  // connection is made again once, and the request sent again if it was not sent before; no
-  // daemon is UNAVAILABLE (SentWithoutAnswer tells whether it may have seen the request).
+  // descriptor that came with it in `*fd`, or none (what `*fd` held before is closed). A response
+  // whose code is not OK becomes that status, with the daemon's message, and its descriptor is
+  // closed. A broken connection is made again once, and the request sent again if it was not
+  // sent before; no daemon is UNAVAILABLE (SentWithoutAnswer tells whether it may have seen the
+  // request).
+  absl::StatusOr<v1::ChannelResponse> Exchange(const std::string& session_token,
+                                               v1::ChannelRequest& request, UniqueFd* fd)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The same with the descriptor as a bare number the caller owns (-1: none), for callers that
+  // keep it as one (tests).
   absl::StatusOr<v1::ChannelResponse> Exchange(const std::string& session_token,
                                                v1::ChannelRequest& request, int* fd)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -49,22 +56,22 @@ class MemoryChannel {
   // for `session_token`; never waits for an answer (there is none), and failures are ignored.
   void Expect(const std::string& session_token, uint32_t micros) ABSL_LOCKS_EXCLUDED(mu_);
 
-  absl::StatusOr<int> RequestSegment(const std::string& session_token, uint64_t segment_instance,
-                                     uint64_t segment_id, bool writable, uint64_t* size)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<UniqueFd> RequestSegment(const std::string& session_token,
+                                          uint64_t segment_instance, uint64_t segment_id,
+                                          bool writable, uint64_t* size) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // Connects and binds to `session_token`. REQUIRES: not connected.
   absl::Status Open(const std::string& session_token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseConnection() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends `request` and reads its response; a transport failure closes the connection.
-  absl::StatusOr<v1::ChannelResponse> Call(v1::ChannelRequest& request, int* fd)
+  absl::StatusOr<v1::ChannelResponse> Call(v1::ChannelRequest& request, UniqueFd* fd)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string socket_;
   const std::optional<uint32_t> server_uid_;
   mutable Mutex mu_;
-  int fd_ ABSL_GUARDED_BY(mu_) = -1;
+  UniqueFd fd_ ABSL_GUARDED_BY(mu_);
   std::string bound_token_ ABSL_GUARDED_BY(mu_);
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   int calls_without_spin_ ABSL_GUARDED_BY(mu_) = 0;  // after a look for a reply missed

@@ -26,19 +26,18 @@ std::string SegmentLabel(const SegmentKey& key) {
   return absl::StrFormat("segment %d (instance %016x)", key.second, key.first);
 }
 
-SegmentMapping::~SegmentMapping() { munmap(const_cast<char*>(address_), size_); }
-
 void SegmentMapping::Populate() const {
-  madvise(const_cast<char*>(address_), size_, MADV_POPULATE_READ);
+  madvise(mapping_.data(), mapping_.size(), MADV_POPULATE_READ);
 }
 
-WritableSegment::WritableSegment(char* address, uint64_t size, std::string label)
-    : address_(address), size_(size), label_(std::move(label)) {
+WritableSegment::WritableSegment(Mapping mapping, std::string label)
+    : mapping_(std::move(mapping)),
+      address_(mapping_.data()),
+      size_(mapping_.size()),
+      label_(std::move(label)) {
   MutexLock lock(&mu_);
-  populated_.assign((size + PageBytes() - 1) / PageBytes(), false);
+  populated_.assign((size_ + PageBytes() - 1) / PageBytes(), false);
 }
-
-WritableSegment::~WritableSegment() { munmap(address_, size_); }
 
 uint64_t WritableSegment::populated_pages() const {
   MutexLock lock(&mu_);
@@ -127,25 +126,20 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Find(const Seg
 }
 
 absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const SegmentKey& key,
-                                                                         int fd, uint64_t size,
+                                                                         UniqueFd fd, uint64_t size,
                                                                          uint64_t offset,
                                                                          uint64_t length) {
   struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
-    return ErrnoError("fstat", SegmentLabel(key), err);
-  }
+  if (fstat(fd.get(), &st) != 0) return ErrnoError("fstat", SegmentLabel(key), errno);
   if (static_cast<uint64_t>(st.st_size) < size) {
-    close(fd);
     return absl::FailedPreconditionError(
         absl::StrCat(SegmentLabel(key), ": ", st.st_size, " bytes, daemon says ", size));
   }
-  void* address = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  Mapping mapped(mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0), size);
   const int err = errno;
-  close(fd);
-  if (address == MAP_FAILED) return ErrnoError("mmap", SegmentLabel(key), err);
-  auto mapping = std::make_shared<const SegmentMapping>(static_cast<const char*>(address), size);
+  fd.reset();  // the mapping keeps the object
+  if (!mapped.valid()) return ErrnoError("mmap", SegmentLabel(key), err);
+  auto mapping = std::make_shared<const SegmentMapping>(std::move(mapped));
   std::shared_ptr<const SegmentMapping> cached;
   {
     MutexLock lock(&mu_);
@@ -170,13 +164,13 @@ std::shared_ptr<WritableSegment> SegmentMap::FindWritable(const SegmentKey& key)
 }
 
 absl::StatusOr<std::shared_ptr<WritableSegment>> SegmentMap::InsertWritable(const SegmentKey& key,
-                                                                            int fd, uint64_t size) {
-  void* address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+                                                                            UniqueFd fd,
+                                                                            uint64_t size) {
+  Mapping mapped(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0), size);
   const int err = errno;
-  close(fd);
-  if (address == MAP_FAILED) return ErrnoError("mmap(PROT_WRITE)", SegmentLabel(key), err);
-  auto mapping =
-      std::make_shared<WritableSegment>(static_cast<char*>(address), size, SegmentLabel(key));
+  fd.reset();  // the mapping keeps the object
+  if (!mapped.valid()) return ErrnoError("mmap(PROT_WRITE)", SegmentLabel(key), err);
+  auto mapping = std::make_shared<WritableSegment>(std::move(mapped), SegmentLabel(key));
   MutexLock lock(&mu_);
   auto [it, inserted] = writable_.emplace(key, std::move(mapping));
   return it->second;  // ours, or the one another thread cached first (ours is unmapped)

@@ -13,7 +13,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "common/base/mapping.h"
 #include "common/base/mutex.h"
+#include "common/base/unique_fd.h"
 
 namespace tensorshm {
 
@@ -24,19 +26,17 @@ using SegmentKey = std::pair<uint64_t, uint64_t>;
 // an acquired tensor) lets it go.
 class SegmentMapping {
  public:
-  SegmentMapping(const char* address, uint64_t size) : address_(address), size_(size) {}
-  ~SegmentMapping();
+  explicit SegmentMapping(Mapping mapping) : mapping_(std::move(mapping)) {}
   SegmentMapping(const SegmentMapping&) = delete;
   SegmentMapping& operator=(const SegmentMapping&) = delete;
-  const char* address() const { return address_; }
-  uint64_t size() const { return size_; }
+  const char* address() const { return mapping_.data(); }
+  uint64_t size() const { return mapping_.size(); }
   // Maps every page of it (MADV_POPULATE_READ), so that no later read faults; takes time linear
   // in its pages (~100 ms for 256 MiB on a small VM). Failures only leave pages to fault in.
   void Populate() const;
 
  private:
-  const char* address_;
-  uint64_t size_;
+  const Mapping mapping_;
 };
 
 // A read-write mapping of a whole host segment holding this process's uid's buffers, made once
@@ -50,8 +50,7 @@ class SegmentMapping {
 // publish make it read-only with Seal, until the buffer is handed out again.
 class WritableSegment {
  public:
-  WritableSegment(char* address, uint64_t size, std::string label);
-  ~WritableSegment();  // munmaps
+  WritableSegment(Mapping mapping, std::string label);
   WritableSegment(const WritableSegment&) = delete;
   WritableSegment& operator=(const WritableSegment&) = delete;
   char* address() const { return address_; }
@@ -79,6 +78,7 @@ class WritableSegment {
  private:
   void PopulateLocked(uint64_t offset, uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const Mapping mapping_;  // munmapped when the segment goes
   char* const address_;
   const uint64_t size_;
   const std::string label_;
@@ -108,7 +108,7 @@ class SegmentMap {
   // the rest is the caller's to populate (SegmentMapping::Populate) off its path.
   // FAILED_PRECONDITION if the object is smaller than `size`; other errors name the call and the
   // segment.
-  absl::StatusOr<std::shared_ptr<const SegmentMapping>> Insert(const SegmentKey& key, int fd,
+  absl::StatusOr<std::shared_ptr<const SegmentMapping>> Insert(const SegmentKey& key, UniqueFd fd,
                                                                uint64_t size, uint64_t offset = 0,
                                                                uint64_t length = 0);
 
@@ -117,8 +117,8 @@ class SegmentMap {
   // Maps `fd` (read-write, `size` bytes of segment `key`; closed here whatever happens) and
   // caches it; if one was cached meanwhile, that one is returned. Errors name the call and the
   // segment.
-  absl::StatusOr<std::shared_ptr<WritableSegment>> InsertWritable(const SegmentKey& key, int fd,
-                                                                  uint64_t size);
+  absl::StatusOr<std::shared_ptr<WritableSegment>> InsertWritable(const SegmentKey& key,
+                                                                  UniqueFd fd, uint64_t size);
 
   // Forgets every segment not in `live` (a daemon that restarted serves other memory): its
   // mappings go once no tensor holds them. Returns how many read-only mappings it dropped.

@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "common/base/prefix_lock.h"
 #include "common/base/sys_error.h"
+#include "common/base/unique_fd.h"
 #include "common/cuda/cuda_driver.h"
 #include "server/catalog/catalog.h"
 #include "server/core/access.h"
@@ -339,27 +340,28 @@ int Run(int argc, char** argv) {
     return 1;
   }
   (*listener)->Start(
-      [&](int fd, const PeerCredentials& peer) {
+      [&](int accepted, const PeerCredentials& peer) {
+        UniqueFd fd(accepted);
         // gRPC names the connection "fd:N"; its calls are admitted by these credentials.
-        if (absl::Status s = peers.Add(fd, peer); !s.ok()) {
+        if (absl::Status s = peers.Add(fd.get(), peer); !s.ok()) {
           TSM_LOG(kWarning) << "connection refused: " << s.message();
-          close(fd);
           return;
         }
-        TSM_LOG(kDebug) << "accepted fd " << fd << ": pid " << peer.pid << ", uid " << peer.uid;
-        grpc::AddInsecureChannelFromFd(server.get(), fd);
+        TSM_LOG(kDebug) << "accepted fd " << fd.get() << ": pid " << peer.pid << ", uid "
+                        << peer.uid;
+        grpc::AddInsecureChannelFromFd(server.get(), fd.release());  // gRPC closes it
       },
-      [&](int fd, const PeerCredentials& peer) {
+      [&](int accepted, const PeerCredentials& peer) {
+        UniqueFd fd(accepted);
         // The listener closed a refused peer's connections at accept already; this is the
         // second look, as every gRPC call has.
         if (absl::Status s = policy.Admit(peer); !s.ok()) {
           TSM_LOG(kWarning) << "memory channel refused: " << s.message();
-          close(fd);
           return;
         }
-        TSM_LOG(kDebug) << "memory channel fd " << fd << ": pid " << peer.pid << ", uid "
+        TSM_LOG(kDebug) << "memory channel fd " << fd.get() << ": pid " << peer.pid << ", uid "
                         << peer.uid;
-        (*channels)->Add(fd, peer);
+        (*channels)->Add(fd.release(), peer);  // the channel server closes it
       },
       MakeAcceptPolicy(policy, *options->uid_connections, &service.metrics()));
 

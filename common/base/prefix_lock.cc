@@ -55,11 +55,9 @@ std::string PrefixLockPath(const std::string& prefix) {
 
 absl::StatusOr<PrefixHolder> ReadPrefixHolder(const std::string& prefix) {
   const std::string path = PrefixLockPath(prefix);
-  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return ErrnoError("open", path, errno);
-  PrefixHolder holder = ParseHolder(ReadAll(fd));
-  close(fd);
-  return holder;
+  const UniqueFd fd(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoError("open", path, errno);
+  return ParseHolder(ReadAll(fd.get()));
 }
 
 std::string DescribeHolder(const PrefixHolder& holder) {
@@ -76,9 +74,9 @@ absl::StatusOr<PrefixLock> PrefixLock::Take(const std::string& prefix, bool crea
   // A holder that releases removes the file while it still holds the lock: a lock taken on a
   // file no longer under the path is no lock on the prefix, and the path is opened again.
   for (int attempt = 0;; ++attempt) {
-    const int fd =
-        open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT : 0), kLockMode);
-    if (fd < 0) {
+    UniqueFd file(
+        open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT : 0), kLockMode));
+    if (!file.valid()) {
       const int err = errno;
       struct stat st;
       if ((err == ELOOP || err == EACCES) && lstat(path.c_str(), &st) == 0) {
@@ -90,7 +88,8 @@ absl::StatusOr<PrefixLock> PrefixLock::Take(const std::string& prefix, bool crea
       }
       return ErrnoError("open", path, err);
     }
-    PrefixLock lock(path, fd);
+    const int fd = file.get();
+    PrefixLock lock(path, std::move(file));
     lock.keep_ = true;  // not ours to remove until it is locked and checked
     struct stat opened;
     if (fstat(fd, &opened) != 0) return ErrnoError("fstat", path, errno);
@@ -124,22 +123,20 @@ absl::StatusOr<PrefixLock> PrefixLock::Take(const std::string& prefix, bool crea
 
 PrefixLock::PrefixLock(PrefixLock&& other) noexcept
     : path_(std::move(other.path_)),
-      fd_(other.fd_),
+      fd_(std::move(other.fd_)),
       keep_(other.keep_),
       previous_(std::move(other.previous_)) {
   other.path_.clear();
-  other.fd_ = -1;
 }
 
 PrefixLock& PrefixLock::operator=(PrefixLock&& other) noexcept {
   if (this != &other) {
     Reset();
     path_ = std::move(other.path_);
-    fd_ = other.fd_;
+    fd_ = std::move(other.fd_);
     keep_ = other.keep_;
     previous_ = std::move(other.previous_);
     other.path_.clear();
-    other.fd_ = -1;
   }
   return *this;
 }
@@ -147,12 +144,11 @@ PrefixLock& PrefixLock::operator=(PrefixLock&& other) noexcept {
 PrefixLock::~PrefixLock() { Reset(); }
 
 void PrefixLock::Reset() {
-  if (fd_ < 0) return;
+  if (!fd_.valid()) return;
   // Removed while still locked: a process waiting on this file finds it gone from the path
   // (Take checks) rather than locking a file nobody else will see.
   if (!keep_) unlink(path_.c_str());
-  close(fd_);
-  fd_ = -1;
+  fd_.reset();
 }
 
 absl::Status PrefixLock::Record(const PrefixHolder& holder) {
@@ -161,8 +157,8 @@ absl::Status PrefixLock::Record(const PrefixHolder& holder) {
   if (!holder.host.empty()) absl::StrAppend(&text, "host ", holder.host, "\n");
   if (!holder.socket.empty()) absl::StrAppend(&text, "socket ", holder.socket, "\n");
   if (!holder.state.empty()) absl::StrAppend(&text, "state ", holder.state, "\n");
-  if (ftruncate(fd_, 0) != 0) return ErrnoError("ftruncate", path_, errno);
-  if (pwrite(fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+  if (ftruncate(fd_.get(), 0) != 0) return ErrnoError("ftruncate", path_, errno);
+  if (pwrite(fd_.get(), text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
     return ErrnoError("pwrite", path_, errno);
   }
   return absl::OkStatus();

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/base/unique_fd.h"
 
 namespace tensorshm {
 
@@ -73,11 +74,11 @@ class PrefixLock {
   const std::string& path() const { return path_; }
 
  private:
-  PrefixLock(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  PrefixLock(std::string path, UniqueFd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
   void Reset();
 
   std::string path_;
-  int fd_ = -1;
+  UniqueFd fd_;
   bool keep_ = false;
   PrefixHolder previous_;
 };

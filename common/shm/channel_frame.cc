@@ -1,10 +1,10 @@
 #include "common/shm/channel_frame.h"
 
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/sys_error.h"
@@ -77,7 +77,7 @@ namespace {
 
 // Reads exactly `length` bytes into `buffer`. Descriptors that arrive meanwhile are counted in
 // `*received` (across calls for one frame); the first is kept in `*fd`, others are closed.
-absl::Status ReadExactly(int socket, char* buffer, size_t length, int* fd, int* received,
+absl::Status ReadExactly(int socket, char* buffer, size_t length, UniqueFd* fd, int* received,
                          absl::string_view peer) {
   size_t got = 0;
   while (got < length) {
@@ -105,11 +105,8 @@ absl::Status ReadExactly(int socket, char* buffer, size_t length, int* fd, int* 
       for (size_t i = 0; i < count; ++i) {
         int descriptor;
         std::memcpy(&descriptor, CMSG_DATA(header) + i * sizeof(int), sizeof(int));
-        if (*fd < 0 && *received == 0) {
-          *fd = descriptor;
-        } else {
-          close(descriptor);
-        }
+        UniqueFd arrived(descriptor);
+        if (!fd->valid() && *received == 0) *fd = std::move(arrived);  // others close here
         ++*received;
       }
     }
@@ -124,8 +121,8 @@ absl::Status ReadExactly(int socket, char* buffer, size_t length, int* fd, int* 
 
 }  // namespace
 
-absl::Status ReceiveFrame(int socket, std::string* body, int* fd, absl::string_view peer) {
-  *fd = -1;
+absl::Status ReceiveFrame(int socket, std::string* body, UniqueFd* fd, absl::string_view peer) {
+  fd->reset();
   int received = 0;
   char header[kFrameHeaderBytes];
   absl::Status status = ReadExactly(socket, header, sizeof(header), fd, &received, peer);
@@ -141,10 +138,14 @@ absl::Status ReceiveFrame(int socket, std::string* body, int* fd, absl::string_v
     body->resize(length);
     status = ReadExactly(socket, body->data(), length, fd, &received, peer);
   }
-  if (!status.ok() && *fd >= 0) {
-    close(*fd);
-    *fd = -1;
-  }
+  if (!status.ok()) fd->reset();
+  return status;
+}
+
+absl::Status ReceiveFrame(int socket, std::string* body, int* fd, absl::string_view peer) {
+  UniqueFd received;
+  absl::Status status = ReceiveFrame(socket, body, &received, peer);
+  *fd = received.release();  // the caller's now
   return status;
 }
 

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/base/unique_fd.h"
 
 namespace tensorshm {
 
@@ -53,9 +54,12 @@ absl::Status SendWithFd(int socket, absl::string_view bytes, int fd, bool nonblo
                         absl::string_view peer);
 
 // Receives one frame from blocking stream socket `socket` into `body`; `*fd` gets the
-// descriptor that came with it (close-on-exec), or -1. UNAVAILABLE if the peer closed the
-// connection, INVALID_ARGUMENT for a frame over kMaxChannelFrame, or more than one descriptor
-// (they are closed). On failure `*fd` is -1.
+// descriptor that came with it (close-on-exec), or none (what it held before is closed).
+// UNAVAILABLE if the peer closed the connection, INVALID_ARGUMENT for a frame over
+// kMaxChannelFrame, or more than one descriptor (they are closed). On failure `*fd` holds none.
+absl::Status ReceiveFrame(int socket, std::string* body, UniqueFd* fd, absl::string_view peer);
+// The same with the descriptor as a bare number the caller owns (-1: none), for callers that
+// keep it as one (tests).
 absl::Status ReceiveFrame(int socket, std::string* body, int* fd, absl::string_view peer);
 
 }  // namespace tensorshm

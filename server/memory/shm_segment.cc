@@ -43,19 +43,15 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
   if (name.size() < 2 || name[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("shm name = \"", name, "\": must start with /"));
   }
-  int fd = -1;
+  UniqueFd fd;
   if (backing == SegmentBacking::kMemfd) {
     // Sealed against resizing below: a client holding a writable descriptor cannot shrink the
     // object under other processes' mappings (which would turn their reads into SIGBUS).
-    fd = memfd_create(name.c_str() + 1, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (fd < 0) return ErrnoError("memfd_create", name, errno);
+    fd.reset(memfd_create(name.c_str() + 1, MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (!fd.valid()) return ErrnoError("memfd_create", name, errno);
     // A memfd starts as 0777: reopening a read-only descriptor through /proc must not give
     // another uid write access.
-    if (fchmod(fd, kSegmentMode) != 0) {
-      const int err = errno;
-      close(fd);
-      return ErrnoError("fchmod", name, err);
-    }
+    if (fchmod(fd.get(), kSegmentMode) != 0) return ErrnoError("fchmod", name, errno);
   } else {
     bip::shared_memory_object object;
     try {
@@ -67,24 +63,25 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
       return ErrnoError("shm_open", name, e.get_native_error());
     }
     // `object` closes its descriptor when it goes; the segment keeps one of its own.
-    fd = fcntl(object.get_mapping_handle().handle, F_DUPFD_CLOEXEC, 0);
-    if (fd < 0) {
+    fd.reset(fcntl(object.get_mapping_handle().handle, F_DUPFD_CLOEXEC, 0));
+    if (!fd.valid()) {
       const int err = errno;
       bip::shared_memory_object::remove(name.c_str() + 1);
       return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", name, err);
     }
   }
   // From here on `segment` owns the descriptor, and removes a named object on failure.
-  ShmSegment segment(name, size, fd, nullptr, backing);
-  if (absl::Status s = Reserve(fd, name, 0, size, backing); !s.ok()) return s;
+  ShmSegment segment(name, size, std::move(fd), backing);
+  const int owned = segment.fd_.get();
+  if (absl::Status s = Reserve(owned, name, 0, size, backing); !s.ok()) return s;
   if (backing == SegmentBacking::kMemfd &&
-      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      fcntl(owned, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     return ErrnoError("fcntl(F_ADD_SEALS)", name, errno);
   }
   if (map) {
-    void* address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, owned, 0);
     if (address == MAP_FAILED) return ErrnoError("mmap", name, errno);
-    segment.address_ = address;
+    segment.mapping_ = Mapping(address, size);
   }
   return segment;
 }
@@ -101,8 +98,8 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
         path, what, st.st_uid, st.st_mode & 07777, euid, kSegmentMode, path));
   };
   // O_NOFOLLOW: a link planted under the name must not lead the daemon to another file.
-  const int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
-  if (fd < 0) {
+  UniqueFd fd(shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0));
+  if (!fd.valid()) {
     const int err = errno;
     struct stat st;
     if (err == ELOOP && lstat(path.c_str(), &st) == 0) return foreign(st, "a symbolic link");
@@ -110,54 +107,50 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
     return ErrnoError("shm_open", name, err);
   }
   struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
-    return ErrnoError("fstat", name, err);
-  }
+  if (fstat(fd.get(), &st) != 0) return ErrnoError("fstat", name, errno);
   if (!S_ISREG(st.st_mode) || st.st_uid != euid || (st.st_mode & 07777) != kSegmentMode) {
-    close(fd);
     return foreign(st, !S_ISREG(st.st_mode) ? "not a regular file"
                        : st.st_uid != euid  ? "another user's object"
                                             : "not of the mode tensorshmd gives its objects");
   }
-  ShmSegment segment(name, static_cast<uint64_t>(st.st_size), fd, nullptr, SegmentBacking::kNamed);
+  ShmSegment segment(name, static_cast<uint64_t>(st.st_size), std::move(fd),
+                     SegmentBacking::kNamed);
   if (map) {
-    void* address = mmap(nullptr, segment.size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* address =
+        mmap(nullptr, segment.size_, PROT_READ | PROT_WRITE, MAP_SHARED, segment.fd_.get(), 0);
     if (address == MAP_FAILED) {
       segment.keep_ = true;  // not ours to remove on a failed open
       return ErrnoError("mmap", name, errno);
     }
-    segment.address_ = address;
+    segment.mapping_ = Mapping(address, segment.size_);
   }
   return segment;
 }
 
 absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
   if (writable) {
-    const int fd = fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+    const int fd = fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0);
     if (fd < 0) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", name_, errno);
     return fd;
   }
   // A new open file description, read-only: a duplicate of fd_ would carry its write access.
   if (backing_ == SegmentBacking::kNamed) {
-    const int fd = shm_open(name_.c_str(), O_RDONLY | O_CLOEXEC, 0);
-    if (fd < 0) return ErrnoError("shm_open(O_RDONLY)", name_, errno);
+    UniqueFd fd(shm_open(name_.c_str(), O_RDONLY | O_CLOEXEC, 0));
+    if (!fd.valid()) return ErrnoError("shm_open(O_RDONLY)", name_, errno);
     // The name must still be this object: never hand out another under it.
     struct stat ours;
     struct stat opened;
-    if (fstat(fd_, &ours) != 0 || fstat(fd, &opened) != 0 || ours.st_dev != opened.st_dev ||
-        ours.st_ino != opened.st_ino) {
-      close(fd);
+    if (fstat(fd_.get(), &ours) != 0 || fstat(fd.get(), &opened) != 0 ||
+        ours.st_dev != opened.st_dev || ours.st_ino != opened.st_ino) {
       return absl::DataLossError(
           absl::StrCat(name_,
                        ": the name belongs to another object now (removed or replaced behind the "
                        "daemon's back)"));
     }
-    return fd;
+    return fd.release();  // the caller's now
   }
   // A memfd has no name to open: its /proc link is reopened instead.
-  const std::string path = absl::StrCat("/proc/self/fd/", fd_);
+  const std::string path = absl::StrCat("/proc/self/fd/", fd_.get());
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoError("open(" + path + ", O_RDONLY)", name_, errno);
   return fd;
@@ -166,13 +159,11 @@ absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
 ShmSegment::ShmSegment(ShmSegment&& other) noexcept
     : name_(std::move(other.name_)),
       size_(other.size_),
-      fd_(other.fd_),
-      address_(other.address_),
+      fd_(std::move(other.fd_)),
+      mapping_(std::move(other.mapping_)),
       backing_(other.backing_),
       keep_(other.keep_) {
   other.name_.clear();
-  other.fd_ = -1;
-  other.address_ = nullptr;
 }
 
 ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
@@ -180,13 +171,11 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     Reset();
     name_ = std::move(other.name_);
     size_ = other.size_;
-    fd_ = other.fd_;
-    address_ = other.address_;
+    fd_ = std::move(other.fd_);
+    mapping_ = std::move(other.mapping_);
     backing_ = other.backing_;
     keep_ = other.keep_;
     other.name_.clear();
-    other.fd_ = -1;
-    other.address_ = nullptr;
   }
   return *this;
 }
@@ -194,8 +183,8 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
 ShmSegment::~ShmSegment() { Reset(); }
 
 absl::Status ShmSegment::Discard() {
-  if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size_)) !=
-      0) {
+  if (fallocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                static_cast<off_t>(size_)) != 0) {
     return ErrnoError("fallocate(PUNCH_HOLE)", name_, errno);
   }
   return absl::OkStatus();
@@ -208,10 +197,8 @@ void ShmSegment::Unlink() {
 }
 
 void ShmSegment::Reset() {
-  if (address_ != nullptr) munmap(address_, size_);
-  address_ = nullptr;
-  if (fd_ >= 0) close(fd_);
-  fd_ = -1;
+  mapping_.reset();
+  fd_.reset();
   if (!name_.empty() && !keep_ && backing_ == SegmentBacking::kNamed) {
     bip::shared_memory_object::remove(name_.c_str() + 1);
   }

@@ -12,6 +12,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/base/mapping.h"
+#include "common/base/unique_fd.h"
 
 namespace tensorshm {
 
@@ -63,26 +65,27 @@ class ShmSegment {
   // and the object.
   absl::Status Discard();
 
-  // A new descriptor of the object for a client (close-on-exec; the caller closes it):
-  // read-only, or read-write. A read-only one cannot be mapped writable nor reopened writable by
-  // anyone but the daemon's uid (the object is mode 0600). Errors name the call and the object.
+  // A new descriptor of the object for a client (close-on-exec; the caller closes it, or hands
+  // it to the memory channel, which does): read-only, or read-write. A read-only one cannot be
+  // mapped writable nor reopened writable by anyone but the daemon's uid (the object is mode 0600).
+  // Errors name the call and the object.
   absl::StatusOr<int> OpenForClient(bool writable) const;
 
   const std::string& name() const { return name_; }
   uint64_t size() const { return size_; }
   SegmentBacking backing() const { return backing_; }
   // The daemon's read-write mapping; nullptr unless created with `map`.
-  void* address() const { return address_; }
+  void* address() const { return mapping_.data(); }
 
  private:
-  ShmSegment(std::string name, uint64_t size, int fd, void* address, SegmentBacking backing)
-      : name_(std::move(name)), size_(size), fd_(fd), address_(address), backing_(backing) {}
+  ShmSegment(std::string name, uint64_t size, UniqueFd fd, SegmentBacking backing)
+      : name_(std::move(name)), size_(size), fd_(std::move(fd)), backing_(backing) {}
   void Reset();
 
   std::string name_;
   uint64_t size_ = 0;
-  int fd_ = -1;  // read-write, kept for OpenForClient
-  void* address_ = nullptr;
+  UniqueFd fd_;  // read-write, kept for OpenForClient
+  Mapping mapping_;
   SegmentBacking backing_ = SegmentBacking::kNamed;
   bool keep_ = false;
 };

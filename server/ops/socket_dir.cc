@@ -15,29 +15,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/base/sys_error.h"
+#include "common/base/unique_fd.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
 namespace {
-
-// A descriptor closed when it goes.
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) close(fd_);
-  }
-  void Reset(int fd) {
-    if (fd_ >= 0) close(fd_);
-    fd_ = fd;
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 std::string Mode(mode_t mode) { return absl::StrFormat("%04o", mode & 07777); }
 
@@ -76,10 +58,10 @@ absl::Status RefuseNonDirectory(int dir, const std::string& name, const std::str
 
 // The directory `name` in `dir`, opened without following a link (O_PATH: search permission is
 // enough). NOT_FOUND if there is none.
-absl::StatusOr<int> OpenDirectory(int dir, const std::string& name, const std::string& shown,
-                                  const std::string& socket) {
-  const int fd = openat(dir, name.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd >= 0) return fd;
+absl::StatusOr<UniqueFd> OpenDirectory(int dir, const std::string& name, const std::string& shown,
+                                       const std::string& socket) {
+  UniqueFd fd(openat(dir, name.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (fd.valid()) return fd;
   const int err = errno;
   if (err == ENOTDIR || err == ELOOP) return RefuseNonDirectory(dir, name, shown, socket);
   return ErrnoError("open", shown, err);
@@ -95,8 +77,8 @@ absl::StatusOr<bool> MakeDirectory(int dir, const std::string& name, const std::
   }
   if (shared) {
     // Others must reach a shared socket: they can traverse the directory, not list it.
-    Fd made(openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-    if (made.get() < 0) return ErrnoError("open", shown, errno);
+    const UniqueFd made(openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!made.valid()) return ErrnoError("open", shown, errno);
     if (fchmod(made.get(), 0711) != 0) return ErrnoError("chmod", shown, errno);
   }
   return true;
@@ -166,8 +148,8 @@ absl::Status PrepareSocketPath(const std::string& path, bool shared, uid_t euid)
     parts = absl::StrSplit(path.substr(0, slash), '/', absl::SkipEmpty());
   }
   std::string shown = absolute ? "/" : ".";
-  Fd dir(open(shown.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (dir.get() < 0) return ErrnoError("open", shown, errno);
+  UniqueFd dir(open(shown.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!dir.valid()) return ErrnoError("open", shown, errno);
   // Walk down one directory at a time, each opened from its checked parent without following
   // links, so that what is checked is what the socket will be bound in.
   for (size_t i = 0;; ++i) {
@@ -179,14 +161,14 @@ absl::Status PrepareSocketPath(const std::string& path, bool shared, uid_t euid)
     }
     if (absl::Status s = CheckAncestor(st, shown, path, euid); !s.ok()) return s;
     const std::string next = Join(shown, parts[i]);
-    absl::StatusOr<int> opened = OpenDirectory(dir.get(), parts[i], next, path);
+    absl::StatusOr<UniqueFd> opened = OpenDirectory(dir.get(), parts[i], next, path);
     if (absl::IsNotFound(opened.status())) {
       absl::StatusOr<bool> made = MakeDirectory(dir.get(), parts[i], next, shared);
       if (!made.ok()) return made.status();
       opened = OpenDirectory(dir.get(), parts[i], next, path);
     }
     if (!opened.ok()) return opened.status();
-    dir.Reset(*opened);
+    dir = *std::move(opened);
     shown = next;
   }
 
@@ -204,12 +186,13 @@ absl::Status PrepareSocketPath(const std::string& path, bool shared, uid_t euid)
                                      "): remove it (its owner or root can) or choose another "
                                      "--socket"));
   }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoError("socket", path, errno);
+  UniqueFd probe(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!probe.valid()) return ErrnoError("socket", path, errno);
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, path.data(), path.size());
-  const bool live = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
-  close(fd);
+  const bool live =
+      connect(probe.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  probe.reset();
   if (live) return Refuse(path, "another tensorshmd is serving there");
   if (unlinkat(dir.get(), name.c_str(), 0) != 0) return ErrnoError("unlink", path, errno);
   TSM_LOG(kInfo) << "removed stale socket " << path;

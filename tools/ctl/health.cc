@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/admin.h"
+#include "common/base/unique_fd.h"
 #include "common/tensor/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -16,11 +17,11 @@ absl::Status CheckHealth(const std::string& socket, std::optional<uint32_t> serv
   const std::string where = absl::StrCat("unix:", socket);
   // The client library's own connect and server check: a probe must not trust a socket that a
   // session would refuse.
-  absl::StatusOr<int> fd = ConnectToDaemon(socket, server_uid);
+  absl::StatusOr<UniqueFd> fd = ConnectToDaemon(socket, server_uid);
   if (!fd.ok()) return fd.status();
-  // gRPC owns the descriptor from here, and never connects anew by itself.
+  // gRPC owns the descriptor from here (it closes it), and never connects anew by itself.
   std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomInsecureChannelFromFd(where, *fd, grpc::ChannelArguments());
+      grpc::CreateCustomInsecureChannelFromFd(where, fd->release(), grpc::ChannelArguments());
   std::unique_ptr<grpc::health::v1::Health::Stub> stub = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));

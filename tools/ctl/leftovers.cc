@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/base/prefix_lock.h"
+#include "common/base/unique_fd.h"
 #include "common/shm/catalog_layout.h"
 #include "tools/ctl/report.h"
 
@@ -75,12 +76,10 @@ std::optional<std::string> PrefixOf(absl::string_view name, bool* lock, bool* co
 }
 
 bool HasControlMagic(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return false;
+  const UniqueFd fd(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd.valid()) return false;
   uint64_t magic = 0;
-  const bool ok = pread(fd, &magic, sizeof(magic), 0) == sizeof(magic) && magic == kControlMagic;
-  close(fd);
-  return ok;
+  return pread(fd.get(), &magic, sizeof(magic), 0) == sizeof(magic) && magic == kControlMagic;
 }
 
 json HolderJson(const PrefixHolder& holder) {
