@@ -33,7 +33,7 @@ struct Session {
   std::map<uint64_t, uint64_t> unpublished;  // tensor id -> buffer bytes, created, unpublished
   uint64_t unpublished_bytes = 0;            // their sum, held against --session-quota
   // This session's part of its uid's counts (--uid-*): the session, its RPC leases (`leases`)
-  // and unpublished bytes. The service keeps it in step; closing the session gives it all back.
+  // and unpublished bytes. The Store keeps it in step; closing the session gives it all back.
   UidLimits::SessionCharge uid_charge;
 
   // OK if `caller` (a call's connection, as SO_PEERCRED read it) is the process that opened this
@@ -90,7 +90,7 @@ struct Session {
 // Settles remembered per session before their call arrives (Session::NoteSettled).
 inline constexpr size_t kMaxSettledRequests = 1024;
 
-// Thread-compatible: the service serialises calls.
+// Thread-compatible: the Store serialises calls (its lock).
 class SessionTable {
  public:
   // Registers a new session and returns it; its token is 128 random bits in hex.

@@ -1,6 +1,6 @@
 // WaitQueue: calls that wait for something (a name to be published, memory to be freed), in the
 // order they came, each under a key (what it waits for) and its session, those with a finite
-// deadline also by it. One mechanism for every kind of waiter: the service's waiting acquires
+// deadline also by it. One mechanism for every kind of waiter: the Store's waiting acquires
 // (keyed by name) and its creates waiting for memory (keyed by pool) are both WaitQueues.
 #ifndef TENSORSHM_SERVER_CORE_WAIT_QUEUE_H_
 #define TENSORSHM_SERVER_CORE_WAIT_QUEUE_H_
