@@ -133,6 +133,7 @@ TEST_F(RestartCallsTest, PublishInFlightAtTheKillSaysItsFateIsUnknown) {
 
   // Stopped, the daemon cannot answer: the publish is sent and waits for its reply.
   daemon->Kill(SIGSTOP);
+  ASSERT_TRUE(WaitUntilStopped(daemon->pid(), absl::Seconds(10)));
   std::atomic<bool> calling{false};
   absl::Status published;
   std::thread publisher([&] {

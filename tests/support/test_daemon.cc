@@ -31,6 +31,28 @@ extern char** environ;
 namespace tensorshm::testing {
 
 std::string TensorShmdPath() { return TENSORSHMD_PATH; }
+bool WaitUntilStopped(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+  while (absl::Now() < deadline) {
+    bool all = true;
+    std::error_code error;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, error)) {
+      std::ifstream stat(task.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      // "TID (comm) S ...": the state follows the last ')'.
+      const size_t paren = line.rfind(')');
+      const char state =
+          paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : '?';
+      all = all && (state == 'T' || state == 't');
+    }
+    if (all && !error) return true;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return false;
+}
+
 std::string Line(const std::string& output, const std::string& key) {
   for (absl::string_view line : absl::StrSplit(output, '\n')) {
     if (absl::StartsWith(line, key + " ")) return std::string(line.substr(key.size() + 1));

@@ -111,6 +111,11 @@ std::string RunToEnd(const std::vector<std::string>& argv, const std::string& lo
 // The rest of the first line of `output` starting with `key` + " ", or "" if none.
 std::string Line(const std::string& output, const std::string& key);
 
+// Waits until every thread of process `pid` is stopped (SIGSTOP delivered: state T in
+// /proc/PID/task/*/stat); kill() returns before that, and a thread still running may answer one
+// more request. False if not within `timeout`.
+bool WaitUntilStopped(pid_t pid, absl::Duration timeout);
+
 // Path of a built test tool (the peer program, the C consumer, tensorshmd).
 std::string TensorShmdPath();
 std::string PeerPath();
