@@ -298,8 +298,7 @@ absl::Status Daemon::StartServing(absl::Time started) {
   if (!channels.ok()) return channels.status();
   channels_ = *std::move(channels);
   listener_->Start(
-      [this](int accepted, const PeerCredentials& peer) {
-        UniqueFd fd(accepted);
+      [this](UniqueFd fd, const PeerCredentials& peer) {
         // gRPC names the connection "fd:N"; its calls are admitted by these credentials.
         if (absl::Status s = peers_.Add(fd.get(), peer); !s.ok()) {
           TSM_LOG(kWarning) << "connection refused: " << s.message();
@@ -309,8 +308,7 @@ absl::Status Daemon::StartServing(absl::Time started) {
                         << peer.uid;
         grpc::AddInsecureChannelFromFd(server_.get(), fd.release());  // gRPC closes it
       },
-      [this](int accepted, const PeerCredentials& peer) {
-        UniqueFd fd(accepted);
+      [this](UniqueFd fd, const PeerCredentials& peer) {
         // The listener closed a refused peer's connections at accept already; this is the
         // second look, as every gRPC call has.
         if (absl::Status s = policy_->Admit(peer); !s.ok()) {
@@ -319,7 +317,7 @@ absl::Status Daemon::StartServing(absl::Time started) {
         }
         TSM_LOG(kDebug) << "memory channel fd " << fd.get() << ": pid " << peer.pid << ", uid "
                         << peer.uid;
-        channels_->Add(fd.release(), peer);  // the channel server closes it
+        channels_->Add(std::move(fd), peer);
       },
       MakeAcceptPolicy(*policy_, *options_.uid_connections, &service_->metrics()));
 

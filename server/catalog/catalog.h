@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/base/unique_fd.h"
 #include "common/shm/catalog_layout.h"
 #include "common/tensor/layout.h"
 #include "server/catalog/catalog_index.h"
@@ -215,7 +216,7 @@ class Catalog {
   // DropLeasePage returns how many of its slots counted as leases then. Errors from making the
   // page. What a page's slots count for is LeaseBoard's rule: only tensors the session could
   // acquire, within its uid's --uid-leases (see CountPageLeasesIn).
-  absl::StatusOr<int> OpenLeasePage(uint64_t session, uint32_t uid) {
+  absl::StatusOr<UniqueFd> OpenLeasePage(uint64_t session, uint32_t uid) {
     return lease_board_.Open(session, uid);
   }
   int64_t DropLeasePage(uint64_t session) { return lease_board_.Drop(session); }

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "absl/status/statusor.h"
+#include "common/base/unique_fd.h"
 #include "common/shm/fast_path_layout.h"
 #include "server/memory/shm_segment.h"
 
@@ -43,8 +44,8 @@ class CatalogIndex {
   // Tells clients the daemon is stopping: they use the RPCs from now on.
   void StopServing();
 
-  // A read-only descriptor of the index for a client (the caller closes it).
-  absl::StatusOr<int> OpenForClient() const { return shm_.OpenForClient(/*writable=*/false); }
+  // A new read-only descriptor of the index, for a client.
+  absl::StatusOr<UniqueFd> OpenForClient() const { return shm_.OpenForClient(/*writable=*/false); }
   uint64_t size() const { return shm_.size(); }
   const IndexHeader& header() const { return *static_cast<IndexHeader*>(shm_.address()); }
 

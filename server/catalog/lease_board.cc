@@ -31,7 +31,7 @@ void LeaseBoard::set_uid_limits(UidLimits* limits) {
   limits_ = limits;
 }
 
-absl::StatusOr<int> LeaseBoard::Open(uint64_t session_id, uint32_t uid) {
+absl::StatusOr<UniqueFd> LeaseBoard::Open(uint64_t session_id, uint32_t uid) {
   auto it = pages_.find(session_id);
   if (it == pages_.end()) {
     absl::StatusOr<ShmSegment> shm =

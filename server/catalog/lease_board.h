@@ -27,6 +27,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "common/base/unique_fd.h"
 #include "common/shm/fast_path_layout.h"
 #include "server/memory/shm_segment.h"
 #include "server/ops/uid_limits.h"
@@ -55,7 +56,7 @@ class LeaseBoard {
   // A read-write descriptor of session `session_id`'s lease page for its client (the caller
   // closes it); the page is made (all slots free) on the first call, its slots counted for `uid`.
   // Errors as ShmSegment::Create.
-  absl::StatusOr<int> Open(uint64_t session_id, uint32_t uid);
+  absl::StatusOr<UniqueFd> Open(uint64_t session_id, uint32_t uid);
   // Forgets the page of a session that ended, whatever its slots hold, after folding its fast
   // acquire count into FastAcquires(). Returns how many of its slots counted as leases; 0 if the
   // session had no page.

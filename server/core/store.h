@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/base/mutex.h"
+#include "common/base/unique_fd.h"
 #include "server/catalog/catalog.h"
 #include "server/core/access.h"
 #include "server/core/session.h"
@@ -125,11 +126,11 @@ class Store {
 
   // One memory channel request (see ChannelRequest in the .proto) from a connection with
   // `peer`'s credentials bound to `*session_token` (empty: none; a bind sets it): binds, grants
-  // one host segment's descriptor or a fast path part (returned; the caller closes it), or
-  // creates / publishes / deletes for the bound session (-1 returned). The answer goes into
+  // one host segment's descriptor or a fast path part (returned), or
+  // creates / publishes / deletes for the bound session (none returned). The answer goes into
   // `response`; a refusal is returned. (store_channel.cc)
-  absl::StatusOr<int> Channel(const PeerCredentials& peer, std::string* session_token,
-                              const v1::ChannelRequest& request, v1::ChannelResponse* response)
+  absl::StatusOr<UniqueFd> Channel(const PeerCredentials& peer, std::string* session_token,
+                                   const v1::ChannelRequest& request, v1::ChannelResponse* response)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- The daemon's life ----
@@ -317,12 +318,13 @@ class Store {
   absl::Status DeleteFor(const tensorshm::Session& session, const v1::DeleteRequest& request)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The descriptor of fast path part `request.part()` for `session`.
-  absl::StatusOr<int> GrantFastPath(const tensorshm::Session& session,
-                                    const v1::FastPathRequest& request, v1::FastPathGrant* grant)
+  absl::StatusOr<UniqueFd> GrantFastPath(const tensorshm::Session& session,
+                                         const v1::FastPathRequest& request,
+                                         v1::FastPathGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The descriptor of host segment `request.segment_id` for `session`, as the channel grants it.
-  absl::StatusOr<int> GrantSegment(const tensorshm::Session& session,
-                                   const v1::SegmentRequest& request, v1::SegmentGrant* grant)
+  absl::StatusOr<UniqueFd> GrantSegment(const tensorshm::Session& session,
+                                        const v1::SegmentRequest& request, v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- Creates that wait for memory (store_create_waiters.cc) ----

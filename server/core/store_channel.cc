@@ -8,10 +8,10 @@
 
 namespace tensorshm {
 
-absl::StatusOr<int> Store::Channel(const PeerCredentials& peer, std::string* session_token,
-                                   const v1::ChannelRequest& request,
-                                   v1::ChannelResponse* response) {
-  int granted_fd = -1;
+absl::StatusOr<UniqueFd> Store::Channel(const PeerCredentials& peer, std::string* session_token,
+                                        const v1::ChannelRequest& request,
+                                        v1::ChannelResponse* response) {
+  UniqueFd granted_fd;
   absl::Status status = [&]() -> absl::Status {
     if (policy_ != nullptr) {
       if (absl::Status s = policy_->Admit(peer); !s.ok()) return s;
@@ -56,7 +56,7 @@ absl::StatusOr<int> Store::Channel(const PeerCredentials& peer, std::string* ses
       return absl::FailedPreconditionError(
           "kind: the session this channel is bound to has ended; reconnect");
     }
-    absl::StatusOr<int> fd = -1;
+    absl::StatusOr<UniqueFd> fd = UniqueFd();
     switch (request.kind_case()) {
       case v1::ChannelRequest::kSegment:
         fd = GrantSegment(*session, request.segment(), response->mutable_segment());
@@ -84,21 +84,21 @@ absl::StatusOr<int> Store::Channel(const PeerCredentials& peer, std::string* ses
         return absl::InvalidArgumentError("kind: not a request this daemon knows");
     }
     if (!fd.ok()) return fd.status();
-    granted_fd = *fd;
+    granted_fd = *std::move(fd);
     return absl::OkStatus();
   }();
   if (!status.ok()) return status;
   return granted_fd;
 }
 
-absl::StatusOr<int> Store::GrantFastPath(const tensorshm::Session& session,
-                                         const v1::FastPathRequest& request,
-                                         v1::FastPathGrant* grant) {
+absl::StatusOr<UniqueFd> Store::GrantFastPath(const tensorshm::Session& session,
+                                              const v1::FastPathRequest& request,
+                                              v1::FastPathGrant* grant) {
   if (cross_cancel_hold_ > absl::ZeroDuration()) {
     return absl::FailedPreconditionError(
         "fast_path: not offered under TENSORSHMD_TEST_CROSS_CANCEL_MS (test mode)");
   }
-  absl::StatusOr<int> fd = -1;
+  absl::StatusOr<UniqueFd> fd = UniqueFd();
   switch (request.part()) {
     case v1::FastPathRequest::INDEX:
       fd = catalog_->index().OpenForClient();
@@ -120,12 +120,12 @@ absl::StatusOr<int> Store::GrantFastPath(const tensorshm::Session& session,
   if (!fd.ok()) return fd.status();
   grant->set_part(request.part());
   grant->set_instance_id(catalog_->instance_id());
-  return *fd;
+  return fd;
 }
 
-absl::StatusOr<int> Store::GrantSegment(const tensorshm::Session& session,
-                                        const v1::SegmentRequest& request,
-                                        v1::SegmentGrant* grant) {
+absl::StatusOr<UniqueFd> Store::GrantSegment(const tensorshm::Session& session,
+                                             const v1::SegmentRequest& request,
+                                             v1::SegmentGrant* grant) {
   const HostPool& pool = catalog_->host_pool();
   const uint64_t id = request.segment_id();
   if (!pool.HasSegment(id)) {
@@ -143,13 +143,13 @@ absl::StatusOr<int> Store::GrantSegment(const tensorshm::Session& session,
         absl::StrCat("segment.writable: segment ", id, " holds the buffers of uid ",
                      pool.SegmentOwner(id), "; uid ", session.uid, " may only read it"));
   }
-  absl::StatusOr<int> fd = pool.Segment(id).OpenForClient(request.writable());
+  absl::StatusOr<UniqueFd> fd = pool.Segment(id).OpenForClient(request.writable());
   if (!fd.ok()) return fd.status();
   grant->set_segment_id(id);
   grant->set_segment_instance(pool.SegmentInstance(id));
   grant->set_size(pool.SegmentSize(id));
   grant->set_writable(request.writable());
-  return *fd;
+  return fd;
 }
 
 }  // namespace tensorshm

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/base/unique_fd.h"
 #include "common/shm/catalog_layout.h"
 #include "server/memory/shm_segment.h"
 
@@ -33,8 +34,8 @@ class ControlSegment {
 
   void Keep() { shm_.Keep(); }
 
-  // A read-only descriptor of the whole segment for a client's fast path (the caller closes it).
-  absl::StatusOr<int> OpenForClient() const { return shm_.OpenForClient(/*writable=*/false); }
+  // A new read-only descriptor of the whole segment, for a client's fast path.
+  absl::StatusOr<UniqueFd> OpenForClient() const { return shm_.OpenForClient(/*writable=*/false); }
   uint64_t size() const { return shm_.size(); }
 
   // The shared header, for storing into it (a later recovery reads it); nothing read from it

@@ -127,10 +127,10 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
   return segment;
 }
 
-absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
+absl::StatusOr<UniqueFd> ShmSegment::OpenForClient(bool writable) const {
   if (writable) {
-    const int fd = fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0);
-    if (fd < 0) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", name_, errno);
+    UniqueFd fd(fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0));
+    if (!fd.valid()) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", name_, errno);
     return fd;
   }
   // A new open file description, read-only: a duplicate of fd_ would carry its write access.
@@ -147,12 +147,12 @@ absl::StatusOr<int> ShmSegment::OpenForClient(bool writable) const {
                        ": the name belongs to another object now (removed or replaced behind the "
                        "daemon's back)"));
     }
-    return fd.release();  // the caller's now
+    return fd;
   }
   // A memfd has no name to open: its /proc link is reopened instead.
   const std::string path = absl::StrCat("/proc/self/fd/", fd_.get());
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoError("open(" + path + ", O_RDONLY)", name_, errno);
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoError("open(" + path + ", O_RDONLY)", name_, errno);
   return fd;
 }
 

@@ -65,11 +65,11 @@ class ShmSegment {
   // and the object.
   absl::Status Discard();
 
-  // A new descriptor of the object for a client (close-on-exec; the caller closes it, or hands
-  // it to the memory channel, which does): read-only, or read-write. A read-only one cannot be
+  // A new descriptor of the object for a client (close-on-exec; the memory channel sends it):
+  // read-only, or read-write. A read-only one cannot be
   // mapped writable nor reopened writable by anyone but the daemon's uid (the object is mode 0600).
   // Errors name the call and the object.
-  absl::StatusOr<int> OpenForClient(bool writable) const;
+  absl::StatusOr<UniqueFd> OpenForClient(bool writable) const;
 
   const std::string& name() const { return name_; }
   uint64_t size() const { return size_; }

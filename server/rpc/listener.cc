@@ -133,9 +133,9 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
     loop.Unwatch(fd);
     auto it = pending.find(fd);
     const PeerCredentials peer = it->second.peer;
-    const int conn = it->second.fd.release();
+    UniqueFd conn = std::move(it->second.fd);
     pending.erase(it);
-    handoff(conn, peer);
+    handoff(std::move(conn), peer);
   };
   // A report on an accepted connection: its first bytes, or its hang-up.
   auto sort = [&](int fd, uint32_t events) {

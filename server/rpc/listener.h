@@ -37,8 +37,8 @@ struct AcceptPolicy {
 class UnixListener {
  public:
   // Called with an accepted connection (non-blocking, close-on-exec) and its peer's
-  // credentials; the callback owns the fd.
-  using Handoff = std::function<void(int fd, const PeerCredentials&)>;
+  // credentials.
+  using Handoff = std::function<void(UniqueFd fd, const PeerCredentials&)>;
 
   // Binds and listens on `path` with file mode `mode`. Errors name the call and the path.
   static absl::StatusOr<std::unique_ptr<UnixListener>> Create(const std::string& path, mode_t mode);

@@ -27,12 +27,13 @@ absl::StatusOr<std::unique_ptr<ChannelServer>> ChannelServer::Start(Handler hand
 
 ChannelServer::~ChannelServer() { Stop(); }
 
-void ChannelServer::Add(int fd, const PeerCredentials& peer) {
+void ChannelServer::Add(UniqueFd accepted, const PeerCredentials& peer) {
+  const int fd = accepted.get();
   Connection* added;
   {
     MutexLock lock(&mu_);
     auto connection = std::make_unique<Connection>();
-    connection->fd.reset(fd);
+    connection->fd = std::move(accepted);
     connection->state.peer = peer;
     added = connection.get();
     connections_[fd] = std::move(connection);
@@ -160,8 +161,8 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
     std::string frame(kFrameHeaderBytes, '\0');
     reply.response.AppendToString(&frame);
     EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
-    const UniqueFd attached(reply.fd);  // the handler's to send; closed once sent
-    absl::Status sent = SendWithFd(fd, frame, attached.get(), /*nonblocking=*/true, who);
+    // The descriptor the reply brings is closed once sent (with `reply`).
+    absl::Status sent = SendWithFd(fd, frame, reply.fd.get(), /*nonblocking=*/true, who);
     if (!sent.ok()) {
       TSM_LOG(kWarning) << sent.message();
       return false;

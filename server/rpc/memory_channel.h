@@ -28,11 +28,11 @@ struct ChannelConnection {
   std::string session_token;  // the session it is bound to; empty until a bind succeeds
 };
 
-// What the handler answers: the response, and a descriptor to send with it (or -1), which the
+// What the handler answers: the response, and a descriptor to send with it (or none), which the
 // server closes once sent.
 struct ChannelReply {
   v1::ChannelResponse response;
-  int fd = -1;
+  UniqueFd fd;
 };
 
 // Thread-safe.
@@ -46,8 +46,8 @@ class ChannelServer {
   ChannelServer(const ChannelServer&) = delete;
   ChannelServer& operator=(const ChannelServer&) = delete;
 
-  // Serves connection `fd` (non-blocking; its hello already read), which it now owns.
-  void Add(int fd, const PeerCredentials& peer) ABSL_LOCKS_EXCLUDED(mu_);
+  // Serves connection `fd` (non-blocking; its hello already read).
+  void Add(UniqueFd fd, const PeerCredentials& peer) ABSL_LOCKS_EXCLUDED(mu_);
   // Closes every connection and joins the thread; idempotent. The handler is not called after.
   void Stop();
 

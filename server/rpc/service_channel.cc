@@ -10,10 +10,10 @@ ChannelReply TensorShmService::HandleChannel(ChannelConnection& connection,
                                              const v1::ChannelRequest& request) {
   ChannelReply reply;
   reply.response.set_sequence(request.sequence());
-  absl::StatusOr<int> fd =
+  absl::StatusOr<UniqueFd> fd =
       store_.Channel(connection.peer, &connection.session_token, request, &reply.response);
   const absl::Status status = fd.status();
-  if (fd.ok()) reply.fd = *fd;
+  if (fd.ok()) reply.fd = *std::move(fd);
   store_.metrics().CountOp(ChannelRequestOp(request), status);
   if (!status.ok()) {
     reply.response.clear_kind();

@@ -242,7 +242,7 @@ void CheckChannelServer(const Program& program, const Reference& reference) {
   int pair[2];
   TSM_CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
   TSM_CHECK(fcntl(pair[1], F_SETFL, O_NONBLOCK) == 0);
-  Server().Add(pair[1], PeerCredentials{getpid(), getuid(), getgid()});
+  Server().Add(UniqueFd(pair[1]), PeerCredentials{getpid(), getuid(), getgid()});
   std::thread writer(WriteChunks, pair[0], std::cref(program), /*with_fds=*/false);
   size_t answered = 0;
   while (true) {

@@ -250,9 +250,9 @@ uint32_t IndexLookup(const CatalogIndex& index, const std::string& name) {
 
 // A lease page as its client maps it.
 struct MappedPage {
+  // Maps the page `fd` (OpenLeasePage's, which keeps it) brings.
   explicit MappedPage(int fd) {
     address = mmap(nullptr, kLeasePageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
   }
   ~MappedPage() { munmap(address, kLeasePageBytes); }
   LeasePage& page() { return *static_cast<LeasePage*>(address); }
@@ -288,9 +288,9 @@ TEST_F(CatalogTest, IndexFollowsPublishReplaceAndDelete) {
 }
 
 TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok()) << fd.status();
-  MappedPage mapped(*fd);
+  MappedPage mapped(fd->get());
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {1024}, {}, kCpu);
   ASSERT_TRUE(a.ok());
   const uint64_t a_id = (*a)->id;
@@ -316,9 +316,9 @@ TEST_F(CatalogTest, LeasePageSlotKeepsReplacedTensorUntilClearedAndReclaimed) {
 }
 
 TEST_F(CatalogTest, DroppedLeasePageFreesWhatOnlyItHeldAndTellsItsClient) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
-  MappedPage mapped(*fd);
+  MappedPage mapped(fd->get());
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
   ASSERT_TRUE(a.ok());
   const uint64_t a_id = (*a)->id;
@@ -334,9 +334,9 @@ TEST_F(CatalogTest, DroppedLeasePageFreesWhatOnlyItHeldAndTellsItsClient) {
 
 // The words before kFirstLeaseSlot are no leases: a count and a ring of ids there pin nothing.
 TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
-  MappedPage mapped(*fd);
+  MappedPage mapped(fd->get());
   absl::StatusOr<const Tensor*> a = catalog_->Create(1, kF32, {4}, {}, kCpu);
   ASSERT_TRUE(a.ok());
   const uint64_t a_id = (*a)->id;
@@ -352,11 +352,11 @@ TEST_F(CatalogTest, LeasePageCountAndRingHoldNoTensor) {
 // Fast acquire counts are numbers a client wrote: summed over pages (a dropped page's too),
 // never decreasing, and a count that goes back or leaps is taken sanely.
 TEST_F(CatalogTest, FastAcquireCountsAddUpNeverDecreaseAndAreClamped) {
-  absl::StatusOr<int> fd7 = catalog_->OpenLeasePage(7, 0);
-  absl::StatusOr<int> fd8 = catalog_->OpenLeasePage(8, 0);
+  absl::StatusOr<UniqueFd> fd7 = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<UniqueFd> fd8 = catalog_->OpenLeasePage(8, 0);
   ASSERT_TRUE(fd7.ok() && fd8.ok());
-  MappedPage page7(*fd7);
-  MappedPage page8(*fd8);
+  MappedPage page7(fd7->get());
+  MappedPage page8(fd8->get());
   EXPECT_EQ(catalog_->FastAcquires(), 0u);
   page7.page().slots[kLeaseAcquireCountSlot].store(5);
   page8.page().slots[kLeaseAcquireCountSlot].store(3);
@@ -379,9 +379,9 @@ TEST_F(CatalogTest, FastAcquireCountsAddUpNeverDecreaseAndAreClamped) {
 // --evict lru: a tensor acquired and released between two rounds (only the recent ring says
 // so) counts as used at the round that read the ring.
 TEST_F(CatalogTest, RecentRingMarksTensorsUsedThoughNoSlotHoldsThem) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
-  MappedPage mapped(*fd);
+  MappedPage mapped(fd->get());
   std::vector<uint64_t> ids;
   for (const char* name : {"old", "new"}) {
     absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {4}, {}, kCpu);
@@ -407,9 +407,9 @@ TEST_F(CatalogTest, RecentRingMarksTensorsUsedThoughNoSlotHoldsThem) {
 // A page is its client's to write: ids written before their tensor was published (or never
 // handed out) are no leases and keep nothing, whatever the tensor does later.
 TEST_F(CatalogTest, LeasePageSlotWrittenBeforePublishPinsNothing) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
-  MappedPage mapped(*fd);
+  MappedPage mapped(fd->get());
   const uint64_t next = catalog_->next_tensor_id();
   for (uint32_t i = 0; i < 4; ++i) mapped.page().slots[kFirstLeaseSlot + i].store(next + i);
   mapped.page().slots[kFirstLeaseSlot + 4].store(uint64_t{1} << 50);
@@ -430,9 +430,9 @@ TEST_F(CatalogTest, LeasePageSlotWrittenBeforePublishPinsNothing) {
 // A publish-and-acquire leases its own unpublished tensor in the page before the publish: that
 // slot counts (another session's unpublished tensor does not).
 TEST_F(CatalogTest, LeasePageSlotOfOwnUnpublishedTensorCountsAndPins) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
-  MappedPage mapped(*fd);
+  MappedPage mapped(fd->get());
   absl::StatusOr<const Tensor*> own = catalog_->Create(7, kF32, {1024}, {}, kCpu);
   absl::StatusOr<const Tensor*> other = catalog_->Create(8, kF32, {1024}, {}, kCpu);
   ASSERT_TRUE(own.ok() && other.ok());
@@ -458,9 +458,9 @@ TEST_F(CatalogTest, LeasePageSlotOfOwnUnpublishedTensorCountsAndPins) {
 // A slot the client wrote while the name was bound counts even if no read saw it before the
 // delete (the delete reads the pages); one written after the delete does not.
 TEST_F(CatalogTest, LeasePageSlotWrittenWhileBoundPinsUntilCleared) {
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 0);
+  absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(7, 0);
   ASSERT_TRUE(fd.ok());
-  MappedPage mapped(*fd);
+  MappedPage mapped(fd->get());
   std::vector<uint64_t> ids;
   for (const char* name : {"x", "y"}) {
     absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {1024}, {}, kCpu);
@@ -491,9 +491,9 @@ TEST_F(CatalogTest, LeasePageSlotWrittenWhileBoundPinsUntilCleared) {
 TEST_F(CatalogTest, LeasePageSlotsCountWithinUidLeases) {
   UidLimits limits(UidLimitsConfig{0, 2, 0, 0});
   catalog_->CountPageLeasesIn(&limits);
-  absl::StatusOr<int> fd = catalog_->OpenLeasePage(7, 1000);
+  absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(7, 1000);
   ASSERT_TRUE(fd.ok());
-  MappedPage mapped(*fd);
+  MappedPage mapped(fd->get());
   std::vector<uint64_t> ids;
   for (const char* name : {"a", "b", "c"}) {
     absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {1024}, {}, kCpu);
@@ -519,9 +519,9 @@ TEST_F(CatalogTest, LeasePageSlotsCountWithinUidLeases) {
 TEST_F(CatalogTest, LeasePageReadsAreBoundedAndGoOn) {
   std::vector<std::unique_ptr<MappedPage>> pages;
   for (uint64_t session = 1; session <= 10; ++session) {
-    absl::StatusOr<int> fd = catalog_->OpenLeasePage(session, 0);
+    absl::StatusOr<UniqueFd> fd = catalog_->OpenLeasePage(session, 0);
     ASSERT_TRUE(fd.ok());
-    pages.push_back(std::make_unique<MappedPage>(*fd));
+    pages.push_back(std::make_unique<MappedPage>(fd->get()));
   }
   absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {4}, {}, kCpu);
   ASSERT_TRUE(t.ok());
