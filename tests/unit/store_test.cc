@@ -227,8 +227,8 @@ TEST_F(StoreTest, AWaitingAcquireEndsAtItsDeadlineOrWithItsSession) {
   ASSERT_TRUE(answered_later);
   std::optional<absl::Status> expired = expiring.answered.Wait();
   ASSERT_TRUE(expired.has_value());
-  EXPECT_EQ(*expired,
-            absl::DeadlineExceededError("name = \"store.late\": not published within wait_ms = 50"));
+  EXPECT_EQ(*expired, absl::DeadlineExceededError(
+                          "name = \"store.late\": not published within wait_ms = 50"));
   store_->WaiterDone(&expiring, false);
 
   request.set_wait_ms(-1);
