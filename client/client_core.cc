@@ -280,11 +280,15 @@ ClientCore::SessionWait ClientCore::WaitForSession(uint64_t generation, absl::Ti
                                                    absl::Duration serving_proof) {
   MutexLock lock(&mu_);
   const absl::Time began = absl::Now();
+  const uint64_t failed_before = failed_reconnects_;
   uint64_t probe = 0;  // the first batch sent serving_proof after `began`: its ack is the proof
   while (generation_ == generation) {
     const absl::Time now = absl::Now();
     if (now >= deadline || (cancel != nullptr && cancel->cancelled()) || client_closed_) {
       return SessionWait::kGaveUp;
+    }
+    if (failed_reconnects_ != failed_before && absl::IsPermissionDenied(reconnect_error_)) {
+      return SessionWait::kRefused;
     }
     if (probe != 0 && connected_ && acked_sequence_ >= probe &&
         (fast_ == nullptr || fast_->DaemonServing())) {
@@ -302,6 +306,11 @@ ClientCore::SessionWait ClientCore::WaitForSession(uint64_t generation, absl::Ti
 
 absl::Status ClientCore::NoSession(std::string_view what) const {
   MutexLock lock(&mu_);
+  if (absl::IsPermissionDenied(reconnect_error_)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        absl::string_view(what.data(), what.size()), ": the session with tensorshmd at unix:",
+        socket_, " ended, and a new one was refused: ", reconnect_error_.message()));
+  }
   return absl::UnavailableError(absl::StrCat(
       absl::string_view(what.data(), what.size()), ": the session with tensorshmd at unix:",
       socket_, " ended and no new one opened before the call's deadline (is the daemon running?)",

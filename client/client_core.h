@@ -265,16 +265,21 @@ class ClientCore {
     kNewSession,  // a newer session opened
     kServing,     // session `generation` itself is still served (see WaitForSession)
     kGaveUp,      // `deadline` passed or `cancel` was cancelled
+    kRefused,     // an attempt made during the wait was refused (PERMISSION_DENIED): the daemon
+                  // serving the socket now is not trusted, or does not admit this process
   };
   // Waits until a session newer than `generation` is open, or until `deadline` or `cancel`.
   // Meanwhile the sender is asked to look at the stream and to try reconnecting at least every
   // kSessionPoll, instead of backing off. With `serving_proof` finite, also ends (kServing) once
   // session `generation` answered a probe sent `serving_proof` after the wait began, with the
   // fast path (if any) saying the daemon serves: the call's failure was not the session ending.
+  // A reconnect attempt refused while it waits ends it at once (kRefused): waiting out the
+  // deadline would not change whom the socket's path leads to.
   SessionWait WaitForSession(uint64_t generation, absl::Time deadline, const CancelState* cancel,
                              absl::Duration serving_proof = absl::InfiniteDuration())
       ABSL_LOCKS_EXCLUDED(mu_);
-  // UNAVAILABLE for a call of `what` that found no session by its deadline.
+  // For a call of `what` that found no new session: UNAVAILABLE by its deadline, or the last
+  // attempt's PERMISSION_DENIED, said as such.
   absl::Status NoSession(std::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);
   // After the stream broke: reopens a session, with backoff. False if the sender should exit.
   bool Reconnect() ABSL_LOCKS_EXCLUDED(mu_);
@@ -308,7 +313,7 @@ class ClientCore {
   std::string session_id_ ABSL_GUARDED_BY(mu_);
   uint64_t session_number_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // sessions opened so far
-  CondVar session_opened_;                        // generation_ changed
+  CondVar session_opened_;  // generation_ changed, or a reconnect attempt failed
   uint64_t daemon_instance_ ABSL_GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, HeldLease> held_ ABSL_GUARDED_BY(mu_);  // by client-side key
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
@@ -334,6 +339,7 @@ class ClientCore {
   absl::Status rejection_ ABSL_GUARDED_BY(mu_);
   // Why the last reconnect failed (a refused server is worth telling the caller of Flush).
   absl::Status reconnect_error_ ABSL_GUARDED_BY(mu_);
+  uint64_t failed_reconnects_ ABSL_GUARDED_BY(mu_) = 0;  // counts attempts that failed
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   bool client_closed_ ABSL_GUARDED_BY(mu_) = false;
   bool flush_requested_ ABSL_GUARDED_BY(mu_) = false;  // send a batch even if empty
@@ -401,9 +407,9 @@ auto ClientCore::CallAcrossRestart(std::string_view what, absl::Time deadline, b
     }
     // A daemon that serves the session all along refused this one call (its memory channel
     // connection, say, past --uid-connections): the failure is answered, not waited out.
-    if (WaitForSession(generation, deadline, cancel, kServingProof) != SessionWait::kNewSession) {
-      return result;
-    }
+    const SessionWait wait = WaitForSession(generation, deadline, cancel, kServingProof);
+    if (wait == SessionWait::kRefused) return NoSession(what);
+    if (wait != SessionWait::kNewSession) return result;
   }
 }
 

@@ -46,6 +46,8 @@ bool ClientCore::Reconnect() {
     if (opened.ok()) return true;
     MutexLock lock(&mu_);
     reconnect_error_ = opened;
+    ++failed_reconnects_;
+    session_opened_.SignalAll();  // a call waiting for the session hears of a refusal at once
     // A call waiting for the new session (WaitForSession) cuts the pause short.
     if (!SenderDone()) work_.WaitWithTimeout(&mu_, backoff);
     backoff = std::min(backoff * 2, kMaxBackoff);
