@@ -70,6 +70,11 @@ int main(int argc, char** argv) {
                 << tensor.status().message() << std::endl;
     }
   }
+  // Dropped buffers are given back in the sender's next batch: flushed, the daemon has them all
+  // back before "done" (and "holding") says so.
+  if (absl::Status flushed = (*client)->Flush(); !flushed.ok()) {
+    std::cout << "flush " << flushed << std::endl;
+  }
   std::cout << "done created " << created << " refused " << refused << std::endl;
   if (hold) {
     std::cout << "holding" << std::endl;
