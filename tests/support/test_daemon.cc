@@ -53,6 +53,33 @@ bool WaitUntilStopped(pid_t pid, absl::Duration timeout) {
   return false;
 }
 
+std::string ThreadStacks(pid_t pid) {
+  std::string stacks;
+  if (access("/usr/bin/gdb", X_OK) == 0) {
+    const std::string command =
+        absl::StrCat("timeout 60 /usr/bin/gdb -p ", pid,
+                     " -batch -nx -ex 'set pagination off' -ex 'thread apply all bt 30' 2>&1");
+    if (FILE* gdb = popen(command.c_str(), "r")) {
+      char buffer[4096];
+      size_t got = 0;
+      while ((got = fread(buffer, 1, sizeof(buffer), gdb)) > 0) stacks.append(buffer, got);
+      pclose(gdb);
+    }
+    if (absl::StrContains(stacks, "Thread ")) return stacks;
+  }
+  std::error_code error;
+  for (const auto& task :
+       std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), error)) {
+    std::ifstream wchan(task.path() / "wchan");
+    std::ifstream kernel(task.path() / "stack");
+    std::stringstream text;
+    text << "thread " << task.path().filename().string() << " waits in " << wchan.rdbuf() << "\n"
+         << kernel.rdbuf();
+    absl::StrAppend(&stacks, text.str(), "\n");
+  }
+  return stacks;
+}
+
 std::string Line(const std::string& output, const std::string& key) {
   for (absl::string_view line : absl::StrSplit(output, '\n')) {
     if (absl::StartsWith(line, key + " ")) return std::string(line.substr(key.size() + 1));
@@ -278,9 +305,11 @@ void TestDaemon::Finish() {
   absl::StatusOr<int> status = process_->Wait(absl::Seconds(60));
   std::string why;
   if (!status.ok()) {
+    // Where it hangs, for the failure message: its threads, before the SIGKILL.
+    const std::string stacks = ThreadStacks(process_->pid());
     process_->Kill(SIGKILL);
     (void)process_->Wait(absl::Seconds(10));
-    why = "did not exit within 60 s of SIGTERM";
+    why = absl::StrCat("did not exit within 60 s of SIGTERM; its threads then:\n", stacks);
   } else if (!killed_on_purpose_ && !(WIFEXITED(*status) && WEXITSTATUS(*status) == 0)) {
     why = WIFSIGNALED(*status)
               ? absl::StrCat("was killed by signal ", WTERMSIG(*status),

@@ -116,6 +116,10 @@ std::string Line(const std::string& output, const std::string& key);
 // more request. False if not within `timeout`.
 bool WaitUntilStopped(pid_t pid, absl::Duration timeout);
 
+// What each thread of process `pid` is doing, for a failure message about a process that hangs:
+// gdb's backtraces when gdb is installed, else each thread's wait channel and kernel stack.
+std::string ThreadStacks(pid_t pid);
+
 // Path of a built test tool (the peer program, the C consumer, tensorshmd).
 std::string TensorShmdPath();
 std::string PeerPath();
