@@ -302,14 +302,16 @@ std::string SanitizerReport(const std::string& log) {
 void TestDaemon::Finish() {
   if (process_ == nullptr) return;
   process_->Kill(SIGTERM);  // nothing if it already exited
-  absl::StatusOr<int> status = process_->Wait(absl::Seconds(60));
+  const absl::Duration limit = absl::Seconds(kSanitized ? 120 : 60);
+  absl::StatusOr<int> status = process_->Wait(limit);
   std::string why;
   if (!status.ok()) {
     // Where it hangs, for the failure message: its threads, before the SIGKILL.
     const std::string stacks = ThreadStacks(process_->pid());
     process_->Kill(SIGKILL);
     (void)process_->Wait(absl::Seconds(10));
-    why = absl::StrCat("did not exit within 60 s of SIGTERM; its threads then:\n", stacks);
+    why = absl::StrCat("did not exit within ", absl::FormatDuration(limit),
+                       " of SIGTERM; its threads then:\n", stacks);
   } else if (!killed_on_purpose_ && !(WIFEXITED(*status) && WEXITSTATUS(*status) == 0)) {
     why = WIFSIGNALED(*status)
               ? absl::StrCat("was killed by signal ", WTERMSIG(*status),
