@@ -46,14 +46,10 @@ void CopyContiguous(char* out, const char* in, size_t n) {
   constexpr size_t kParallelFrom = size_t{8} << 20;
   constexpr size_t kChunkAtLeast = size_t{4} << 20;
   constexpr unsigned kMaxThreads = 4;
-  if (n < kParallelFrom) {
-    std::memcpy(out, in, n);
-    return;
-  }
-  // Asked once: glibc reads /sys/devices/system/cpu/online each time (3 system calls).
+  // Asked once per process: glibc reads /sys/devices/system/cpu/online each time.
   static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const size_t parts = std::min<size_t>({cores, kMaxThreads, n / kChunkAtLeast});
-  if (parts < 2) {
+  if (n < kParallelFrom || parts < 2) {
     std::memcpy(out, in, n);
     return;
   }

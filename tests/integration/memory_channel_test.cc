@@ -580,7 +580,9 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
       pollfd readable{pipe_fds[0], POLLIN, 0};
       const int left =
           static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
-      if (poll(&readable, 1, left) == 0) {
+      const int ready = poll(&readable, 1, left);
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready == 0) {
         hung = true;
         break;
       }
