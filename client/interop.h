@@ -7,6 +7,8 @@
 #include <dlpack/dlpack.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -21,6 +23,29 @@ namespace tensorshm {
 // CUDA tensors published without an event. INVALID_ARGUMENT for a tensor that did not come from a
 // tensorshm Client; errors of the driver opening the event. Thread-safe.
 absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor);
+
+// Where a tensor's buffer lies in the daemon's memory, for bindings that register the segment
+// with a server that maps it itself (Triton's system and CUDA shared-memory extensions).
+struct SegmentPlace {
+  // With segment_id, names one memory object for good (v1::Location.segment_instance).
+  uint64_t segment_instance = 0;
+  uint64_t segment_id = 0;
+  uint64_t segment_size = 0;
+  uint64_t offset = 0;  // of the buffer in the segment
+  uint64_t length = 0;  // of the buffer; 0: an empty tensor, with no segment
+  // The buffer's address in this process (host: in this process's mapping of the segment; CUDA:
+  // the device pointer).
+  const char* address = nullptr;
+  std::string shm_name;         // host: the POSIX shm object's name; "" for a memfd segment
+  std::string cuda_ipc_handle;  // CUDA: the segment's 64-byte CUipcMemHandle
+};
+
+// The place of an acquired tensor's buffer (valid while its lease is held). INVALID_ARGUMENT for
+// a tensor that did not come from a tensorshm Client.
+absl::StatusOr<SegmentPlace> PlaceOf(const DLManagedTensorVersioned* tensor);
+// The place of a writable tensor's buffer (published or not). FAILED_PRECONDITION for a
+// moved-from tensor.
+absl::StatusOr<SegmentPlace> PlaceOf(WritableTensor& tensor);
 
 // Copies `bytes` of an acquired CUDA tensor's device memory, starting at `src` (inside the
 // tensor), to host memory `dst`, after its ready event. INVALID_ARGUMENT for a tensor that is not

@@ -43,6 +43,19 @@ void DeleteLegacy(DLManagedTensor* self) noexcept {
   if (self != nullptr) ReleaseLease(static_cast<Lease*>(self->manager_ctx));
 }
 
+SegmentPlace PlaceFrom(const v1::Location& location, const char* address) {
+  SegmentPlace place;
+  place.segment_instance = location.segment_instance();
+  place.segment_id = location.segment_id();
+  place.segment_size = location.segment_size();
+  place.offset = location.offset();
+  place.length = location.length();
+  place.address = address;
+  if (location.has_host()) place.shm_name = location.host().shm_name();
+  if (location.has_cuda()) place.cuda_ipc_handle = location.cuda().ipc_handle();
+  return place;
+}
+
 absl::StatusOr<CudaBuffer> OpenCudaLocation(ClientCore& core, const v1::Location& location) {
   const v1::CudaLocation& cuda = location.cuda();
   absl::StatusOr<int> ordinal = core.cuda().OrdinalOf(cuda.device_uuid());
@@ -102,6 +115,7 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     lease->cuda_ordinal = buffer->ordinal;
     lease->ready_event = location.cuda().ready_event();
     data = buffer->data;
+    lease->place = PlaceFrom(location, data);
   } else if (decoded->device.device_type != kDLCPU ||
              (!location.has_host() && location.length() > 0)) {
     return give_back(absl::UnimplementedError(
@@ -113,6 +127,8 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     if (!mapping.ok()) return give_back(mapping.status());
     lease->mapping = *std::move(mapping);
     data = lease->mapping->address() + location.offset();
+    lease->place = PlaceFrom(location, data);
+    lease->place.shm_name = lease->mapping->shm_name();
   }
   lease->shape = std::move(decoded->shape);
   lease->strides = std::move(decoded->strides);
@@ -146,6 +162,14 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
     }
     lease->mapping = *std::move(mapping);
     data = lease->mapping->address() + leased.offset;
+    lease->place = SegmentPlace{leased.segment_instance,
+                                leased.segment_id,
+                                lease->mapping->size(),
+                                leased.offset,
+                                leased.length,
+                                data,
+                                lease->mapping->shm_name(),
+                                ""};
   }
   RecordLayout& layout = leased.layout;
   lease->shape = std::move(layout.shape);
@@ -201,6 +225,13 @@ absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor) {
     lease.own_event = own;
   }
   return static_cast<const void*>(&lease.opened_event);
+}
+
+absl::StatusOr<SegmentPlace> PlaceOf(const DLManagedTensorVersioned* tensor) {
+  if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
+    return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
+  }
+  return static_cast<const Lease*>(tensor->manager_ctx)->place;
 }
 
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {

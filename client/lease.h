@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "client/client_core.h"
 #include "client/fast_path.h"
+#include "client/interop.h"
 #include "client/segment_map.h"
 #include "common/base/mutex.h"
 #include "common/cuda/cuda_driver.h"
@@ -36,6 +37,7 @@ struct Lease {
   std::shared_ptr<FastPath> fast;  // a page lease: the fast path whose page holds it
   uint32_t page_slot = 0;
   std::shared_ptr<const SegmentMapping> mapping;  // host tensors: the segment the data lies in
+  SegmentPlace place;                             // where the buffer lies (PlaceOf)
   int cuda_ordinal = -1;                          // CUDA tensors: this process's device ordinal
   std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
   // ReadyEvent: the event opened from `ready_event` on first call, kept until the lease ends.
@@ -59,6 +61,9 @@ inline DLManagedTensor* HandOutLegacy(std::unique_ptr<Lease> lease) {
   raw->legacy.deleter = DeleteLegacy;
   return &raw->legacy;
 }
+
+// The place `location` names, the buffer being at `address` in this process.
+SegmentPlace PlaceFrom(const v1::Location& location, const char* address);
 
 // A CUDA location as this process sees it: its ordinal for the location's device (found by UUID)
 // and the buffer's device address (nullptr for an empty tensor), the segment opened once.

@@ -200,7 +200,7 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& s
 absl::StatusOr<UniqueFd> MemoryChannel::RequestSegment(const std::string& session_token,
                                                        uint64_t segment_instance,
                                                        uint64_t segment_id, bool writable,
-                                                       uint64_t* size) {
+                                                       uint64_t* size, std::string* shm_name) {
   v1::ChannelRequest request;
   v1::SegmentRequest* want = request.mutable_segment();
   want->set_segment_id(segment_id);
@@ -220,6 +220,7 @@ absl::StatusOr<UniqueFd> MemoryChannel::RequestSegment(const std::string& sessio
                      " (", response->ShortDebugString(), ")"));
   }
   *size = response->segment().size();
+  *shm_name = response->segment().shm_name();
   return fd;
 }
 

@@ -56,9 +56,12 @@ class MemoryChannel {
   // for `session_token`; never waits for an answer (there is none), and failures are ignored.
   void Expect(const std::string& session_token, uint32_t micros) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A descriptor of host segment (segment_instance, segment_id), read-only or `writable`; its
+  // size and POSIX shm name ("" for a memfd) as the daemon granted it.
   absl::StatusOr<UniqueFd> RequestSegment(const std::string& session_token,
                                           uint64_t segment_instance, uint64_t segment_id,
-                                          bool writable, uint64_t* size) ABSL_LOCKS_EXCLUDED(mu_);
+                                          bool writable, uint64_t* size, std::string* shm_name)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // Connects and binds to `session_token`. REQUIRES: not connected.

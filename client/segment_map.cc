@@ -30,11 +30,12 @@ void SegmentMapping::Populate() const {
   madvise(mapping_.data(), mapping_.size(), MADV_POPULATE_READ);
 }
 
-WritableSegment::WritableSegment(Mapping mapping, std::string label)
+WritableSegment::WritableSegment(Mapping mapping, std::string label, std::string shm_name)
     : mapping_(std::move(mapping)),
       address_(mapping_.data()),
       size_(mapping_.size()),
-      label_(std::move(label)) {
+      label_(std::move(label)),
+      shm_name_(std::move(shm_name)) {
   MutexLock lock(&mu_);
   populated_.assign((size_ + PageBytes() - 1) / PageBytes(), false);
 }
@@ -127,6 +128,7 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Find(const Seg
 
 absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const SegmentKey& key,
                                                                          UniqueFd fd, uint64_t size,
+                                                                         std::string shm_name,
                                                                          uint64_t offset,
                                                                          uint64_t length) {
   struct stat st;
@@ -139,7 +141,7 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const S
   const int err = errno;
   fd.reset();  // the mapping keeps the object
   if (!mapped.valid()) return ErrnoError("mmap", SegmentLabel(key), err);
-  auto mapping = std::make_shared<const SegmentMapping>(std::move(mapped));
+  auto mapping = std::make_shared<const SegmentMapping>(std::move(mapped), std::move(shm_name));
   std::shared_ptr<const SegmentMapping> cached;
   {
     MutexLock lock(&mu_);
@@ -165,12 +167,14 @@ std::shared_ptr<WritableSegment> SegmentMap::FindWritable(const SegmentKey& key)
 
 absl::StatusOr<std::shared_ptr<WritableSegment>> SegmentMap::InsertWritable(const SegmentKey& key,
                                                                             UniqueFd fd,
-                                                                            uint64_t size) {
+                                                                            uint64_t size,
+                                                                            std::string shm_name) {
   Mapping mapped(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0), size);
   const int err = errno;
   fd.reset();  // the mapping keeps the object
   if (!mapped.valid()) return ErrnoError("mmap(PROT_WRITE)", SegmentLabel(key), err);
-  auto mapping = std::make_shared<WritableSegment>(std::move(mapped), SegmentLabel(key));
+  auto mapping =
+      std::make_shared<WritableSegment>(std::move(mapped), SegmentLabel(key), std::move(shm_name));
   MutexLock lock(&mu_);
   auto [it, inserted] = writable_.emplace(key, std::move(mapping));
   return it->second;  // ours, or the one another thread cached first (ours is unmapped)

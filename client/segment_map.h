@@ -26,17 +26,21 @@ using SegmentKey = std::pair<uint64_t, uint64_t>;
 // an acquired tensor) lets it go.
 class SegmentMapping {
  public:
-  explicit SegmentMapping(Mapping mapping) : mapping_(std::move(mapping)) {}
+  SegmentMapping(Mapping mapping, std::string shm_name)
+      : mapping_(std::move(mapping)), shm_name_(std::move(shm_name)) {}
   SegmentMapping(const SegmentMapping&) = delete;
   SegmentMapping& operator=(const SegmentMapping&) = delete;
   const char* address() const { return mapping_.data(); }
   uint64_t size() const { return mapping_.size(); }
+  // The object's POSIX shm name as the daemon granted it; empty for a memfd segment.
+  const std::string& shm_name() const { return shm_name_; }
   // Maps every page of it (MADV_POPULATE_READ), so that no later read faults; takes time linear
   // in its pages (~100 ms for 256 MiB on a small VM). Failures only leave pages to fault in.
   void Populate() const;
 
  private:
   const Mapping mapping_;
+  const std::string shm_name_;
 };
 
 // A read-write mapping of a whole host segment holding this process's uid's buffers, made once
@@ -50,11 +54,13 @@ class SegmentMapping {
 // publish make it read-only with Seal, until the buffer is handed out again.
 class WritableSegment {
  public:
-  WritableSegment(Mapping mapping, std::string label);
+  WritableSegment(Mapping mapping, std::string label, std::string shm_name);
   WritableSegment(const WritableSegment&) = delete;
   WritableSegment& operator=(const WritableSegment&) = delete;
   char* address() const { return address_; }
   uint64_t size() const { return size_; }
+  // As SegmentMapping::shm_name.
+  const std::string& shm_name() const { return shm_name_; }
 
   // Readies [offset, offset + length) for a new writable buffer: writable again if a sealed
   // buffer was there (its views are gone: the buffer was freed to be handed out again), and its
@@ -82,6 +88,7 @@ class WritableSegment {
   char* const address_;
   const uint64_t size_;
   const std::string label_;
+  const std::string shm_name_;
   mutable Mutex mu_;
   std::vector<bool> populated_ ABSL_GUARDED_BY(mu_);  // by page
   uint64_t populated_count_ ABSL_GUARDED_BY(mu_) = 0;
@@ -102,23 +109,26 @@ class SegmentMap {
   // (the daemon's word for the segment's size).
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> Find(const SegmentKey& key,
                                                              uint64_t size) const;
-  // Maps `fd` (read-only, the segment `key`; closed here whatever happens) and caches it. If a
+  // Maps `fd` (read-only, the segment `key`, named `shm_name` or "" for a memfd; closed here
+  // whatever happens) and caches it. If a
   // mapping of `key` was cached meanwhile, that one is returned. [offset, offset + length) of
   // the new mapping, the tensor wanted now, is populated (MADV_POPULATE_READ) before returning;
   // the rest is the caller's to populate (SegmentMapping::Populate) off its path.
   // FAILED_PRECONDITION if the object is smaller than `size`; other errors name the call and the
   // segment.
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> Insert(const SegmentKey& key, UniqueFd fd,
-                                                               uint64_t size, uint64_t offset = 0,
+                                                               uint64_t size, std::string shm_name,
+                                                               uint64_t offset = 0,
                                                                uint64_t length = 0);
 
   // The cached writable mapping of segment `key`, or nullptr if there is none.
   std::shared_ptr<WritableSegment> FindWritable(const SegmentKey& key) const;
-  // Maps `fd` (read-write, `size` bytes of segment `key`; closed here whatever happens) and
-  // caches it; if one was cached meanwhile, that one is returned. Errors name the call and the
-  // segment.
+  // Maps `fd` (read-write, `size` bytes of segment `key`, named `shm_name`; closed here whatever
+  // happens) and caches it; if one was cached meanwhile, that one is returned. Errors name the
+  // call and the segment.
   absl::StatusOr<std::shared_ptr<WritableSegment>> InsertWritable(const SegmentKey& key,
-                                                                  UniqueFd fd, uint64_t size);
+                                                                  UniqueFd fd, uint64_t size,
+                                                                  std::string shm_name);
 
   // Forgets every segment not in `live` (a daemon that restarted serves other memory): its
   // mappings go once no tensor holds them. Returns how many read-only mappings it dropped.

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -87,8 +88,9 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> found = segments_.Find(key, segment_size);
   if (!found.ok() || *found != nullptr) return found;
   uint64_t size = 0;
-  absl::StatusOr<UniqueFd> fd =
-      memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/false, &size);
+  std::string shm_name;
+  absl::StatusOr<UniqueFd> fd = memory_.RequestSegment(session_id(), key.first, key.second,
+                                                       /*writable=*/false, &size, &shm_name);
   if (!fd.ok()) return fd.status();
   if (size < segment_size) {
     return absl::InternalError(absl::StrCat("tensorshmd granted ", SegmentLabel(key), " as ", size,
@@ -96,7 +98,7 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
   }
   // The whole segment, as the daemon granted it (at least what the caller needs).
   absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
-      segments_.Insert(key, *std::move(fd), size, offset, length);
+      segments_.Insert(key, *std::move(fd), size, std::move(shm_name), offset, length);
   if (mapping.ok() && (*mapping)->size() > length) {
     // The rest of the segment on the sender thread: a small first tensor does not wait for a
     // large segment, and later reads of it do not fault.
@@ -113,11 +115,12 @@ absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Locat
   std::shared_ptr<WritableSegment> segment = segments_.FindWritable(key);
   if (segment == nullptr) {
     uint64_t size = 0;
-    absl::StatusOr<UniqueFd> fd =
-        memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/true, &size);
+    std::string shm_name;
+    absl::StatusOr<UniqueFd> fd = memory_.RequestSegment(session_id(), key.first, key.second,
+                                                         /*writable=*/true, &size, &shm_name);
     if (!fd.ok()) return fd.status();
     absl::StatusOr<std::shared_ptr<WritableSegment>> inserted =
-        segments_.InsertWritable(key, *std::move(fd), size);
+        segments_.InsertWritable(key, *std::move(fd), size, std::move(shm_name));
     if (!inserted.ok()) return inserted.status();
     segment = *std::move(inserted);
   }

@@ -76,4 +76,10 @@ absl::Status WritableTensor::SealViews() {
       state.buffer_length);
 }
 
+absl::StatusOr<SegmentPlace> PlaceOf(WritableTensor& tensor) {
+  const WritableTensorState* state = WritableTensorState::Of(tensor);
+  if (state == nullptr) return absl::FailedPreconditionError("tensor: moved from");
+  return state->place;
+}
+
 }  // namespace tensorshm

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "client/interop.h"
 #include "tensorshm/client.h"
 
 namespace tensorshm {
@@ -54,6 +55,8 @@ class WritableTensorState {
   uint64_t segment_id = 0;
   uint64_t segment_size = 0;
   uint64_t buffer_offset = 0;
+  // Where the buffer lies, host or CUDA (PlaceOf).
+  SegmentPlace place;
 };
 
 }  // namespace tensorshm

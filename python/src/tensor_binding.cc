@@ -20,6 +20,7 @@
 #include "dlpack_export.h"
 #include "exchange_api.h"
 #include "raise_status.h"
+#include "segment_place.h"
 #include "storage.h"
 #include "tensor_object.h"
 #include "waits.h"
@@ -178,6 +179,11 @@ void DefineTensors(nb::module_& m) {
                      return reinterpret_cast<uintptr_t>(Live(t)->tensor.data) +
                             Live(t)->tensor.byte_offset;
                    })
+      .def("_segment_place", &SegmentPlaceOf,
+           nb::sig("def _segment_place(self) -> dict[str, typing.Any]"),
+           "Where the tensor's bytes lie in tensorshmd's memory (for tensorshm.triton): a dict of "
+           "device, device_id, segment_instance, segment_id, segment_size, offset, nbytes, "
+           "shm_name (host; empty for a memfd segment) and ipc_handle (CUDA).")
       .def("_raw_storage",
            [](const PyTensor& t) {
              const std::shared_ptr<Storage>& storage = Live(t);

@@ -59,6 +59,11 @@ class Tensor:
     @property
     def _data_ptr(self) -> int: ...
 
+    def _segment_place(self) -> dict[str, Any]:
+        """
+        Where the tensor's bytes lie in tensorshmd's memory (for tensorshm.triton): a dict of device, device_id, segment_instance, segment_id, segment_size, offset, nbytes, shm_name (host; empty for a memfd segment) and ipc_handle (CUDA).
+        """
+
     def _raw_storage(self) -> tuple[_RawStorage, int]: ...
 
     def release(self) -> None:

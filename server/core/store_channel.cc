@@ -149,6 +149,8 @@ absl::StatusOr<UniqueFd> Store::GrantSegment(const tensorshm::Session& session,
   grant->set_segment_instance(pool.SegmentInstance(id));
   grant->set_size(pool.SegmentSize(id));
   grant->set_writable(request.writable());
+  const ShmSegment& segment = pool.Segment(id);
+  grant->set_shm_name(segment.backing() == SegmentBacking::kNamed ? segment.name() : "");
   return fd;
 }
 
