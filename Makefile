@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-ray install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -84,6 +84,24 @@ test-ecosystem: build python ecosystem-packages
 
 # The same as test-ecosystem (torch's tests are ecosystem tests); kept for old habits.
 test-torch: test-ecosystem
+
+# tensorshm.triton against a real Triton Inference Server (tests/triton): the tritonserver 2.51
+# that PyPI's nvidia-pytriton bundles, on CPU, in its own virtualenv .venv-triton (it pins
+# numpy < 2); tritonclient (HTTP, gRPC) into .venv. Each is installed only when missing. CI runs it.
+TRITON_PY = .venv-triton/bin/python
+triton-packages: python
+	@$(VENV_PY) -c 'import tritonclient.http, tritonclient.grpc' 2>/dev/null || { \
+	  echo "triton-packages: installing scripts/requirements-triton.txt into .venv"; \
+	  $(VENV_PY) -m pip install -q -r scripts/requirements-triton.txt; }
+	@$(TRITON_PY) -c 'import pytriton' 2>/dev/null || { \
+	  echo "triton-packages: making .venv-triton (nvidia-pytriton: tritonserver and its Python backend)"; \
+	  $${PYTHON:-python3} -m venv .venv-triton && \
+	  .venv-triton/bin/pip install -q -r scripts/requirements-triton-server.txt; }
+
+test-triton: build python triton-packages
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/triton.xml
+	TSM_TRITON_VENV=$(CURDIR)/.venv-triton $(PYTEST) tests/triton --junitxml=$(RESULTS)/triton.xml
+	$(CHECK_SKIPS) --label test-triton $(RESULTS)/triton.xml
 
 # The real-GPU test (torch on CUDA, with the real driver), after the ecosystem packages (torch)
 # are in: CI runs it after test-ecosystem. It may skip only where the machine has no GPU.
@@ -197,6 +215,11 @@ bench-python: build python
 	  $(VENV_PY) -m pip install -q "$$(grep -m1 '^torch' scripts/requirements-ecosystem.txt)"; }
 	$(BENCH_PY) bench/py_handoff.py $(PY_HANDOFF_ARGS)
 	$(BENCH_PY) bench/dataloader_bench.py $(DATALOADER_ARGS)
+
+# bench/triton_feed.py: Triton fed inline, by tritonclient's shm utilities, and by tensorshm.
+TRITON_FEED_ARGS ?=
+bench-triton: build python triton-packages
+	TSM_TRITON_VENV=$(CURDIR)/.venv-triton $(BENCH_PY) bench/triton_feed.py $(TRITON_FEED_ARGS)
 
 bench-ray: build python
 	@.venv-ray/bin/python -c 'import ray, numpy' 2>/dev/null || { \
