@@ -67,12 +67,12 @@ test-python: build python
 	$(CHECK_SKIPS) --label test-python $(RESULTS)/python.xml $(RESULTS)/gpu.xml \
 	  $(RESULTS)/deploy.xml
 
-# The tests that need an optional package (torch, JAX, pyarrow, nanoarrow: the pytest marker
-# `ecosystem`, given by tests/python/conftest.py to every test that uses one) and mypy --strict on
-# examples/ against the installed stubs. scripts/requirements-ecosystem.txt is installed into
-# .venv only when one of them does not import. TSM_REQUIRE_ECOSYSTEM=1 makes a missing package
-# or any skipped test a failure: a run that skipped does not pass.
-ECOSYSTEM_IMPORTS = import torch, jax, pyarrow, nanoarrow, tvm_ffi, mypy
+# The tests that need an optional package (torch, JAX, pyarrow, nanoarrow, ONNX Runtime: the
+# pytest marker `ecosystem`, given by tests/python/conftest.py to every test that uses one) and
+# mypy --strict on examples/ against the installed stubs. scripts/requirements-ecosystem.txt is
+# installed into .venv only when one of them does not import. TSM_REQUIRE_ECOSYSTEM=1 makes a
+# missing package or any skipped test a failure: a run that skipped does not pass.
+ECOSYSTEM_IMPORTS = import torch, jax, pyarrow, nanoarrow, onnxruntime, tvm_ffi, mypy
 ecosystem-packages: python
 	@$(VENV_PY) -c '$(ECOSYSTEM_IMPORTS)' 2>/dev/null || { \
 	  echo "ecosystem-packages: installing scripts/requirements-ecosystem.txt into .venv"; \

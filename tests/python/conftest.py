@@ -154,7 +154,7 @@ def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Comple
 # `pytest -m ecosystem` selects them. With TSM_REQUIRE_ECOSYSTEM=1 (make test-ecosystem) every
 # package below must import, and a skipped test fails: a run that skipped must not pass.
 
-OPTIONAL_PACKAGES = ("torch", "jax", "pyarrow", "nanoarrow")
+OPTIONAL_PACKAGES = ("torch", "jax", "pyarrow", "nanoarrow", "onnxruntime")
 REQUIRED_IN_ECOSYSTEM_RUN = OPTIONAL_PACKAGES + ("tvm_ffi",)
 _OPTIONAL_USE = re.compile(
     r"importorskip\(\s*[\"'](%s)\b|^\s*(import|from)\s+(%s)\b"
@@ -167,8 +167,8 @@ def _require_ecosystem() -> bool:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(
-        "markers", "ecosystem: needs an optional package (torch, jax, pyarrow, nanoarrow); "
-        "make test-ecosystem runs these with skips turned into failures")
+        "markers", "ecosystem: needs an optional package (torch, jax, pyarrow, nanoarrow, "
+        "onnxruntime); make test-ecosystem runs these with skips turned into failures")
     if _require_ecosystem():
         missing = []
         for package in REQUIRED_IN_ECOSYSTEM_RUN:

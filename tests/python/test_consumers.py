@@ -1,12 +1,15 @@
 """Every DLPack consumer on PyPI that runs on CPU, each a real package in .venv: numpy, torch
 (torch.from_dlpack, torch.utils.dlpack.from_dlpack), JAX (jnp.from_dlpack,
-jax.dlpack.from_dlpack) and tvm-ffi (tvm_ffi.from_dlpack).
+jax.dlpack.from_dlpack), tvm-ffi (tvm_ffi.from_dlpack) and ONNX Runtime (OrtValue.from_dlpack,
+and OrtValue.ortvalue_from_numpy over np.from_dlpack).
 
 What each one passes to ``__dlpack__`` decides what it gets: numpy and torch pass
 ``max_version=(1, 0)`` and get a zero-copy view flagged read-only; tvm-ffi calls the C exchange
-API (``__dlpack_c_exchange_api__``) and gets a zero-copy view; JAX passes only ``stream=None``,
-so it cannot receive the read-only flag and gets a private copy it owns. The optional packages
-are skipped, named, when missing; ``make test-ecosystem`` installs them and fails on any skip.
+API (``__dlpack_c_exchange_api__``) and gets a zero-copy view; JAX passes only ``stream=None``
+and ``OrtValue.from_dlpack`` nothing, so they cannot receive the read-only flag and get a private
+copy they own. ``OrtValue.ortvalue_from_numpy`` over numpy's zero-copy view shares the pages.
+The optional packages are skipped, named, when missing; ``make test-ecosystem`` installs them
+and fails on any skip.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tensorshm._numpy import to_numpy
 
 from cases import make, np_dtype
 from conftest import own_leases
+from onnx_model import affine_model
 
 pytestmark = pytest.mark.ecosystem
 
@@ -56,8 +60,14 @@ def _torch_to_numpy(x: Any) -> np.ndarray:
     return x.numpy()
 
 
-def _tvm_bytes(x: Any, nbytes: int) -> bytes:
+def _bytes_at(x: Any, nbytes: int) -> bytes:
+    """The first `nbytes` bytes at x.data_ptr() (tvm-ffi tensors and OrtValues, whose dtypes
+    numpy may not know)."""
     return ctypes.string_at(x.data_ptr(), nbytes) if nbytes else b""
+
+
+# ONNX Runtime's names of the dtypes (OrtValue.data_type() is "tensor(<name>)").
+ORT_TYPE_NAMES = {"bool": "bool", "float32": "float", "float64": "double"}
 
 
 class Consumer:
@@ -82,6 +92,12 @@ class Consumer:
             return _jax_from("jnp")(t)
         if self.name == "jax.dlpack.from_dlpack":
             return _jax_from("jax.dlpack")(t)
+        if self.package == "onnxruntime":
+            import onnxruntime as ort
+
+            if self.name == "ort.OrtValue.from_dlpack":
+                return ort.OrtValue.from_dlpack(t)
+            return ort.OrtValue.ortvalue_from_numpy(np.from_dlpack(t))
         import tvm_ffi
 
         return tvm_ffi.from_dlpack(t)
@@ -98,7 +114,13 @@ class Consumer:
     def assert_values(self, x: Any, expected: np.ndarray) -> None:
         if self.package == "tvm_ffi":
             assert tuple(x.shape) == expected.shape and str(x.dtype) == expected.dtype.name
-            assert _tvm_bytes(x, expected.nbytes) == np.ascontiguousarray(expected).tobytes()
+            assert _bytes_at(x, expected.nbytes) == np.ascontiguousarray(expected).tobytes()
+            return
+        if self.package == "onnxruntime":
+            name = expected.dtype.name
+            assert tuple(x.shape()) == expected.shape
+            assert x.data_type() == f"tensor({ORT_TYPE_NAMES.get(name, name)})"
+            assert _bytes_at(x, expected.nbytes) == np.ascontiguousarray(expected).tobytes()
             return
         got = _torch_to_numpy(x) if self.package == "torch" else np.asarray(x)
         assert got.shape == expected.shape and got.dtype == expected.dtype
@@ -113,6 +135,11 @@ CONSUMERS = [
     Consumer("jnp.from_dlpack", "jax", False, BASE + ["bfloat16", "uint16", "uint32", "uint64"]),
     Consumer("jax.dlpack.from_dlpack", "jax", False, BASE + ["bfloat16"]),
     Consumer("tvm_ffi.from_dlpack", "tvm_ffi", True,
+             BASE + ["bfloat16", "uint16", "uint32", "uint64"]),
+    # numpy's view has no bfloat16 (ml_dtypes' type is not a DLPack dtype to numpy).
+    Consumer("ort.OrtValue.ortvalue_from_numpy:np.from_dlpack", "onnxruntime", True,
+             BASE + ["uint16", "uint32", "uint64"]),
+    Consumer("ort.OrtValue.from_dlpack", "onnxruntime", False,
              BASE + ["bfloat16", "uint16", "uint32", "uint64"]),
 ]
 BY_NAME = {c.name: c for c in CONSUMERS}
@@ -158,25 +185,25 @@ def test_lease_lives_as_long_as_a_zero_copy_array(client, consumer):
     assert own_leases(client) == baseline
 
 
-@pytest.mark.parametrize("consumer", ["jnp.from_dlpack", "jax.dlpack.from_dlpack"])
-def test_jax_copy_outlives_the_tensor_and_its_memory(client, consumer):
+@pytest.mark.parametrize("consumer", [c.name for c in CONSUMERS if not c.zero_copy])
+def test_private_copy_outlives_the_tensor_and_its_memory(client, consumer):
     c = BY_NAME[consumer]
     first = np.arange(4096, dtype=np.int32)
-    client.put("consumers/jax-a", first, replace=True)
-    t = client.get("consumers/jax-a")
+    client.put("consumers/copy-a", first, replace=True)
+    t = client.get("consumers/copy-a")
     old_ptr = t._data_ptr
     x = c.convert(t)
     assert c.data_ptr(x) != old_ptr
     del t
-    client.delete("consumers/jax-a")
+    client.delete("consumers/copy-a")
     gc.collect()
     client.flush()
     # Another tensor of the same size takes the freed memory and overwrites it.
-    reused = client.put("consumers/jax-b", np.full(4096, -7, dtype=np.int32), replace=True)
+    reused = client.put("consumers/copy-b", np.full(4096, -7, dtype=np.int32), replace=True)
     assert reused._data_ptr == old_ptr, "the allocator did not reuse the freed block"
     np.testing.assert_array_equal(to_numpy(reused), np.full(4096, -7, dtype=np.int32))
     c.assert_values(x, first)
-    client.delete("consumers/jax-b")
+    client.delete("consumers/copy-b")
 
 
 @pytest.fixture
@@ -201,6 +228,9 @@ EXPECTED_KWARGS: dict[str, dict[str, Any] | None] = {
     "jnp.from_dlpack": {"stream": None},
     "jax.dlpack.from_dlpack": {"stream": None},
     "tvm_ffi.from_dlpack": None,
+    "ort.OrtValue.ortvalue_from_numpy:np.from_dlpack":
+        {"max_version": (1, 0), "dl_device": None, "copy": None},  # numpy's call
+    "ort.OrtValue.from_dlpack": {},
 }
 
 
@@ -262,6 +292,64 @@ def test_tvm_ffi_tensor_has_no_read_only_flag(client):
     x = tvm_ffi.from_dlpack(t)
     assert x.data_ptr() == t._data_ptr
     assert not hasattr(x, "flags") and not hasattr(x, "read_only")
+
+
+def test_onnxruntime_runs_a_model_on_the_shared_pages(client):
+    """y = 2 * x + 1 with x bound through IOBinding as an OrtValue over numpy's zero-copy view:
+    the bound input is the daemon's pages, and the binding holds the lease until it lets the
+    input go."""
+    ort = _need("onnxruntime")
+    x = np.linspace(-3, 3, 1000, dtype=np.float32)
+    client.put("consumers/ort-x", x, replace=True)
+    baseline = own_leases(client)
+    t = client.get("consumers/ort-x")
+    value = ort.OrtValue.ortvalue_from_numpy(np.from_dlpack(t))
+    assert value.data_ptr() == t._data_ptr
+    session = ort.InferenceSession(affine_model(), providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", value)
+    binding.bind_output("y")
+    del t, value
+    gc.collect()
+    assert own_leases(client) == baseline + 1  # the binding holds the OrtValue, hence the lease
+    session.run_with_iobinding(binding)
+    y = binding.copy_outputs_to_cpu()[0]
+    expected = x * np.float32(2) + np.float32(1)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    assert y.tobytes() == expected.tobytes()
+    binding.clear_binding_inputs()
+    gc.collect()
+    assert own_leases(client) == baseline
+    client.delete("consumers/ort-x")
+
+
+ORT_WRITE = """
+import sys, numpy as np, onnxruntime as ort, tensorshm
+client = tensorshm.connect(sys.argv[1])
+client.put("consumers/ort-ro", np.zeros(16, np.float32), replace=True)
+value = ort.OrtValue.ortvalue_from_numpy(np.from_dlpack(client.get("consumers/ort-ro")))
+print("ort writeable view:", value.numpy().flags.writeable, flush=True)
+{write}
+print("wrote into shared memory", flush=True)
+"""
+
+
+@pytest.mark.parametrize("write", ["value.numpy()[0] = 1.0",
+                                   "value.update_inplace(np.ones(16, np.float32))"])
+def test_onnxruntime_drops_the_read_only_flag_and_the_mapping_stops_a_write(daemon, client,
+                                                                             write):
+    """ortvalue_from_numpy takes numpy's read-only view without a word, and the OrtValue hands
+    out a writeable numpy view of it and writes through update_inplace; either write hits the
+    read-only mapping and the process dies of SIGSEGV before a byte changes."""
+    _need("onnxruntime")
+    result = subprocess.run([sys.executable, "-c", ORT_WRITE.format(write=write), daemon.socket],
+                            capture_output=True, text=True, timeout=120)
+    assert "ort writeable view: True" in result.stdout, result.stdout + result.stderr
+    assert "wrote into shared memory" not in result.stdout
+    assert result.returncode in (-11, 139), (result.returncode, result.stderr[-2000:])
+    np.testing.assert_array_equal(to_numpy(client.get("consumers/ort-ro")),
+                                  np.zeros(16, np.float32))
+    client.delete("consumers/ort-ro")
 
 
 def _producer_cases() -> list[Any]:
