@@ -462,6 +462,14 @@ def triton_models(docs, spec, server):
     return models
 
 
+def python_client_api():
+    """The methods and properties of tensorshm.Client, read from its source (no build needed)."""
+    with open(os.path.join(ROOT, "python", "tensorshm", "_client.py")) as f:
+        tree = ast.parse(f.read())
+    client = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Client")
+    return {n.name for n in client.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 def client_script(docs, spec, container):
     """The Python source a client container runs (`python3 PATH`), from its ConfigMap."""
     command = container.get("command", []) + container.get("args", [])
@@ -579,17 +587,27 @@ def test_triton_is_probed_and_reached_on_its_http_port(where, spec, docs):
 
 @pytest.mark.parametrize("where,spec,docs", shm_server_specs(), ids=SHM_SERVER_IDS)
 def test_client_scripts_compile_and_feed_the_model_triton_loads(where, spec, docs):
-    """The scripts the client containers run (from their ConfigMap) compile; the feeder uses
-    tensorshm.triton's TritonFeeder and names a model Triton loads, with its input and output
-    names."""
+    """The scripts the client containers run (from their ConfigMap) compile and call only
+    methods tensorshm.Client has; the feeder uses tensorshm.triton's TritonFeeder and names a
+    model Triton loads, with its input and output names."""
     models = {}
     for server in shm_servers(spec):
         models.update(triton_models(docs, spec, server))
+    api = python_client_api()
     fed = []
     for c in client_containers(spec):
         source = client_script(docs, spec, c)
         tree = ast.parse(source, filename=c["name"])
         compile(tree, c["name"], "exec")
+        # `with tensorshm.connect(...) as NAME`: every NAME.attr is the client's.
+        clients = {item.optional_vars.id for n in ast.walk(tree) if isinstance(n, ast.With)
+                   for item in n.items if isinstance(item.context_expr, ast.Call)
+                   and ast.unparse(item.context_expr.func) == "tensorshm.connect"
+                   and isinstance(item.optional_vars, ast.Name)}
+        assert clients, f"{where}: {c['name']} does not connect with tensorshm.connect()"
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id in clients}
+        assert used <= api, f"{where}: {c['name']}: tensorshm.Client has no {sorted(used - api)}"
         imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                    for a in n.names}
         if ("tensorshm.triton", "TritonFeeder") not in imports:
