@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -220,3 +223,18 @@ def test_restricted_shared_memory_api_takes_the_access_token(daemon, tmp_path):
                                         outputs=[feed.output("y", y)])
                     np.testing.assert_array_equal(np.from_dlpack(y),
                                                   np.arange(8, dtype=np.float32) * 2 + 1)
+
+
+def test_readme_example_runs(daemon, triton):
+    """README's "Feeding Triton" example, as written (only Triton's address changed), in its own
+    process: x from a producer process, y checked by a consumer process."""
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Feeding Triton\n", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "localhost:8000" in example and "feed.input" in example, example
+    produce(daemon, "x", seed=11)
+    done = subprocess.run([sys.executable, "-c", example.replace("localhost:8000", triton.http_url)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TENSORSHM_SOCKET": daemon.socket})
+    assert done.returncode == 0, done.stderr
+    consume(daemon, "y", seed=11)
