@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
 
 import numpy as np
+import pytest
 
 KDLCPU, KDLCUDA = 1, 2
 COUNTERS = ["mem_alloc", "mem_free", "ipc_get_mem_handle", "ipc_open_calls", "ipc_open_mappings",
@@ -14,6 +16,21 @@ COUNTERS = ["mem_alloc", "mem_free", "ipc_get_mem_handle", "ipc_open_calls", "ip
             "ipc_get_event_handle", "ipc_open_event_handle", "stream_wait_event",
             "waits_on_recorded", "event_synchronize", "memcpy_htod", "memcpy_dtoh", "memcpy_dtod",
             "primary_ctx_retain", "primary_ctx_release"]
+
+
+def use_emulated_driver() -> str:
+    """Points this process at the emulated driver ($TSM_FAKE_CUDA_LIB, else the build's): 2
+    devices, seen swapped here, in order by the daemon (two_device_daemon). Call it before
+    anything in the process loads the driver (tensorshm loads it on first CUDA use). Fails the
+    calling test module when the driver is not built. Returns the library's path."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    fake = os.environ.get("TSM_FAKE_CUDA_LIB", str(root / "build" / "tests" / "libtsm_fake_cuda.so"))
+    if not os.path.exists(fake):
+        pytest.fail(f"emulated CUDA driver not built at {fake} (make build, or set "
+                    "TSM_FAKE_CUDA_LIB)", pytrace=False)
+    os.environ.update({"TENSORSHM_LIBCUDA": fake, "TSM_FAKE_CUDA_DEVICES": "2",
+                       "TSM_FAKE_CUDA_VISIBLE": "1,0"})
+    return fake
 
 
 class _Counters(ctypes.Structure):

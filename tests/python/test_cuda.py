@@ -14,19 +14,11 @@ import pytest
 
 import tensorshm
 
-from conftest import ROOT
 
-FAKE = os.environ.get("TSM_FAKE_CUDA_LIB", str(ROOT / "build" / "tests" / "libtsm_fake_cuda.so"))
-if not os.path.exists(FAKE):
-    pytest.fail(f"emulated CUDA driver not built at {FAKE} (make build, or set TSM_FAKE_CUDA_LIB)",
-                pytrace=False)
+from fake_cuda import Driver, two_device_daemon, use_emulated_driver
 
-# The machine has 2 devices; this process sees them swapped, the daemon in order. Set before
-# anything in this process loads the driver (tensorshm loads it on first CUDA use).
-os.environ.update({"TENSORSHM_LIBCUDA": FAKE, "TSM_FAKE_CUDA_DEVICES": "2",
-                   "TSM_FAKE_CUDA_VISIBLE": "1,0"})
-
-from fake_cuda import Driver, two_device_daemon  # noqa: E402 - after the environment is set
+# 2 devices, seen swapped here and in order by the daemon.
+FAKE = use_emulated_driver()
 
 KDLCPU, KDLCUDA = 1, 2
 

@@ -19,16 +19,12 @@ from tensorshm.triton import TritonFeeder
 
 from conftest import ROOT
 
-FAKE = os.environ.get("TSM_FAKE_CUDA_LIB", str(ROOT / "build" / "tests" / "libtsm_fake_cuda.so"))
-if not os.path.exists(FAKE):
-    pytest.fail(f"emulated CUDA driver not built at {FAKE} (make build, or set TSM_FAKE_CUDA_LIB)",
-                pytrace=False)
-# Two devices; this process sees them swapped, the daemon (and the "Triton" reader) in order.
-os.environ.update({"TENSORSHM_LIBCUDA": FAKE, "TSM_FAKE_CUDA_DEVICES": "2",
-                   "TSM_FAKE_CUDA_VISIBLE": "1,0"})
 sys.path.insert(0, str(ROOT / "tests" / "python"))
 
-from fake_cuda import Driver, two_device_daemon  # noqa: E402 - after the environment is set
+from fake_cuda import Driver, two_device_daemon, use_emulated_driver  # noqa: E402 - after sys.path
+
+# 2 devices, seen swapped here and in order by the daemon (and the "Triton" reader below).
+FAKE = use_emulated_driver()
 
 import tritonclient.http as httpclient  # noqa: E402
 
