@@ -18,7 +18,6 @@ import pytest
 
 import tensorshm
 
-
 from fake_cuda import Driver, two_device_daemon, use_emulated_driver
 
 # 2 devices, seen swapped here and in order by the daemon.
