@@ -87,7 +87,8 @@ test-torch: test-ecosystem
 
 # tensorshm.triton against a real Triton Inference Server (tests/triton): the tritonserver 2.51
 # that PyPI's nvidia-pytriton bundles, on CPU, in its own virtualenv .venv-triton (it pins
-# numpy < 2); tritonclient (HTTP, gRPC) into .venv. Each is installed only when missing. CI runs it.
+# numpy < 2) of Debian's python3 (so that a server run as another uid, as one test does, can
+# use it); tritonclient (HTTP, gRPC) into .venv. Each is installed only when missing. CI runs it.
 TRITON_PY = .venv-triton/bin/python
 triton-packages: python
 	@$(VENV_PY) -c 'import tritonclient.http, tritonclient.grpc' 2>/dev/null || { \
@@ -95,7 +96,7 @@ triton-packages: python
 	  $(VENV_PY) -m pip install -q -r scripts/requirements-triton.txt; }
 	@$(TRITON_PY) -c 'import pytriton' 2>/dev/null || { \
 	  echo "triton-packages: making .venv-triton (nvidia-pytriton: tritonserver and its Python backend)"; \
-	  $${PYTHON:-python3} -m venv .venv-triton && \
+	  /usr/bin/python3 -m venv .venv-triton && \
 	  .venv-triton/bin/pip install -q -r scripts/requirements-triton-server.txt; }
 
 test-triton: build python triton-packages

@@ -102,13 +102,18 @@ def venv_facts(venv: Path) -> tuple[Path, str, Path]:
 
 
 class TritonServer:
-    """A tritonserver process on free ports, serving `repository`. Use as a context manager."""
+    """A tritonserver process on free ports, serving `repository`. Use as a context manager.
 
-    def __init__(self, venv: Path, repository: Path, workdir: Path, *args: str) -> None:
+    `user`: (uid, supplementary gids) to run it as another user (the caller is root); its backend
+    directory is then that uid's, and `workdir` and `repository` must be readable by it."""
+
+    def __init__(self, venv: Path, repository: Path, workdir: Path, *args: str,
+                 user: tuple[int, list[int]] | None = None) -> None:
         self.venv = Path(venv)
         self.repository = repository
         self.workdir = workdir
         self.args = list(args)
+        self.user = user
         self.http_port = free_port()
         self.grpc_port = free_port()
         self.log_path = workdir / "tritonserver.log"
@@ -131,6 +136,9 @@ class TritonServer:
         # The backend chmods its stub on start: it must be a copy this uid owns.
         shutil.copy2(bundled / "python_backend_stubs" / version / "triton_python_backend_stub",
                      python / "triton_python_backend_stub")
+        if self.user is not None:
+            for path in (python.parent, python, *python.iterdir()):
+                os.chown(path, self.user[0], -1)
         return python.parent
 
     def start(self, timeout: float = 90.0) -> TritonServer:
@@ -150,8 +158,10 @@ class TritonServer:
                    "--allow-metrics=false", "--exit-timeout-secs=5", *self.args]
         with open(self.log_path, "wb") as log:
             # A session of its own: stop() signals the Python backend's stubs too.
+            as_user = {} if self.user is None else {
+                "user": self.user[0], "group": self.user[0], "extra_groups": self.user[1]}
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, **as_user)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
