@@ -1,5 +1,5 @@
-// --shm-group's parts without a daemon: the flag's value (server/ops/shm_group.cc) and what
-// ShmSegment makes and takes back with a group.
+// --shm-group's parts without a daemon: the flag's value (server/ops/shm_group.cc), its place
+// among the options, and what ShmSegment makes and takes back with a group.
 #include "server/ops/shm_group.h"
 
 #include <grp.h>
@@ -7,17 +7,25 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <fstream>
 #include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/memory/shm_segment.h"
+#include "server/ops/options.h"
 
 namespace tensorshm {
 namespace {
 
 #define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr).status()
+
+absl::StatusOr<DaemonOptions> Parse(std::vector<const char*> argv) {
+  argv.insert(argv.begin(), "tensorshmd");
+  return ParseOptions(static_cast<int>(argv.size()), const_cast<char**>(argv.data()));
+}
 
 TEST(ParseShmGroupTest, ANameOrANumber) {
   // This process's own group, by name and by number.
@@ -62,6 +70,44 @@ TEST(ParseShmGroupTest, BadValuesNameTheFlagAndTheValue) {
                            "\": ", why == "not a gid" ? "not a gid (4294967295 means none)" : why))
         << group.status();
   }
+}
+
+TEST(ParseShmGroupTest, OptionsTakeItButNotWithMemfdSegments) {
+  absl::StatusOr<DaemonOptions> none = Parse({});
+  ASSERT_OK(none);
+  EXPECT_FALSE(none->shm_group.has_value());
+  const std::string gid = std::to_string(getegid());
+  absl::StatusOr<DaemonOptions> given = Parse({"--shm-group", gid.c_str()});
+  ASSERT_OK(given);
+  ASSERT_TRUE(given->shm_group.has_value());
+  EXPECT_EQ(given->shm_group->gid, getegid());
+
+  absl::StatusOr<DaemonOptions> memfd = Parse({"--segments", "memfd", "--shm-group", gid.c_str()});
+  ASSERT_FALSE(memfd.ok());
+  EXPECT_EQ(memfd.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(memfd.status().message());
+  std::cout << message << "\n";
+  EXPECT_TRUE(absl::StartsWith(message, "--shm-group = \"")) << message;
+  EXPECT_TRUE(absl::StrContains(message, "with --segments memfd: memfd segments have no name"))
+      << message;
+
+  // A --config key like every flag: a name (a string) or a gid (a string or a TOML integer).
+  const std::string config = absl::StrCat(::testing::TempDir(), "/shm_group_", getpid(), ".toml");
+  for (const std::string& value : {gid, "\"" + gid + "\""}) {
+    std::ofstream(config) << "shm-group = " << value << "\n";
+    absl::StatusOr<DaemonOptions> from_file = Parse({"--config", config.c_str()});
+    ASSERT_OK(from_file);
+    ASSERT_TRUE(from_file->shm_group.has_value()) << value;
+    EXPECT_EQ(from_file->shm_group->gid, getegid());
+  }
+  std::remove(config.c_str());
+
+  absl::StatusOr<DaemonOptions> unknown = Parse({"--shm-group", "tsm-nosuchgroup"});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().message(), "--shm-group = \"tsm-nosuchgroup\": no such group");
+
+  // Its own group is one a process can always give its objects to.
+  EXPECT_TRUE(CheckCanGiveToGroup(ShmGroup{getegid(), "own"}).ok());
 }
 
 // ---- ShmSegment with a group ----
