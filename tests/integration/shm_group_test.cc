@@ -114,6 +114,14 @@ Exit RunProcess(const std::vector<std::string>& argv, const std::string& log) {
   return exit;
 }
 
+// SIGTERMs a daemon, which must exit 0 (removing its segments).
+void ExpectCleanStop(ChildProcess& daemon) {
+  daemon.Kill(SIGTERM);
+  absl::StatusOr<int> status = daemon.Wait(absl::Seconds(60));
+  ASSERT_OK(status);
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << daemon.Output();
+}
+
 // tsm_shm_open NAME [args...] as uid 65534 with `groups`.
 Exit OpenAsNobody(const std::vector<gid_t>& groups, const std::vector<std::string>& args,
                   const std::string& log) {
@@ -121,16 +129,6 @@ Exit OpenAsNobody(const std::vector<gid_t>& groups, const std::vector<std::strin
   argv.push_back(TSM_SHM_OPEN_PATH);
   argv.insert(argv.end(), args.begin(), args.end());
   return RunProcess(argv, log);
-}
-
-grpc::Status PublishAs(RawSession& session, uint64_t tensor_id, const std::string& name) {
-  v1::PublishRequest request;
-  request.set_tensor_id(tensor_id);
-  request.set_name(name);
-  v1::PublishResponse response;
-  grpc::ClientContext context;
-  session.Prepare(&context);
-  return session.stub().Publish(&context, request, &response);
 }
 
 // Publishes `bytes` bytes of value i * 7 + 1 as `name`.
@@ -231,7 +229,7 @@ TEST(ShmGroupTest, AMemberOpensASegmentReadWriteByNameAndOthersCannot) {
   std::cout << member.output;
   EXPECT_EQ(member.code, 0) << member.output;
   ExpectAll(member.output, {"mapped " + segment, "filled 8192 bytes"});
-  ASSERT_TRUE(PublishAs(session, created.tensor_id(), "from-server").ok());
+  ASSERT_TRUE(session.PublishTensor(created.tensor_id(), "from-server").ok());
   ExpectBytes(daemon->socket(), "from-server", 8192, 0x5a);
 
   // An input: a published tensor read through the same mapping.
@@ -343,14 +341,29 @@ TEST_F(ShmGroupRefusalTest, ADaemonOutsideTheGroupIsRefusedAMemberIsNot) {
   ASSERT_OK(member);
   ASSERT_TRUE(member->WaitForOutput("serving on", absl::Seconds(20))) << member->Output();
   EXPECT_EQ(ExpectGroupSegments(prefix_, kNobody, kGroup), 1);
-  member->Kill(SIGTERM);
-  absl::StatusOr<int> status = member->Wait(absl::Seconds(60));
-  ASSERT_OK(status);
-  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << member->Output();
+  ExpectCleanStop(*member);
   EXPECT_TRUE(ShmObjects(prefix_).empty());
 }
 
 // ---- Recovery ----
+
+// Publishes "kept" (64 KiB) in `daemon`, then SIGKILLs it: its segments stay for a restart.
+void PutAndKill(TestDaemon& daemon) {
+  PutPattern(daemon.socket(), "kept", 1 << 16);
+  daemon.KillOnPurpose(SIGKILL);
+  ASSERT_OK(daemon.process().Wait(absl::Seconds(30)));
+  std::filesystem::remove(daemon.socket());
+}
+
+// The command line of a daemon that takes `killed`'s socket and prefix (and so its segments),
+// with `extra` flags.
+std::vector<std::string> Restart(const TestDaemon& killed, const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {TensorShmdPath(), "--socket",          killed.socket(),
+                                   "--shm-prefix",   killed.shm_prefix(), "--log-level",
+                                   "warning",        "--host-pool",       "64Mi"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
 
 // A daemon killed with --shm-group G comes back with G and serves its tensors again; without the
 // option, or with another group, the restart refuses the segments (their group's members could
@@ -362,21 +375,11 @@ TEST(ShmGroupRecoveryTest, AGroupsSegmentsAreTakenBackOnlyWithThatGroup) {
   absl::StatusOr<TestDaemon> first =
       TestDaemon::Start("group-recover", {"--shm-group", group, "--host-pool", "64Mi"});
   ASSERT_OK(first);
-  PutPattern(first->socket(), "kept", 1 << 16);
-  first->KillOnPurpose(SIGKILL);
-  ASSERT_OK(first->process().Wait(absl::Seconds(30)));
-  std::filesystem::remove(first->socket());
+  ASSERT_NO_FATAL_FAILURE(PutAndKill(*first));
   const std::string prefix = first->shm_prefix();
   const std::string segment = absl::StrCat("/dev/shm/", prefix, ".cpu.1");
-  auto restart = [&](const std::vector<std::string>& extra) {
-    std::vector<std::string> argv = {TensorShmdPath(), "--socket",    first->socket(),
-                                     "--shm-prefix",   prefix,        "--log-level",
-                                     "warning",        "--host-pool", "64Mi"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return argv;
-  };
 
-  Exit without = RunProcess(restart({}), first->dir() + "/without.log");
+  Exit without = RunProcess(Restart(*first, {}), first->dir() + "/without.log");
   std::cout << "refused: " << without.output;
   EXPECT_EQ(without.code, 1) << without.output;
   const std::string name = GroupName(kGroup);
@@ -387,7 +390,7 @@ TEST(ShmGroupRecoveryTest, AGroupsSegmentsAreTakenBackOnlyWithThatGroup) {
              "restart with --shm-group " + name, "rm " + segment});
   EXPECT_EQ(ExpectGroupSegments(prefix, geteuid(), kGroup), 1) << "the refusal changed a segment";
 
-  Exit other = RunProcess(restart({"--shm-group", std::to_string(kOtherGroup)}),
+  Exit other = RunProcess(Restart(*first, {"--shm-group", std::to_string(kOtherGroup)}),
                           first->dir() + "/other.log");
   std::cout << "refused: " << other.output;
   EXPECT_EQ(other.code, 1) << other.output;
@@ -397,15 +400,12 @@ TEST(ShmGroupRecoveryTest, AGroupsSegmentsAreTakenBackOnlyWithThatGroup) {
 
   std::filesystem::remove(first->socket());
   absl::StatusOr<ChildProcess> again =
-      ChildProcess::Start(restart({"--shm-group", group}), first->dir() + "/again.log");
+      ChildProcess::Start(Restart(*first, {"--shm-group", group}), first->dir() + "/again.log");
   ASSERT_OK(again);
   ASSERT_TRUE(again->WaitForOutput("serving on", absl::Seconds(20))) << again->Output();
   ExpectBytes(first->socket(), "kept", 1 << 16);
   EXPECT_EQ(ExpectGroupSegments(prefix, geteuid(), kGroup), 1);
-  again->Kill(SIGTERM);
-  absl::StatusOr<int> status = again->Wait(absl::Seconds(60));
-  ASSERT_OK(status);
-  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << again->Output();
+  ExpectCleanStop(*again);
   EXPECT_EQ(first->ShmObjectCount(), 0);
 }
 
@@ -416,25 +416,17 @@ TEST(ShmGroupRecoveryTest, PrivateSegmentsJoinTheGroupOnARestartWithIt) {
   if (!CanRunAsOtherUids(&why)) GTEST_SKIP() << why;
   absl::StatusOr<TestDaemon> first = TestDaemon::Start("group-adopt", {"--host-pool", "64Mi"});
   ASSERT_OK(first);
-  PutPattern(first->socket(), "kept", 1 << 16);
-  first->KillOnPurpose(SIGKILL);
-  ASSERT_OK(first->process().Wait(absl::Seconds(30)));
-  std::filesystem::remove(first->socket());
+  ASSERT_NO_FATAL_FAILURE(PutAndKill(*first));
   const std::string prefix = first->shm_prefix();
   for (const auto& [name, st] : ShmObjects(prefix)) EXPECT_EQ(st.st_mode & 07777, 0600u) << name;
 
   absl::StatusOr<ChildProcess> again = ChildProcess::Start(
-      {TensorShmdPath(), "--socket", first->socket(), "--shm-prefix", prefix, "--log-level",
-       "warning", "--host-pool", "64Mi", "--shm-group", std::to_string(kGroup)},
-      first->dir() + "/again.log");
+      Restart(*first, {"--shm-group", std::to_string(kGroup)}), first->dir() + "/again.log");
   ASSERT_OK(again);
   ASSERT_TRUE(again->WaitForOutput("serving on", absl::Seconds(20))) << again->Output();
   EXPECT_EQ(ExpectGroupSegments(prefix, geteuid(), kGroup), 1);
   ExpectBytes(first->socket(), "kept", 1 << 16);
-  again->Kill(SIGTERM);
-  absl::StatusOr<int> status = again->Wait(absl::Seconds(60));
-  ASSERT_OK(status);
-  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << again->Output();
+  ExpectCleanStop(*again);
 }
 
 }  // namespace
