@@ -172,6 +172,11 @@ Daemon::~Daemon() = default;
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options,
                                                       absl::Time started) {
   std::unique_ptr<Daemon> daemon(new Daemon(options));
+  // Before anything is made or recovered: a daemon that cannot give its segments to the group
+  // would fail at its first segment, or halfway through a recovery.
+  if (options.shm_group) {
+    if (absl::Status s = CheckCanGiveToGroup(*options.shm_group); !s.ok()) return s;
+  }
   const bool shared = !options.allow_uids.empty() || !options.allow_gids.empty();
   if (absl::Status s = PrepareSocketPath(options.socket, shared, geteuid()); !s.ok()) return s;
   // memfd segments live outside /dev/shm: its size does not matter to them.
@@ -192,6 +197,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     daemon->prefix_lock_ = *std::move(lock);
   }
   // Segments are mode 0600 whoever is admitted: clients get descriptors over the memory channel.
+  // --shm-group alone opens the named host segments (0660) to a group, for servers that open
+  // them by name.
   const CatalogOptions catalog_options{
       options.shm_prefix,
       options.host_pool_bytes,
@@ -199,7 +206,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       options.max_tensors,
       options.memfd_segments ? SegmentBacking::kMemfd : SegmentBacking::kNamed,
       static_cast<uint32_t>(geteuid()),
-      NewInstanceId()};
+      NewInstanceId(),
+      options.shm_group ? std::optional<gid_t>(options.shm_group->gid) : std::nullopt};
   // Device pools first: a failure here must not touch the host segments (of a killed daemon,
   // when recovering).
   std::vector<std::unique_ptr<CudaPool>> cuda_pools;
@@ -334,6 +342,12 @@ absl::Status Daemon::StartServing(absl::Time started) {
               ? " (a larger tensor gets one of its own size)"
               : "")
       << ", shm prefix /" << options_.shm_prefix
+      << (options_.shm_group
+              ? absl::StrCat(", host segments group-accessible: mode 0660, group ",
+                             options_.shm_group->name, " (gid ", options_.shm_group->gid,
+                             ", --shm-group), whose members can read and write every "
+                             "tensor in them")
+              : "")
       << (metrics_ != nullptr
               ? "; metrics on http://" + FormatMetricsAddress(metrics_->address()) + "/metrics"
               : "");

@@ -97,14 +97,16 @@ struct CatalogOptions {
   uint32_t max_tensors = 0;
   // Named objects survive the daemon (recovery); memfds are not bound by /dev/shm's size.
   SegmentBacking backing = SegmentBacking::kNamed;
-  uint32_t owner_uid = 0;    // the daemon's uid (see HostPoolOptions)
-  uint64_t instance_id = 0;  // this daemon start's, random and non-zero
+  uint32_t owner_uid = 0;                         // the daemon's uid (see HostPoolOptions)
+  uint64_t instance_id = 0;                       // this daemon start's, random and non-zero
+  std::optional<gid_t> shm_group = std::nullopt;  // --shm-group (see HostPoolOptions::group)
 };
 
 // The host pool's part of `options`.
 inline HostPoolOptions HostPoolOptionsOf(const CatalogOptions& options) {
   return HostPoolOptions{options.shm_prefix, options.host_pool_bytes, options.host_segment_bytes,
-                         options.backing,    options.owner_uid,       options.instance_id};
+                         options.backing,    options.owner_uid,       options.instance_id,
+                         options.shm_group};
 }
 
 // Thread-compatible: the service serialises all calls under its mutex. Tensor pointers returned

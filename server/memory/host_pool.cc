@@ -72,7 +72,7 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
       return fail(absl::DataLossError(absl::StrCat("segment record ", index, ": segment_id ",
                                                    record.segment_id, ", expected ", index + 1)));
     }
-    absl::StatusOr<ShmSegment> shm = ShmSegment::Open(name, /*map=*/false);
+    absl::StatusOr<ShmSegment> shm = ShmSegment::Open(name, /*map=*/false, options.group);
     if (!shm.ok()) return fail(shm.status());
     if (shm->size() != record.size) {
       shm->Keep();
@@ -109,7 +109,8 @@ void HostPool::RemoveUnrecordedObjects() const {
     // A daemon killed between making a segment and recording it left the object behind: ours
     // (Open checks the owner and mode; anyone else's is refused and left), recorded nowhere, it
     // goes.
-    if (absl::StatusOr<ShmSegment> orphan = ShmSegment::Open("/" + name, /*map=*/false);
+    if (absl::StatusOr<ShmSegment> orphan =
+            ShmSegment::Open("/" + name, /*map=*/false, options_.group);
         orphan.ok()) {
       TSM_LOG(kWarning) << "recovery: /" << name << " (" << orphan->size()
                         << " bytes) is recorded nowhere, made by a daemon killed before it "
@@ -201,8 +202,12 @@ void HostPool::DisposeSegments(std::vector<ShmSegment> segments) {
 absl::StatusOr<ShmSegment> HostPool::MakeSegment(const GrowthRequest& request) const {
   const SegmentBacking backing =
       request.uid == options_.owner_uid ? options_.backing : SegmentBacking::kMemfd;
+  // Only a named segment can be opened by name (--shm-group's purpose); a memfd stays 0600.
+  const std::optional<gid_t> group =
+      backing == SegmentBacking::kNamed ? options_.group : std::nullopt;
   const std::string first = ObjectName(options_.shm_prefix, request.segment_id, 0);
-  absl::StatusOr<ShmSegment> made = ShmSegment::Create(first, request.size, /*map=*/false, backing);
+  absl::StatusOr<ShmSegment> made =
+      ShmSegment::Create(first, request.size, /*map=*/false, backing, group);
   if (backing != SegmentBacking::kNamed || !absl::IsAlreadyExists(made.status())) return made;
   // Another process holds the name (another uid may create any name in /dev/shm, and the prefix
   // shows there): the segment takes a name nobody can guess instead. Each try is exclusive, so
@@ -214,7 +219,7 @@ absl::StatusOr<ShmSegment> HostPool::MakeSegment(const GrowthRequest& request) c
     uint64_t suffix = 0;
     while (suffix == 0) suffix = (uint64_t{random()} << 32) | random();
     made = ShmSegment::Create(ObjectName(options_.shm_prefix, request.segment_id, suffix),
-                              request.size, /*map=*/false, backing);
+                              request.size, /*map=*/false, backing, group);
   }
   if (made.ok()) {
     TSM_LOG(kWarning) << "host pool: /dev/shm" << first << " exists already"

@@ -67,6 +67,10 @@ struct HostPoolOptions {
   SegmentBacking backing = SegmentBacking::kNamed;
   uint32_t owner_uid = 0;  // the daemon's uid
   uint64_t instance = 0;   // this daemon start's id, recorded on the segments it creates
+  // --shm-group: the named segments (the owner uid's, "/<prefix>.cpu.<id>") are mode 0660 with
+  // this group, and recovery takes back those of mode 0600 or of 0660 with this group; nullopt:
+  // mode 0600, and recovery refuses 0660 (see ShmSegment). Memfd segments stay 0600.
+  std::optional<gid_t> group;
 };
 
 // Thread-compatible: the catalog serialises access.

@@ -9,10 +9,12 @@
 #include <boost/interprocess/permissions.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <cerrno>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/base/sys_error.h"
+#include "server/ops/shm_group.h"
 
 namespace tensorshm {
 namespace bip = boost::interprocess;
@@ -36,10 +38,29 @@ absl::Status Reserve(int fd, const std::string& name, uint64_t offset, uint64_t 
   return ErrnoError("posix_fallocate", name, err);
 }
 
+// Gives the object behind `fd` to `group` with mode 0660, whatever the umask: the group first, so
+// that the object is never 0660 with another group. PERMISSION_DENIED naming the object, the
+// group and the fix if the daemon may not.
+absl::Status GiveToGroup(int fd, const std::string& name, gid_t group) {
+  if (fchown(fd, static_cast<uid_t>(-1), group) != 0) {
+    const int err = errno;
+    const std::string what =
+        absl::StrCat(name, " to group ", GroupName(group), " (gid ", group, ", --shm-group)");
+    if (err != EPERM && err != EINVAL) return ErrnoError("fchown", what, err);
+    // EINVAL: a gid that the daemon's user namespace does not map.
+    return absl::PermissionDeniedError(absl::StrCat(
+        "fchown(", what, "): ", std::strerror(err),
+        ": tensorshmd must run as root (CAP_CHOWN, with the gid mapped in its user namespace) or "
+        "as a member of the group"));
+  }
+  if (fchmod(fd, kGroupSegmentMode) != 0) return ErrnoError("fchmod", name, errno);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t size, bool map,
-                                              SegmentBacking backing) {
+                                              SegmentBacking backing, std::optional<gid_t> group) {
   if (name.size() < 2 || name[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("shm name = \"", name, "\": must start with /"));
   }
@@ -73,6 +94,9 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
   // From here on `segment` owns the descriptor, and removes a named object on failure.
   ShmSegment segment(name, size, std::move(fd), backing);
   const int owned = segment.fd_.get();
+  if (group) {
+    if (absl::Status s = GiveToGroup(owned, name, *group); !s.ok()) return s;
+  }
   if (absl::Status s = Reserve(owned, name, 0, size, backing); !s.ok()) return s;
   if (backing == SegmentBacking::kMemfd &&
       fcntl(owned, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
@@ -86,16 +110,34 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, uint64_t 
   return segment;
 }
 
-absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
+absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map,
+                                            std::optional<gid_t> group) {
   const std::string path = absl::StrCat("/dev/shm", name);
   const uid_t euid = geteuid();
   // Refusals name the object and say what to do; the object is never removed: it is not ours.
   auto foreign = [&](const struct stat& st, absl::string_view what) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: %s, owned by uid %u with mode %04o; tensorshmd creates its shm objects as regular "
-        "files owned by its uid (%u) with mode %04o, so this is not one of its own and is left "
+        "files owned by its uid (%u) with mode %04o%s, so this is not one of its own and is left "
         "alone: remove it (rm %s) if it is stale, or start tensorshmd with another --shm-prefix",
-        path, what, st.st_uid, st.st_mode & 07777, euid, kSegmentMode, path));
+        path, what, st.st_uid, st.st_mode & 07777, euid, kSegmentMode,
+        group ? absl::StrFormat(" (host segments %04o with group %s, --shm-group)",
+                                kGroupSegmentMode, GroupName(*group))
+              : "",
+        path));
+  };
+  // Ours, but given to a group that is not --shm-group's (or to a group while there is no
+  // --shm-group now): the group's members could have written it.
+  auto grouped = [&](const struct stat& st) {
+    const std::string its = GroupName(st.st_gid);
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: owned by uid %u with mode %04o and group %s (gid %u), as tensorshmd started with "
+        "--shm-group %s makes it; any member of that group could have written it, so %s does "
+        "not take it back: restart with --shm-group %s, or remove it (rm %s)",
+        path, st.st_uid, st.st_mode & 07777, its, st.st_gid, its,
+        group ? absl::StrCat("a tensorshmd with --shm-group ", GroupName(*group))
+              : "a tensorshmd without --shm-group",
+        its, path));
   };
   // O_NOFOLLOW: a link planted under the name must not lead the daemon to another file.
   UniqueFd fd(shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0));
@@ -108,10 +150,18 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool map) {
   }
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoError("fstat", name, errno);
-  if (!S_ISREG(st.st_mode) || st.st_uid != euid || (st.st_mode & 07777) != kSegmentMode) {
-    return foreign(st, !S_ISREG(st.st_mode) ? "not a regular file"
-                       : st.st_uid != euid  ? "another user's object"
-                                            : "not of the mode tensorshmd gives its objects");
+  const mode_t mode = st.st_mode & 07777;
+  if (!S_ISREG(st.st_mode) || st.st_uid != euid) {
+    return foreign(st, !S_ISREG(st.st_mode) ? "not a regular file" : "another user's object");
+  }
+  if (mode == kGroupSegmentMode && (!group || st.st_gid != *group)) return grouped(st);
+  if (mode != kSegmentMode && mode != kGroupSegmentMode) {
+    return foreign(st, "not of the mode tensorshmd gives its objects");
+  }
+  // Taken back under the current setting: a segment of a daemon without --shm-group joins the
+  // group now (its bytes were the daemon uid's alone until then).
+  if (group) {
+    if (absl::Status s = GiveToGroup(fd.get(), name, *group); !s.ok()) return s;
   }
   ShmSegment segment(name, static_cast<uint64_t>(st.st_size), std::move(fd),
                      SegmentBacking::kNamed);

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -17,9 +18,12 @@
 
 namespace tensorshm {
 
-// The mode of every object tensorshmd creates; a restarted daemon takes back only objects of
-// exactly this mode, owned by its uid.
+// The mode of every object tensorshmd creates, host segments given to a --shm-group aside
+// (kGroupSegmentMode, 0660); a restarted daemon takes back only objects of this mode, or of that
+// one with that group, owned by its uid.
 inline constexpr mode_t kSegmentMode = 0600;
+// The mode of a host pool segment given to a --shm-group (server/ops/shm_group.h).
+inline constexpr mode_t kGroupSegmentMode = 0660;
 
 enum class SegmentBacking {
   kNamed,  // POSIX shm object "/<name>" in /dev/shm
@@ -30,21 +34,27 @@ enum class SegmentBacking {
 class ShmSegment {
  public:
   // Creates the object `name` ("/..."; a memfd takes it as its debugging name), `size` bytes,
-  // mode 0600 regardless of the umask, and reserves all its pages with posix_fallocate so that
-  // a full /dev/shm (or memory cgroup) fails here rather than later as SIGBUS in a client. With
-  // `map` the daemon also maps it read-write. Returns ALREADY_EXISTS if the name is taken,
-  // RESOURCE_EXHAUSTED if `size` bytes cannot be reserved (the object is removed again), or
-  // another error naming the call and object.
+  // mode 0600 regardless of the umask (with `group`: mode 0660 and that group, for --shm-group),
+  // and reserves all its pages with posix_fallocate so that a full /dev/shm (or memory cgroup)
+  // fails here rather than later as SIGBUS in a client. With `map` the daemon also maps it
+  // read-write. Returns ALREADY_EXISTS if the name is taken, RESOURCE_EXHAUSTED if `size` bytes
+  // cannot be reserved, PERMISSION_DENIED if the object cannot be given to `group`, or another
+  // error naming the call and object; on error a created object is removed again.
   static absl::StatusOr<ShmSegment> Create(const std::string& name, uint64_t size, bool map,
-                                           SegmentBacking backing = SegmentBacking::kNamed);
+                                           SegmentBacking backing = SegmentBacking::kNamed,
+                                           std::optional<gid_t> group = std::nullopt);
 
   // Re-opens the existing named object `name` (a restarted daemon taking its segments back); the
   // result owns it like a created one. Its size is the object's. NOT_FOUND if it is gone.
   // Only an object this daemon could have created is taken: opened without following a link
-  // (O_NOFOLLOW), it must be a regular file owned by the daemon's euid with mode kSegmentMode;
-  // anything else is FAILED_PRECONDITION naming the object, its owner and mode and the fix, and
-  // is left in place (never unlinked).
-  static absl::StatusOr<ShmSegment> Open(const std::string& name, bool map);
+  // (O_NOFOLLOW), it must be a regular file owned by the daemon's euid with mode kSegmentMode, or,
+  // with `group`, mode kGroupSegmentMode and that group; it is then given the current setting
+  // (with `group`: 0660 and that group). Anything else is FAILED_PRECONDITION naming the object,
+  // its owner, group and mode and the fix, and is left in place (never unlinked): without
+  // `group` an object of mode 0660 is refused too, as the members of its group could have
+  // written it.
+  static absl::StatusOr<ShmSegment> Open(const std::string& name, bool map,
+                                         std::optional<gid_t> group = std::nullopt);
 
   ShmSegment(ShmSegment&& other) noexcept;
   ShmSegment& operator=(ShmSegment&& other) noexcept;
@@ -66,8 +76,9 @@ class ShmSegment {
   absl::Status Discard();
 
   // A new descriptor of the object for a client (close-on-exec; the memory channel sends it):
-  // read-only, or read-write. A read-only one cannot be
-  // mapped writable nor reopened writable by anyone but the daemon's uid (the object is mode 0600).
+  // read-only, or read-write. A read-only one cannot be mapped writable nor reopened writable by
+  // anyone but the daemon's uid (the object is mode 0600), and the members of a --shm-group
+  // (mode 0660), who can open the object by name anyway.
   // Errors name the call and the object.
   absl::StatusOr<UniqueFd> OpenForClient(bool writable) const;
 

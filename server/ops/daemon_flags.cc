@@ -22,6 +22,13 @@ const std::vector<FlagSpec>& DaemonFlags() {
        "shm: named objects in /dev/shm, recovered after a crash\n"
        "(default); memfd: anonymous memory, not bound by the size of\n"
        "/dev/shm, lost when the daemon dies (no recovery)"},
+      {"shm-group", FlagKind::kValue, "GROUP",
+       "make the host pool's /dev/shm segments mode 0660 with group\n"
+       "GROUP (a name or gid), for servers that open them by name\n"
+       "(Triton). Trade-off: every process in GROUP can read AND write\n"
+       "every host tensor in them, published ones included (default:\n"
+       "0600, the daemon's uid only). Needs root or a member of GROUP;\n"
+       "not with --segments memfd"},
       {"shm-prefix", FlagKind::kValue, "P",
        "prefix of the shm object names (default: tsm-<random>); one\n"
        "daemon per prefix: a prefix a live daemon holds is refused"},
@@ -67,8 +74,9 @@ const std::vector<FlagSpec>& DaemonFlags() {
        "the daemon's own uid is admitted, others get PERMISSION_DENIED"},
       {"allow-gid", FlagKind::kRepeated, "GID",
        "also admit clients whose primary gid is GID (repeatable)\n"
-       "(segments stay mode 0600 either way: clients receive their\n"
-       "descriptors over the socket, and each uid writes only its own)"},
+       "(segments stay mode 0600 either way, unless --shm-group: clients\n"
+       "receive their descriptors over the socket, and each uid writes\n"
+       "only its own)"},
       {"cuda-pool", FlagKind::kRepeated, "cuda:N=SIZE",
        "a pool of SIZE bytes of device memory on CUDA device N\n"
        "(repeatable, one per device); needs the CUDA driver\n"

@@ -226,6 +226,10 @@ absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOp
     absl::StatusOr<uint64_t> size = ParseSize(value, arg);
     if (!size.ok()) return size.status();
     options.segment_bytes = *size;
+  } else if (arg == "--shm-group") {
+    absl::StatusOr<ShmGroup> group = ParseShmGroup(value);
+    if (!group.ok()) return group.status();
+    options.shm_group = *std::move(group);
   } else if (arg == "--shm-prefix") {
     if (value.empty() || value.size() > 48 ||
         !std::all_of(value.begin(), value.end(), IsPrefixChar)) {
@@ -329,6 +333,13 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
   if (options.memfd_segments && options.keep_segments) {
     return absl::InvalidArgumentError(
         "--keep-segments with --segments memfd: memfd segments cannot outlive the daemon");
+  }
+  if (options.memfd_segments && options.shm_group) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shm-group = \"", options.shm_group->name,
+        "\" with --segments memfd: memfd segments have no name, so a server that opens "
+        "segments by name (Triton's system shared memory) cannot use them; use --segments shm "
+        "(the default)"));
   }
   if (!options.uid_connections) {
     options.uid_connections = DefaultUidConnections(options.uid_limits.sessions);

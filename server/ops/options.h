@@ -17,6 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "server/ops/eviction.h"
 #include "server/ops/log.h"
+#include "server/ops/shm_group.h"
 #include "server/ops/uid_limits.h"
 
 namespace tensorshm {
@@ -36,6 +37,7 @@ struct DaemonOptions {
   uint64_t segment_bytes = 256ull << 20;  // --segment-size
   std::string shm_prefix;                 // default: "tsm-" + 64 random bits in hex
   bool memfd_segments = false;            // --segments memfd (default shm)
+  std::optional<ShmGroup> shm_group;      // --shm-group; nullopt: host segments mode 0600
   uint32_t max_tensors = 4096;            // --max-tensors
   uint64_t session_quota_bytes = 0;       // --session-quota; 0: unlimited
   bool keep_segments = false;             // --keep-segments

@@ -87,16 +87,6 @@ std::map<std::string, uint64_t> Names(RawSession& session) {
   return names;
 }
 
-grpc::Status PublishAs(RawSession& session, uint64_t tensor_id, const std::string& name) {
-  v1::PublishRequest request;
-  request.set_tensor_id(tensor_id);
-  request.set_name(name);
-  v1::PublishResponse response;
-  grpc::ClientContext context;
-  session.Prepare(&context);
-  return session.stub().Publish(&context, request, &response);
-}
-
 grpc::Status AcquireOf(RawSession& session, const std::string& name,
                        v1::AcquireResponse* response) {
   v1::AcquireRequest request;
@@ -133,7 +123,7 @@ class OwnerFixture {
     EXPECT_TRUE(AcquireOf(session_, "secret", &acquired).ok());
     EXPECT_EQ(acquired.tensor_id(), secret_);
     // Still the owner's unpublished tensor: its publish is the owner's to make.
-    EXPECT_TRUE(PublishAs(session_, unpublished_, "mine").ok());
+    EXPECT_TRUE(session_.PublishTensor(unpublished_, "mine").ok());
     EXPECT_EQ(Names(session_).count("mine"), 1u);
   }
 
@@ -314,7 +304,7 @@ TEST(ShmNameTest, MemfdSegmentsHaveNoShmName) {
   ASSERT_TRUE(session.Create(4096, &created).ok());
   EXPECT_TRUE(created.location().has_host());
   EXPECT_EQ(created.location().host().shm_name(), "");
-  ASSERT_TRUE(PublishAs(session, created.tensor_id(), "m").ok());
+  ASSERT_TRUE(session.PublishTensor(created.tensor_id(), "m").ok());
   v1::AcquireResponse acquired;
   ASSERT_TRUE(AcquireOf(session, "m", &acquired).ok());
   EXPECT_TRUE(acquired.location().has_host());

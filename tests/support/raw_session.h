@@ -62,18 +62,23 @@ class RawSession {
     return stub_->Create(&context, create, created);
   }
 
-  // Creates a 64-byte tensor and publishes it as `name` over gRPC; returns its id (0 on failure).
-  uint64_t Publish(const std::string& name, bool replace = false) {
-    v1::CreateResponse created;
-    if (!Create(64, &created).ok()) return 0;
+  // Publishes tensor `tensor_id` as `name` over gRPC.
+  grpc::Status PublishTensor(uint64_t tensor_id, const std::string& name, bool replace = false) {
     v1::PublishRequest publish;
-    publish.set_tensor_id(created.tensor_id());
+    publish.set_tensor_id(tensor_id);
     publish.set_name(name);
     publish.set_replace(replace);
     v1::PublishResponse published;
     grpc::ClientContext publish_context;
     Prepare(&publish_context);
-    if (!stub_->Publish(&publish_context, publish, &published).ok()) return 0;
+    return stub_->Publish(&publish_context, publish, &published);
+  }
+
+  // Creates a 64-byte tensor and publishes it as `name` over gRPC; returns its id (0 on failure).
+  uint64_t Publish(const std::string& name, bool replace = false) {
+    v1::CreateResponse created;
+    if (!Create(64, &created).ok()) return 0;
+    if (!PublishTensor(created.tensor_id(), name, replace).ok()) return 0;
     return created.tensor_id();
   }
 
