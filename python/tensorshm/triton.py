@@ -122,6 +122,7 @@ class TritonFeeder:
         self._instance = client.daemon_instance
         self._regions: dict[tuple[int, int], str] = {}  # (segment_instance, segment_id) -> name
         self._cuda_regions: set[str] = set()
+        self._by_shm_name: dict[str, tuple[int, int]] = {}  # host regions' keys, by object name
 
     # -- inputs and outputs --
 
@@ -176,6 +177,7 @@ class TritonFeeder:
 
     def close(self) -> None:
         """Unregisters every region this feeder registered (idempotent)."""
+        self._by_shm_name.clear()
         while self._regions:
             _, region = self._regions.popitem()
             self._unregister(region)
@@ -196,9 +198,17 @@ class TritonFeeder:
         key = (place["segment_instance"], place["segment_id"])
         region = self._regions.get(key)
         if region is None:
+            # A segment the daemon gave back lends its name to a later one (a new instance): the
+            # old region maps memory that is no longer the pool's, and Triton 2.51 keeps one
+            # region per name at a time.
+            stale = self._by_shm_name.pop(place["shm_name"], None) if place["shm_name"] else None
+            if stale is not None:
+                self._unregister(self._regions.pop(stale))
             region = f"{self._prefix}{key[0]:016x}.{key[1]}"
             self._register(region, place, f"{what} ({_describe(tensor)})")
             self._regions[key] = region
+            if place["device"] == "cpu":
+                self._by_shm_name[place["shm_name"]] = key
         return region, place["offset"], place["nbytes"]
 
     def _register(self, region: str, place: dict[str, Any], what: str) -> None:

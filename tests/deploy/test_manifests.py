@@ -1,9 +1,7 @@
 """deploy/: the Kubernetes manifests, the systemd unit and the TOML configs, checked against the
 Kubernetes schema and against the daemon that is built here (its flags, its sizes).
 
-The flags of interfaces that other work adds (--config, --metrics, --evict; now --shm-group, in
-PENDING_FLAGS) are checked as soon as `tensorshmd --help` lists them; until then those checks
-skip and say so. triton.yaml's Triton, model and client scripts are checked statically (and the
+Every flag a manifest gives the daemon must be one `tensorshmd --help` lists. triton.yaml's Triton, model and client scripts are checked statically (and the
 Python model run on a fake Triton module): nothing here runs Triton or a cluster.
 """
 
@@ -29,9 +27,6 @@ SOCKET_ENV = "TENSORSHM_SOCKET"
 # tensorshmctl gives up (and says why) before the kubelet kills it: --timeout < timeoutSeconds.
 HEALTH_TIMEOUT_SECONDS = 2
 HEALTH = ["tensorshmctl", "--timeout", f"{HEALTH_TIMEOUT_SECONDS}s", "health"]
-# Daemon flags that the manifests use before every tensorshmd has them (other work adds them):
-# where the daemon built here does not list one yet, the checks that run it skip and say so.
-PENDING_FLAGS = {"--shm-group": "--shm-group GID makes host segments 0660 in GID, for Triton"}
 
 
 def daemon_binary():
@@ -351,12 +346,7 @@ def test_daemon_args_parse(where, spec, docs, tmp_path):
     _, text = config_map_toml(docs, spec, daemon)
     if text is not None:
         used |= {f"--{k}" for k in tomllib.loads(text)}
-    # A pending flag the daemon lacks is left out (with its value), and the rest checked.
-    pending = sorted(f for f in used - flags if f in PENDING_FLAGS)
-    for flag in pending:
-        if flag in args:
-            del args[args.index(flag):args.index(flag) + 2]
-    unknown = used - flags - set(pending)
+    unknown = used - flags
     assert not unknown, f"{where}: not tensorshmd flags: {unknown}"
     if "--config" in args:
         config = tmp_path / "tensorshmd.toml"
@@ -364,9 +354,6 @@ def test_daemon_args_parse(where, spec, docs, tmp_path):
         args[args.index("--config") + 1] = str(config)
     result = subprocess.run([daemon_binary()] + args + ["--help"], capture_output=True, text=True)
     assert result.returncode == 0, f"{where}: tensorshmd {' '.join(args)}: {result.stderr}"
-    if pending:
-        pytest.skip(f"{where}: the other flags parse, but {daemon_binary()} does not list "
-                    f"{', '.join(pending)} yet: " + "; ".join(PENDING_FLAGS[f] for f in pending))
 
 
 # ---------------------------------------------------------------- servers that map segments by name
