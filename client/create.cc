@@ -89,8 +89,6 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
         tensor->segment_id = stocked->location.segment_id();
         tensor->segment_size = stocked->location.segment_size();
         tensor->buffer_offset = stocked->location.offset();
-        tensor->place = PlaceFrom(stocked->location, stocked->buffer.data);
-        tensor->place.shm_name = tensor->segment_mapping->shm_name();
         // Populated in the background since it was stocked; what is left, now.
         tensor->segment_mapping->Populate(tensor->buffer_offset, stock_length);
         // The daemon was not asked for this buffer: it may be asleep when the publish comes.
@@ -142,7 +140,7 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
     if (!buffer.ok()) return buffer.status();
     decoded->device.device_id = buffer->ordinal;
     data = buffer->data;
-    tensor.place = PlaceFrom(location, buffer->data);
+    tensor.cuda_place = PlaceFrom(location, buffer->data);
   } else if (location.length() > 0) {
     absl::StatusOr<ClientCore::HostBuffer> mapped = core->MapHostBuffer(location);
     if (!mapped.ok()) return mapped.status();
@@ -154,8 +152,6 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
     tensor.segment_size = location.segment_size();
     tensor.buffer_offset = location.offset();
     data = tensor.buffer_address;
-    tensor.place = PlaceFrom(location, mapped->data);
-    tensor.place.shm_name = tensor.segment_mapping->shm_name();
   }
   tensor.shape = std::move(decoded->shape);
   tensor.strides = std::move(decoded->strides);

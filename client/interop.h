@@ -27,12 +27,13 @@ absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor);
 // Where a tensor's buffer lies in the daemon's memory, for bindings that register the segment
 // with a server that maps it itself (Triton's system and CUDA shared-memory extensions).
 struct SegmentPlace {
-  // With segment_id, names one memory object for good (v1::Location.segment_instance).
+  // With segment_id, names one host segment for good (v1::Location.segment_instance); a CUDA
+  // segment is named by the two on its device only.
   uint64_t segment_instance = 0;
   uint64_t segment_id = 0;
   uint64_t segment_size = 0;
   uint64_t offset = 0;  // of the buffer in the segment
-  uint64_t length = 0;  // of the buffer; 0: an empty tensor, with no segment
+  uint64_t length = 0;  // from `address` to the segment's end; 0: an empty tensor, no segment
   // The buffer's address in this process (host: in this process's mapping of the segment; CUDA:
   // the device pointer).
   const char* address = nullptr;
@@ -41,11 +42,12 @@ struct SegmentPlace {
 };
 
 // The place of an acquired tensor's buffer (valid while its lease is held). INVALID_ARGUMENT for
-// a tensor that did not come from a tensorshm Client.
+// a tensor that did not come from a tensorshm Client; FAILED_PRECONDITION for a host tensor whose
+// segment the client's daemon no longer serves (it restarted without it).
 absl::StatusOr<SegmentPlace> PlaceOf(const DLManagedTensorVersioned* tensor);
 // The place of a writable tensor's buffer (published or not). FAILED_PRECONDITION for a
-// moved-from tensor.
-absl::StatusOr<SegmentPlace> PlaceOf(WritableTensor& tensor);
+// moved-from tensor, and as PlaceOf above.
+absl::StatusOr<SegmentPlace> PlaceOf(const WritableTensor& tensor);
 
 // Copies `bytes` of an acquired CUDA tensor's device memory, starting at `src` (inside the
 // tensor), to host memory `dst`, after its ready event. INVALID_ARGUMENT for a tensor that is not

@@ -43,13 +43,33 @@ void DeleteLegacy(DLManagedTensor* self) noexcept {
   if (self != nullptr) ReleaseLease(static_cast<Lease*>(self->manager_ctx));
 }
 
+absl::StatusOr<SegmentPlace> HostPlace(ClientCore& core, const SegmentKey& key,
+                                       const std::string& shm_name, const char* segment,
+                                       uint64_t segment_size, const char* buffer) {
+  if (!core.segments().Holds(key)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(SegmentLabel(key),
+                     " is no longer tensorshmd's: the daemon restarted without it (get the tensor, "
+                     "or create the buffer, again)"));
+  }
+  SegmentPlace place;
+  place.segment_instance = key.first;
+  place.segment_id = key.second;
+  place.segment_size = segment_size;
+  place.offset = static_cast<uint64_t>(buffer - segment);
+  place.length = segment_size - place.offset;
+  place.address = buffer;
+  place.shm_name = shm_name;
+  return place;
+}
+
 SegmentPlace PlaceFrom(const v1::Location& location, const char* address) {
   SegmentPlace place;
   place.segment_instance = location.segment_instance();
   place.segment_id = location.segment_id();
   place.segment_size = location.segment_size();
   place.offset = location.offset();
-  place.length = location.length();
+  place.length = location.length() == 0 ? 0 : location.segment_size() - location.offset();
   place.address = address;
   if (location.has_host()) place.shm_name = location.host().shm_name();
   if (location.has_cuda()) place.cuda_ipc_handle = location.cuda().ipc_handle();
@@ -115,7 +135,7 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     lease->cuda_ordinal = buffer->ordinal;
     lease->ready_event = location.cuda().ready_event();
     data = buffer->data;
-    lease->place = PlaceFrom(location, data);
+    lease->cuda_place = PlaceFrom(location, data);
   } else if (decoded->device.device_type != kDLCPU ||
              (!location.has_host() && location.length() > 0)) {
     return give_back(absl::UnimplementedError(
@@ -127,8 +147,6 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     if (!mapping.ok()) return give_back(mapping.status());
     lease->mapping = *std::move(mapping);
     data = lease->mapping->address() + location.offset();
-    lease->place = PlaceFrom(location, data);
-    lease->place.shm_name = lease->mapping->shm_name();
   }
   lease->shape = std::move(decoded->shape);
   lease->strides = std::move(decoded->strides);
@@ -162,14 +180,6 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
     }
     lease->mapping = *std::move(mapping);
     data = lease->mapping->address() + leased.offset;
-    lease->place = SegmentPlace{leased.segment_instance,
-                                leased.segment_id,
-                                lease->mapping->size(),
-                                leased.offset,
-                                leased.length,
-                                data,
-                                lease->mapping->shm_name(),
-                                ""};
   }
   RecordLayout& layout = leased.layout;
   lease->shape = std::move(layout.shape);
@@ -231,7 +241,11 @@ absl::StatusOr<SegmentPlace> PlaceOf(const DLManagedTensorVersioned* tensor) {
   if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
     return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
   }
-  return static_cast<const Lease*>(tensor->manager_ctx)->place;
+  const Lease& lease = *static_cast<const Lease*>(tensor->manager_ctx);
+  if (lease.mapping == nullptr) return lease.cuda_place;  // CUDA, or empty (length 0)
+  const auto* data = static_cast<const char*>(tensor->dl_tensor.data);
+  return HostPlace(*lease.core, lease.mapping->key(), lease.mapping->shm_name(),
+                   lease.mapping->address(), lease.mapping->size(), data);
 }
 
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {

@@ -37,8 +37,8 @@ struct Lease {
   std::shared_ptr<FastPath> fast;  // a page lease: the fast path whose page holds it
   uint32_t page_slot = 0;
   std::shared_ptr<const SegmentMapping> mapping;  // host tensors: the segment the data lies in
-  SegmentPlace place;                             // where the buffer lies (PlaceOf)
-  int cuda_ordinal = -1;                          // CUDA tensors: this process's device ordinal
+  SegmentPlace cuda_place;  // CUDA tensors: where the buffer lies (PlaceOf; host: from `mapping`)
+  int cuda_ordinal = -1;    // CUDA tensors: this process's device ordinal
   std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
   // ReadyEvent: the event opened from `ready_event` on first call, kept until the lease ends.
   Mutex event_mu;
@@ -64,6 +64,14 @@ inline DLManagedTensor* HandOutLegacy(std::unique_ptr<Lease> lease) {
 
 // The place `location` names, the buffer being at `address` in this process.
 SegmentPlace PlaceFrom(const v1::Location& location, const char* address);
+
+// The place of a host buffer at `buffer` in this process's mapping (at `segment`, `segment_size`
+// bytes) of segment `key`, named `shm_name`; its length: up to the segment's end.
+// FAILED_PRECONDITION once `core`'s daemon no longer serves the segment (it restarted without
+// it: the name may now be another object's).
+absl::StatusOr<SegmentPlace> HostPlace(ClientCore& core, const SegmentKey& key,
+                                       const std::string& shm_name, const char* segment,
+                                       uint64_t segment_size, const char* buffer);
 
 // A CUDA location as this process sees it: its ordinal for the location's device (found by UUID)
 // and the buffer's device address (nullptr for an empty tensor), the segment opened once.

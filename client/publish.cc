@@ -117,8 +117,6 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
       }
       lease->mapping = *std::move(mapping);
       data = lease->mapping->address() + state->buffer_offset;
-      lease->place = state->place;
-      lease->place.address = data;
     }
     lease->shape = state->shape;
     lease->strides = state->strides;

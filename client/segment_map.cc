@@ -30,11 +30,12 @@ void SegmentMapping::Populate() const {
   madvise(mapping_.data(), mapping_.size(), MADV_POPULATE_READ);
 }
 
-WritableSegment::WritableSegment(Mapping mapping, std::string label, std::string shm_name)
+WritableSegment::WritableSegment(Mapping mapping, SegmentKey key, std::string shm_name)
     : mapping_(std::move(mapping)),
       address_(mapping_.data()),
       size_(mapping_.size()),
-      label_(std::move(label)),
+      key_(key),
+      label_(SegmentLabel(key)),
       shm_name_(std::move(shm_name)) {
   MutexLock lock(&mu_);
   populated_.assign((size_ + PageBytes() - 1) / PageBytes(), false);
@@ -141,7 +142,8 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> SegmentMap::Insert(const S
   const int err = errno;
   fd.reset();  // the mapping keeps the object
   if (!mapped.valid()) return ErrnoError("mmap", SegmentLabel(key), err);
-  auto mapping = std::make_shared<const SegmentMapping>(std::move(mapped), std::move(shm_name));
+  auto mapping =
+      std::make_shared<const SegmentMapping>(std::move(mapped), key, std::move(shm_name));
   std::shared_ptr<const SegmentMapping> cached;
   {
     MutexLock lock(&mu_);
@@ -173,11 +175,15 @@ absl::StatusOr<std::shared_ptr<WritableSegment>> SegmentMap::InsertWritable(cons
   const int err = errno;
   fd.reset();  // the mapping keeps the object
   if (!mapped.valid()) return ErrnoError("mmap(PROT_WRITE)", SegmentLabel(key), err);
-  auto mapping =
-      std::make_shared<WritableSegment>(std::move(mapped), SegmentLabel(key), std::move(shm_name));
+  auto mapping = std::make_shared<WritableSegment>(std::move(mapped), key, std::move(shm_name));
   MutexLock lock(&mu_);
   auto [it, inserted] = writable_.emplace(key, std::move(mapping));
   return it->second;  // ours, or the one another thread cached first (ours is unmapped)
+}
+
+bool SegmentMap::Holds(const SegmentKey& key) const {
+  MutexLock lock(&mu_);
+  return mappings_.count(key) > 0 || writable_.count(key) > 0;
 }
 
 int SegmentMap::Retain(const std::set<SegmentKey>& live) {

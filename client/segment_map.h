@@ -26,12 +26,13 @@ using SegmentKey = std::pair<uint64_t, uint64_t>;
 // an acquired tensor) lets it go.
 class SegmentMapping {
  public:
-  SegmentMapping(Mapping mapping, std::string shm_name)
-      : mapping_(std::move(mapping)), shm_name_(std::move(shm_name)) {}
+  SegmentMapping(Mapping mapping, SegmentKey key, std::string shm_name)
+      : mapping_(std::move(mapping)), key_(key), shm_name_(std::move(shm_name)) {}
   SegmentMapping(const SegmentMapping&) = delete;
   SegmentMapping& operator=(const SegmentMapping&) = delete;
   const char* address() const { return mapping_.data(); }
   uint64_t size() const { return mapping_.size(); }
+  const SegmentKey& key() const { return key_; }
   // The object's POSIX shm name as the daemon granted it; empty for a memfd segment.
   const std::string& shm_name() const { return shm_name_; }
   // Maps every page of it (MADV_POPULATE_READ), so that no later read faults; takes time linear
@@ -40,6 +41,7 @@ class SegmentMapping {
 
  private:
   const Mapping mapping_;
+  const SegmentKey key_;
   const std::string shm_name_;
 };
 
@@ -54,12 +56,13 @@ class SegmentMapping {
 // publish make it read-only with Seal, until the buffer is handed out again.
 class WritableSegment {
  public:
-  WritableSegment(Mapping mapping, std::string label, std::string shm_name);
+  WritableSegment(Mapping mapping, SegmentKey key, std::string shm_name);
   WritableSegment(const WritableSegment&) = delete;
   WritableSegment& operator=(const WritableSegment&) = delete;
   char* address() const { return address_; }
   uint64_t size() const { return size_; }
-  // As SegmentMapping::shm_name.
+  // As SegmentMapping's.
+  const SegmentKey& key() const { return key_; }
   const std::string& shm_name() const { return shm_name_; }
 
   // Readies [offset, offset + length) for a new writable buffer: writable again if a sealed
@@ -87,6 +90,7 @@ class WritableSegment {
   const Mapping mapping_;  // munmapped when the segment goes
   char* const address_;
   const uint64_t size_;
+  const SegmentKey key_;
   const std::string label_;
   const std::string shm_name_;
   mutable Mutex mu_;
@@ -136,6 +140,9 @@ class SegmentMap {
 
   // Number of segments mapped read-only now.
   size_t size() const;
+  // Whether segment `key` is mapped (read-only or writable) and not dropped by Retain: as far as
+  // this client knows, its daemon still serves it.
+  bool Holds(const SegmentKey& key) const;
 
  private:
   mutable Mutex mu_;

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client_core.h"
 #include "client/fork.h"
+#include "client/lease.h"
 #include "client/segment_map.h"
 
 namespace tensorshm {
@@ -76,10 +77,13 @@ absl::Status WritableTensor::SealViews() {
       state.buffer_length);
 }
 
-absl::StatusOr<SegmentPlace> PlaceOf(WritableTensor& tensor) {
+absl::StatusOr<SegmentPlace> PlaceOf(const WritableTensor& tensor) {
   const WritableTensorState* state = WritableTensorState::Of(tensor);
   if (state == nullptr) return absl::FailedPreconditionError("tensor: moved from");
-  return state->place;
+  if (state->segment_mapping == nullptr) return state->cuda_place;  // CUDA, or empty
+  const WritableSegment& segment = *state->segment_mapping;
+  return HostPlace(*state->core, segment.key(), segment.shm_name(), segment.address(),
+                   segment.size(), static_cast<const char*>(state->buffer_address));
 }
 
 }  // namespace tensorshm

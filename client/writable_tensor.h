@@ -27,6 +27,7 @@ class WritableTensorState {
   }
   // `tensor`'s state; nullptr for a moved-from tensor.
   static WritableTensorState* Of(WritableTensor& tensor) { return tensor.state_.get(); }
+  static const WritableTensorState* Of(const WritableTensor& tensor) { return tensor.state_.get(); }
 
   // Points tensor.shape and tensor.strides at shape and strides (after either moved).
   void PointAtShape() {
@@ -55,8 +56,8 @@ class WritableTensorState {
   uint64_t segment_id = 0;
   uint64_t segment_size = 0;
   uint64_t buffer_offset = 0;
-  // Where the buffer lies, host or CUDA (PlaceOf).
-  SegmentPlace place;
+  // CUDA tensors: where the buffer lies (PlaceOf; host buffers: from segment_mapping).
+  SegmentPlace cuda_place;
 };
 
 }  // namespace tensorshm

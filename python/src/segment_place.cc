@@ -25,19 +25,21 @@ nb::dict SegmentPlaceOf(const PyTensor& tensor) {
     place = PlaceOf(storage->versioned);
   }
   Check(place.status());
+  // A lease a restarted daemon did not take back: its segment may be another object now.
+  Check(storage->LeaseStatus());
   const bool padded = (storage->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
   const StorageSpan span = SpanOf(storage->tensor, padded);
   if (place->length == 0 || span.nbytes == 0) {
     Raise(absl::InvalidArgumentError(
         absl::StrCat(Describe(tensor), ": empty (no bytes, so no segment)")));
   }
-  // The span of a view taken from the tensor lies inside its buffer; anything else is a bug.
+  // The span of a view taken from the tensor lies inside its segment; anything else is a bug.
   const intptr_t from = span.start - place->address;
   if (from < 0 ||
       static_cast<uint64_t>(from) + static_cast<uint64_t>(span.nbytes) > place->length) {
     Raise(absl::InternalError(absl::StrCat(Describe(tensor), ": its bytes [", from, ", +",
-                                           span.nbytes, ") are outside its buffer of ",
-                                           place->length, " bytes")));
+                                           span.nbytes, ") run past its segment's end, ",
+                                           place->length, " bytes on")));
   }
   const bool cuda = storage->tensor.device.device_type == kDLCUDA;
   nb::dict out;

@@ -12,7 +12,7 @@ extensions (KServe v2 system and CUDA shared memory).
             y.publish("y")                          # and other processes get it
 
 A tensor's segment is registered with Triton once, as a region named after the segment
-(``tensorshm.<daemon instance>.<segment id>``), at offset 0 and its whole size; each input and
+(``tensorshm.<segment instance>.<cpu|cudaN>.<segment id>``), at offset 0 and its whole size; each input and
 output is then (region, offset, length). Host segments go through the system shared-memory
 extension (Triton opens the POSIX shm object by name, read-write: start tensorshmd with
 ``--shm-group GROUP`` and run Triton in that group, or as the daemon's uid); CUDA segments through
@@ -87,10 +87,12 @@ class TritonFeeder:
     ``cuda_device_ids``: this process's CUDA ordinal -> Triton's, where they differ
     (CUDA_VISIBLE_DEVICES); by default the same.
 
-    Not thread-safe: one feeder per thread, or a lock around it. Regions are unregistered by
-    ``close()`` (or the end of its ``with`` block), and when the tensorshm daemon restarted: the
-    next input or output unregisters every region made before (a restarted daemon's segments are
-    other memory, even under the same names) and registers what it needs again.
+    One feeder per Triton server and tensorshm daemon (its region names are the segments'), and
+    not thread-safe: share one behind a lock. Regions are unregistered by ``close()`` (or the end
+    of its ``with`` block; one Triton refuses to unregister raises FailedPreconditionError), and
+    when the tensorshm daemon restarted: the next input or output unregisters every region made
+    before (a daemon that restarted clean made new objects under the old names; one that recovered
+    took the same objects back, which are registered again alike) and registers what it needs.
     """
 
     def __init__(
@@ -120,9 +122,10 @@ class TritonFeeder:
         self._cuda_device_ids = dict(cuda_device_ids or {})
         self._prefix = region_prefix
         self._instance = client.daemon_instance
-        self._regions: dict[tuple[int, int], str] = {}  # (segment_instance, segment_id) -> name
+        # (device, device_id, segment_instance, segment_id) -> region name
+        self._regions: dict[tuple[str, int, int, int], str] = {}
         self._cuda_regions: set[str] = set()
-        self._by_shm_name: dict[str, tuple[int, int]] = {}  # host regions' keys, by object name
+        self._by_shm_name: dict[str, tuple[str, int, int, int]] = {}  # host regions, by object
 
     # -- inputs and outputs --
 
@@ -171,16 +174,26 @@ class TritonFeeder:
     # -- regions --
 
     @property
-    def regions(self) -> dict[tuple[int, int], str]:
-        """The regions this feeder registered: (segment_instance, segment_id) -> region name."""
+    def regions(self) -> dict[tuple[str, int, int, int], str]:
+        """The regions this feeder registered: (device, device_id, segment_instance,
+        segment_id) -> region name."""
         return dict(self._regions)
 
     def close(self) -> None:
-        """Unregisters every region this feeder registered (idempotent)."""
+        """Unregisters every region this feeder registered (idempotent). A server that is gone
+        holds none; one that refuses (e.g. a token it wants) raises FailedPreconditionError
+        naming the regions, once every other one was unregistered."""
         self._by_shm_name.clear()
+        refused = []
         while self._regions:
             _, region = self._regions.popitem()
-            self._unregister(region)
+            error = self._unregister(region)
+            if error is not None:
+                refused.append(f"{region!r} ({error})")
+        if refused:
+            raise FailedPreconditionError(
+                f"Triton refused to unregister {len(refused)} region(s): {'; '.join(refused)}"
+            )
 
     def __enter__(self) -> TritonFeeder:
         return self
@@ -195,7 +208,8 @@ class TritonFeeder:
             # A restarted daemon: its segments are other objects, even those under old names.
             self.close()
             self._instance = self._client.daemon_instance
-        key = (place["segment_instance"], place["segment_id"])
+        device = "cpu" if place["device"] == "cpu" else f"cuda{place['device_id']}"
+        key = (place["device"], place["device_id"], place["segment_instance"], place["segment_id"])
         region = self._regions.get(key)
         if region is None:
             # A segment the daemon gave back lends its name to a later one (a new instance): the
@@ -204,7 +218,7 @@ class TritonFeeder:
             stale = self._by_shm_name.pop(place["shm_name"], None) if place["shm_name"] else None
             if stale is not None:
                 self._unregister(self._regions.pop(stale))
-            region = f"{self._prefix}{key[0]:016x}.{key[1]}"
+            region = f"{self._prefix}{key[2]:016x}.{device}.{key[3]}"
             self._register(region, place, f"{what} ({_describe(tensor)})")
             self._regions[key] = region
             if place["device"] == "cpu":
@@ -215,51 +229,76 @@ class TritonFeeder:
         from tritonclient.utils import InferenceServerException
 
         try:
-            if place["device"] == "cuda":
-                device = self._cuda_device_ids.get(place["device_id"], place["device_id"])
-                self._triton.register_cuda_shared_memory(
-                    region,
-                    base64.b64encode(place["ipc_handle"]),
-                    device,
-                    place["segment_size"],
-                    headers=self._headers,
-                )
-                self._cuda_regions.add(region)
-                return
-            if not place["shm_name"]:
-                raise FailedPreconditionError(
-                    f"{what}: its segment {place['segment_id']} is an anonymous memfd, and Triton "
-                    "opens shared memory by name. tensorshmd makes named segments only for its "
-                    "own uid's buffers, and none with --segments memfd: publish (and create "
-                    "outputs) as the daemon's uid, with tensorshmd on --segments shm"
-                )
-            # Offset 0 and the whole segment: Triton 2.51 adds a region's own offset twice.
-            self._triton.register_system_shared_memory(
-                region, place["shm_name"], place["segment_size"], offset=0, headers=self._headers
-            )
+            self._register_once(region, place, what)
         except InferenceServerException as e:
-            hint = ""
-            if place["device"] == "cpu":
-                hint = (
-                    f" Triton opens {place['shm_name']} by name, read-write (even for inputs): "
-                    "start tensorshmd with --shm-group GROUP and run Triton in that group, or run "
-                    "Triton as the daemon's uid"
-                )
-            raise FailedPreconditionError(
-                f"{what}: Triton refused to register region {region!r}: {e}.{hint}"
-            ) from e
+            if "already" not in str(e).lower():
+                raise self._refused(region, place, what, e) from e
+            # Left by a feeder of this daemon that did not close, or registered by a call whose
+            # answer was lost: the same segment under the same name. Made again, so that it maps
+            # the object the name holds now.
+            self._unregister(region, cuda=place["device"] == "cuda")
+            try:
+                self._register_once(region, place, what)
+            except InferenceServerException as again:
+                raise self._refused(region, place, what, again) from again
+        if place["device"] == "cuda":
+            self._cuda_regions.add(region)
 
-    def _unregister(self, region: str) -> None:
+    def _register_once(self, region: str, place: dict[str, Any], what: str) -> None:
+        if place["device"] == "cuda":
+            device = self._cuda_device_ids.get(place["device_id"], place["device_id"])
+            self._triton.register_cuda_shared_memory(
+                region,
+                base64.b64encode(place["ipc_handle"]),
+                device,
+                place["segment_size"],
+                headers=self._headers,
+            )
+            return
+        if not place["shm_name"]:
+            raise FailedPreconditionError(
+                f"{what}: its segment {place['segment_id']} is an anonymous memfd, and Triton "
+                "opens shared memory by name. tensorshmd makes named segments only for its own "
+                "uid's buffers, and none with --segments memfd: publish (and create outputs) as "
+                "the daemon's uid, with tensorshmd on --segments shm"
+            )
+        # Offset 0 and the whole segment: Triton 2.51 adds a region's own offset twice.
+        self._triton.register_system_shared_memory(
+            region, place["shm_name"], place["segment_size"], offset=0, headers=self._headers
+        )
+
+    @staticmethod
+    def _refused(region: str, place: dict[str, Any], what: str, e: Exception) -> Exception:
+        hint = ""
+        if place["device"] == "cpu" and "unable to open" in str(e).lower():
+            hint = (
+                f" Triton opens {place['shm_name']} by name, read-write (even for inputs): start "
+                "tensorshmd with --shm-group GROUP and run Triton in that group, or run Triton as "
+                "the daemon's uid"
+            )
+        return FailedPreconditionError(
+            f"{what}: Triton refused to register region {region!r}: {e}.{hint}"
+        )
+
+    def _unregister(self, region: str, cuda: bool | None = None) -> str | None:
+        """Unregisters `region` (a CUDA one if `cuda`; by default, if registered as one).
+        Returns Triton's refusal, or None: done, or the server is gone (and holds no regions)."""
         from tritonclient.utils import InferenceServerException
 
+        if cuda is None:
+            cuda = region in self._cuda_regions
+        self._cuda_regions.discard(region)
         try:
-            if region in self._cuda_regions:
-                self._cuda_regions.discard(region)
+            if cuda:
                 self._triton.unregister_cuda_shared_memory(region, headers=self._headers)
             else:
                 self._triton.unregister_system_shared_memory(region, headers=self._headers)
-        except (InferenceServerException, OSError):
-            pass  # a server that restarted or went away holds no regions of ours
+        except OSError:
+            pass  # HTTP: the server went away
+        except InferenceServerException as e:
+            if "UNAVAILABLE" not in str(e.status()):  # gRPC's word for a server that is gone
+                return str(e)
+        return None
 
     def _contiguous_copy(self, tensor: Tensor) -> WritableTensor:
         if tensor.device != "cpu":

@@ -68,6 +68,11 @@ def feed_affine(feed: TritonFeeder, triton_client, client, x_name: str, y_name: 
         return float(result.as_numpy("s")[0])
 
 
+def region_key(place: dict) -> tuple:
+    """A tensor's key in TritonFeeder.regions."""
+    return (place["device"], place["device_id"], place["segment_instance"], place["segment_id"])
+
+
 def registered(triton_client) -> dict[str, tuple[str, int]]:
     """Triton's system regions: name -> (key, byte_size), from either protocol's status call."""
     status = triton_client.get_system_shared_memory_status()
@@ -87,7 +92,8 @@ def test_producer_to_triton_to_consumer_every_byte(daemon, triton_client):
         with client.get("x") as x:
             place = x._segment_place()
         assert len(feed.regions) == 1
-        region = feed.regions[(place["segment_instance"], place["segment_id"])]
+        region = feed.regions[region_key(place)]
+        assert region == f"tensorshm.{place['segment_instance']:016x}.cpu.{place['segment_id']}"
         assert registered(triton_client)[region] == (place["shm_name"], place["segment_size"])
     assert region not in registered(triton_client)  # close() unregistered it
 
@@ -142,6 +148,8 @@ def test_daemon_restarts_between_inferences_regions_are_made_again(triton_client
         feed_affine(feed, triton_client, client, "x", "y")
         consume(daemon, "y", seed=1)
         before = dict(feed.regions)
+        old_x = client.get("x")  # held across the restart, as is an unpublished buffer
+        old_y = client.create((16,), "float32")
         # A clean stop removes the segments; the new daemon makes new objects under the same
         # names. The old regions map the old memory, so they must go before the new register
         # (Triton 2.51 also refuses a second region on a key while one is registered).
@@ -150,6 +158,13 @@ def test_daemon_restarts_between_inferences_regions_are_made_again(triton_client
         produce(daemon, "x", seed=2)
         feed_affine(feed, triton_client, client, "x", "y")  # rides the reconnect
         consume(daemon, "y", seed=2)
+        # Their names are new objects' now: Triton must not be pointed at them.
+        with pytest.raises((tensorshm.DataLossError, tensorshm.FailedPreconditionError)):
+            feed.input("x", old_x)
+        with pytest.raises(tensorshm.FailedPreconditionError, match="restarted without it"):
+            feed.output("y", old_y)
+        old_x.release()
+        old_y.release()
         after = dict(feed.regions)
         assert set(before.values()).isdisjoint(after.values()), (before, after)
         assert set(before.values()).isdisjoint(registered(triton_client))
@@ -161,7 +176,7 @@ def test_daemon_restarts_between_inferences_regions_are_made_again(triton_client
         produce(daemon, "x", seed=5)
         feed_affine(feed, triton_client, client, "x", "y")
         consume(daemon, "y", seed=5)
-        assert set(feed.regions.values()) <= set(registered(triton_client))
+        assert set(feed.regions.values()) == set(registered(triton_client))
     assert daemon.stop() == 0
 
 
@@ -189,7 +204,7 @@ def test_a_segment_triton_cannot_open_is_refused_with_the_fix(daemon, triton_cli
             os.rename(f"/dev/shm{place['shm_name']}", hidden)
             try:
                 with pytest.raises(tensorshm.FailedPreconditionError,
-                                   match=r"refused to register.*--shm-group"):
+                                   match=r"Unable to open shared memory region.*--shm-group"):
                     feed.input("x", x)
             finally:
                 os.rename(hidden, f"/dev/shm{place['shm_name']}")

@@ -27,7 +27,7 @@ GROUP = 4242
 @pytest.fixture(scope="module")
 def other_uid_triton():
     if os.geteuid() != 0:
-        pytest.skip("not root: cannot run Triton as another uid")
+        pytest.skip("needs root to run Triton as another uid")
     work = pathlib.Path(tempfile.mkdtemp(prefix="tsm-triton-uid-"))
     os.chmod(work, 0o755)  # the server's uid reads the models and its backend directory
     server = TritonServer(triton_venv(), write_models(work / "models"), work,

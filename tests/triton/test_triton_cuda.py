@@ -62,6 +62,12 @@ class RecordingTriton(httpclient.InferenceServerClient):
     def unregister_cuda_shared_memory(self, name="", headers=None):
         self.calls.append(("unregister", name))
 
+    def register_system_shared_memory(self, name, key, byte_size, offset=0, headers=None):
+        self.calls.append(("register_system", name, key, byte_size, offset))
+
+    def unregister_system_shared_memory(self, name="", headers=None):
+        self.calls.append(("unregister_system", name))
+
 
 def shm_parameters(tensor) -> tuple[str, int, int]:
     """The (region, byte size, offset) a tritonclient HTTP input or output sends (an offset of
@@ -91,7 +97,8 @@ def test_cuda_input_registers_the_segment_handle_and_reaches_the_bytes(daemon):
             assert len(place["ipc_handle"]) == 64
             infer_input = feed.input("x", x)
             feed.input("x2", x)  # the same segment: registered once
-            region = feed.regions[(place["segment_instance"], place["segment_id"])]
+            region = feed.regions[("cuda", 1, place["segment_instance"], place["segment_id"])]
+            assert region.endswith(f".cuda1.{place['segment_id']}")
             assert triton.calls == [("register", region, base64.b64encode(place["ipc_handle"]),
                                      0, place["segment_size"])]
             assert shm_parameters(infer_input) == (region, data.nbytes, place["offset"])
@@ -113,9 +120,26 @@ def test_cuda_output_is_a_region_of_the_writable_buffers_segment(daemon):
         with TritonFeeder(triton, client) as feed:
             requested = feed.output("y", y)
             place = y._segment_place()
-            region = feed.regions[(place["segment_instance"], place["segment_id"])]
+            region = feed.regions[("cuda", 0, place["segment_instance"], place["segment_id"])]
             assert triton.calls[0][3] == 0  # this process's ordinal, unmapped
             assert shm_parameters(requested) == (region, 64 * 4 * 4, place["offset"])
             with pytest.raises(tensorshm.InvalidArgumentError, match="copy=True copies host"):
                 w = client.create((8,), "float32", strides=(2,), device="cuda:0")
                 feed.input("w", w, copy=True)
+
+
+def test_a_host_and_a_cuda_segment_of_the_same_numbers_are_two_regions(daemon):
+    """Host and CUDA segments are numbered apart, under the same daemon instance: (instance, id)
+    alone would hand a CUDA tensor the host segment's region."""
+    with tensorshm.connect(daemon.socket) as client:
+        client.put("h", np.ones(16, np.float32), replace=True)
+        w = client.create((16,), "float32", device="cuda:1")
+        triton = RecordingTriton()
+        with client.get("h") as h, TritonFeeder(triton, client) as feed:
+            feed.input("h", h)
+            feed.output("w", w)
+            hp, wp = h._segment_place(), w._segment_place()
+            assert (hp["segment_instance"], hp["segment_id"]) == (
+                wp["segment_instance"], wp["segment_id"])  # the case this test is about
+            assert [call[0] for call in triton.calls] == ["register_system", "register"]
+            assert len(set(feed.regions.values())) == 2

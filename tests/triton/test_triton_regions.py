@@ -42,13 +42,13 @@ def test_a_name_lent_to_a_new_segment_replaces_its_old_region():
     feed.input("x", tensor_at(1, 3, "/p.cpu.3", 4096))  # type: ignore[arg-type]
     feed.input("x", tensor_at(1, 4, "/p.cpu.4", 0))  # type: ignore[arg-type]
     feed.input("x", tensor_at(2, 3, "/p.cpu.3", 0))  # type: ignore[arg-type]
-    old, other, new = (f"tensorshm.{i:016x}.{s}" for i, s in ((1, 3), (1, 4), (2, 3)))
+    old, other, new = (f"tensorshm.{i:016x}.cpu.{s}" for i, s in ((1, 3), (1, 4), (2, 3)))
     assert triton.calls == [
         ("register", old, "/p.cpu.3", 1 << 20, 0),
         ("register", other, "/p.cpu.4", 1 << 20, 0),
         ("unregister", old),
         ("register", new, "/p.cpu.3", 1 << 20, 0),
     ]
-    assert feed.regions == {(1, 4): other, (2, 3): new}
+    assert feed.regions == {("cpu", 0, 1, 4): other, ("cpu", 0, 2, 3): new}
     feed.close()
     assert sorted(triton.calls[4:]) == sorted([("unregister", new), ("unregister", other)])
