@@ -198,8 +198,12 @@ class TritonFeeder:
     def __enter__(self) -> TritonFeeder:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            self.close()
+        except FailedPreconditionError:
+            if exc_type is None:
+                raise  # else the block's own exception is the one to see
 
     def _place(self, tensor: Tensor, what: str) -> tuple[str, int, int]:
         """(region, offset, nbytes) of `tensor`, its segment registered if it was not."""
