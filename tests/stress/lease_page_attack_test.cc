@@ -1,9 +1,9 @@
 // Lease pages written by a hostile client of an admitted uid (65534, --allow-uid), as issue 22
 // found them: full pages of distinct ids no longer make the owner's Stat and List scan every slot
-// of every page (Stat p50 under 2 ms, a List of 200 under 50 ms, the issue's bounds, in the best of
-// three rounds); a page
-// holding ids it could not acquire pins nothing, and what a uid's pages count stays within
-// --uid-leases; a client's real fast path lease still keeps a deleted tensor's memory.
+// of every page (Stat p50 under 2 ms, a List of 200 under 50 ms, the issue's bounds, in the best
+// of three rounds); a page holding ids it could not acquire pins nothing, and what a uid's pages
+// count stays within --uid-leases; a client's real fast path lease still keeps a deleted tensor's
+// memory.
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
