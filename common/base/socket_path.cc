@@ -18,4 +18,14 @@ std::string DefaultSocketPath() {
   return absl::StrCat("/tmp/tensorshm-", getuid(), "/tensorshm.sock");
 }
 
+std::string DefaultSocketSource() {
+  auto set = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value != nullptr && *value != '\0';
+  };
+  if (set("TENSORSHM_SOCKET")) return "$TENSORSHM_SOCKET";
+  if (set("XDG_RUNTIME_DIR")) return "$XDG_RUNTIME_DIR/tensorshm.sock ($TENSORSHM_SOCKET unset)";
+  return "/tmp/tensorshm-$UID ($TENSORSHM_SOCKET and $XDG_RUNTIME_DIR unset)";
+}
+
 }  // namespace tensorshm

@@ -37,7 +37,8 @@ struct ClientOptions {
   // it makes (SO_PEERCRED): by default it must be this process's effective uid or root, since a
   // daemon of another user reads and can change every tensor passed through it, and another user
   // could have taken over the socket's path. A daemon run as another user on purpose (a shared
-  // service account) is accepted when its uid is named here. A refused server is
+  // service account) is accepted when its uid is named here, or, when unset here, in
+  // $TENSORSHM_SERVER_UID (a value that is not a uid is INVALID_ARGUMENT). A refused server is
   // PERMISSION_DENIED naming the socket, the server's uid and pid and this option.
   std::optional<uint32_t> server_uid = std::nullopt;
 };

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import _lifecycle  # noqa: F401 - installs the exit and fork hooks
 from ._client import Client, connect
+from ._daemon import Daemon
 from ._errors import (
     AlreadyExistsError,
     CancelledError,
@@ -40,6 +41,7 @@ __all__ = [
     "CancelledError",
     "Client",
     "ClosedError",
+    "Daemon",
     "DataLossError",
     "Error",
     "FailedPreconditionError",
@@ -61,3 +63,4 @@ __version__: str = _tensorshm.__version__
 # Defined in private modules; shown (repr, help, tracebacks) as the package's own.
 Client.__module__ = __name__
 connect.__module__ = __name__
+Daemon.__module__ = __name__

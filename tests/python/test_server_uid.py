@@ -81,3 +81,19 @@ def test_server_uid_must_be_a_uid(nobody_daemon):
     socket, _ = nobody_daemon
     with pytest.raises(ValueError, match="server_uid = -1"):
         tensorshm.connect(socket, server_uid=-1)
+
+
+def test_server_uid_from_the_environment(nobody_daemon, monkeypatch):
+    """$TENSORSHM_SERVER_UID names the uid when connect() does not (the sidecar manifests' way);
+    a value that is not a uid is refused naming the variable."""
+    socket, _ = nobody_daemon
+    monkeypatch.setenv("TENSORSHM_SERVER_UID", str(NOBODY))
+    with tensorshm.connect(socket, client_name="from-env") as client:
+        client.put("env", np.arange(4, dtype=np.int32))
+        np.testing.assert_array_equal(np.from_dlpack(client.get("env")), np.arange(4))
+    monkeypatch.setenv("TENSORSHM_SERVER_UID", "nobody")
+    with pytest.raises(tensorshm.InvalidArgumentError, match=r'\$TENSORSHM_SERVER_UID = "nobody"'):
+        tensorshm.connect(socket, client_name="bad-env")
+    monkeypatch.setenv("TENSORSHM_SERVER_UID", "0")  # root only: uid 65534 refused again
+    with pytest.raises(tensorshm.PermissionError):
+        tensorshm.connect(socket, client_name="root-env")
