@@ -1,9 +1,12 @@
 // A program outside the tree: `produce SOCKET NAME` publishes 1000 doubles, `consume SOCKET NAME`
-// acquires them; each prints the sum of the values it saw.
+// acquires them; each prints the sum of the values it saw. Built by CMake with no standard set
+// (tensorshm::client asks for C++20) and by hand with -std=c++20 and pkg-config.
 #include <tensorshm/client.h>
 
 #include <cstdio>
 #include <cstring>
+
+static_assert(__cplusplus >= 202002L, "tensorshm::client passes C++20 on to its users");
 
 int main(int argc, char** argv) {
   if (argc != 4) return 2;
