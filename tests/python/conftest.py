@@ -7,6 +7,7 @@ import inspect
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -138,6 +139,24 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def sigstop(pid: int) -> None:
+    """Stops process `pid` (SIGSTOP) and waits until every one of its threads is stopped: kill()
+    returns before they all are, and a thread still running may yet answer a call."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+            try:
+                state = task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, IndexError):
+                continue  # a thread that ended meanwhile
+            if state not in ("T", "t"):
+                return False
+        return True
+
+    assert wait_for(stopped, timeout=10), f"process {pid} did not stop within 10 s"
 
 
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

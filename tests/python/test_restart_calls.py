@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tensorshm
-from conftest import Daemon, wait_for
+from conftest import Daemon, sigstop, wait_for
 
 
 # Tensors outlive the daemon: recovered after a SIGKILL, kept after a clean stop.
@@ -85,7 +85,7 @@ def test_publish_in_flight_at_the_kill_says_its_fate_is_unknown():
         client.put("fate/warm", np.zeros(1024, np.float32)).release()
         w = client.create((1024,), "float32")
         np.from_dlpack(w)[:] = 1.0
-        daemon.process.send_signal(signal.SIGSTOP)  # the publish is sent and waits for a reply
+        sigstop(daemon.process.pid)  # the publish is sent and waits for a reply
         box: dict = {}
         calling = threading.Event()
 
@@ -119,7 +119,7 @@ def test_publish_in_flight_at_the_kill_says_its_fate_is_unknown():
 def test_connect_to_a_stopped_daemon_fails_by_its_timeout():
     daemon = Daemon("stopped")
     try:
-        daemon.process.send_signal(signal.SIGSTOP)
+        sigstop(daemon.process.pid)
         start = time.monotonic()
         with pytest.raises(tensorshm.ConnectionError) as info:
             tensorshm.connect(daemon.socket, timeout=1)
@@ -156,7 +156,7 @@ except KeyboardInterrupt:
 def test_ctrl_c_interrupts_a_connect():
     daemon = Daemon("ctrlc")
     try:
-        daemon.process.send_signal(signal.SIGSTOP)
+        sigstop(daemon.process.pid)
         child = subprocess.Popen([sys.executable, "-c", CONNECT_STOPPED, daemon.socket],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "connecting"
