@@ -71,8 +71,7 @@ SegmentPlace PlaceFrom(const v1::Location& location, const char* address) {
   place.offset = location.offset();
   place.length = location.length() == 0 ? 0 : location.segment_size() - location.offset();
   place.address = address;
-  if (location.has_host()) place.shm_name = location.host().shm_name();
-  if (location.has_cuda()) place.cuda_ipc_handle = location.cuda().ipc_handle();
+  place.cuda_ipc_handle = location.cuda().ipc_handle();
   return place;
 }
 

@@ -62,7 +62,8 @@ inline DLManagedTensor* HandOutLegacy(std::unique_ptr<Lease> lease) {
   return &raw->legacy;
 }
 
-// The place `location` names, the buffer being at `address` in this process.
+// The place a CUDA `location` names, the buffer being at `address` in this process (host places
+// come from the segment's mapping: HostPlace).
 SegmentPlace PlaceFrom(const v1::Location& location, const char* address);
 
 // The place of a host buffer at `buffer` in this process's mapping (at `segment`, `segment_size`
