@@ -37,8 +37,9 @@ CtlRun RunCtl(const std::string& dir, const std::vector<std::string>& args,
               const std::vector<std::string>& env, int as_uid) {
   static int runs = 0;
   ++runs;
-  const std::string out_path = absl::StrCat(dir, "/ctl-", runs, ".out");
-  const std::string err_path = absl::StrCat(dir, "/ctl-", runs, ".err");
+  // The pid too: tests of other processes (ctest -j) run in the same directory (TempDir()).
+  const std::string out_path = absl::StrCat(dir, "/ctl-", getpid(), "-", runs, ".out");
+  const std::string err_path = absl::StrCat(dir, "/ctl-", getpid(), "-", runs, ".err");
   std::vector<std::string> argv;
   if (as_uid >= 0) {
     argv = {"/usr/bin/setpriv",     "--reuid",       std::to_string(as_uid), "--regid",
