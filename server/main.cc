@@ -25,6 +25,11 @@ int Run(int argc, char** argv) {
     std::cout << Usage();
     return 0;
   }
+  if (options->version) {
+    // The one version of tensorshm: CMake's project VERSION, also the Python package's.
+    std::cout << "tensorshmd " << TENSORSHM_VERSION << "\n";
+    return 0;
+  }
   SetLogLevel(options->log_level);
   if (!options->config_file.empty()) {
     TSM_LOG(kInfo) << "flags from " << options->config_file << ", and the command line over them";

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from ._client import Client, connect
+from ._commands import installed_program
 from ._errors import FailedPreconditionError, TimeoutError
 
 # Every Daemon's shm prefix: tsmd-<pid of the Python process>-<random>; its directory:
@@ -25,7 +26,7 @@ def _find_tensorshmd(explicit: str | None) -> str:
     """The tensorshmd to run: `explicit`, $TENSORSHMD, the one installed with this package (the
     wheel's), or the first on PATH."""
     candidates = [explicit, os.environ.get("TENSORSHMD"),
-                  str(pathlib.Path(__file__).resolve().parent / "_bin" / "tensorshmd"),
+                  str(installed_program("tensorshmd")),
                   shutil.which("tensorshmd")]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):

@@ -93,6 +93,7 @@ struct CommandLine {
   std::vector<Binding> flags{DaemonFlags().size()};
   std::string config;
   bool help = false;
+  bool version = false;
 };
 
 constexpr size_t kHelpColumn = 26;
@@ -139,6 +140,7 @@ std::unique_ptr<CLI::App> BuildApp(CommandLine* line) {
                   "flags given on the command line override the file's")
       ->type_name("FILE");
   app->add_flag("-h,--help", line->help, "this text");
+  app->add_flag("--version", line->version, "print tensorshmd's version and exit");
   app->footer(
       "Sizes need a unit: B (bytes), K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of\n"
       "1024), e.g. 64Mi, 4Gi, 4096B; a bare number (0 aside) is refused.\n"
@@ -261,8 +263,8 @@ absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOp
 }
 
 // The command line's flags, by name; INVALID_ARGUMENT naming the argument CLI11 refused.
-absl::StatusOr<FlagValues> ParseCommandLine(int argc, char** argv, std::string* config,
-                                            bool* help) {
+absl::StatusOr<FlagValues> ParseCommandLine(int argc, char** argv, std::string* config, bool* help,
+                                            bool* version) {
   CommandLine line;
   std::unique_ptr<CLI::App> app = BuildApp(&line);
   try {
@@ -291,6 +293,7 @@ absl::StatusOr<FlagValues> ParseCommandLine(int argc, char** argv, std::string* 
   }
   *config = line.config;
   *help = line.help;
+  *version = line.version;
   return values;
 }
 
@@ -305,9 +308,10 @@ absl::StatusOr<DaemonOptions> ParseOptions(int argc, char** argv) {
   DaemonOptions options;
   options.socket = DefaultSocketPath();
   std::string config;
-  absl::StatusOr<FlagValues> command_line = ParseCommandLine(argc, argv, &config, &options.help);
+  absl::StatusOr<FlagValues> command_line =
+      ParseCommandLine(argc, argv, &config, &options.help, &options.version);
   if (!command_line.ok()) return command_line.status();
-  if (options.help) return options;
+  if (options.help || options.version) return options;
   // The file's flags first, then the command line's over them (a repeatable flag given on the
   // command line replaces the file's list).
   FlagValues values;

@@ -50,6 +50,7 @@ struct DaemonOptions {
   std::string metrics;                     // --metrics HOST:PORT (ParseMetricsAddress); empty: off
   EvictPolicy evict = EvictPolicy::kNone;  // --evict none|lru
   bool help = false;
+  bool version = false;     // --version: print it and exit
   std::string config_file;  // --config; empty: none
   // --uid-sessions, --uid-leases, --uid-waiters, --uid-quota, --uid-tensors (its default set by
   // ParseOptions: FairTensorShare); 0 in a field: no limit

@@ -357,5 +357,12 @@ TEST(CtlUsageTest, UnknownSubcommandMissingNameAndBadOptionsExitTwo) {
   EXPECT_TRUE(absl::StrContains(help.out, "docs/tensorshmctl.md")) << help.out;
 }
 
+// No subcommand needed: the one version of tensorshm (CMake's project VERSION).
+TEST(CtlUsageTest, VersionNeedsNoSubcommand) {
+  CtlRun version = RunCtl(::testing::TempDir(), {"--version"});
+  EXPECT_EQ(version.exit_code, 0) << version.err;
+  EXPECT_EQ(version.out, absl::StrCat("tensorshmctl ", TENSORSHM_VERSION, "\n"));
+}
+
 }  // namespace
 }  // namespace tensorshm::testing

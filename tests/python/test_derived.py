@@ -4,6 +4,7 @@ installed extension now, and the version is CMake's."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import pathlib
 import re
 import subprocess
@@ -25,3 +26,8 @@ def test_version_is_the_one_cmake_sets():
     version = re.search(r"project\(tensorshm VERSION ([0-9.]+)", cmake).group(1)
     assert tensorshm.__version__ == version
     assert importlib.metadata.version("tensorshm") == version
+    # The programs say the same: the wheel carries them under this metadata version.
+    for program in ("tensorshmd", "tensorshmctl"):
+        path = pathlib.Path(os.environ["TENSORSHMD"]).with_name(program)
+        said = subprocess.run([str(path), "--version"], capture_output=True, text=True, check=True)
+        assert said.stdout == f"{program} {version}\n"

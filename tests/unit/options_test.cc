@@ -53,6 +53,17 @@ TEST(ParseSizeTest, EverySizeFlagRefusesANumberWithoutUnit) {
   EXPECT_TRUE(absl::StrContains(options.status().message(), "needs a unit")) << options.status();
 }
 
+// --version answers alone: the other flags are not checked (a bad one does not stop it).
+TEST(ParseOptionsTest, VersionIsReportedWithoutCheckingTheRest) {
+  const char* argv[] = {"tensorshmd", "--host-pool", "2Gi", "--version"};
+  absl::StatusOr<DaemonOptions> options = ParseOptions(4, const_cast<char**>(argv));
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_TRUE(options->version);
+  EXPECT_FALSE(options->help);
+  const char* plain[] = {"tensorshmd"};
+  EXPECT_FALSE(ParseOptions(1, const_cast<char**>(plain))->version);
+}
+
 TEST(ParseOptionsTest, DefaultsAndFlags) {
   const char* argv[] = {"tensorshmd",      "--socket", "/tmp/x.sock", "--host-pool=2Gi",
                         "--shm-prefix",    "abc",      "--log-level", "debug",

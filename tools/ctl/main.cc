@@ -207,6 +207,8 @@ int Main(int argc, char** argv) {
   app.footer(
       "Exit status: 0 done; 1 the daemon refused, could not be reached, or (health) is not "
       "serving, with a one-line reason on stderr; 2 bad usage.");
+  app.set_version_flag("--version", "tensorshmctl " TENSORSHM_VERSION,
+                       "Print tensorshmctl's version and exit");
   app.require_subcommand(1);
   app.fallthrough();  // global options may follow the subcommand: tensorshmctl ls -o json
 
