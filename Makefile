@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel test-packages install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel deb test-packages install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -257,6 +257,15 @@ test-packages: wheel deb
 
 install: build
 	cmake --install $(BUILD_DIR) --prefix $(PREFIX)
+
+# The Debian package dist/tensorshm_<version>_amd64.deb (cmake/packaging.cmake says what is in it
+# and why it has a build tree of its own): built in build-deb/, Release, for the prefix /usr,
+# without tests and benchmarks. Install it with `apt-get install ./dist/tensorshm_*.deb`.
+deb: setup
+	@cmake -S . -B build-deb -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/usr \
+	  -DTENSORSHM_BUILD_TESTS=OFF -DTENSORSHM_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake --build build-deb -j$(JOBS)
+	cd build-deb && cpack -G DEB
 
 format:
 	clang-format -i $$(git ls-files '*.cc' '*.h' '*.c')
