@@ -15,7 +15,7 @@ apt-get install -y -qq "$pkg"/tensorshm_*_amd64.deb gcc libc6-dev pkg-config >/t
 say "apt-get install ./$(basename "$pkg"/tensorshm_*_amd64.deb) pulled: $(
   sed -n 's/^Unpacking \([^ :]*\).*/\1/p' /tmp/apt.log | grep -E 'grpc|protobuf|absl|spdlog|fmt' |
     sort | tr '\n' ' ')"
-dpkg-query -W -f='${Version}\n' tensorshm
+say "installed tensorshm $(dpkg-query -W -f='${Version}' tensorshm)"
 if ldd /usr/bin/tensorshmd /usr/bin/tensorshmctl | grep 'not found'; then
   echo "deb: the programs miss the libraries above: a dependency is not declared" >&2
   exit 1
