@@ -112,7 +112,7 @@ class Container:
         subprocess.run(BUILDAH + ["rm", self.name], capture_output=True)
 
 
-def descendants(pid):
+def children_by_parent():
     children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -122,12 +122,7 @@ def descendants(pid):
             except OSError:
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    found, queue = [], [pid]
-    while queue:
-        for child in children.get(queue.pop(), []):
-            found.append(child)
-            queue.append(child)
-    return found
+    return children
 
 
 def program_of(pid):
@@ -138,11 +133,23 @@ def program_of(pid):
         return None
 
 
+def container_processes(buildah_pid):
+    """The processes a `buildah run` started in its container, the container's first process
+    first: the children of buildah's buildah-chroot-exec helper, and theirs."""
+    children = children_by_parent()
+    found, queue = [], [buildah_pid]
+    while queue:
+        pid = queue.pop(0)
+        if program_of(pid) == "buildah-chroot-exec":
+            found += children.get(pid, [])
+        queue += children.get(pid, [])
+    return found
+
+
 class Daemon:
     """A container's long-running process under `buildah run`, its output in a log file."""
 
     def __init__(self, container, argv, log_path, **options):
-        self.program = argv[0]
         self.log_path = log_path
         self.log = open(log_path, "w")
         step(f"start (uid {options.get('user', (0, 0))[0]}): {shlex.join(argv)}")
@@ -161,8 +168,7 @@ class Daemon:
                 step("daemon: " + next(l for l in self.output().splitlines() if "serving on" in l))
                 # The container's process (buildah runs it in the host's pid namespace): what
                 # STOPSIGNAL goes to; buildah itself does not pass signals on.
-                self.pid = next(p for p in descendants(self.process.pid)
-                                if program_of(p) == self.program)
+                self.pid = container_processes(self.process.pid)[0]
                 return
             if self.process.poll() is not None:
                 break
@@ -179,13 +185,19 @@ class Daemon:
         return rc
 
     def kill(self):
-        for pid in [self.pid] if self.pid else descendants(self.process.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.kill()
-        self.process.wait()
+        """SIGKILL to the container's processes, until buildah run exits (cleaning up after
+        itself: killed first, it would leave them running)."""
+        deadline = time.monotonic() + 10
+        while self.process.poll() is None and time.monotonic() < deadline:
+            for pid in container_processes(self.process.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
         if not self.log.closed:
             self.log.close()
         step("daemon output:\n" + self.output())

@@ -162,13 +162,16 @@ class Pod:
         """The container gets what its securityContext says (checked, since buildah applies it)."""
         options = self.options(container)
         rc, status = self.run(container, ["cat", "/proc/self/status"])
+        if rc != 0:
+            raise TestFailure(f"container {container['name']}: cat /proc/self/status exited "
+                              f"{rc}: {status}")
         fields = dict(l.split(":\t", 1) for l in status.splitlines() if ":\t" in l)
         uid = int(fields["Uid"].split()[0])
         expected = 0
         if uid == 0:
             kept = options["caps"] if options["caps"] is not None else CAP_BITS
             expected = sum(1 << CAP_BITS[c] for c in kept)
-        check(rc == 0 and (uid, int(fields["Gid"].split()[0])) == options["user"]
+        check((uid, int(fields["Gid"].split()[0])) == options["user"]
               and int(fields["CapEff"], 16) == expected
               and fields["NoNewPrivs"].strip() == ("1" if options["no_new_privs"] else "0"),
               f"container {container['name']}: uid {uid}, CapEff {fields['CapEff'].strip()}, "
