@@ -13,7 +13,9 @@
 # Idempotent: an image already in the store is kept, and the debootstrap tarball is cached as
 # $TSM_CONTAINER_CACHE/bookworm-minbase.tar, so a rerun downloads nothing. Installs buildah and
 # debootstrap when missing. Fetches from the Debian archive the host's apt uses
-# (TSM_DEBIAN_MIRROR overrides). Needs root. Exits non-zero, saying why, on any failure.
+# (TSM_DEBIAN_MIRROR overrides). Needs root. Exits non-zero, saying why, on any failure. To make
+# them again (another mirror, new host CA certificates):
+#   $BUILDAH rmi localhost/debian:bookworm localhost/debian:bookworm-slim
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source tests/container/buildah-storage.sh
