@@ -6,14 +6,18 @@
 #   docker run --rm -v tensorshm-sock:/run/tensorshm --user 10001 --entrypoint tensorshmctl \
 #     tensorshm status
 #
-# No Docker engine runs on the project's machines: `make test-container` (tests/container/test-container.sh)
-# executes this file's steps for real in debootstrapped bookworm chroots and then runs the daemon
-# from the result. It understands the instructions used here (FROM, ARG, ENV, WORKDIR, RUN,
-# COPY [--from] [--chown], USER, VOLUME, ENTRYPOINT, CMD, HEALTHCHECK, STOPSIGNAL, LABEL): keep
-# to those.
+# `make test-container` (tests/container/test-container.sh) builds this file with buildah
+# (`buildah bud`) from base images made locally with debootstrap, then runs the image's daemon,
+# HEALTHCHECK and a client, and the Kubernetes manifests' containers. DEBIAN_IMAGE and
+# DEBIAN_SLIM_IMAGE name the base images (Docker Hub's by default; the test passes its own):
+#
+#   buildah bud --format docker --build-arg DEBIAN_IMAGE=localhost/debian:bookworm \
+#     --build-arg DEBIAN_SLIM_IMAGE=localhost/debian:bookworm-slim -t tensorshm .
+ARG DEBIAN_IMAGE=debian:bookworm
+ARG DEBIAN_SLIM_IMAGE=debian:bookworm-slim
 
 # ---- Build stage ----
-FROM debian:bookworm AS build
+FROM ${DEBIAN_IMAGE} AS build
 ARG DEBIAN_FRONTEND=noninteractive
 # The -dev packages of scripts/setup.sh, less the test-only ones (GoogleTest, clang, spin).
 RUN apt-get update \
@@ -49,7 +53,7 @@ RUN cmake -S /src -B /build -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/u
  && cat /staging/runtime-packages.txt
 
 # ---- Runtime stage ----
-FROM debian:bookworm-slim AS runtime
+FROM ${DEBIAN_SLIM_IMAGE} AS runtime
 ARG DEBIAN_FRONTEND=noninteractive
 # Exactly the Debian packages holding the shared libraries the installed binaries link (found
 # with ldd in the build stage), so the list follows the code without being edited here.

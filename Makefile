@@ -175,10 +175,11 @@ fuzz: setup
 	  build-fuzz/channel-corpus build-fuzz/channel-seeds -max_total_time=$(FUZZ_SECONDS) \
 	  -max_len=8192 -print_final_stats=1
 
-# The Dockerfile built for real without a Docker engine (debootstrapped bookworm chroots; needs
-# root and the network), then the image's daemon, HEALTHCHECK and a client run in the result,
-# and the Kubernetes manifests' containers as the manifests say. Minutes, not part of `make test`
-# (see tests/container/test-container.sh); reruns use the cache in
+# The Dockerfile built with buildah (no Docker engine or registry: bookworm base images made
+# locally with debootstrap; needs root and the network), then the image's daemon, HEALTHCHECK and
+# a client run with buildah, and the Kubernetes manifests' containers as the manifests say.
+# Installs buildah, debootstrap and python3-yaml when missing. Minutes, not part of `make test`
+# (see tests/container/test-container.sh); reruns use the cache (buildah's store and layers) in
 # /var/cache/tensorshm-test-container.
 test-container:
 	bash tests/container/test-container.sh
