@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel deb test-packages install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel deb test-packages install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -110,6 +110,23 @@ test-gpu: build python ecosystem-packages
 	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/gpu.xml
 	$(PYTEST) -s tests/gpu --junitxml=$(RESULTS)/gpu.xml
 	$(CHECK_SKIPS) --label test-gpu $(RESULTS)/gpu.xml
+
+# tensorshm.transfer between two nodes' daemons (tests/multinode): two real tensorshmd stand for
+# two nodes, a mover process on each ships tensors over gRPC (control) and NIXL/UCX (bytes), with
+# a consumer process checking every byte, movers SIGKILLed mid-transfer and a daemon restart.
+# NIXL 1.5.1 (--no-deps: its `nixl` package pulls torch for type hints only), grpcio and protobuf
+# go into .venv when they do not import. CI runs it.
+NIXL_PACKAGES = nixl==1.5.1 nixl-cu12==1.5.1
+multinode-packages: python
+	@$(VENV_PY) -c 'import nixl, grpc, google.protobuf' 2>/dev/null || { \
+	  echo "multinode-packages: installing NIXL, grpcio and protobuf into .venv"; \
+	  $(VENV_PY) -m pip install -q -r scripts/requirements-multinode.txt && \
+	  $(VENV_PY) -m pip install -q --no-deps $(NIXL_PACKAGES); }
+
+test-multinode: build python multinode-packages
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/multinode.xml
+	UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN $(PYTEST) tests/multinode --junitxml=$(RESULTS)/multinode.xml
+	$(CHECK_SKIPS) --label test-multinode $(RESULTS)/multinode.xml
 
 # The C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer (CI runs this too).
 test-asan: setup
