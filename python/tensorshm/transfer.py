@@ -92,7 +92,7 @@ class _Agent:
         if place["device"] != "cpu":
             raise _errors.UnimplementedError(
                 f"device = \"{place['device']}:{place['device_id']}\": tensorshm.transfer moves "
-                "host tensors (NIXL's UCX here has no CUDA support to register VRAM)")
+                "host tensors only (registering device memory with NIXL as VRAM is not built)")
         base = place["address"] - place["offset"]
         key = (base, place["segment_size"])
         with self._lock:
@@ -270,7 +270,7 @@ class Mover:
         layout = req.layout
         if layout.device != "cpu":
             raise _errors.UnimplementedError(
-                f"layout.device = \"{layout.device}\": tensorshm.transfer moves host tensors")
+                f"layout.device = \"{layout.device}\": tensorshm.transfer moves host tensors only")
         tensor = self.client.create(list(layout.shape), layout.dtype,
                                     strides=list(layout.strides) or None, timeout=0)
         try:
@@ -364,7 +364,8 @@ class Mover:
         try:
             if layout.device != "cpu":
                 raise _errors.UnimplementedError(
-                    f"{name}: on {layout.device} at {peer}; tensorshm.transfer moves host tensors")
+                    f"{name}: on {layout.device} at {peer}; tensorshm.transfer moves host tensors "
+                    "only")
             tensor = self.client.create(list(layout.shape), layout.dtype,
                                         strides=list(layout.strides) or None,
                                         timeout=max(deadline - time.monotonic(), 0))
