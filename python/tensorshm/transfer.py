@@ -401,18 +401,23 @@ class Mover:
                 name=as_name or name, layout=_layout(self._m, tensor, place["nbytes"]),
                 hold_seconds=deadline - time.monotonic() + 5.0, replace=replace,
                 requester_agent=self.name), "PrepareReply", deadline)
-            commit = False
             try:
                 destination = self._agent.peer(prepared.destination.agent_name,
                                                prepared.destination.agent_metadata)
                 remote = self._agent.nixl.deserialize_descs(prepared.destination.descriptors)
                 self._agent.move("WRITE", local, remote, destination,
                                  prepared.transfer_id.encode(), deadline)
-                commit = True
-            finally:
-                finished = self._call(peer, "Finish", self._m["FinishRequest"](
-                    transfer_id=prepared.transfer_id, commit=commit), "FinishReply",
-                    max(deadline, time.monotonic() + 5.0) if commit else time.monotonic() + 5.0)
+            except BaseException:
+                try:  # the destination drops its buffer (or does when its hold time passes)
+                    self._call(peer, "Finish", self._m["FinishRequest"](
+                        transfer_id=prepared.transfer_id, commit=False), "FinishReply",
+                        time.monotonic() + 5.0)
+                except _errors.Error:
+                    pass
+                raise
+            finished = self._call(peer, "Finish", self._m["FinishRequest"](
+                transfer_id=prepared.transfer_id, commit=True), "FinishReply",
+                max(deadline, time.monotonic() + 5.0))
         return str(finished.published)
 
     def pull_prefix(self, peer: str, prefix: str, *, replace: bool = False,
