@@ -17,6 +17,10 @@ every name under a prefix. Every step has a deadline; whatever fails, neither si
 an unpublished buffer or a pending transfer (the source drops a lease the caller never finishes
 once its hold time passes).
 
+The control channel is gRPC, or any other when the peer is a :class:`Peer`: its calls then go
+through ``Peer.call`` into the other mover's :meth:`Mover.serve` (tensorshm.ray's movers, Ray
+actors, call each other that way). Only the small messages travel on it, never the bytes.
+
 Needs NIXL (``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1``: the ``nixl`` package pulls
 torch only for type hints) and grpcio; ``make test-multinode`` installs them.
 """
@@ -31,13 +35,32 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from . import _errors
 from ._client import Client, connect
 
 _SERVICE = "tensorshm.v1.Mover"
 _POLL_SECONDS = 0.0005
+
+
+# The Mover service's methods: name -> (handler, request message, reply message).
+_METHODS = {
+    "Offer": ("_offer", "OfferRequest", "OfferReply"),
+    "Prepare": ("_prepare", "PrepareRequest", "PrepareReply"),
+    "Finish": ("_finish", "FinishRequest", "FinishReply"),
+    "List": ("_list", "ListRequest", "ListReply"),
+}
+
+
+class Peer(Protocol):
+    """Another node's mover reached over a channel other than gRPC (``str(peer)`` names it in
+    errors). ``call`` sends one Mover service call, the request serialized, to that mover's
+    :meth:`Mover.serve` and returns the serialized reply; it raises the tensorshm error the peer
+    raised, TimeoutError when no answer comes within `timeout` seconds, and ConnectionError when
+    the peer cannot be reached."""
+
+    def call(self, method: str, request: bytes, timeout: float) -> bytes: ...
 
 
 def _messages() -> dict[str, Any]:
@@ -184,14 +207,15 @@ def _layout(messages: dict[str, Any], tensor: Any, nbytes: int) -> Any:
 
 class Mover:
     """A node's mover: ``Mover(socket)`` serves other nodes' movers on ``listen`` (host:port; port
-    0 picks one, see :attr:`address`) and ships tensors from and to them.
+    0 picks one, see :attr:`address`) and ships tensors from and to them. ``listen=None`` starts
+    no gRPC server (``address`` is None): peers then reach it through :meth:`serve` only.
 
     ``socket``: this node's tensorshmd (default: as ``tensorshm.connect()``), or pass ``client``.
     ``timeout``: the default bound of one ship, in seconds. ``hold_seconds``: how long this mover
     keeps a lease or buffer for a peer that neither finishes nor notifies (it died).
     """
 
-    def __init__(self, socket: str | None = None, *, listen: str = "127.0.0.1:0",
+    def __init__(self, socket: str | None = None, *, listen: str | None = "127.0.0.1:0",
                  client: Client | None = None, timeout: float = 60.0,
                  hold_seconds: float = 120.0, name: str | None = None) -> None:
         import grpc
@@ -211,15 +235,18 @@ class Mover:
         self._poller = threading.Thread(target=self._poll_holds, name="tensorshm-mover-poll",
                                         daemon=True)
         self._poller.start()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        self._server.add_generic_rpc_handlers((self._handlers(),))
-        host = listen.rsplit(":", 1)[0]
-        port = self._server.add_insecure_port(listen)
-        if port == 0:
-            raise _errors.InvalidArgumentError(f"listen = \"{listen}\": cannot listen there")
-        self.address = f"{host}:{port}"
-        self._server.start()
         self._channels: dict[str, Any] = {}
+        self._server = None
+        self.address: str | None = None
+        if listen is not None:
+            self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+            self._server.add_generic_rpc_handlers((self._handlers(),))
+            host = listen.rsplit(":", 1)[0]
+            port = self._server.add_insecure_port(listen)
+            if port == 0:
+                raise _errors.InvalidArgumentError(f"listen = \"{listen}\": cannot listen there")
+            self.address = f"{host}:{port}"
+            self._server.start()
 
     # ---- Serving peers ----
 
@@ -239,11 +266,20 @@ class Mover:
                 response_serializer=m[reply].SerializeToString)
 
         return grpc.method_handlers_generic_handler(_SERVICE, {
-            "Offer": unary(self._offer, "OfferRequest", "OfferReply"),
-            "Prepare": unary(self._prepare, "PrepareRequest", "PrepareReply"),
-            "Finish": unary(self._finish, "FinishRequest", "FinishReply"),
-            "List": unary(self._list, "ListRequest", "ListReply"),
-        })
+            method: unary(getattr(self, handler), request, reply)
+            for method, (handler, request, reply) in _METHODS.items()})
+
+    def serve(self, method: str, request: bytes) -> bytes:
+        """One Mover service call from a peer that reaches this mover through a :class:`Peer`
+        (not gRPC): `request` is the serialized request message of `method` ("Offer", "Prepare",
+        "Finish" or "List"); returns the serialized reply, or raises the tensorshm error that the
+        gRPC server would answer with. Thread-safe, as the gRPC handlers are."""
+        if method not in _METHODS:
+            raise _errors.UnimplementedError(
+                f"method = \"{method}\": the Mover service has {', '.join(_METHODS)}")
+        handler, request_type, _ = _METHODS[method]
+        reply = getattr(self, handler)(self._m[request_type].FromString(request))
+        return bytes(reply.SerializeToString())
 
     def _hold(self, hold: _Hold) -> str:
         transfer_id = secrets.token_hex(8)
@@ -336,7 +372,11 @@ class Mover:
 
     # ---- Shipping ----
 
-    def _call(self, peer: str, method: str, request: Any, reply: str, deadline: float) -> Any:
+    def _call(self, peer: str | Peer, method: str, request: Any, reply: str,
+              deadline: float) -> Any:
+        if not isinstance(peer, str):
+            return self._m[reply].FromString(peer.call(
+                method, request.SerializeToString(), max(deadline - time.monotonic(), 0.001)))
         grpc = self._grpc
         channel = self._channels.get(peer)
         if channel is None:
@@ -351,10 +391,11 @@ class Mover:
             raise _errors._BY_CODE.get(code, _errors.Error)(
                 f"{method} at mover {peer}: {e.details()}", code) from None
 
-    def pull(self, peer: str, name: str, as_name: str | None = None, *, replace: bool = False,
-             timeout: float | None = None) -> str:
-        """Ships `name` from the mover at `peer` (host:port) into this node's daemon, published
-        as `as_name` (default: the same name); returns the name published."""
+    def pull(self, peer: str | Peer, name: str, as_name: str | None = None, *,
+             replace: bool = False, timeout: float | None = None) -> str:
+        """Ships `name` from the mover at `peer` (host:port, or a :class:`Peer`) into this
+        node's daemon, published as `as_name` (default: the same name); returns the name
+        published."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         offer = self._call(peer, "Offer", self._m["OfferRequest"](
             name=name, hold_seconds=deadline - time.monotonic() + 5.0,
@@ -389,8 +430,8 @@ class Mover:
             except _errors.Error:
                 pass  # the source drops its lease when its hold time passes
 
-    def push(self, peer: str, name: str, as_name: str | None = None, *, replace: bool = False,
-             timeout: float | None = None) -> str:
+    def push(self, peer: str | Peer, name: str, as_name: str | None = None, *,
+             replace: bool = False, timeout: float | None = None) -> str:
         """Ships `name` from this node's daemon to the mover at `peer`, published there as
         `as_name` (default: the same name); returns the name published."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -420,7 +461,7 @@ class Mover:
                 max(deadline, time.monotonic() + 5.0))
         return str(finished.published)
 
-    def pull_prefix(self, peer: str, prefix: str, *, replace: bool = False,
+    def pull_prefix(self, peer: str | Peer, prefix: str, *, replace: bool = False,
                     timeout: float | None = None) -> list[str]:
         """Ships every name under `prefix` at `peer`; returns the names, in order."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -435,7 +476,8 @@ class Mover:
         """Stops serving, drops every hold, and closes the agent and (if its own) the client."""
         if self._closed:
             return
-        self._server.stop(grace=None)
+        if self._server is not None:
+            self._server.stop(grace=None)
         with self._holds_lock:
             self._closed = True
             holds = list(self._holds.values())

@@ -33,10 +33,10 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
 def pytest_configure(config) -> None:
-    for module in ("nixl", "grpc", "google.protobuf"):
+    for module in ("nixl", "grpc", "google.protobuf", "ray"):
         if importlib.util.find_spec(module) is None:
             pytest.exit(f"{module} does not import from {sys.executable}: make test-multinode "
-                        "installs NIXL and grpcio into .venv", 2)
+                        "installs NIXL, grpcio and Ray into .venv", 2)
 
 
 class Node:
