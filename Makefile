@@ -245,6 +245,18 @@ bench-ray: build python
 	  $${PYTHON:-python3} -m venv .venv-ray && .venv-ray/bin/pip install -q ray numpy; }
 	$(BENCH_PY) bench/py_handoff.py --ray-python $(CURDIR)/.venv-ray/bin/python $(PY_HANDOFF_ARGS)
 
+# bench/ship.py: a 64 MiB and a 1 GiB tensor shipped from one tensorshmd to another (two nodes on
+# this machine, each side in its own process) by tensorshm.transfer (NIXL: UCX's own transports,
+# then UCX_TLS=tcp,self), by Ray's object store on a two-node ray.cluster_utils.Cluster, and by a
+# gRPC byte stream; flags in SHIP_ARGS (e.g. SHIP_ARGS="--sizes 64Mi --runs 5"). Installs Ray into
+# .venv first if it does not import.
+SHIP_ARGS ?=
+.PHONY: bench-ship
+bench-ship: build python multinode-packages
+	@$(VENV_PY) -c 'import ray' 2>/dev/null || { \
+	  echo "bench-ship: installing ray into .venv"; $(VENV_PY) -m pip install -q ray; }
+	UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN $(BENCH_PY) bench/ship.py $(SHIP_ARGS)
+
 # A self-contained wheel, dist/tensorshm-<version>-<tags>.whl: the Python package with tensorshmd
 # and tensorshmctl in tensorshm/_bin (console commands of the same names put them on PATH), built
 # in Release in build-wheel/, then `auditwheel repair` vendors every shared library they link that
