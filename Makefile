@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel deb test-packages install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel deb test-packages install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -110,6 +110,23 @@ test-gpu: build python ecosystem-packages
 	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/gpu.xml
 	$(PYTEST) -s tests/gpu --junitxml=$(RESULTS)/gpu.xml
 	$(CHECK_SKIPS) --label test-gpu $(RESULTS)/gpu.xml
+
+# tensorshm.transfer between two nodes' daemons (tests/multinode): two real tensorshmd stand for
+# two nodes, a mover process on each ships tensors over gRPC (control) and NIXL/UCX (bytes), with
+# a consumer process checking every byte, movers SIGKILLed mid-transfer and a daemon restart.
+# NIXL 1.5.1 (--no-deps: its `nixl` package pulls torch for type hints only), grpcio and protobuf
+# go into .venv when they do not import. CI runs it.
+NIXL_PACKAGES = nixl==1.5.1 nixl-cu12==1.5.1
+multinode-packages: python
+	@$(VENV_PY) -c 'import nixl, grpc, google.protobuf, ray' 2>/dev/null || { \
+	  echo "multinode-packages: installing NIXL, grpcio, protobuf and Ray into .venv"; \
+	  $(VENV_PY) -m pip install -q -r scripts/requirements-multinode.txt && \
+	  $(VENV_PY) -m pip install -q --no-deps $(NIXL_PACKAGES); }
+
+test-multinode: build python multinode-packages
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/multinode.xml
+	UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN $(PYTEST) tests/multinode --junitxml=$(RESULTS)/multinode.xml
+	$(CHECK_SKIPS) --label test-multinode $(RESULTS)/multinode.xml
 
 # The C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer (CI runs this too).
 test-asan: setup
@@ -228,6 +245,18 @@ bench-ray: build python
 	  echo "bench-ray: installing ray and numpy into .venv-ray"; \
 	  $${PYTHON:-python3} -m venv .venv-ray && .venv-ray/bin/pip install -q ray numpy; }
 	$(BENCH_PY) bench/py_handoff.py --ray-python $(CURDIR)/.venv-ray/bin/python $(PY_HANDOFF_ARGS)
+
+# bench/ship.py: a 64 MiB and a 1 GiB tensor shipped from one tensorshmd to another (two nodes on
+# this machine, each side in its own process) by tensorshm.transfer (NIXL: UCX's own transports,
+# then UCX_TLS=tcp,self), by Ray's object store on a two-node ray.cluster_utils.Cluster, and by a
+# gRPC byte stream; flags in SHIP_ARGS (e.g. SHIP_ARGS="--sizes 64Mi --runs 5"). Installs Ray into
+# .venv first if it does not import.
+SHIP_ARGS ?=
+.PHONY: bench-ship
+bench-ship: build python multinode-packages
+	@$(VENV_PY) -c 'import ray' 2>/dev/null || { \
+	  echo "bench-ship: installing ray into .venv"; $(VENV_PY) -m pip install -q ray; }
+	UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN $(BENCH_PY) bench/ship.py $(SHIP_ARGS)
 
 # A self-contained wheel, dist/tensorshm-<version>-<tags>.whl: the Python package with tensorshmd
 # and tensorshmctl in tensorshm/_bin (console commands of the same names put them on PATH), built

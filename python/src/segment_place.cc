@@ -49,6 +49,9 @@ nb::dict SegmentPlaceOf(const PyTensor& tensor) {
   out["segment_id"] = place->segment_id;
   out["segment_size"] = place->segment_size;
   out["offset"] = place->offset + static_cast<uint64_t>(from);
+  // The first byte's address in this process (host: in its mapping of the segment; CUDA: the
+  // device pointer), so `address - offset` is where the whole segment starts.
+  out["address"] = reinterpret_cast<uintptr_t>(span.start);
   out["nbytes"] = span.nbytes;
   out["shm_name"] = place->shm_name;
   out["ipc_handle"] = nb::bytes(place->cuda_ipc_handle.data(), place->cuda_ipc_handle.size());

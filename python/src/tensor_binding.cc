@@ -181,9 +181,11 @@ void DefineTensors(nb::module_& m) {
                    })
       .def("_segment_place", &SegmentPlaceOf,
            nb::sig("def _segment_place(self) -> dict[str, typing.Any]"),
-           "Where the tensor's bytes lie in tensorshmd's memory (for tensorshm.triton): a dict of "
-           "device, device_id, segment_instance, segment_id, segment_size, offset, nbytes, "
-           "shm_name (host; empty for a memfd segment) and ipc_handle (CUDA).")
+           "Where the tensor's bytes lie in tensorshmd's memory (for tensorshm.triton and "
+           "tensorshm.transfer): a dict of device, device_id, segment_instance, segment_id, "
+           "segment_size, offset and nbytes (of the bytes the tensor spans), address (of the "
+           "first in this process), shm_name (host; empty for a memfd segment) and ipc_handle "
+           "(CUDA).")
       .def("_raw_storage",
            [](const PyTensor& t) {
              const std::shared_ptr<Storage>& storage = Live(t);

@@ -61,7 +61,7 @@ class Tensor:
 
     def _segment_place(self) -> dict[str, Any]:
         """
-        Where the tensor's bytes lie in tensorshmd's memory (for tensorshm.triton): a dict of device, device_id, segment_instance, segment_id, segment_size, offset, nbytes, shm_name (host; empty for a memfd segment) and ipc_handle (CUDA).
+        Where the tensor's bytes lie in tensorshmd's memory (for tensorshm.triton and tensorshm.transfer): a dict of device, device_id, segment_instance, segment_id, segment_size, offset and nbytes (of the bytes the tensor spans), address (of the first in this process), shm_name (host; empty for a memfd segment) and ipc_handle (CUDA).
         """
 
     def _raw_storage(self) -> tuple[_RawStorage, int]: ...
