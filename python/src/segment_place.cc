@@ -10,6 +10,7 @@
 #include "client/interop.h"
 #include "raise_status.h"
 #include "storage.h"
+#include "tensor_object.h"
 
 namespace nb = nanobind;
 
@@ -27,6 +28,16 @@ nb::dict SegmentPlaceOf(const PyTensor& tensor) {
   Check(place.status());
   // A lease a restarted daemon did not take back: its segment may be another object now.
   Check(storage->LeaseStatus());
+  // Whoever asks reads the bytes outside any CUDA stream of ours (Triton, a NIXL transfer): an
+  // acquired CUDA tensor's producer must be done with them first.
+  if (storage->lease && storage->tensor.device.device_type == kDLCUDA) {
+    absl::Status ready;
+    {
+      ReleaseGil release;
+      ready = WaitReady(storage->versioned, ReadySync::Host());
+    }
+    Check(ready);
+  }
   const bool padded = (storage->flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
   const StorageSpan span = SpanOf(storage->tensor, padded);
   if (place->length == 0 || span.nbytes == 0) {

@@ -39,31 +39,41 @@ class Agent:
         # registration change (it carries the registrations' keys).
         self.metadata: bytes = self.nixl.get_agent_metadata()
         self._lock = threading.Lock()
-        # (base address, length) of a registered mapping -> its registration
-        self._registered: dict[tuple[int, int], Any] = {}
+        # (memory kind, device, base address, length) of a registered mapping -> its
+        # registration
+        self._registered: dict[tuple[str, int, int, int], Any] = {}
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata added for it
 
     def descriptors(self, place: dict[str, Any]) -> Any:
         """The NIXL transfer descriptor of a tensor's bytes (a _segment_place() dict), after
-        registering the segment's mapping in this process if it is not yet."""
-        if place["device"] != "cpu":
-            raise _errors.UnimplementedError(
-                f"device = \"{place['device']}:{place['device_id']}\": tensorshm.transfer moves "
-                "host tensors only (registering device memory with NIXL as VRAM is not built)")
+        registering the segment's mapping in this process if it is not yet: host segments as
+        DRAM, CUDA segments (the device pointer of the client's IPC open) as VRAM on their
+        device. UnimplementedError, naming the device, where NIXL cannot register device
+        memory (its UCX built without CUDA support, or no GPU driver)."""
+        cuda = place["device"] == "cuda"
+        kind, device = ("VRAM", int(place["device_id"])) if cuda else ("DRAM", 0)
         base = place["address"] - place["offset"]
-        key = (base, place["segment_size"])
+        key = (kind, device, base, int(place["segment_size"]))
         with self._lock:
             if key not in self._registered:
                 # A mapping at an address that overlaps this one is gone (its segment was
                 # unmapped, by a daemon restart or a shrink): its registration goes too.
-                for (b, n), reg in list(self._registered.items()):
-                    if b < base + key[1] and base < b + n:
+                for old, reg in list(self._registered.items()):
+                    if old[:2] == key[:2] and old[2] < base + key[3] and base < old[2] + old[3]:
                         self.nixl.deregister_memory(reg)
-                        del self._registered[(b, n)]
-                self._registered[key] = self.nixl.register_memory(
-                    [(base, key[1], 0, "")], "DRAM")
+                        del self._registered[old]
+                try:
+                    self._registered[key] = self.nixl.register_memory(
+                        [(base, key[3], device, "")], kind)
+                except Exception as e:  # the nixl._bindings errors
+                    if not cuda:
+                        raise
+                    raise _errors.UnimplementedError(
+                        f"device = \"cuda:{device}\": NIXL here cannot register device memory "
+                        f"as VRAM ({e}: its UCX has no CUDA support, or there is no GPU driver); "
+                        "tensorshm.transfer moves host tensors only on this machine") from e
                 self.metadata = self.nixl.get_agent_metadata()
-        return self.nixl.get_xfer_descs([(place["address"], place["nbytes"], 0)], "DRAM")
+        return self.nixl.get_xfer_descs([(place["address"], place["nbytes"], device)], kind)
 
     def peer(self, name: str, metadata: bytes) -> str:
         """`name`, after loading its (new) metadata: ConnectionError when it cannot be reached."""

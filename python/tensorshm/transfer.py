@@ -196,10 +196,7 @@ class Mover:
 
     def _prepare(self, req: Any) -> Any:
         layout = req.layout
-        if layout.device != "cpu":
-            raise _errors.UnimplementedError(
-                f"layout.device = \"{layout.device}\": tensorshm.transfer moves host tensors only")
-        tensor = self.client.create(list(layout.shape), layout.dtype,
+        tensor = self.client.create(list(layout.shape), layout.dtype, layout.device or "cpu",
                                     strides=list(layout.strides) or None, timeout=0)
         try:
             place = tensor._segment_place()
@@ -284,10 +281,13 @@ class Mover:
                 f"{method} at mover {peer}: {e.details()}", code) from None
 
     def pull(self, peer: str | Peer, name: str, as_name: str | None = None, *,
-             replace: bool = False, timeout: float | None = None) -> str:
+             replace: bool = False, timeout: float | None = None,
+             device: str | None = None) -> str:
         """Ships `name` from the mover at `peer` (host:port, or a :class:`Peer`) into this
         node's daemon, published as `as_name` (default: the same name); returns the name
-        published."""
+        published. `device`: where it goes here ("cpu", "cuda:N"; default: the device it is on
+        at the source, "cuda:N" by this node's numbering). Device memory moves where NIXL can
+        register it (UCX with CUDA support); elsewhere UnimplementedError names the device."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         offer = self._call(peer, "Offer", self._m["OfferRequest"](
             name=name, hold_seconds=deadline - time.monotonic() + 5.0,
@@ -295,11 +295,8 @@ class Mover:
         layout = offer.layout
         tensor = None
         try:
-            if layout.device != "cpu":
-                raise _errors.UnimplementedError(
-                    f"{name}: on {layout.device} at {peer}; tensorshm.transfer moves host tensors "
-                    "only")
             tensor = self.client.create(list(layout.shape), layout.dtype,
+                                        device or layout.device or "cpu",
                                         strides=list(layout.strides) or None,
                                         timeout=max(deadline - time.monotonic(), 0))
             place = tensor._segment_place()
