@@ -113,6 +113,22 @@ def test_dlpack_stream_rules(client, driver):
         memoryview(t)
 
 
+def test_segment_place_of_an_acquired_cuda_tensor_waits_for_its_producer(client, driver):
+    """Triton and NIXL read a tensor's segment outside our streams: the place is handed out only
+    after the producer's ready event, waited on by the host; a writable buffer has none to wait
+    on."""
+    w = client.create((16,), "float32", device="cuda:0")
+    driver.to_device(0, w._data_ptr, np.ones(16, np.float32))
+    before = driver.counters()["event_synchronize"]
+    assert w._segment_place()["device"] == "cuda"
+    assert driver.counters()["event_synchronize"] == before
+    w.publish("gpu/place", replace=True)
+    with client.get("gpu/place") as t:
+        place = t._segment_place()
+        assert driver.counters()["event_synchronize"] == before + 1
+        assert place["address"] == t._data_ptr  # the device pointer of the first byte
+
+
 def test_put_copies_a_cuda_tensor_on_the_device(client, driver):
     data = np.linspace(0, 1, 1000, dtype=np.float64)
     w = client.create((1000,), "float64", device="cuda:1")
