@@ -13,7 +13,7 @@ apt-get update -qq
 # The compiler and pkg-config are the C user's; the rest is what the package asks for.
 apt-get install -y -qq "$pkg"/tensorshm_*_amd64.deb gcc libc6-dev pkg-config >/tmp/apt.log
 say "apt-get install ./$(basename "$pkg"/tensorshm_*_amd64.deb) pulled: $(
-  sed -n 's/^Unpacking \([^ :]*\).*/\1/p' /tmp/apt.log | grep -E 'grpc|protobuf|absl|spdlog|fmt' |
+  sed -n 's/^Unpacking \([^ :]*\).*/\1/p' /tmp/apt.log | grep -E 'grpc|protobuf|absl|spdlog|fmt|httplib' |
     sort | tr '\n' ' ')"
 say "installed tensorshm $(dpkg-query -W -f='${Version}' tensorshm)"
 if ldd /usr/bin/tensorshmd /usr/bin/tensorshmctl | grep 'not found'; then

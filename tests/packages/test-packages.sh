@@ -25,7 +25,7 @@ say "wheel $(basename "$wheel"): $(du -k "$wheel" | cut -f1) KiB, tag $tag"
 say "vendored by auditwheel (tensorshm.libs/):"
 python3 -c 'import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-libs = sorted(n.split("/", 1)[1] for n in names if n.startswith("tensorshm.libs/"))
+libs = sorted(n.split("/", 1)[1] for n in names if n.startswith("tensorshm.libs/") and n[15:])
 print("\n".join("  " + n for n in libs))
 print(f"  ({len(libs)} libraries)")' "$wheel"
 say "deb $(basename "$deb"): $(du -k "$deb" | cut -f1) KiB; Depends: $(dpkg-deb -f "$deb" Depends)"
