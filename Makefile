@@ -118,7 +118,7 @@ test-gpu: build python ecosystem-packages
 # go into .venv when they do not import. CI runs it.
 NIXL_PACKAGES = nixl==1.5.1 nixl-cu12==1.5.1
 multinode-packages: python
-	@$(VENV_PY) -c 'import nixl, grpc, google.protobuf, ray' 2>/dev/null || { \
+	@$(VENV_PY) -c 'import nixl_cu12, grpc, google.protobuf, ray' 2>/dev/null || { \
 	  echo "multinode-packages: installing NIXL, grpcio, protobuf and Ray into .venv"; \
 	  $(VENV_PY) -m pip install -q -r scripts/requirements-multinode.txt && \
 	  $(VENV_PY) -m pip install -q --no-deps $(NIXL_PACKAGES); }

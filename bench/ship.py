@@ -73,7 +73,8 @@ METHODS = {
     "grpc": ({}, "into 4 MiB messages on A, gRPC over TCP, out of them into B's daemon"),
 }
 BASELINES = ("ray", "grpc")
-NEEDS = {"nixl": ("nixl", "grpc"), "nixl-tcp": ("nixl", "grpc"), "ray": ("ray",), "grpc": ("grpc",)}
+NEEDS = {"nixl": ("nixl_cu12", "grpc"), "nixl-tcp": ("nixl_cu12", "grpc"), "ray": ("ray",),
+         "grpc": ("grpc",)}
 
 
 def parse_size(text: str) -> int:

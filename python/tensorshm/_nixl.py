@@ -3,6 +3,7 @@ running one-sided READs and WRITEs (see transfer.py)."""
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from typing import Any
@@ -13,13 +14,19 @@ _POLL_SECONDS = 0.0005
 
 
 def _import_nixl() -> Any:
-    try:
-        from nixl import _api
-    except ImportError as e:
-        raise _errors.FailedPreconditionError(
-            f"tensorshm.transfer needs NIXL ({e}): pip install --no-deps nixl==1.5.1 "
-            "nixl-cu12==1.5.1 (make test-multinode installs it into .venv)") from e
-    return _api
+    """NIXL's Python API from the backend package installed (nixl-cu12 or nixl-cu13), taken
+    directly: the `nixl` package picks one by the CUDA version torch was built for, and with a
+    CUDA 13 torch in the environment it refuses a nixl-cu12 that works (host memory needs no
+    CUDA at all)."""
+    errors = []
+    for package in ("nixl_cu12", "nixl_cu13"):
+        try:
+            return importlib.import_module(f"{package}._api")
+        except ImportError as e:
+            errors.append(f"{package}: {e}")
+    raise _errors.FailedPreconditionError(
+        f"tensorshm.transfer needs NIXL ({'; '.join(errors)}): pip install --no-deps "
+        "nixl==1.5.1 nixl-cu12==1.5.1 (make test-multinode installs it into .venv)")
 
 
 class Agent:

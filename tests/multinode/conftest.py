@@ -33,7 +33,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
 def pytest_configure(config) -> None:
-    for module in ("nixl", "grpc", "google.protobuf", "ray"):
+    for module in ("nixl_cu12", "grpc", "google.protobuf", "ray"):
         if importlib.util.find_spec(module) is None:
             pytest.exit(f"{module} does not import from {sys.executable}: make test-multinode "
                         "installs NIXL, grpcio and Ray into .venv", 2)
