@@ -27,6 +27,7 @@ torch only for type hints) and grpcio; ``make test-multinode`` installs them.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import os
 import secrets
@@ -64,6 +65,7 @@ class Peer(Protocol):
     def call(self, method: str, request: bytes, timeout: float) -> bytes: ...
 
 
+@functools.cache
 def _messages() -> dict[str, Any]:
     """The Mover service's message classes, built from the descriptor set the package carries
     (mover.binpb, made from proto/tensorshm/v1/mover.proto at build time)."""
@@ -145,13 +147,14 @@ class Mover:
     def _handlers(self) -> Any:
         grpc = self._grpc
         m = self._m
+        codes = {code.value[0]: code for code in grpc.StatusCode}  # tensorshm's Error.code
 
         def unary(fn: Any, request: str, reply: str) -> Any:
             def handle(req: Any, context: Any) -> Any:
                 try:
                     return fn(req)
                 except _errors.Error as e:
-                    context.abort(grpc.StatusCode[_STATUS_NAMES.get(e.code, "UNKNOWN")], str(e))
+                    context.abort(codes.get(e.code, grpc.StatusCode.UNKNOWN), str(e))
 
             return grpc.unary_unary_rpc_method_handler(
                 handle, request_deserializer=m[request].FromString,
@@ -173,10 +176,14 @@ class Mover:
         reply = getattr(self, handler)(self._m[request_type].FromString(request))
         return bytes(reply.SerializeToString())
 
-    def _hold(self, hold: _Hold) -> str:
+    def _hold(self, tensor: Any, hold_seconds: float, name: str = "",
+              replace: bool = False) -> str:
+        """Keeps `tensor` for a peer's transfer for `hold_seconds` (the peer's ask, else this
+        mover's default); its transfer id."""
+        seconds = hold_seconds if hold_seconds > 0 else self.hold_seconds
         transfer_id = secrets.token_hex(8)
         with self._holds_lock:
-            self._holds[transfer_id] = hold
+            self._holds[transfer_id] = _Hold(tensor, time.monotonic() + seconds, name, replace)
             self._wake.notify()
         return transfer_id
 
@@ -188,8 +195,7 @@ class Mover:
         except BaseException:
             tensor.release()
             raise
-        hold_seconds = req.hold_seconds if req.hold_seconds > 0 else self.hold_seconds
-        transfer_id = self._hold(_Hold(tensor, time.monotonic() + hold_seconds))
+        transfer_id = self._hold(tensor, req.hold_seconds)
         return self._m["OfferReply"](
             transfer_id=transfer_id, layout=_layout(self._m, tensor, place["nbytes"]),
             source=self._endpoint(descriptors))
@@ -208,9 +214,7 @@ class Mover:
         except BaseException:
             tensor.release()
             raise
-        hold_seconds = req.hold_seconds if req.hold_seconds > 0 else self.hold_seconds
-        transfer_id = self._hold(_Hold(tensor, time.monotonic() + hold_seconds, req.name,
-                                       req.replace))
+        transfer_id = self._hold(tensor, req.hold_seconds, req.name, req.replace)
         return self._m["PrepareReply"](transfer_id=transfer_id,
                                        destination=self._endpoint(descriptors))
 
@@ -386,13 +390,6 @@ class Mover:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Canonical gRPC code numbers -> grpc.StatusCode names, for errors raised while serving.
-_STATUS_NAMES = {1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
-                 5: "NOT_FOUND", 6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED",
-                 8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION", 12: "UNIMPLEMENTED",
-                 13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS"}
 
 
 def main(argv: list[str] | None = None) -> int:
