@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -16,10 +20,17 @@ from ._client import Client, connect
 from ._commands import installed_program
 from ._errors import FailedPreconditionError, TimeoutError
 
-# Every Daemon's shm prefix: tsmd-<pid of the Python process>-<random>; its directory:
-# <tmp>/tensorshm-daemon-<pid>-<random>. A start removes those of processes that are gone.
+# Every Daemon has a tag, <pid of the Python process>-<8 random hex digits>; its shm prefix is
+# tsmd-<tag> and its directory <tmp>/tensorshm-daemon-<tag>-<mkdtemp's suffix>, in which it holds
+# an flock on owner.lock for its whole life. The pid is for people only: across pid namespaces
+# (containers of one Pod sharing /dev/shm and /tmp) it says nothing about who is alive.
 _PREFIX = "tsmd-"
 _DIR_PREFIX = "tensorshm-daemon-"
+_TAG = re.compile(r"[0-9]+-[0-9a-f]{8}")
+_OWNER_LOCK = "owner.lock"
+_SHM = pathlib.Path("/dev/shm")
+# The most of a prefix's lock file read to see whether a tensorshmd recorded itself in it.
+_MAX_LOCK_RECORD = 4096
 
 
 def _find_tensorshmd(explicit: str | None) -> str:
@@ -38,30 +49,117 @@ def _find_tensorshmd(explicit: str | None) -> str:
     )
 
 
-def _alive(pid: int) -> bool:
+class _NotProvablyDead(Exception):
+    """A Daemon's leftovers that may still be in use: left alone."""
+
+
+def _take_lock(name: str, held: contextlib.ExitStack, dir_fd: int | None = None) -> int | None:
+    """Takes an exclusive flock on the file `name` (relative to `dir_fd`), without following a
+    link and without waiting, held until `held` closes. Returns its descriptor, or None if there
+    is no such file. Raises _NotProvablyDead if another process holds the lock, or if the file is
+    not a regular file of this user."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _NotProvablyDead(name) from e
+    held.callback(os.close, fd)
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode) or opened.st_uid != os.geteuid():
+        raise _NotProvablyDead(name)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        raise _NotProvablyDead(name) from e
+    return fd
+
+
+def _hold_owner_lock(directory: str) -> int:
+    """Creates `directory`/owner.lock already locked: made under another name, locked, then
+    renamed, so that no reclaimer ever finds it there unlocked while this Daemon lives. Returns
+    the descriptor (close-on-exec) that holds the lock."""
+    staging = os.path.join(directory, _OWNER_LOCK + ".new")
+    fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it open
+        os.rename(staging, os.path.join(directory, _OWNER_LOCK))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _reclaim(tag: str, directories: list[pathlib.Path], names: list[str]) -> None:
+    """Removes one Daemon's `directories` and /dev/shm `names` if it is provably dead (see
+    _reclaim_leftovers); raises _NotProvablyDead, removing nothing, if not."""
+    euid = os.geteuid()
+    with contextlib.ExitStack() as held:
+        for directory in directories:
+            try:
+                dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW |
+                                 os.O_CLOEXEC)
+            except OSError as e:
+                raise _NotProvablyDead(str(directory)) from e
+            held.callback(os.close, dir_fd)
+            if os.fstat(dir_fd).st_uid != euid or _take_lock(_OWNER_LOCK, held, dir_fd) is None:
+                raise _NotProvablyDead(str(directory))
+        lock_name = f"{_PREFIX}{tag}.lock"
+        prefix_lock = _take_lock(str(_SHM / lock_name), held)
+        if not directories and (prefix_lock is None or not any(
+                line.startswith((b"pid ", b"state "))
+                for line in os.pread(prefix_lock, _MAX_LOCK_RECORD, 0).splitlines())):
+            raise _NotProvablyDead(lock_name)
+        for name in sorted(names, key=lambda name: name == lock_name):  # the lock file last
+            path = _SHM / name
+            with contextlib.suppress(OSError):  # removed meanwhile
+                if path.lstat().st_uid == euid:
+                    path.unlink()
+        for directory in directories:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _reclaim_leftovers() -> None:
-    """Removes the shm objects and directories of Daemons whose Python process is gone without
-    stopping them (SIGKILL): their daemons ended with it (see Daemon), leaving no one to clean."""
-    for path in pathlib.Path("/dev/shm").glob(f"{_PREFIX}*"):
-        pid = path.name[len(_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            try:
-                path.unlink()
-            except OSError:
-                pass  # another user's, or removed meanwhile
+    """Removes what Daemons that are provably dead left in /dev/shm and the temp directory: a
+    Daemon whose Python process was killed (SIGKILL) leaves its directory, and its tensorshmd
+    what it had not removed when it was killed, with no one left to clean.
+
+    A Daemon is provably dead when this process takes, without waiting, the locks its processes
+    held for their whole lives; the pid in its names is not looked at, as it means nothing in
+    another pid namespace. Its Python process holds the flock on <directory>/owner.lock, and hands
+    it on to its tensorshmd (one lock, held while either lives); the file is made already locked
+    (see _hold_owner_lock), so a free lock is one whose holders are gone. Its tensorshmd holds
+    the flock on /dev/shm/<prefix>.lock (common/base/prefix_lock.h), which records it after it is
+    taken. For each Daemon tag (the directories and /dev/shm names carrying it):
+
+    - Every directory of it must be a directory (not a link) of this user with an owner.lock
+      this process locks. A directory without owner.lock is left: its Daemon may be between
+      making it and its lock (or have died there, or be an older tensorshm's, which made none).
+    - Its prefix lock file, if there is one, must be a regular file of this user that this
+      process locks. With a directory, a missing one is no sign of life: the owner lock just
+      taken outlived the tensorshmd, the only process that makes the tag's /dev/shm names.
+    - Without a directory (another container's temp directory, or removed), the prefix lock
+      file alone must prove it: it must exist and hold a tensorshmd's record, since a file with
+      none may be one a starting tensorshmd made and has not locked yet. /dev/shm names without
+      a lock file are left: with nothing that says whose they are, they may be a live daemon's.
+
+    Then this user's names in /dev/shm go (the lock file last), then the directories. Another
+    user's files, links and names that a Daemon does not make are never touched."""
+    directories: dict[str, list[pathlib.Path]] = {}
     for path in pathlib.Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*"):
-        pid = path.name[len(_DIR_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+        tag = path.name[len(_DIR_PREFIX):].rpartition("-")[0]
+        if _TAG.fullmatch(tag):
+            directories.setdefault(tag, []).append(path)
+    names: dict[str, list[str]] = {}
+    for path in _SHM.glob(f"{_PREFIX}*"):
+        tag, dot, _ = path.name[len(_PREFIX):].partition(".")
+        if dot and _TAG.fullmatch(tag):
+            names.setdefault(tag, []).append(path.name)
+    for tag in sorted(directories.keys() | names.keys()):
+        with contextlib.suppress(_NotProvablyDead):
+            _reclaim(tag, directories.get(tag, []), names.get(tag, []))
 
 
 def _flag_args(flags: dict[str, Any]) -> list[str]:
@@ -99,38 +197,54 @@ class Daemon:
 
     The daemon is told when the thread that started it ends (the kernel's parent-death signal,
     through util-linux's setpriv where installed): a Python process killed with SIGKILL does not
-    leave it running, and the next Daemon start removes what it left in /dev/shm and the temp
-    directory. Start it from a thread that outlives it (the main thread). Other processes reach
-    it through ``socket`` (``tensorshm.connect(daemon.socket)``).
+    leave it running, and the next Daemon start (in any process of this user sharing /dev/shm
+    and the temp directory, in any pid namespace) removes what it left in /dev/shm and the temp
+    directory, once its tensorshmd is gone too; it removes nothing of a Daemon whose processes
+    may live (see _reclaim_leftovers). Start it from a thread that outlives it (the main
+    thread). Other processes reach it through ``socket`` (``tensorshm.connect(daemon.socket)``).
     """
 
     def __init__(self, host_pool: str = "1Gi", *, tensorshmd: str | None = None,
                  timeout: float = 10.0, **flags: Any) -> None:
-        binary = _find_tensorshmd(tensorshmd)
-        _reclaim_leftovers()
-        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self.directory = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{tag}-")  # mode 0700
-        self.socket = os.path.join(self.directory, "tensorshm.sock")
-        self.prefix = f"{_PREFIX}{tag}"
-        self.log_path = os.path.join(self.directory, "tensorshmd.log")
         for fixed in ("socket", "shm_prefix"):
             if fixed in flags:
                 raise TypeError(f"Daemon: {fixed} is chosen by Daemon itself (it is private)")
+        binary = _find_tensorshmd(tensorshmd)
+        self._process: subprocess.Popen[bytes] | None = None
+        _reclaim_leftovers()
+        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.directory = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{tag}-")  # mode 0700
+        try:
+            owner_lock = _hold_owner_lock(self.directory)
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        self._owner_lock: int | None = owner_lock
+        self.socket = os.path.join(self.directory, "tensorshm.sock")
+        self.prefix = f"{_PREFIX}{tag}"
+        self.log_path = os.path.join(self.directory, "tensorshmd.log")
         command = [binary, "--socket", self.socket, "--shm-prefix", self.prefix,
                    "--host-pool", str(host_pool), *_flag_args(flags)]
         setpriv = shutil.which("setpriv")
         if setpriv is not None:
             command = [setpriv, "--pdeathsig", "TERM", "--", *command]
-        with open(self.log_path, "wb") as log:
-            self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        # tensorshmd shares the owner lock (one open file), so that it is free only when both
+        # are gone: a tensorshmd that outlives this process (no setpriv) keeps its directory.
+        try:
+            with open(self.log_path, "wb") as log:
+                self._process = subprocess.Popen(
+                    command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    pass_fds=(owner_lock,))
+        except BaseException:
+            self._remove_directory()
+            raise
         deadline = time.monotonic() + timeout
         while True:
             code = self._process.poll()
             if code is not None:
                 self._process = None
                 error = self.log().strip() or f"it exited {code}"
-                shutil.rmtree(self.directory, ignore_errors=True)
+                self._remove_directory()
                 raise FailedPreconditionError(f"tensorshmd did not start: {error}")
             if os.path.exists(self.socket):
                 try:
@@ -176,10 +290,18 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 process.kill()
                 code = process.wait()
-        for path in pathlib.Path("/dev/shm").glob(f"{self.prefix}.*"):
+        for path in _SHM.glob(f"{self.prefix}.*"):
             path.unlink(missing_ok=True)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._remove_directory()
         return code
+
+    def _remove_directory(self) -> None:
+        """Removes the directory, then lets go of its owner lock: a reclaimer that takes the lock
+        finds the directory gone or going."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+        owner_lock, self._owner_lock = self._owner_lock, None
+        if owner_lock is not None:
+            os.close(owner_lock)
 
     def __enter__(self) -> Daemon:
         return self
@@ -188,7 +310,8 @@ class Daemon:
         self.stop()
 
     def __del__(self) -> None:
-        if getattr(self, "_process", None) is not None:
+        if (getattr(self, "_process", None) is not None or
+                getattr(self, "_owner_lock", None) is not None):
             self.stop()
 
     def __repr__(self) -> str:

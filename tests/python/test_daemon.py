@@ -3,12 +3,18 @@ minute), and what connect() says when no daemon serves its socket."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pathlib
+import secrets
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -81,6 +87,90 @@ def test_sigkill_of_the_starter_stops_its_daemon_and_the_next_start_reclaims_the
     assert os.path.isdir(directory)  # nobody was left to remove it ...
     with tensorshm.Daemon(host_pool="16Mi", segment_size="8Mi"):
         assert not os.path.exists(directory)  # ... until the next Daemon start
+
+
+TEMP = pathlib.Path(tempfile.gettempdir())
+
+
+def fake_leftovers(directory: str | None, shm: dict[str, str], owner: int | None = None,
+                   owner_lock: bool = True) -> list[pathlib.Path]:
+    """What a Daemon leaves, made by hand under a fresh tag: a directory (if `directory` is
+    not None: its mkdtemp suffix) with an owner.lock unless not `owner_lock`, and /dev/shm
+    objects (suffix -> text). `owner`: the uid to give them. Returns the paths, directory
+    first."""
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    paths = []
+    if directory is not None:
+        paths.append(TEMP / f"tensorshm-daemon-{tag}-{directory}")
+        paths[-1].mkdir(mode=0o700)
+        if owner_lock:
+            (paths[-1] / "owner.lock").touch(mode=0o600)
+    for suffix, text in shm.items():
+        paths.append(pathlib.Path(f"/dev/shm/tsmd-{tag}.{suffix}"))
+        paths[-1].write_text(text)
+    if owner is not None:
+        for path in paths:
+            os.chown(path, owner, owner)
+            if path.is_dir() and owner_lock:
+                os.chown(path / "owner.lock", owner, owner)
+    return paths
+
+
+def remove(paths: list[pathlib.Path]) -> None:
+    for path in paths:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def flock(path: pathlib.Path) -> Iterator[None]:
+    """Holds an flock on `path` as another process would: a Daemon start opens the file anew,
+    and flock sets one open file against another, in one process too."""
+    with open(path, "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+RECORD = "pid 7\nhost h\nsocket /run/x.sock\nstate serving\n"
+
+
+def test_a_start_reclaims_only_what_is_provably_dead():
+    dead = fake_leftovers("dead", {"lock": RECORD, "ctl": "", "cpu.0": ""})
+    dead_elsewhere = fake_leftovers(None, {"lock": RECORD, "ctl": "", "cpu.0": ""})
+    starting = fake_leftovers("starting", {}, owner_lock=False)
+    live_python = fake_leftovers("live", {"ctl": ""})  # no prefix lock file: the owner decides
+    live_elsewhere = fake_leftovers(None, {"lock": RECORD, "ctl": ""})
+    unrecorded = fake_leftovers(None, {"lock": "", "ctl": ""})
+    unlocked = fake_leftovers(None, {"ctl": "", "cpu.0": ""})
+    left = starting + unrecorded + unlocked
+    try:
+        with flock(live_python[0] / "owner.lock"), flock(live_elsewhere[0]):
+            with tensorshm.Daemon(host_pool="16Mi", segment_size="8Mi", log_level="warning"):
+                assert not any(p.exists() for p in dead + dead_elsewhere)
+                assert all(p.exists() for p in left + live_python + live_elsewhere)
+        # Their locks are free now: their holders are gone.
+        with tensorshm.Daemon(host_pool="16Mi", segment_size="8Mi", log_level="warning"):
+            assert not any(p.exists() for p in live_python + live_elsewhere)
+            assert all(p.exists() for p in left)
+    finally:
+        remove(dead + dead_elsewhere + left + live_python + live_elsewhere)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's files needs root")
+def test_a_start_leaves_other_users_leftovers_and_links(tmp_path):
+    others = (fake_leftovers("other", {"ctl": ""}, owner=65534) +
+              fake_leftovers(None, {"lock": RECORD, "ctl": ""}, owner=65534))
+    (tmp_path / "owner.lock").touch()
+    link = TEMP / f"tensorshm-daemon-{os.getpid()}-{secrets.token_hex(4)}-link"
+    link.symlink_to(tmp_path)
+    try:
+        with tensorshm.Daemon(host_pool="16Mi", segment_size="8Mi", log_level="warning"):
+            assert all(p.exists() for p in others)
+            assert link.is_symlink() and (tmp_path / "owner.lock").exists()
+    finally:
+        remove(others + [link])
 
 
 def test_connect_without_a_daemon_names_the_path_its_source_and_the_two_ways(tmp_path, monkeypatch):
