@@ -3,20 +3,26 @@
 Ray's object store and a plain gRPC byte stream. Two real daemons on this machine stand for the
 two nodes (each its own socket, shm prefix and pool); each side's code runs in its own process.
 
-    python bench/ship.py [--sizes 64Mi,1Gi] [--runs N[,N]] [--methods nixl,nixl-tcp,ray,grpc]
+    python bench/ship.py [--sizes 64Mi,1Gi] [--runs N[,N]]
+                         [--methods nixl,nixl-tcp,mover-grpc,ray,grpc]
 
 A float32 tensor of random bytes is published in A's daemon; each ship ends with the same name
 published in B's daemon, and the driver checks its SHA-1 against A's after every ship (untimed),
 having deleted it from B before the next. Times are medians of the ships after one warm-up:
 
-  nixl       tensorshm.transfer: B's Mover.pull from A's Mover (bench/ship_node.py): Offer over
-             gRPC, a buffer created in B's daemon, one NIXL READ of A's shared memory straight
-             into it, publish, Finish. UCX picks its transports (UCX_TLS unset): on one machine
-             that is CMA (process_vm_readv), not a network
-  nixl-tcp   the same with UCX_TLS=tcp,self: the READ's bytes cross a TCP socket on loopback, as
-             they would cross a network between nodes. UCX's TCP transport has no GET: UCX
-             emulates it (UCX_PROTO_INFO=y says "software emulation"), A's UCX answering with
-             the bytes packed into its active messages and B's copying them into place
+  nixl       tensorshm.transfer: B's Mover.pull from A's Mover (bench/ship_node.py), both proving
+             a fleet token on every call: Offer over gRPC (A registers the tensor's span), a
+             buffer created in B's daemon, one NIXL READ of A's shared memory straight into it,
+             Finish, publish. The movers' own UCX transports (all but TCP): on one machine that
+             is CMA (process_vm_readv), not a network
+  nixl-tcp   the same with UCX_TLS=tcp,self and allow_tcp_rma (unsafe: see docs/scale-out.md):
+             the READ's bytes cross a TCP socket on loopback, as they would cross a network
+             between nodes. UCX's TCP transport has no GET: UCX emulates it (UCX_PROTO_INFO=y
+             says "software emulation"), A's UCX answering with the bytes packed into its
+             active messages and B's copying them into place
+  mover-grpc tensorshm.transfer with transport="grpc", what movers that share no safe UCX
+             transport do: B reads A's span in 4 MiB Read calls over the authenticated gRPC
+             channel (each call and answer proved with the token: HMAC-SHA256 over the bytes)
   ray        a two-node ray.cluster_utils.Cluster on 127.0.0.1 (bench/ship_ray.py): an actor on A
              ray.put()s a numpy view of A's tensor, an actor on B ray.get()s the ref and
              client.put()s it into B's daemon, as a user moving tensors with Ray would. B's raylet
@@ -51,6 +57,7 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import secrets  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -68,13 +75,14 @@ METHODS = {
              "none besides the READ (here CMA: one kernel copy, A's shm -> B's)"),
     "nixl-tcp": ({"UCX_TLS": "tcp,self"},
                  "READ emulated by UCX: A's UCX packs into its sends, TCP, B's UCX copies out"),
+    "mover-grpc": ({}, "into 4 MiB Read answers on A, hashed both sides, gRPC over TCP, out"),
     "ray": ({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"},
             "into A's object store, gRPC chunks over TCP into B's store, out into B's daemon"),
     "grpc": ({}, "into 4 MiB messages on A, gRPC over TCP, out of them into B's daemon"),
 }
 BASELINES = ("ray", "grpc")
-NEEDS = {"nixl": ("nixl_cu12", "grpc"), "nixl-tcp": ("nixl_cu12", "grpc"), "ray": ("ray",),
-         "grpc": ("grpc",)}
+NEEDS = {"nixl": ("nixl_cu12", "grpc"), "nixl-tcp": ("nixl_cu12", "grpc"),
+         "mover-grpc": ("grpc",), "ray": ("ray",), "grpc": ("grpc",)}
 
 
 def parse_size(text: str) -> int:
@@ -167,7 +175,7 @@ def start(method: str, daemons: tuple[Daemon, Daemon], store_bytes: int) -> tupl
         sink = Node([str(HERE / "ship_ray.py"), daemons[0].socket, daemons[1].socket,
                      str(store_bytes)], env)
         return [sink], sink, ""
-    kind = "nixl" if method.startswith("nixl") else "grpc"
+    kind = method
     source = Node([str(HERE / "ship_node.py"), kind, daemons[0].socket], env)
     try:
         sink = Node([str(HERE / "ship_node.py"), kind, daemons[1].socket], env)
@@ -245,6 +253,11 @@ def main() -> int:
 
     load_before = os.getloadavg()
     work = pathlib.Path(tempfile.mkdtemp(prefix="tsm-ship-bench-"))
+    # The movers' fleet token: a file of this uid, mode 0600, in the 0700 work directory.
+    token = work / "mover.token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_urlsafe(32))
+    os.environ["TSM_MOVER_TOKEN"] = str(token)
     started: list[Daemon] = []
     clients: list[tensorshm.Client] = []
     results: dict[str, dict[int, list[float]]] = {}

@@ -1,8 +1,9 @@
 """One node's side of a bench/ship.py method, in a process of its own, on its node's tensorshmd:
 
-    python bench/ship_node.py nixl|grpc SOCKET
+    python bench/ship_node.py nixl|nixl-tcp|mover-grpc|grpc SOCKET
 
-serves the method (a tensorshm.transfer.Mover, or a gRPC server streaming a tensor's bytes),
+serves the method (a tensorshm.transfer.Mover proving the fleet token in $TSM_MOVER_TOKEN, or a
+gRPC server streaming a tensor's bytes),
 prints `ready ADDRESS`, then runs JSON commands read from stdin, one a line, answering each with
 one line `answer JSON` (UCX writes its own lines to stdout too):
 
@@ -16,6 +17,7 @@ S runs from the first request to the peer until it is published (and, for nixl, 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from concurrent import futures
@@ -85,10 +87,13 @@ class StreamNode:
 
 def main() -> int:
     method, socket = sys.argv[1], sys.argv[2]
-    if method == "nixl":
+    if method in ("nixl", "nixl-tcp", "mover-grpc"):
         from tensorshm.transfer import Mover
 
-        node = Mover(socket)
+        # The fleet token ship.py wrote (mode 0600) for this run.
+        node = Mover(socket, token_file=os.environ["TSM_MOVER_TOKEN"],
+                     allow_tcp_rma=method == "nixl-tcp",
+                     transport="grpc" if method == "mover-grpc" else "auto")
         ship = node.pull
     else:
         node = StreamNode(socket)

@@ -27,6 +27,7 @@ from ._errors import (
     ReleasedError,
     ResourceExhaustedError,
     TimeoutError,
+    UnauthenticatedError,
     UnimplementedError,
 )
 from . import _tensorshm
@@ -51,6 +52,7 @@ __all__ = [
     "ReleasedError",
     "ResourceExhaustedError",
     "Tensor",
+    "UnauthenticatedError",
     "UnimplementedError",
     "WritableTensor",
     "connect",

@@ -80,6 +80,13 @@ class ConnectionError(Error, builtins.ConnectionError):
     code = 14
 
 
+class UnauthenticatedError(Error, builtins.PermissionError):
+    """A call without valid credentials (UNAUTHENTICATED): a tensorshm.transfer mover refused a
+    peer that proved no fleet token or certificate, or a peer's answer that proved none."""
+
+    code = 16
+
+
 class DataLossError(Error):
     """A restarted daemon did not take back a lease or an unpublished tensor (DATA_LOSS): the
     memory stays mapped and readable, but is no longer reserved for it; get or create it again."""
@@ -102,6 +109,7 @@ _BY_CODE: dict[int, type[Error]] = {
         InternalError,
         ConnectionError,
         DataLossError,
+        UnauthenticatedError,
     )
 }
 

@@ -1,16 +1,31 @@
-"""tensorshm.transfer's NIXL side: one agent per Mover, registering the segments it moves and
-running one-sided READs and WRITEs (see transfer.py)."""
+"""tensorshm.transfer's NIXL side: one agent per Mover, registering the span of each tensor it
+ships for that transfer only and running one-sided READs and WRITEs (see transfer.py).
+
+Which UCX transports the agent may use is this module's business: by default only those whose
+access the kernel or the NIC enforces (shared memory and CMA between processes of one host, RDMA
+verbs, cuda_ipc), never UCX's TCP transport, whose software emulation of RDMA copies to and from
+any address a peer names in the mover's process and which listens on every interface. With TCP
+left out the agent listens on no port at all. ``allow_tcp_rma`` lets TCP in (see Mover).
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from . import _errors
 
 _POLL_SECONDS = 0.0005
+# The transports a mover's agent may use unless TCP RMA is allowed: UCX's "all but TCP".
+SAFE_UCX_TLS = "^tcp"
+# After this many metadata loads of one peer with nothing in flight, the peer is dropped and
+# loaded afresh on its next transfer, so that the registrations of past transfers do not pile up.
+_PEER_RELOADS = 256
+_env_lock = threading.Lock()  # UCX reads UCX_TLS while a backend is made
 
 
 def _import_nixl() -> Any:
@@ -25,88 +40,170 @@ def _import_nixl() -> Any:
         except ImportError as e:
             errors.append(f"{package}: {e}")
     raise _errors.FailedPreconditionError(
-        f"tensorshm.transfer needs NIXL ({'; '.join(errors)}): pip install --no-deps "
-        "nixl==1.5.1 nixl-cu12==1.5.1 (make test-multinode installs it into .venv)")
+        f"tensorshm.transfer needs NIXL to move bytes by RDMA or shared memory "
+        f"({'; '.join(errors)}): pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 (make "
+        "test-multinode installs it into .venv), or transport=\"grpc\"")
+
+
+def tcp_allowed(tls: str) -> bool:
+    """Whether a UCX_TLS value lets UCX use its TCP transport."""
+    names = {n.strip() for n in tls.split(",") if n.strip()}
+    if tls.startswith("^"):
+        return "tcp" not in {n.lstrip("^") for n in names}
+    return bool(names & {"tcp", "all"})
+
+
+@dataclass
+class Registration:
+    """One registered span: its NIXL registration and where it lies."""
+
+    handle: Any
+    kind: str  # "DRAM" or "VRAM"
+    device: int
+    address: int
+    length: int
+
+
+def _where(place: dict[str, Any]) -> tuple[str, int]:
+    """NIXL's memory kind and device of a _segment_place() dict."""
+    if place["device"] == "cuda":
+        return "VRAM", int(place["device_id"])
+    return "DRAM", 0
 
 
 class Agent:
-    """This mover's NIXL agent: registers each segment mapping once, keeps the peers' metadata,
-    and runs transfers. Without NIXL's progress thread (it spins a core): the Mover polls while it
-    serves a transfer, and an initiator polls its own transfer."""
+    """This mover's NIXL agent. Without NIXL's progress thread (it spins a core): the Mover polls
+    while it serves a transfer, and an initiator polls its own transfer. Thread-safe."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, allow_tcp_rma: bool = False) -> None:
         api = _import_nixl()
         self._api = api
+        tls = os.environ.get("UCX_TLS")
+        if tls is not None and tcp_allowed(tls) and not allow_tcp_rma:
+            raise _errors.FailedPreconditionError(
+                f"UCX_TLS = \"{tls}\" lets UCX use TCP, whose RDMA emulation lets any peer that "
+                "reaches its port read and write this process's memory: leave TCP out, or "
+                "allow_tcp_rma=True (--allow-tcp-rma) knowing that")
         config = api.nixl_agent_config(
-            enable_prog_thread=False, backends=["UCX"],
+            enable_prog_thread=False, enable_listen_thread=False, backends=[],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.name = name
         self.nixl = api.nixl_agent(name, config)
-        # What a peer needs to reach this agent's registered memory: taken again after every
-        # registration change (it carries the registrations' keys).
-        self.metadata: bytes = self.nixl.get_agent_metadata()
+        with _env_lock:
+            saved = os.environ.get("UCX_TLS")
+            if not allow_tcp_rma and saved is None:
+                os.environ["UCX_TLS"] = SAFE_UCX_TLS
+            try:
+                # Peer failure handling needs a transport with its own connection (TCP, RDMA):
+                # the shared-memory ones have none, and a dead peer's transfer then ends at its
+                # deadline instead.
+                self.nixl.create_backend("UCX", {
+                    "ucx_error_handling_mode": "peer" if allow_tcp_rma else "none"})
+            except Exception as e:  # the nixl._bindings errors
+                raise _errors.FailedPreconditionError(
+                    f"NIXL agent {name}: its UCX backend did not start ({e})") from e
+            finally:
+                if saved is None:
+                    os.environ.pop("UCX_TLS", None)
         self._lock = threading.Lock()
-        # (memory kind, device, base address, length) of a registered mapping -> its
-        # registration
-        self._registered: dict[tuple[str, int, int, int], Any] = {}
-        self._peers: dict[str, bytes] = {}  # agent name -> the metadata added for it
+        self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded last
+        self._loads: dict[str, int] = {}  # agent name -> loads since it was added
+        self._busy: dict[str, int] = {}  # agent name -> transfers in flight with it
+        self._registered: set[int] = set()  # id() of the live Registrations
 
-    def descriptors(self, place: dict[str, Any]) -> Any:
-        """The NIXL transfer descriptor of a tensor's bytes (a _segment_place() dict), after
-        registering the segment's mapping in this process if it is not yet: host segments as
-        DRAM, CUDA segments (the device pointer of the client's IPC open) as VRAM on their
-        device. UnimplementedError, naming the device, where NIXL cannot register device
-        memory (its UCX built without CUDA support, or no GPU driver)."""
-        cuda = place["device"] == "cuda"
-        kind, device = ("VRAM", int(place["device_id"])) if cuda else ("DRAM", 0)
-        base = place["address"] - place["offset"]
-        key = (kind, device, base, int(place["segment_size"]))
+    def register(self, place: dict[str, Any]) -> Registration:
+        """Registers the span of a tensor's bytes (a _segment_place() dict) for one transfer;
+        deregister it once the transfer is over. UnimplementedError, naming the device, where
+        NIXL cannot register device memory (its UCX built without CUDA support, or no GPU
+        driver)."""
+        kind, device = _where(place)
+        address, length = int(place["address"]), int(place["nbytes"])
+        try:
+            handle = self.nixl.register_memory([(address, length, device, "")], kind)
+        except Exception as e:  # the nixl._bindings errors
+            if kind == "DRAM":
+                raise _errors.InternalError(f"NIXL cannot register {length} bytes: {e}") from e
+            raise _errors.UnimplementedError(
+                f"device = \"cuda:{device}\": NIXL here cannot register device memory as VRAM "
+                f"({e}: its UCX has no CUDA support, or there is no GPU driver); "
+                "tensorshm.transfer moves host tensors only on this machine") from e
+        registration = Registration(handle, kind, device, address, length)
         with self._lock:
-            if key not in self._registered:
-                # A mapping at an address that overlaps this one is gone (its segment was
-                # unmapped, by a daemon restart or a shrink): its registration goes too.
-                for old, reg in list(self._registered.items()):
-                    if old[:2] == key[:2] and old[2] < base + key[3] and base < old[2] + old[3]:
-                        self.nixl.deregister_memory(reg)
-                        del self._registered[old]
-                try:
-                    self._registered[key] = self.nixl.register_memory(
-                        [(base, key[3], device, "")], kind)
-                except Exception as e:  # the nixl._bindings errors
-                    if not cuda:
-                        raise
-                    raise _errors.UnimplementedError(
-                        f"device = \"cuda:{device}\": NIXL here cannot register device memory "
-                        f"as VRAM ({e}: its UCX has no CUDA support, or there is no GPU driver); "
-                        "tensorshm.transfer moves host tensors only on this machine") from e
-                self.metadata = self.nixl.get_agent_metadata()
-        return self.nixl.get_xfer_descs([(place["address"], place["nbytes"], device)], kind)
+            self._registered.add(id(registration))
+        return registration
+
+    def deregister(self, registration: Registration) -> None:
+        with self._lock:
+            if id(registration) not in self._registered:
+                return
+            self._registered.discard(id(registration))
+        self.nixl.deregister_memory(registration.handle)
+
+    @property
+    def registrations(self) -> int:
+        """How many spans are registered now."""
+        with self._lock:
+            return len(self._registered)
+
+    def metadata(self) -> bytes:
+        """What a peer needs to reach the registered spans: taken after the registration."""
+        return bytes(self.nixl.get_agent_metadata())
+
+    def descs(self, registration: Registration) -> Any:
+        return self.nixl.get_xfer_descs(
+            [(registration.address, registration.length, registration.device)],
+            registration.kind)
+
+    def remote_descs(self, address: int, length: int, device: str) -> Any:
+        """A peer's span as a descriptor list, built here from plain fields."""
+        kind, device_id = ("VRAM", int(device[5:])) if device.startswith("cuda:") else ("DRAM", 0)
+        return self.nixl.get_xfer_descs([(address, length, device_id)], kind)
 
     def peer(self, name: str, metadata: bytes) -> str:
-        """`name`, after loading its (new) metadata: ConnectionError when it cannot be reached."""
+        """`name`, after loading its metadata (its latest registrations); ConnectionError when
+        it cannot be loaded or reached (no transport both sides may use). Pair with done()."""
         with self._lock:
             if self._peers.get(name) != metadata:
-                if self._peers.pop(name, None) is not None:
+                if (self._loads.get(name, 0) >= _PEER_RELOADS and not self._busy.get(name)
+                        and self._peers.pop(name, None) is not None):
                     self.nixl.remove_remote_agent(name)
+                    self._loads[name] = 0
                 try:
-                    self.nixl.add_remote_agent(metadata)
+                    loaded = self.nixl.add_remote_agent(metadata)
                 except Exception as e:  # the nixl._bindings errors
                     raise _errors.ConnectionError(
-                        f"NIXL agent {name}: cannot load its metadata or reach it: {e}") from e
+                        f"NIXL agent {name}: cannot load its metadata or reach it (no UCX "
+                        f"transport both movers may use?): {e}") from e
+                if loaded.decode(errors="replace") != name:
+                    raise _errors.InvalidArgumentError(
+                        f"agent_name = \"{name}\": its metadata is agent "
+                        f"\"{loaded.decode(errors='replace')}\"'s")
                 self._peers[name] = metadata
+                self._loads[name] = self._loads.get(name, 0) + 1
+            self._busy[name] = self._busy.get(name, 0) + 1
         return name
+
+    def done(self, name: str) -> None:
+        with self._lock:
+            self._busy[name] = max(self._busy.get(name, 0) - 1, 0)
 
     def forget(self, name: str) -> None:
         """After a failed transfer: the peer may have restarted; take its metadata again."""
         with self._lock:
-            if self._peers.pop(name, None) is not None:
+            if self._peers.pop(name, None) is not None and not self._busy.get(name):
                 self.nixl.remove_remote_agent(name)
+                self._loads[name] = 0
 
     def move(self, operation: str, local: Any, remote: Any, peer: str, note: bytes,
              deadline: float) -> None:
         """One NIXL READ or WRITE between `local` and `remote`, polled until done; TimeoutError
         past `deadline`, ConnectionError when the peer is gone."""
-        handle = self.nixl.initialize_xfer(operation, local, remote, peer, note)
+        try:
+            handle = self.nixl.initialize_xfer(operation, local, remote, peer, note)
+        except Exception as e:  # the nixl._bindings errors
+            raise _errors.ConnectionError(
+                f"NIXL {operation} with agent {peer}: the span is not one it registered for "
+                f"this transfer, or no transport reaches it: {e}") from e
         try:
             state = self.nixl.transfer(handle, note)
             while state != "DONE":
@@ -118,7 +215,6 @@ class Agent:
         except _errors.Error:
             raise
         except Exception as e:  # nixlRemoteDisconnectError and the other nixl._bindings errors
-            self.forget(peer)
             raise _errors.ConnectionError(f"NIXL {operation} with agent {peer}: {e}") from e
         finally:
             self.nixl.release_xfer_handle(handle)
@@ -130,9 +226,6 @@ class Agent:
 
     def close(self) -> None:
         with self._lock:
-            for reg in self._registered.values():
-                self.nixl.deregister_memory(reg)
-            self._registered.clear()
             for name in self._peers:
                 self.nixl.remove_remote_agent(name)
             self._peers.clear()

@@ -7,7 +7,8 @@
 
     ray.init()
     movers = tensorshm.ray.start_movers({"node_a": "/run/tensorshm/tensorshm.sock",
-                                         "node_b": "/run/tensorshm/tensorshm.sock"})
+                                         "node_b": "/run/tensorshm/tensorshm.sock"},
+                                        token_file="/etc/tensorshm/mover.token")
     tensorshm.ray.ship("jobs/17/out", "node_a", "node_b")  # now in node_b's tensorshmd
     tensorshm.ray.stop_movers(movers)
 
@@ -20,7 +21,12 @@ namespace ships by node name.
 
 The control channel between two movers is Ray actor calls: the destination's actor calls
 ``serve`` on the source's with the Mover service's serialized messages (the offer: layout, NIXL
-metadata and descriptors, a few kB). The tensor's bytes never pass through Ray's object store:
+metadata and the span, a few kB), each with its proof of the fleet token (``token_file``: the
+same secret in a file on every node, readable by the movers' uid alone), and checks the proof of
+each answer, as over gRPC. A Ray namespace is no boundary: any driver or task of the cluster can
+call an actor's ``serve``, and without a proof it gets UnauthenticatedError and nothing else.
+(Ray itself runs any code a member of the cluster submits, on every node: the token guards the
+movers' protocol, not the cluster.) The tensor's bytes never pass through Ray's object store:
 NIXL READs them one-sided from the source daemon's shared memory into a buffer of the
 destination daemon, which publishes it under the name. A mover neither holds CPU slots
 (``num_cpus=0``) nor spins while idle.
@@ -64,13 +70,15 @@ class _ActorPeer:
     def __str__(self) -> str:
         return self.label
 
-    def call(self, method: str, request: bytes, timeout: float) -> bytes:
+    def call(self, method: str, request: bytes, proof: str,
+             timeout: float) -> tuple[bytes, str]:
         reply: bytes
+        reply_proof: str
         code: int
         message: str
         try:
-            reply, code, message = ray.get(self.handle.serve.remote(method, request),
-                                           timeout=timeout)
+            reply, reply_proof, code, message = ray.get(
+                self.handle.serve.remote(method, request, proof), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise _errors.TimeoutError(
                 f"{method} at mover {self.label}: no answer within {timeout:.3g} s") from None
@@ -80,7 +88,7 @@ class _ActorPeer:
         if code:
             raise _errors._BY_CODE.get(code, _errors.Error)(
                 f"{method} at mover {self.label}: {message}", code)
-        return reply
+        return reply, reply_proof
 
 
 # A mover holds no CPU slot of its node. (The overloads Ray annotates ray.remote with leave out
@@ -97,14 +105,16 @@ class MoverActor:
     in a RayTaskError; :func:`ship` unwraps them).
     """
 
-    def __init__(self, node: str, socket: str | None, hold_seconds: float) -> None:
+    def __init__(self, node: str, socket: str | None, hold_seconds: float,
+                 token_file: str | None, insecure: bool) -> None:
         self.node = node
         self.socket = socket
         # A mover that cannot start (no daemon at `socket`) keeps the error for info() to raise:
         # Ray's error for a failed __init__ carries only its text, not the tensorshm error.
         self._start_error: _errors.Error | None = None
         try:
-            self._mover = Mover(socket, listen=None, hold_seconds=hold_seconds)
+            self._mover = Mover(socket, listen=None, hold_seconds=hold_seconds,
+                                token_file=token_file, insecure=insecure)
         except _errors.Error as e:
             self._start_error = type(e)(f"the mover of node \"{node}\": {e}", e.code)
 
@@ -121,13 +131,16 @@ class MoverActor:
                 "agent": self._mover.name, "socket": self.socket}
 
     @ray.method(concurrency_group="serve")
-    def serve(self, method: str, request: bytes) -> tuple[bytes, int, str]:
-        """A peer's Mover service call (tensorshm.transfer.Mover.serve): (reply, 0, "") or
-        (b"", the error's gRPC code, its message), as a gRPC status would carry it."""
+    def serve(self, method: str, request: bytes, proof: str = "") -> tuple[bytes, str, int, str]:
+        """A peer's Mover service call with its proof (tensorshm.transfer.Mover.serve): (reply,
+        its proof, 0, "") or (b"", "", the error's gRPC code, its message), as a gRPC status
+        would carry it. UnauthenticatedError's code for a call without a valid proof."""
+        if self._start_error is not None:
+            return b"", "", self._start_error.code, str(self._start_error)
         try:
-            return self._mover.serve(method, request), 0, ""
+            return *self._mover.serve(method, request, proof), 0, ""
         except _errors.Error as e:
-            return b"", e.code, str(e)
+            return b"", "", e.code, str(e)
 
     @staticmethod
     def _peer(node: Any) -> _ActorPeer:
@@ -196,15 +209,19 @@ def _placement(node: str, alive: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def start_movers(nodes: Mapping[str, str | None] | None = None, *, socket: str | None = None,
-                 hold_seconds: float = 120.0, lifetime: str | None = None,
+                 token_file: str | None = None, insecure: bool = False,
+                 hold_seconds: float = 60.0, lifetime: str | None = None,
                  timeout: float = 60.0) -> dict[str, Any]:
     """Starts a mover actor per node and waits until each serves; returns {node: handle}.
 
     `nodes`: node name -> that node's tensorshmd socket (None: the default, as
     ``tensorshm.connect()``). A name is a custom resource that exactly one alive node has, or a
     node's id (hex, as ``ray.get_runtime_context().get_node_id()``). Without `nodes`: a mover on
-    every alive node, named by its id, each on `socket`. `hold_seconds`: how long a mover keeps
-    a lease or buffer for a peer that died mid-ship. `lifetime`: Ray's actor lifetime
+    every alive node, named by its id, each on `socket`. `token_file`: the fleet secret's path on
+    every node (each mover reads its node's file; it must be readable by the movers' uid alone);
+    without it the movers refuse to start unless `insecure` (any caller of an actor's ``serve``
+    can then ship the nodes' tensors). `hold_seconds`: the longest a mover keeps a lease or
+    buffer for a peer that died mid-ship. `lifetime`: Ray's actor lifetime
     ("detached": the movers outlive this job; others in the namespace ship with them).
 
     Raises InvalidArgumentError for a name that pins no single node, AlreadyExistsError when a
@@ -222,7 +239,7 @@ def start_movers(nodes: Mapping[str, str | None] | None = None, *, socket: str |
             try:
                 movers[node] = MoverActor.options(  # type: ignore[attr-defined]
                     name=actor_name(node), lifetime=lifetime, **placements[node],
-                ).remote(node, node_socket, hold_seconds)
+                ).remote(node, node_socket, hold_seconds, token_file, insecure)
             except ValueError as e:  # the name is taken
                 raise _errors.AlreadyExistsError(
                     f"node = \"{node}\": a mover runs for it already ({e})") from None

@@ -1,288 +1,346 @@
-"""tensorshm.transfer: named tensors shipped between nodes' daemons over NIXL.
+"""tensorshm.transfer: named tensors shipped between nodes' daemons, by movers that prove who
+they are on every call.
 
 One :class:`Mover` per node: a client of that node's tensorshmd, a NIXL agent, and a gRPC server
 (the ``Mover`` service of proto/tensorshm/v1/mover.proto) that other nodes' movers call. Shipping
 a name from node A to node B (``mover_b.pull(a_address, name)``):
 
 1. B asks A for the name (Offer). A acquires it (the lease keeps the bytes while they move),
-   registers the segment with NIXL once, and answers with the layout and the NIXL descriptor of
-   the bytes.
+   registers the span of its bytes with NIXL for this transfer alone, and answers with the layout
+   and where the span lies, as plain fields.
 2. B creates an unpublished tensor of the same dtype, shape and strides in its own daemon and
-   posts a one-sided NIXL READ of A's bytes straight into it: no byte passes through Python or a
-   buffer between the two shared memories.
-3. B publishes it under the name (or another) and tells A (Finish), which drops its lease.
+   posts a one-sided NIXL READ of A's span straight into it: no byte passes through Python
+   between the two shared memories. Where the two movers share no UCX transport they may use (see
+   below), B reads the span in chunks over the authenticated gRPC channel instead (Read).
+3. B tells A it is done (Finish: A drops its lease and the registration) and, only if A held the
+   bytes until then, publishes them under the name (or another).
 
-``push`` is the other way round (A WRITEs into a buffer B prepared), and ``pull_prefix`` ships
-every name under a prefix. Every step has a deadline; whatever fails, neither side keeps a lease,
-an unpublished buffer or a pending transfer (the source drops a lease the caller never finishes
-once its hold time passes).
+``push`` is the other way round (A WRITEs into a buffer B prepared, or sends it in Write calls),
+and ``pull_prefix`` ships every name under a prefix. Every step has a deadline; whatever fails,
+neither side keeps a lease, an unpublished buffer, a registration or a pending transfer.
+
+**Trust.** Every call and every answer carries a proof of the fleet token (``token_file``; an
+HMAC over the call with a nonce and the time, never the secret itself), and/or the movers use
+mTLS (``tls_cert``, ``tls_key``, ``tls_ca``): see tensorshm/_mover_auth.py. A call without them
+gets UNAUTHENTICATED and touches nothing; a mover with neither refuses to start unless
+``insecure=True``. Nothing a peer sends is unpickled. A peer's holds are capped by this mover's
+``hold_seconds``, its prepared bytes by ``peer_quota_bytes``, its names by ``offer_prefixes`` and
+``accept_prefixes``, its devices by this node's pools.
+
+**Transports.** NIXL over UCX, restricted to transports whose access the kernel or the NIC
+enforces: shared memory and CMA between processes of one host (CMA needs the same uid or
+CAP_SYS_PTRACE), RDMA verbs, cuda_ipc. UCX's TCP transport is left out unless
+``allow_tcp_rma=True``: its software RDMA lets any peer that reaches its port read and write the
+mover process's memory. ``transport``: "auto" (NIXL where both movers can, else chunks over
+gRPC), "nixl" or "grpc".
 
 The control channel is gRPC, or any other when the peer is a :class:`Peer`: its calls then go
 through ``Peer.call`` into the other mover's :meth:`Mover.serve` (tensorshm.ray's movers, Ray
-actors, call each other that way). Only the small messages travel on it, never the bytes.
+actors, call each other that way), with the same proofs.
 
-Needs NIXL (``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1``: the ``nixl`` package pulls
-torch only for type hints) and grpcio; ``make test-multinode`` installs them.
+NIXL: ``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1`` (the ``nixl`` package pulls torch
+only for type hints); grpcio and protobuf. ``make test-multinode`` installs them.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.resources
+import ctypes
+import logging
 import os
 import secrets
 import socket as _socket
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import _errors
 from ._client import Client, connect
+from ._mover_auth import PROOF_KEY, Credentials
+from ._mover_service import (CHUNK_BYTES, MESSAGE_LIMIT, METHODS, Limits, Service, device_name,
+                             messages)
 from ._nixl import Agent as _Agent
 
-_SERVICE = "tensorshm.v1.Mover"
-_POLL_SECONDS = 0.0005
-
-
-# The Mover service's methods: name -> (handler, request message, reply message).
-_METHODS = {
-    "Offer": ("_offer", "OfferRequest", "OfferReply"),
-    "Prepare": ("_prepare", "PrepareRequest", "PrepareReply"),
-    "Finish": ("_finish", "FinishRequest", "FinishReply"),
-    "List": ("_list", "ListRequest", "ListReply"),
-}
+_log = logging.getLogger("tensorshm.transfer")
+_TRANSPORTS = ("auto", "nixl", "grpc")
+_FINISH_SECONDS = 5.0  # what a Finish may take beyond a ship's deadline
 
 
 class Peer(Protocol):
     """Another node's mover reached over a channel other than gRPC (``str(peer)`` names it in
-    errors). ``call`` sends one Mover service call, the request serialized, to that mover's
-    :meth:`Mover.serve` and returns the serialized reply; it raises the tensorshm error the peer
-    raised, TimeoutError when no answer comes within `timeout` seconds, and ConnectionError when
-    the peer cannot be reached."""
+    errors). ``call`` sends one Mover service call, the request serialized with its proof, to
+    that mover's :meth:`Mover.serve` and returns the serialized reply with its proof; it raises
+    the tensorshm error the peer raised, TimeoutError when no answer comes within `timeout`
+    seconds, and ConnectionError when the peer cannot be reached."""
 
-    def call(self, method: str, request: bytes, timeout: float) -> bytes: ...
-
-
-@functools.cache
-def _messages() -> dict[str, Any]:
-    """The Mover service's message classes, built from the descriptor set the package carries
-    (mover.binpb, made from proto/tensorshm/v1/mover.proto at build time)."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-    data = importlib.resources.files(__package__).joinpath("mover.binpb").read_bytes()
-    pool = descriptor_pool.DescriptorPool()
-    for proto in descriptor_pb2.FileDescriptorSet.FromString(data).file:
-        pool.Add(proto)
-    names = ("TensorLayout", "Endpoint", "OfferRequest", "OfferReply", "PrepareRequest",
-             "PrepareReply", "FinishRequest", "FinishReply", "ListRequest", "ListReply")
-    return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorshm.v1.{n}"))
-            for n in names}
+    def call(self, method: str, request: bytes, proof: str, timeout: float) -> tuple[bytes, str]:
+        ...
 
 
-@dataclass
-class _Hold:
-    """What the Mover keeps for a peer's transfer until Finish or `deadline`: a source's lease
-    (pull; its reader's notification that the READ is done drops it too) or a destination's
-    unpublished buffer (push: `name` is what Finish publishes it as)."""
-
-    tensor: Any
-    deadline: float
-    name: str = ""
-    replace: bool = False
-
-
-def _layout(messages: dict[str, Any], tensor: Any, nbytes: int) -> Any:
-    return messages["TensorLayout"](dtype=tensor.dtype, shape=list(tensor.shape),
-                                    strides=list(tensor.strides), device=tensor.device,
-                                    nbytes=nbytes)
+def _options() -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", MESSAGE_LIMIT),
+            ("grpc.max_send_message_length", MESSAGE_LIMIT)]
 
 
 class Mover:
-    """A node's mover: ``Mover(socket)`` serves other nodes' movers on ``listen`` (host:port; port
-    0 picks one, see :attr:`address`) and ships tensors from and to them. ``listen=None`` starts
-    no gRPC server (``address`` is None): peers then reach it through :meth:`serve` only.
+    """A node's mover: ``Mover(socket, token_file=PATH)`` serves other nodes' movers on
+    ``listen`` (host:port; port 0 picks one, see :attr:`address`) and ships tensors from and to
+    them. ``listen=None`` starts no gRPC server (``address`` is None): peers then reach it
+    through :meth:`serve` only.
+
+    Credentials (at least one, or ``insecure=True``, which logs a warning at every start):
+    ``token_file``, a fleet secret in a file of this uid that no group or other user may read
+    (FailedPreconditionError naming it otherwise); ``tls_cert``, ``tls_key`` and ``tls_ca`` for
+    mTLS (both sides present a certificate of the CA and verify the other's).
 
     ``socket``: this node's tensorshmd (default: as ``tensorshm.connect()``), or pass ``client``.
-    ``timeout``: the default bound of one ship, in seconds. ``hold_seconds``: how long this mover
-    keeps a lease or buffer for a peer that neither finishes nor notifies (it died).
+    ``timeout``: the default bound of one ship, in seconds. ``hold_seconds``: the longest this
+    mover keeps a lease or buffer for a peer (a peer may ask for less; infinite, NaN and
+    negative asks are refused). ``peer_quota_bytes``: the most bytes one peer may have prepared
+    here at once. ``offer_prefixes`` / ``accept_prefixes``: the names this mover offers (Offer,
+    List) and accepts (Prepare); by default every name. ``transport`` and ``allow_tcp_rma``: see
+    the module doc.
     """
 
     def __init__(self, socket: str | None = None, *, listen: str | None = "127.0.0.1:0",
                  client: Client | None = None, timeout: float = 60.0,
-                 hold_seconds: float = 120.0, name: str | None = None) -> None:
+                 hold_seconds: float = 60.0, name: str | None = None,
+                 token_file: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, tls_ca: str | None = None,
+                 insecure: bool = False, transport: str = "auto", allow_tcp_rma: bool = False,
+                 offer_prefixes: tuple[str, ...] | list[str] = ("",),
+                 accept_prefixes: tuple[str, ...] | list[str] = ("",),
+                 peer_quota_bytes: int = 4 << 30) -> None:
         import grpc
 
+        if transport not in _TRANSPORTS:
+            raise _errors.InvalidArgumentError(
+                f"transport = \"{transport}\": one of {', '.join(_TRANSPORTS)}")
+        if not (hold_seconds > 0 and hold_seconds < float("inf")):
+            raise _errors.InvalidArgumentError(
+                f"hold_seconds = {hold_seconds}: a finite number of seconds > 0")
         self._grpc = grpc
-        self._m = _messages()
+        self.credentials = Credentials.load(token_file=token_file, tls_cert=tls_cert,
+                                            tls_key=tls_key, tls_ca=tls_ca, insecure=insecure)
+        self._m = messages()
         self.timeout = timeout
-        self.hold_seconds = hold_seconds
+        self.transport = transport
+        self.name = name or f"tsm-mover-{_socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._agent: _Agent | None = None
+        if transport != "grpc":
+            try:
+                self._agent = _Agent(self.name, allow_tcp_rma=allow_tcp_rma)
+            except _errors.FailedPreconditionError as e:
+                if transport == "nixl" or "UCX_TLS" in str(e):
+                    raise
+                _log.info("%s: no NIXL (%s): bytes go over gRPC", self.name, e)
         self._own_client = client is None
         self.client = connect(socket) if client is None else client
-        self.name = name or f"tsm-mover-{_socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self._agent = _Agent(self.name)
-        self._holds: dict[str, _Hold] = {}
-        self._holds_lock = threading.Lock()
-        self._wake = threading.Condition(self._holds_lock)
-        self._closed = False
-        self._poller = threading.Thread(target=self._poll_holds, name="tensorshm-mover-poll",
-                                        daemon=True)
-        self._poller.start()
+        self._service = Service(self.client, self._agent, self.credentials, Limits(
+            hold_seconds=hold_seconds, offer_prefixes=tuple(offer_prefixes),
+            accept_prefixes=tuple(accept_prefixes), peer_quota_bytes=peer_quota_bytes))
         self._channels: dict[str, Any] = {}
+        self._channels_lock = threading.Lock()
         self._server = None
         self.address: str | None = None
+        self._closed = False
         if listen is not None:
-            self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-            self._server.add_generic_rpc_handlers((self._handlers(),))
+            self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                                       options=_options())
+            self._server.add_generic_rpc_handlers((self._service.grpc_handler(grpc),))
+            server_credentials = self.credentials.server_credentials(grpc)
             host = listen.rsplit(":", 1)[0]
-            port = self._server.add_insecure_port(listen)
+            try:
+                port = (self._server.add_secure_port(listen, server_credentials)
+                        if server_credentials is not None
+                        else self._server.add_insecure_port(listen))
+            except RuntimeError:
+                port = 0
             if port == 0:
+                self.close()
                 raise _errors.InvalidArgumentError(f"listen = \"{listen}\": cannot listen there")
             self.address = f"{host}:{port}"
             self._server.start()
 
-    # ---- Serving peers ----
+    @property
+    def hold_seconds(self) -> float:
+        return self._service.limits.hold_seconds
 
-    def _handlers(self) -> Any:
-        grpc = self._grpc
-        m = self._m
-        codes = {code.value[0]: code for code in grpc.StatusCode}  # tensorshm's Error.code
+    @property
+    def nixl(self) -> bool:
+        """Whether this mover can move bytes by NIXL (else by chunks over gRPC)."""
+        return self._agent is not None
 
-        def unary(fn: Any, request: str, reply: str) -> Any:
-            def handle(req: Any, context: Any) -> Any:
-                try:
-                    return fn(req)
-                except _errors.Error as e:
-                    context.abort(codes.get(e.code, grpc.StatusCode.UNKNOWN), str(e))
-
-            return grpc.unary_unary_rpc_method_handler(
-                handle, request_deserializer=m[request].FromString,
-                response_serializer=m[reply].SerializeToString)
-
-        return grpc.method_handlers_generic_handler(_SERVICE, {
-            method: unary(getattr(self, handler), request, reply)
-            for method, (handler, request, reply) in _METHODS.items()})
-
-    def serve(self, method: str, request: bytes) -> bytes:
+    def serve(self, method: str, request: bytes, proof: str = "") -> tuple[bytes, str]:
         """One Mover service call from a peer that reaches this mover through a :class:`Peer`
         (not gRPC): `request` is the serialized request message of `method` ("Offer", "Prepare",
-        "Finish" or "List"); returns the serialized reply, or raises the tensorshm error that the
-        gRPC server would answer with. Thread-safe, as the gRPC handlers are."""
-        if method not in _METHODS:
-            raise _errors.UnimplementedError(
-                f"method = \"{method}\": the Mover service has {', '.join(_METHODS)}")
-        handler, request_type, _ = _METHODS[method]
-        reply = getattr(self, handler)(self._m[request_type].FromString(request))
-        return bytes(reply.SerializeToString())
+        "Finish", "List", "Read" or "Write") and `proof` its proof of the fleet token; returns
+        the serialized reply and its proof, or raises the tensorshm error that the gRPC server
+        would answer with (UnauthenticatedError first, for a call without a valid proof).
+        Thread-safe, as the gRPC handlers are."""
+        return self._service.serve(method, request, proof)
 
-    def _hold(self, tensor: Any, hold_seconds: float, name: str = "",
-              replace: bool = False) -> str:
-        """Keeps `tensor` for a peer's transfer for `hold_seconds` (the peer's ask, else this
-        mover's default); its transfer id."""
-        seconds = hold_seconds if hold_seconds > 0 else self.hold_seconds
-        transfer_id = secrets.token_hex(8)
-        with self._holds_lock:
-            self._holds[transfer_id] = _Hold(tensor, time.monotonic() + seconds, name, replace)
-            self._wake.notify()
-        return transfer_id
+    # ---- Calling peers ----
 
-    def _offer(self, req: Any) -> Any:
-        tensor = self.client.get(req.name, timeout=0)
-        try:
-            place = tensor._segment_place()
-            descriptors = self._agent.descriptors(place)
-        except BaseException:
-            tensor.release()
-            raise
-        transfer_id = self._hold(tensor, req.hold_seconds)
-        return self._m["OfferReply"](
-            transfer_id=transfer_id, layout=_layout(self._m, tensor, place["nbytes"]),
-            source=self._endpoint(descriptors))
+    def _channel(self, peer: str) -> Any:
+        with self._channels_lock:
+            channel = self._channels.get(peer)
+            if channel is None:
+                grpc = self._grpc
+                credentials = self.credentials.channel_credentials(grpc)
+                channel = (grpc.secure_channel(peer, credentials, options=_options())
+                           if credentials is not None
+                           else grpc.insecure_channel(peer, options=_options()))
+                self._channels[peer] = channel
+        return channel
 
-    def _prepare(self, req: Any) -> Any:
-        layout = req.layout
-        tensor = self.client.create(list(layout.shape), layout.dtype, layout.device or "cpu",
-                                    strides=list(layout.strides) or None, timeout=0)
-        try:
-            place = tensor._segment_place()
-            if place["nbytes"] != layout.nbytes:
-                raise _errors.InvalidArgumentError(
-                    f"layout.nbytes = {layout.nbytes}: {layout.dtype}{list(layout.shape)} with "
-                    f"strides {list(layout.strides)} spans {place['nbytes']} bytes here")
-            descriptors = self._agent.descriptors(place)
-        except BaseException:
-            tensor.release()
-            raise
-        transfer_id = self._hold(tensor, req.hold_seconds, req.name, req.replace)
-        return self._m["PrepareReply"](transfer_id=transfer_id,
-                                       destination=self._endpoint(descriptors))
-
-    def _finish(self, req: Any) -> Any:
-        with self._holds_lock:
-            hold = self._holds.pop(req.transfer_id, None)
-        if hold is None:
-            raise _errors.NotFoundError(
-                f"transfer_id = \"{req.transfer_id}\": no such transfer here (finished, or its "
-                "hold time passed)")
-        try:
-            if req.commit and hold.name:
-                hold.tensor.publish(hold.name, replace=hold.replace)
-                return self._m["FinishReply"](published=hold.name)
-            return self._m["FinishReply"]()
-        finally:
-            hold.tensor.release()
-
-    def _list(self, req: Any) -> Any:
-        return self._m["ListReply"](names=self.client.keys(req.prefix))
-
-    def _endpoint(self, descriptors: Any) -> Any:
-        return self._m["Endpoint"](agent_name=self.name, agent_metadata=self._agent.metadata,
-                                   descriptors=self._agent.nixl.get_serialized_descs(descriptors))
-
-    def _poll_holds(self) -> None:
-        """While peers' transfers are held: progresses the agent (a peer's first READ or WRITE
-        needs this side to answer the connection) and drops holds whose time has passed."""
-        while True:
-            with self._holds_lock:
-                while not self._holds and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    return
+    def _call(self, peer: str | Peer, method: str, request: Any, deadline: float) -> Any:
+        """One Mover service call at `peer`, proved, and its answer, checked."""
+        data = request.SerializeToString()
+        token = self.credentials.token
+        proof, nonce = token.sign_call(method, data) if token is not None else ("", b"")
+        timeout = max(deadline - time.monotonic(), 0.001)
+        if isinstance(peer, str):
+            grpc = self._grpc
+            stub = self._channel(peer).unary_unary(f"/tensorshm.v1.Mover/{method}")
             try:
-                notes = self._agent.poll()
-            except Exception:
-                notes = []  # a peer that went away: its transfer fails on its side
-            read = {note.decode(errors="replace") for note in notes}
-            with self._holds_lock:
-                now = time.monotonic()
-                over = [t for t, h in self._holds.items()
-                        if h.deadline < now or (t in read and not h.name)]
-                dropped = [self._holds.pop(t) for t in over]
-            for hold in dropped:
-                hold.tensor.release()
-            time.sleep(_POLL_SECONDS)
+                reply, call = stub.with_call(
+                    data, timeout=timeout, metadata=((PROOF_KEY, proof),) if proof else None)
+            except grpc.RpcError as e:
+                code = e.code().value[0]
+                raise _errors._BY_CODE.get(code, _errors.Error)(
+                    f"{method} at mover {peer}: {e.details()}", code) from None
+            reply_proof = dict(call.trailing_metadata() or ()).get(PROOF_KEY)
+        else:
+            reply, reply_proof = peer.call(method, data, proof, timeout)
+        if token is not None:
+            token.check_reply(method, nonce, reply, reply_proof, str(peer))
+        return self._m[METHODS[method][2]].FromString(reply)
 
-    # ---- Shipping ----
+    def _finish(self, peer: str | Peer, transfer_id: str, commit: bool, deadline: float) -> Any:
+        return self._call(peer, "Finish", self._m["FinishRequest"](
+            transfer_id=transfer_id, commit=commit),
+            max(deadline, time.monotonic() + _FINISH_SECONDS))
 
-    def _call(self, peer: str | Peer, method: str, request: Any, reply: str,
-              deadline: float) -> Any:
-        if not isinstance(peer, str):
-            return self._m[reply].FromString(peer.call(
-                method, request.SerializeToString(), max(deadline - time.monotonic(), 0.001)))
-        grpc = self._grpc
-        channel = self._channels.get(peer)
-        if channel is None:
-            channel = self._channels[peer] = grpc.insecure_channel(peer)
-        stub = channel.unary_unary(f"/{_SERVICE}/{method}",
-                                   request_serializer=type(request).SerializeToString,
-                                   response_deserializer=self._m[reply].FromString)
+    def _hold_ask(self, deadline: float) -> float:
+        """The hold to ask a peer for: the rest of the ship and a margin for Finish (the peer
+        caps it by its own maximum)."""
+        return max(deadline - time.monotonic(), 0.0) + _FINISH_SECONDS
+
+    def _span(self, endpoint: Any, place: dict[str, Any], peer: str | Peer, what: str) -> None:
+        """Checks that a peer's span is the length and device of ours."""
+        span = endpoint.span
+        if span.length != place["nbytes"]:
+            raise _errors.InvalidArgumentError(
+                f"{what} at mover {peer}: span.length = {span.length}, where the tensor spans "
+                f"{place['nbytes']} bytes")
+
+    def _by_nixl(self, operation: str, place: dict[str, Any], endpoint: Any, transfer_id: str,
+                 peer: str | Peer, deadline: float) -> bool:
+        """Moves the span by NIXL if both movers can: False when the bytes must go by gRPC
+        instead (transport "auto" only)."""
+        if self._agent is None or not endpoint.agent_name:
+            if self.transport == "nixl":
+                raise _errors.FailedPreconditionError(
+                    f"mover {peer} moves no bytes by NIXL, and transport = \"nixl\"")
+            return False
+        agent = self._agent
         try:
-            return stub(request, timeout=max(deadline - time.monotonic(), 0.001))
+            source = agent.peer(endpoint.agent_name, endpoint.agent_metadata)
+        except _errors.ConnectionError:
+            if self.transport == "nixl":
+                raise
+            return False  # no UCX transport both may use: the bytes go by gRPC
+        registration = agent.register(place)
+        try:
+            remote = agent.remote_descs(endpoint.span.address, endpoint.span.length,
+                                        endpoint.span.device)
+            agent.move(operation, agent.descs(registration), remote, source,
+                       transfer_id.encode(), deadline)
+        except _errors.ConnectionError:
+            agent.forget(source)
+            raise
+        finally:
+            agent.deregister(registration)
+            agent.done(source)
+        return True
+
+    def _by_grpc(self, operation: str, place: dict[str, Any], transfer_id: str,
+                 peer: str | Peer, deadline: float) -> None:
+        """Moves the span over the control channel: a stream of proved chunks over gRPC (Read,
+        Write), or one chunk a call through a Peer."""
+        if place["device"] != "cpu":
+            raise _errors.UnimplementedError(
+                f"device = \"{device_name(place)}\": device bytes move by NIXL only, and mover "
+                f"{peer} and this one share no NIXL transport")
+        address, nbytes = int(place["address"]), int(place["nbytes"])
+        if not isinstance(peer, str):
+            for offset in range(0, nbytes, CHUNK_BYTES):
+                length = min(CHUNK_BYTES, nbytes - offset)
+                if operation == "READ":
+                    reply = self._call(peer, "Read", self._m["ReadRequest"](
+                        transfer_id=transfer_id, offset=offset, length=length), deadline)
+                    self._land(reply, offset, length, address, peer)
+                else:
+                    self._call(peer, "Write", self._m["WriteRequest"](
+                        transfer_id=transfer_id, offset=offset,
+                        data=ctypes.string_at(address + offset, length)), deadline)
+            return
+        grpc = self._grpc
+        token = self.credentials.token
+        method = "Read" if operation == "READ" else "Write"
+        request = (self._m["ReadRequest"](transfer_id=transfer_id, offset=0, length=nbytes)
+                   .SerializeToString() if method == "Read" else b"")
+        proof, nonce = token.sign_call(method, request) if token is not None else ("", b"")
+        metadata = ((PROOF_KEY, proof),) if proof else None
+        timeout = max(deadline - time.monotonic(), 0.001)
+        path = f"/tensorshm.v1.Mover/{method}"
+        try:
+            if method == "Read":
+                offset = 0
+                for raw in self._channel(peer).unary_stream(path)(
+                        request, timeout=timeout, metadata=metadata):
+                    reply = self._m["ReadReply"].FromString(raw)
+                    if token is not None:
+                        token.check_chunk("Read", nonce, f"{transfer_id}:{reply.offset}",
+                                          reply.data, reply.proof, f"mover {peer}")
+                    length = min(CHUNK_BYTES, nbytes - offset)
+                    self._land(reply, offset, length, address, peer)
+                    offset += length
+                if offset != nbytes:
+                    raise _errors.InvalidArgumentError(
+                        f"Read at mover {peer}: {offset} of the span's {nbytes} bytes came")
+                return
+
+            def chunks() -> Any:
+                for offset in range(0, nbytes, CHUNK_BYTES):
+                    data = ctypes.string_at(address + offset, min(CHUNK_BYTES, nbytes - offset))
+                    where = f"{transfer_id}:{offset}"
+                    yield self._m["WriteRequest"](
+                        transfer_id=transfer_id, offset=offset, data=data,
+                        proof=token.sign_chunk("Write", nonce, where, data) if token else ""
+                    ).SerializeToString()
+
+            reply, call = self._channel(peer).stream_unary(path).with_call(
+                chunks(), timeout=timeout, metadata=metadata)
+            if token is not None:
+                token.check_reply("Write", nonce, reply,
+                                  dict(call.trailing_metadata() or ()).get(PROOF_KEY), str(peer))
         except grpc.RpcError as e:
             code = e.code().value[0]
             raise _errors._BY_CODE.get(code, _errors.Error)(
                 f"{method} at mover {peer}: {e.details()}", code) from None
+
+    @staticmethod
+    def _land(reply: Any, offset: int, length: int, address: int, peer: str | Peer) -> None:
+        """Copies a Read chunk into place, if it is the one asked for."""
+        if reply.offset != offset or len(reply.data) != length:
+            raise _errors.InvalidArgumentError(
+                f"Read at mover {peer}: {len(reply.data)} bytes at offset {reply.offset}, for "
+                f"{length} at {offset}")
+        ctypes.memmove(address + offset, reply.data, length)
+
+    # ---- Shipping ----
 
     def pull(self, peer: str | Peer, name: str, as_name: str | None = None, *,
              replace: bool = False, timeout: float | None = None,
@@ -294,34 +352,35 @@ class Mover:
         register it (UCX with CUDA support); elsewhere UnimplementedError names the device."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         offer = self._call(peer, "Offer", self._m["OfferRequest"](
-            name=name, hold_seconds=deadline - time.monotonic() + 5.0,
-            requester_agent=self.name), "OfferReply", deadline)
+            name=name, hold_seconds=self._hold_ask(deadline), requester_agent=self.name,
+            nixl=self._agent is not None), deadline)
         layout = offer.layout
         tensor = None
+        finished = False
         try:
             tensor = self.client.create(list(layout.shape), layout.dtype,
                                         device or layout.device or "cpu",
                                         strides=list(layout.strides) or None,
                                         timeout=max(deadline - time.monotonic(), 0))
             place = tensor._segment_place()
-            if place["nbytes"] != layout.nbytes:
-                raise _errors.InternalError(
-                    f"{name}: spans {layout.nbytes} bytes at {peer}, {place['nbytes']} here")
-            local = self._agent.descriptors(place)
-            source = self._agent.peer(offer.source.agent_name, offer.source.agent_metadata)
-            remote = self._agent.nixl.deserialize_descs(offer.source.descriptors)
-            self._agent.move("READ", local, remote, source, offer.transfer_id.encode(), deadline)
+            self._span(offer.source, place, peer, "Offer")
+            if not self._by_nixl("READ", place, offer.source, offer.transfer_id, peer, deadline):
+                self._by_grpc("READ", place, offer.transfer_id, peer, deadline)
+            # The source held the bytes until now only if it still has the transfer: else its
+            # hold ran out mid-read, and what was read may be another tensor's.
+            finished = True
+            self._finish(peer, offer.transfer_id, False, deadline)
             published = as_name or name
             tensor.publish(published, replace=replace)
             return published
         finally:
             if tensor is not None:
                 tensor.release()
-            try:
-                self._call(peer, "Finish", self._m["FinishRequest"](transfer_id=offer.transfer_id),
-                           "FinishReply", time.monotonic() + 5.0)
-            except _errors.Error:
-                pass  # the source drops its lease when its hold time passes
+            if not finished:
+                try:
+                    self._finish(peer, offer.transfer_id, False, deadline)
+                except _errors.Error:
+                    pass  # the source drops its lease when its hold time passes
 
     def push(self, peer: str | Peer, name: str, as_name: str | None = None, *,
              replace: bool = False, timeout: float | None = None) -> str:
@@ -330,59 +389,68 @@ class Mover:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self.client.get(name, timeout=0) as tensor:
             place = tensor._segment_place()
-            local = self._agent.descriptors(place)
+            layout = self._m["TensorLayout"](dtype=tensor.dtype, shape=list(tensor.shape),
+                                             strides=list(tensor.strides), device=tensor.device,
+                                             nbytes=place["nbytes"])
             prepared = self._call(peer, "Prepare", self._m["PrepareRequest"](
-                name=as_name or name, layout=_layout(self._m, tensor, place["nbytes"]),
-                hold_seconds=deadline - time.monotonic() + 5.0, replace=replace,
-                requester_agent=self.name), "PrepareReply", deadline)
+                name=as_name or name, layout=layout, hold_seconds=self._hold_ask(deadline),
+                replace=replace, requester_agent=self.name, nixl=self._agent is not None),
+                deadline)
             try:
-                destination = self._agent.peer(prepared.destination.agent_name,
-                                               prepared.destination.agent_metadata)
-                remote = self._agent.nixl.deserialize_descs(prepared.destination.descriptors)
-                self._agent.move("WRITE", local, remote, destination,
-                                 prepared.transfer_id.encode(), deadline)
+                self._span(prepared.destination, place, peer, "Prepare")
+                if not self._by_nixl("WRITE", place, prepared.destination,
+                                     prepared.transfer_id, peer, deadline):
+                    self._by_grpc("WRITE", place, prepared.transfer_id, peer, deadline)
             except BaseException:
                 try:  # the destination drops its buffer (or does when its hold time passes)
-                    self._call(peer, "Finish", self._m["FinishRequest"](
-                        transfer_id=prepared.transfer_id, commit=False), "FinishReply",
-                        time.monotonic() + 5.0)
+                    self._finish(peer, prepared.transfer_id, False, deadline)
                 except _errors.Error:
                     pass
                 raise
-            finished = self._call(peer, "Finish", self._m["FinishRequest"](
-                transfer_id=prepared.transfer_id, commit=True), "FinishReply",
-                max(deadline, time.monotonic() + 5.0))
+            finished = self._finish(peer, prepared.transfer_id, True, deadline)
         return str(finished.published)
 
     def pull_prefix(self, peer: str | Peer, prefix: str, *, replace: bool = False,
                     timeout: float | None = None) -> list[str]:
-        """Ships every name under `prefix` at `peer`; returns the names, in order."""
+        """Ships every name under `prefix` at `peer`; returns the names, in order. A peer that
+        lists a name outside `prefix` gets PermissionError, and nothing is shipped."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        names = self._call(peer, "List", self._m["ListRequest"](prefix=prefix), "ListReply",
-                           deadline).names
+        names = list(self._call(peer, "List", self._m["ListRequest"](prefix=prefix),
+                                deadline).names)
+        outside = [n for n in names if not n.startswith(prefix)]
+        if outside:
+            raise _errors.PermissionError(
+                f"List at mover {peer}: name = \"{outside[0]}\" is not under prefix "
+                f"\"{prefix}\" ({len(outside)} such); nothing shipped")
         return [self.pull(peer, n, replace=replace, timeout=deadline - time.monotonic())
                 for n in names]
 
     # ---- Lifetime ----
 
+    @property
+    def holds(self) -> int:
+        """How many peers' transfers this mover holds now."""
+        return self._service.holds
+
+    @property
+    def registrations(self) -> int:
+        """How many spans this mover has registered with NIXL now."""
+        return 0 if self._agent is None else self._agent.registrations
+
     def close(self) -> None:
         """Stops serving, drops every hold, and closes the agent and (if its own) the client."""
         if self._closed:
             return
+        self._closed = True
         if self._server is not None:
             self._server.stop(grace=None)
-        with self._holds_lock:
-            self._closed = True
-            holds = list(self._holds.values())
-            self._holds.clear()
-            self._wake.notify()
-        self._poller.join()
-        for hold in holds:
-            hold.tensor.release()
+        if hasattr(self, "_service"):
+            self._service.close()
         for channel in self._channels.values():
             channel.close()
-        self._agent.close()
-        if self._own_client:
+        if self._agent is not None:
+            self._agent.close()
+        if self._own_client and hasattr(self, "client"):
             self.client.close()
 
     def __enter__(self) -> Mover:
@@ -392,21 +460,59 @@ class Mover:
         self.close()
 
 
+def _size(text: str) -> int:
+    """Bytes from "4Gi", "512Mi", "1000000"."""
+    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    number = text.rstrip("KMGTi")
+    unit = text[len(number):]
+    if not number.isdigit() or unit not in units:
+        raise ValueError(f"{text!r}: a size such as 4Gi or 512Mi")
+    return int(number) * units[unit]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tensorshm.transfer --socket SOCKET --listen HOST:PORT``: a node's mover, serving
-    until SIGTERM or SIGINT; prints its address once it serves."""
+    """``python -m tensorshm.transfer --socket SOCKET --listen HOST:PORT --token-file PATH``: a
+    node's mover, serving until SIGTERM or SIGINT; prints its address once it serves."""
     import argparse
     import signal
 
     parser = argparse.ArgumentParser(prog="python -m tensorshm.transfer", description=main.__doc__)
     parser.add_argument("--socket", help="this node's tensorshmd (default: as tensorshm.connect())")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve movers on")
-    parser.add_argument("--hold-seconds", type=float, default=120.0)
+    parser.add_argument("--token-file", help="the fleet secret: a file of this uid that no "
+                        "group or other user can read; every call and answer proves it")
+    parser.add_argument("--tls-cert", help="mTLS: this mover's certificate chain (PEM)")
+    parser.add_argument("--tls-key", help="mTLS: its private key (PEM, mode 0600)")
+    parser.add_argument("--tls-ca", help="mTLS: the CA that signs every mover's certificate")
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve with no credentials: any process that reaches the port can "
+                        "list, read and overwrite this node's tensors (logged at every start)")
+    parser.add_argument("--hold-seconds", type=float, default=60.0,
+                        help="the longest a peer's lease or buffer is held (default 60)")
+    parser.add_argument("--offer-prefix", action="append", dest="offer_prefixes",
+                        help="offer only names under this prefix (repeatable; default: all)")
+    parser.add_argument("--accept-prefix", action="append", dest="accept_prefixes",
+                        help="accept only names under this prefix (repeatable; default: all)")
+    parser.add_argument("--peer-quota", type=_size, default=4 << 30,
+                        help="the most bytes one peer may have prepared here (default 4Gi)")
+    parser.add_argument("--transport", choices=_TRANSPORTS, default="auto",
+                        help="auto: NIXL where both movers can, else chunks over gRPC")
+    parser.add_argument("--allow-tcp-rma", action="store_true",
+                        help="let NIXL use UCX's TCP transport. DANGER: its software RDMA lets "
+                        "ANY peer that reaches its port (it listens on every interface) read "
+                        "and write this mover process's memory, whatever it registered")
     args = parser.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with Mover(args.socket, listen=args.listen, hold_seconds=args.hold_seconds) as mover:
+    with Mover(args.socket, listen=args.listen, hold_seconds=args.hold_seconds,
+               token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+               tls_ca=args.tls_ca, insecure=args.insecure, transport=args.transport,
+               allow_tcp_rma=args.allow_tcp_rma,
+               offer_prefixes=args.offer_prefixes or ("",),
+               accept_prefixes=args.accept_prefixes or ("",),
+               peer_quota_bytes=args.peer_quota) as mover:
         print(f"mover {mover.name} serving on {mover.address}", flush=True)
         stop.wait()
     return 0

@@ -1,8 +1,9 @@
 """Fixtures of `make test-multinode`: two real tensorshmd daemons stand for two nodes (each its
 own socket and shm prefix), each with a mover (tensorshm.transfer.Mover) in a process of its own
-(tests/multinode/node.py) talking to the other over gRPC on TCP loopback and moving bytes with
-NIXL (UCX). NIXL and grpcio must import (make test-multinode installs them); the tests never skip
-for want of them."""
+(tests/multinode/node.py) talking to the other over gRPC on TCP loopback, proving the fleet token
+of TOKEN_FILE on every call, and moving bytes with NIXL (UCX, shared memory and CMA here). NIXL
+and grpcio must import (make test-multinode installs them); the tests never skip for want of
+them."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import importlib.util
 import json
 import os
 import pathlib
+import secrets
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -31,6 +34,21 @@ wait_for = python_conftest.wait_for
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+# The fleet token of the tests' movers: a file of this uid, mode 0600, in a 0700 directory.
+_SECRETS = tempfile.mkdtemp(prefix="tsm-multinode-")
+TOKEN_FILE = os.path.join(_SECRETS, "mover.token")
+
+
+def write_secret(path: str, text: str, mode: int = 0o600) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, mode)
+    return path
+
+
+write_secret(TOKEN_FILE, secrets.token_urlsafe(32))
+
 
 def pytest_configure(config) -> None:
     for module in ("nixl_cu12", "grpc", "google.protobuf", "ray"):
@@ -42,9 +60,12 @@ def pytest_configure(config) -> None:
 class Node:
     """A node: a mover process on a daemon's socket, driven by JSON commands."""
 
-    def __init__(self, socket: str, hold_seconds: float = 120.0, env: dict | None = None) -> None:
+    def __init__(self, socket: str, env: dict | None = None, **options) -> None:
+        """`options`: Mover's keyword arguments (default: the tests' fleet token)."""
+        if not {"token_file", "tls_cert", "insecure"} & options.keys():
+            options["token_file"] = TOKEN_FILE
         self.process = subprocess.Popen(
-            [sys.executable, str(HERE / "node.py"), socket, str(hold_seconds)],
+            [sys.executable, str(HERE / "node.py"), socket, json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env=None if env is None else {**os.environ, **env})
         self.address = self._line("ready ")
@@ -74,6 +95,11 @@ class Node:
             self.process.stdin.close()
             self.process.wait(timeout=30)
 
+    def state(self) -> dict:
+        answer = self.run(op="state")
+        assert answer["ok"], answer
+        return answer["result"]
+
 
 @pytest.fixture
 def daemons():
@@ -91,3 +117,9 @@ def nodes(daemons):
     yield node_a, node_b
     for n in (node_a, node_b):
         n.stop()
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    shutil.rmtree(_SECRETS, ignore_errors=True)

@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import tensorshm  # noqa: E402
 import tensorshm.ray  # noqa: E402
-from conftest import Daemon, wait_for  # noqa: E402
+from conftest import TOKEN_FILE, Daemon, wait_for  # noqa: E402
 from test_ship import SHIPS, consume, nothing_held, publish  # noqa: E402
 
 NODES = ("node_a", "node_b")
@@ -47,7 +47,8 @@ def node_daemons():
 @pytest.fixture(scope="module")
 def movers(cluster, node_daemons):
     a, b = node_daemons
-    movers = tensorshm.ray.start_movers({"node_a": a.socket, "node_b": b.socket})
+    movers = tensorshm.ray.start_movers({"node_a": a.socket, "node_b": b.socket},
+                                        token_file=TOKEN_FILE)
     yield movers
     tensorshm.ray.stop_movers(movers)
 
@@ -142,7 +143,7 @@ def test_movers_on_every_node_by_node_id(cluster, node_daemons, movers):
     node id, each on the one socket given (here both nodes' movers are daemon b's clients: the
     two nodes share this machine)."""
     a, b = node_daemons
-    started = tensorshm.ray.start_movers(socket=b.socket)
+    started = tensorshm.ray.start_movers(socket=b.socket, token_file=TOKEN_FILE)
     try:
         ids = node_ids()
         assert set(started) == set(ids.values())
@@ -159,17 +160,52 @@ def test_movers_on_every_node_by_node_id(cluster, node_daemons, movers):
 def test_start_movers_refuses_what_it_cannot_place_or_start(cluster, node_daemons, movers):
     a, _ = node_daemons
     with pytest.raises(tensorshm.InvalidArgumentError, match='node = "node_c"'):
-        tensorshm.ray.start_movers({"node_c": a.socket})  # no node has it: not left pending
+        tensorshm.ray.start_movers({"node_c": a.socket},  # no node has it: not left pending
+                                   token_file=TOKEN_FILE)
     with pytest.raises(tensorshm.AlreadyExistsError, match='node = "node_a"'):
-        tensorshm.ray.start_movers({"node_a": a.socket})
+        tensorshm.ray.start_movers({"node_a": a.socket}, token_file=TOKEN_FILE)
     # A node whose daemon is not there: the client's error, naming the socket; no actor stays.
     node_a = node_ids()["node_a"]
     with pytest.raises(tensorshm.ConnectionError, match="/nonexistent/tensorshm.sock"):
-        tensorshm.ray.start_movers({node_a: "/nonexistent/tensorshm.sock"})
+        tensorshm.ray.start_movers({node_a: "/nonexistent/tensorshm.sock"},
+                                   token_file=TOKEN_FILE)
+    # Without a token (and not insecure) a mover refuses to start; no actor stays.
+    with pytest.raises(tensorshm.FailedPreconditionError, match="no credentials"):
+        tensorshm.ray.start_movers({node_a: a.socket})
     def named() -> set[str]:
         return {n["name"] for n in ray.util.list_named_actors(all_namespaces=True)}
 
     assert wait_for(lambda: named() == {tensorshm.ray.actor_name(n) for n in NODES}), named()
+
+
+def test_a_ray_caller_without_the_token_gets_nothing_from_a_mover(node_daemons, movers):
+    """A Ray namespace is no boundary: any driver can call a mover actor's serve. Without a
+    proof of the fleet token (or with a replayed one) it gets UNAUTHENTICATED and nothing
+    else."""
+    from tensorshm._mover_auth import Token
+    from tensorshm._mover_service import messages
+
+    a, _ = node_daemons
+    m = messages()
+    with tensorshm.connect(a.socket) as ca:
+        publish(ca, "ray/secret", "bytes:64")
+        before = ca.stat()
+        offer = m["OfferRequest"](name="ray/secret").SerializeToString()
+        listing = m["ListRequest"](prefix="").SerializeToString()
+        other = Token(b"another fleet's token, 32 bytes!")
+        for method, request, proof in (("Offer", offer, ""),
+                                       ("Offer", offer, other.sign_call("Offer", offer)[0]),
+                                       ("List", listing, "")):
+            reply, reply_proof, code, message = ray.get(
+                movers["node_a"].serve.remote(method, request, proof))
+            assert (reply, reply_proof, code) == (b"", "", 16), (method, message)
+            print(method, message)
+        proof, _ = Token.from_file(TOKEN_FILE).sign_call("List", listing)
+        assert ray.get(movers["node_a"].serve.remote("List", listing, proof))[2] == 0
+        replayed = ray.get(movers["node_a"].serve.remote("List", listing, proof))
+        assert replayed[2] == 16 and "a replay" in replayed[3], replayed
+        after = ca.stat()
+        assert (after["leases"], after["tensors"]) == (before["leases"], before["tensors"])
 
 
 def test_a_mover_killed_fails_the_ship_and_one_started_again_serves(node_daemons, movers):
@@ -183,6 +219,6 @@ def test_a_mover_killed_fails_the_ship_and_one_started_again_serves(node_daemons
     with tensorshm.connect(a.socket) as ca, tensorshm.connect(b.socket) as cb:
         assert "ray/again" not in cb and wait_for(lambda: nothing_held(cb)), cb.stat()
         assert wait_for(lambda: nothing_held(ca)), ca.stat()
-    movers.update(tensorshm.ray.start_movers({"node_a": a.socket}))
+    movers.update(tensorshm.ray.start_movers({"node_a": a.socket}, token_file=TOKEN_FILE))
     assert tensorshm.ray.ship("ray/again", "node_a", "node_b") == "ray/again"
     consume(b, "ray/again", f"f32:{1 << 20}")

@@ -116,15 +116,16 @@ def test_a_name_not_published_is_not_found_naming_it(daemons, nodes):
         assert nothing_held(cb) and "missing/x" not in cb
 
 
-# Over UCX's TCP transport (as between nodes) 512 MiB takes about half a second here: long enough
-# to kill a mover while the bytes move.
+# Over UCX's TCP transport (as between nodes; allowed only with allow_tcp_rma) 512 MiB takes
+# about half a second here: long enough to kill a mover while the bytes move.
 SLOW = {"UCX_TLS": "tcp,self"}
+TCP_RMA = {"env": SLOW, "allow_tcp_rma": True}
 HALF_GIB = f"f32:{128 << 20}"
 
 
 def test_source_mover_killed_mid_transfer_leaves_nothing_behind(daemons):
     a, b = daemons
-    node_a, node_b = Node(a.socket, env=SLOW), Node(b.socket, env=SLOW)
+    node_a, node_b = Node(a.socket, **TCP_RMA), Node(b.socket, **TCP_RMA)
     try:
         with tensorshm.connect(a.socket) as ca, tensorshm.connect(b.socket) as cb:
             publish(ca, "big", HALF_GIB)
@@ -150,12 +151,14 @@ def test_source_mover_killed_mid_transfer_leaves_nothing_behind(daemons):
 
 def test_destination_mover_killed_mid_transfer_leaves_nothing_behind(daemons):
     a, b = daemons
-    node_a, node_b = Node(a.socket, env=SLOW), Node(b.socket, env=SLOW)
+    node_a, node_b = Node(a.socket, hold_seconds=10, **TCP_RMA), Node(b.socket, **TCP_RMA)
     try:
         with tensorshm.connect(a.socket) as ca, tensorshm.connect(b.socket) as cb:
             publish(ca, "big", HALF_GIB)
             used = cb.stat()["pools"][0]["used_bytes"]
-            # A short timeout: the source holds its lease for it (plus 5 s) if no one finishes.
+            # A short timeout: the source holds its lease for it (plus 5 s) if no one finishes,
+            # and keeps the memory one hold time more (hold_seconds: 10 s) before it gives it
+            # back.
             node_b.send(op="pull", peer=node_a.address, name="big", timeout=4)
             assert wait_for(lambda: ca.stat()["leases"] == 1, timeout=30)
             assert wait_for(lambda: cb.stat()["tensors"] == 1, timeout=30)  # its buffer

@@ -119,7 +119,8 @@ def test_every_name_the_package_exported_before_the_split_is_there():
                  "ConnectionError", "DataLossError", "Error", "FailedPreconditionError",
                  "InternalError", "InvalidArgumentError", "NotFoundError", "PermissionError",
                  "ReleasedError", "ResourceExhaustedError", "Tensor", "TimeoutError",
-                 "UnimplementedError", "WritableTensor", "connect", "to_numpy", "__version__"):
+                 "UnauthenticatedError", "UnimplementedError", "WritableTensor", "connect",
+                 "to_numpy", "__version__"):
         assert hasattr(tensorshm, name), name
     assert tensorshm.Client.__module__ == "tensorshm"
     assert set(tensorshm.__all__) <= set(dir(tensorshm))

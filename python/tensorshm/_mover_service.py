@@ -1,0 +1,455 @@
+"""tensorshm.transfer's serving side: what a Mover does for its peers (the Mover service of
+proto/tensorshm/v1/mover.proto) and the limits a peer cannot lift.
+
+A peer's call is checked (its proof of the fleet token, when the mover has one) before its
+request is even parsed. Then: names only under the prefixes this mover offers (Offer, List) or
+accepts (Prepare); holds no longer than this mover's own maximum; prepared bytes within a quota
+per peer; devices this node's daemon has. A hold keeps a lease (Offer) or an unpublished buffer
+(Prepare) until the peer's Finish or the hold's end; only the span of its tensor is registered
+with NIXL, and only while the hold lasts. A hold that ran out is deregistered at once but kept
+for one more hold time before its memory goes back, so that a peer still moving bytes (too slow,
+or dead) never reads or writes memory that another tensor has by then.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.resources
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from collections.abc import Iterator
+from typing import Any
+
+from . import _errors
+from ._mover_auth import Credentials
+from ._nixl import Agent, Registration
+
+SERVICE = "tensorshm.v1.Mover"
+# The largest chunk one Read or Write message carries (gRPC's messages are bounded: see
+# MESSAGE_LIMIT).
+CHUNK_BYTES = 4 << 20
+MESSAGE_LIMIT = CHUNK_BYTES + (1 << 20)
+_POLL_SECONDS = 0.0005
+
+# The Mover service's methods: name -> (handler, request message, reply message).
+METHODS = {
+    "Offer": ("_offer", "OfferRequest", "OfferReply"),
+    "Prepare": ("_prepare", "PrepareRequest", "PrepareReply"),
+    "Finish": ("_finish", "FinishRequest", "FinishReply"),
+    "List": ("_list", "ListRequest", "ListReply"),
+    "Read": ("_read", "ReadRequest", "ReadReply"),
+    "Write": ("_write", "WriteRequest", "WriteReply"),
+}
+
+
+@functools.cache
+def messages() -> dict[str, Any]:
+    """The Mover service's message classes, built from the descriptor set the package carries
+    (mover.binpb, made from proto/tensorshm/v1/mover.proto at build time)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    data = importlib.resources.files(__package__).joinpath("mover.binpb").read_bytes()
+    pool = descriptor_pool.DescriptorPool()
+    for proto in descriptor_pb2.FileDescriptorSet.FromString(data).file:
+        pool.Add(proto)
+    names = ["TensorLayout", "Span", "Endpoint"] + [m for v in METHODS.values() for m in v[1:]]
+    return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorshm.v1.{n}"))
+            for n in names}
+
+
+def device_name(place: dict[str, Any]) -> str:
+    return "cpu" if place["device"] == "cpu" else f"cuda:{place['device_id']}"
+
+
+@dataclass
+class Hold:
+    """What this mover keeps for a peer's transfer: a source's lease (Offer) or a destination's
+    unpublished buffer (Prepare: `name` is what Finish publishes it as), until Finish or
+    `deadline`."""
+
+    tensor: Any
+    place: dict[str, Any]
+    deadline: float
+    registration: Registration | None = None
+    prepared: bool = False
+    name: str = ""
+    replace: bool = False
+    peer: str = ""  # the requester's agent name: whose quota a prepared buffer counts against
+    expired: bool = False  # past its deadline: refused to Read, Write and Finish
+    dropped: bool = False  # its tensor released
+    # Held while a Read or Write copies, and by the drop: no chunk touches memory given back.
+    busy: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What peers may ask of this mover (see Mover)."""
+
+    hold_seconds: float = 60.0
+    offer_prefixes: tuple[str, ...] = ("",)
+    accept_prefixes: tuple[str, ...] = ("",)
+    peer_quota_bytes: int = 4 << 30
+
+
+class Service:
+    """The Mover service over this node's client and agent (None: bytes by Read and Write only).
+    Thread-safe: its handlers run on gRPC's or Ray's threads at once."""
+
+    def __init__(self, client: Any, agent: Agent | None, credentials: Credentials,
+                 limits: Limits) -> None:
+        self.client = client
+        self.agent = agent
+        self.credentials = credentials
+        self.limits = limits
+        self.m = messages()
+        self._holds: dict[str, Hold] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._devices: set[str] | None = None
+        self._poller = threading.Thread(target=self._poll_holds, name="tensorshm-mover-poll",
+                                        daemon=True)
+        self._poller.start()
+
+    # ---- One call ----
+
+    def serve(self, method: str, request: bytes, proof: str | None) -> tuple[bytes, str]:
+        """One Mover service call: (the reply's bytes, its proof) or the tensorshm error the
+        caller gets. The proof is checked before anything else."""
+        token = self.credentials.token
+        nonce = token.check_call(method, request, proof) if token is not None else b""
+        if method not in METHODS:
+            raise _errors.UnimplementedError(
+                f"method = \"{method}\": the Mover service has {', '.join(METHODS)}")
+        handler, request_type, _ = METHODS[method]
+        reply = getattr(self, handler)(self.m[request_type].FromString(request))
+        data = bytes(reply.SerializeToString())
+        return data, token.sign_reply(method, nonce, data) if token is not None else ""
+
+    def grpc_handler(self, grpc: Any) -> Any:
+        """The generic gRPC handler of the service: requests and replies as bytes (the proofs
+        cover the bytes), proofs in metadata; Read and Write stream their chunks."""
+        from ._mover_auth import PROOF_KEY
+
+        def abort(context: Any, e: _errors.Error) -> None:
+            code = next((c for c in grpc.StatusCode if c.value[0] == e.code),
+                        grpc.StatusCode.UNKNOWN)
+            context.abort(code, str(e))
+
+        def answer(context: Any, reply: bytes, reply_proof: str) -> bytes:
+            if reply_proof:
+                context.set_trailing_metadata(((PROOF_KEY, reply_proof),))
+            return reply
+
+        def unary(method: str) -> Any:
+            def handle(request: bytes, context: Any) -> bytes:
+                proof = dict(context.invocation_metadata()).get(PROOF_KEY)
+                try:
+                    return answer(context, *self.serve(method, request, proof))
+                except _errors.Error as e:
+                    abort(context, e)
+                    raise  # not reached: abort raises
+
+            return grpc.unary_unary_rpc_method_handler(handle)
+
+        def read(request: bytes, context: Any) -> Iterator[bytes]:
+            try:
+                yield from self.read_stream(request,
+                                            dict(context.invocation_metadata()).get(PROOF_KEY))
+            except _errors.Error as e:
+                abort(context, e)
+
+        def write(requests: Iterator[bytes], context: Any) -> bytes:
+            try:
+                return answer(context, *self.write_stream(
+                    requests, dict(context.invocation_metadata()).get(PROOF_KEY)))
+            except _errors.Error as e:
+                abort(context, e)
+                raise
+
+        handlers = {m: unary(m) for m in METHODS if m not in ("Read", "Write")}
+        handlers["Read"] = grpc.unary_stream_rpc_method_handler(read)
+        handlers["Write"] = grpc.stream_unary_rpc_method_handler(write)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    # ---- Limits ----
+
+    def hold_time(self, asked: float) -> float:
+        """The hold a peer gets for `asked` seconds (0: this mover's maximum)."""
+        if not math.isfinite(asked) or asked < 0:
+            raise _errors.InvalidArgumentError(
+                f"hold_seconds = {asked}: a finite number of seconds >= 0 (0: the mover's "
+                f"maximum, {self.limits.hold_seconds:g})")
+        return min(asked or self.limits.hold_seconds, self.limits.hold_seconds)
+
+    @staticmethod
+    def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+        return any(name.startswith(p) for p in prefixes)
+
+    def _check_name(self, name: str, prefixes: tuple[str, ...], what: str) -> None:
+        if not self._under(name, prefixes):
+            raise _errors.PermissionError(
+                f"name = \"{name}\": this mover {what} only names under "
+                + ", ".join(f"\"{p}\"" for p in prefixes))
+
+    def _check_device(self, device: str) -> str:
+        device = device or "cpu"
+        if self._devices is None:
+            self._devices = {str(p["device"]) for p in self.client.stat()["pools"]}
+        if device not in self._devices:
+            raise _errors.InvalidArgumentError(
+                f"layout.device = \"{device}\": this node's daemon has pools on "
+                + ", ".join(sorted(self._devices)))
+        return device
+
+    # ---- Handlers ----
+
+    def _hold(self, hold: Hold) -> str:
+        transfer_id = secrets.token_hex(16)
+        with self._lock:
+            if self._closed:
+                raise _errors.ConnectionError("this mover is closing")
+            self._holds[transfer_id] = hold
+            self._wake.notify()
+        return transfer_id
+
+    def _endpoint(self, hold: Hold, nixl: bool) -> Any:
+        """Where the hold's bytes lie for the peer: registered with NIXL (for this transfer
+        alone) when both sides can, else for Read or Write calls."""
+        place = hold.place
+        span = self.m["Span"](length=place["nbytes"], device=device_name(place))
+        if not (nixl and self.agent is not None):
+            return self.m["Endpoint"](span=span)
+        hold.registration = self.agent.register(place)
+        span.address = place["address"]
+        return self.m["Endpoint"](agent_name=self.agent.name, agent_metadata=self.agent.metadata(),
+                                  span=span)
+
+    def _offer(self, req: Any) -> Any:
+        self._check_name(req.name, self.limits.offer_prefixes, "offers")
+        seconds = self.hold_time(req.hold_seconds)
+        tensor = self.client.get(req.name, timeout=0)
+        hold = Hold(tensor, {}, time.monotonic() + seconds, peer=req.requester_agent)
+        try:
+            hold.place = tensor._segment_place()
+            source = self._endpoint(hold, req.nixl)
+            transfer_id = self._hold(hold)
+        except BaseException:
+            self._drop(hold)
+            raise
+        layout = self.m["TensorLayout"](dtype=tensor.dtype, shape=list(tensor.shape),
+                                        strides=list(tensor.strides), device=tensor.device,
+                                        nbytes=hold.place["nbytes"])
+        return self.m["OfferReply"](transfer_id=transfer_id, layout=layout, source=source)
+
+    def _prepare(self, req: Any) -> Any:
+        self._check_name(req.name, self.limits.accept_prefixes, "accepts")
+        seconds = self.hold_time(req.hold_seconds)
+        layout = req.layout
+        device = self._check_device(layout.device)
+        with self._lock:
+            held = sum(h.place.get("nbytes", 0) for h in self._holds.values()
+                       if h.prepared and h.peer == req.requester_agent)
+        if held + layout.nbytes > self.limits.peer_quota_bytes:
+            raise _errors.ResourceExhaustedError(
+                f"layout.nbytes = {layout.nbytes}: mover \"{req.requester_agent}\" has "
+                f"{held} bytes prepared here, and may have {self.limits.peer_quota_bytes}")
+        tensor = self.client.create(list(layout.shape), layout.dtype, device,
+                                    strides=list(layout.strides) or None, timeout=0)
+        hold = Hold(tensor, {}, time.monotonic() + seconds, prepared=True, name=req.name,
+                    replace=req.replace, peer=req.requester_agent)
+        try:
+            hold.place = tensor._segment_place()
+            if hold.place["nbytes"] != layout.nbytes:
+                raise _errors.InvalidArgumentError(
+                    f"layout.nbytes = {layout.nbytes}: {layout.dtype}{list(layout.shape)} with "
+                    f"strides {list(layout.strides)} spans {hold.place['nbytes']} bytes here")
+            destination = self._endpoint(hold, req.nixl)
+            transfer_id = self._hold(hold)
+        except BaseException:
+            self._drop(hold)
+            raise
+        return self.m["PrepareReply"](transfer_id=transfer_id, destination=destination)
+
+    def _take(self, transfer_id: str, pop: bool) -> Hold:
+        """The live hold of `transfer_id` (`pop`: no longer held after); NotFoundError when
+        there is none or its time passed."""
+        with self._lock:
+            hold = self._holds.get(transfer_id)
+            if hold is not None and pop:
+                del self._holds[transfer_id]
+        if hold is None or hold.expired:
+            if hold is not None and pop:
+                self._drop(hold)  # the peer says it is done with it
+            raise _errors.NotFoundError(
+                f"transfer_id = \"{transfer_id}\": no such transfer here (finished, or its "
+                "hold time passed)")
+        return hold
+
+    def _finish(self, req: Any) -> Any:
+        hold = self._take(req.transfer_id, pop=True)
+        try:
+            if req.commit and hold.prepared:
+                hold.tensor.publish(hold.name, replace=hold.replace)
+                return self.m["FinishReply"](published=hold.name)
+            return self.m["FinishReply"]()
+        finally:
+            self._drop(hold)
+
+    def _list(self, req: Any) -> Any:
+        names = [n for n in self.client.keys(req.prefix)
+                 if self._under(n, self.limits.offer_prefixes)]
+        return self.m["ListReply"](names=names)
+
+    def _held(self, transfer_id: str, prepared: bool) -> Hold:
+        """The live hold of a Read (an offer) or a Write (a prepared buffer)."""
+        hold = self._take(transfer_id, pop=False)
+        if hold.prepared != prepared:
+            raise _errors.FailedPreconditionError(
+                f"transfer_id = \"{transfer_id}\": "
+                + ("a prepared buffer, not an offer" if hold.prepared else
+                   "an offer, not a prepared buffer"))
+        if hold.place["device"] != "cpu":
+            raise _errors.UnimplementedError(
+                f"device = \"{device_name(hold.place)}\": device bytes move by NIXL only")
+        return hold
+
+    @staticmethod
+    def _bounds(hold: Hold, offset: int, length: int, what: str, limit: int) -> None:
+        if length > limit or offset + length > hold.place["nbytes"]:
+            raise _errors.InvalidArgumentError(
+                f"{what}: offset {offset} + length {length} is past the span's "
+                f"{hold.place['nbytes']} bytes or over {limit} bytes a call")
+
+    @staticmethod
+    def _copy(hold: Hold, offset: int, length: int, data: bytes | None = None) -> bytes:
+        """Reads [offset, offset + length) of the hold's span, or writes `data` there, unless
+        the hold ended (NotFoundError): the drop waits for a copy under way."""
+        address = int(hold.place["address"]) + offset
+        with hold.busy:
+            if hold.dropped or hold.expired:
+                raise _errors.NotFoundError("the transfer ended (its hold time passed)")
+            if data is None:
+                return ctypes.string_at(address, length)
+            ctypes.memmove(address, data, length)
+            return b""
+
+    def _read(self, req: Any) -> Any:
+        hold = self._held(req.transfer_id, prepared=False)
+        self._bounds(hold, req.offset, req.length, "Read", CHUNK_BYTES)
+        return self.m["ReadReply"](data=self._copy(hold, req.offset, req.length),
+                                   offset=req.offset)
+
+    def _write(self, req: Any) -> Any:
+        hold = self._held(req.transfer_id, prepared=True)
+        self._bounds(hold, req.offset, len(req.data), "Write", CHUNK_BYTES)
+        self._copy(hold, req.offset, len(req.data), req.data)
+        return self.m["WriteReply"]()
+
+    def read_stream(self, request: bytes, proof: str | None) -> Iterator[bytes]:
+        """Read over gRPC: the span's chunks [offset, offset + length), each with its proof."""
+        token = self.credentials.token
+        nonce = token.check_call("Read", request, proof) if token is not None else b""
+        req = self.m["ReadRequest"].FromString(request)
+        hold = self._held(req.transfer_id, prepared=False)
+        self._bounds(hold, req.offset, req.length, "Read", hold.place["nbytes"])
+        end = req.offset + req.length
+        for offset in range(req.offset, end, CHUNK_BYTES):
+            data = self._copy(hold, offset, min(CHUNK_BYTES, end - offset))
+            chunk_proof = (token.sign_chunk("Read", nonce, f"{req.transfer_id}:{offset}", data)
+                           if token is not None else "")
+            yield self.m["ReadReply"](data=data, offset=offset,
+                                      proof=chunk_proof).SerializeToString()
+
+    def write_stream(self, requests: Iterator[bytes], proof: str | None) -> tuple[bytes, str]:
+        """Write over gRPC: chunks, each proved, into prepared buffers; the reply and its proof.
+        The call's own proof is checked before a chunk is read."""
+        token = self.credentials.token
+        nonce = token.check_call("Write", b"", proof) if token is not None else b""
+        holds: dict[str, Hold] = {}
+        for raw in requests:
+            req = self.m["WriteRequest"].FromString(raw)
+            if token is not None:
+                token.check_chunk("Write", nonce, f"{req.transfer_id}:{req.offset}", req.data,
+                                  req.proof, "the caller")
+            hold = holds.get(req.transfer_id) or holds.setdefault(
+                req.transfer_id, self._held(req.transfer_id, prepared=True))
+            self._bounds(hold, req.offset, len(req.data), "Write", CHUNK_BYTES)
+            self._copy(hold, req.offset, len(req.data), req.data)
+        reply = bytes(self.m["WriteReply"]().SerializeToString())
+        return reply, token.sign_reply("Write", nonce, reply) if token is not None else ""
+
+    # ---- Holds' ends ----
+
+    def _drop(self, hold: Hold) -> None:
+        with hold.busy:
+            if hold.dropped:
+                return
+            hold.dropped = True
+        if hold.registration is not None and self.agent is not None:
+            self.agent.deregister(hold.registration)
+            hold.registration = None
+        hold.tensor.release()
+
+    def _poll_holds(self) -> None:
+        """While peers' transfers are held: progresses the agent (a peer's READ or WRITE needs
+        this side to answer its connection) and ends holds whose time has passed: first their
+        registration, one hold time later their memory."""
+        while True:
+            with self._lock:
+                while not self._holds and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                nixl = any(h.registration is not None for h in self._holds.values())
+                if not nixl:
+                    soonest = min(h.deadline for h in self._holds.values())
+                    self._wake.wait(max(soonest - time.monotonic(), 0.0))
+            if nixl and self.agent is not None:
+                try:
+                    self.agent.poll()
+                except Exception:
+                    pass  # a peer that went away: its transfer fails on its side
+            now = time.monotonic()
+            ending: list[Hold] = []  # out of time now: deregistered, refused, memory kept
+            ended: list[Hold] = []  # out of time for a second hold time: memory given back
+            with self._lock:
+                for transfer_id, hold in list(self._holds.items()):
+                    if hold.deadline >= now:
+                        continue
+                    if hold.expired:
+                        del self._holds[transfer_id]
+                        ended.append(hold)
+                    else:
+                        hold.expired = True
+                        hold.deadline = now + self.limits.hold_seconds
+                        ending.append(hold)
+            for hold in ending:
+                with hold.busy:  # no chunk copies past this point
+                    registration, hold.registration = hold.registration, None
+                if registration is not None and self.agent is not None:
+                    self.agent.deregister(registration)
+            for hold in ended:
+                self._drop(hold)
+            if nixl:
+                time.sleep(_POLL_SECONDS)
+
+    @property
+    def holds(self) -> int:
+        with self._lock:
+            return len(self._holds)
+
+    def close(self) -> None:
+        """Drops every hold (a closing mover's peers' transfers fail)."""
+        with self._lock:
+            self._closed = True
+            holds = list(self._holds.values())
+            self._holds.clear()
+            self._wake.notify()
+        self._poller.join()
+        for hold in holds:
+            self._drop(hold)
