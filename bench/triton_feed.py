@@ -8,7 +8,8 @@ Per request, each row starts from x where its user has it and ends with y where 
   shm-utils   as tritonclient's examples do: create a region for x and one for y, copy x in,
               register both, infer, copy y out, unregister, destroy
   tensorshm   x published in tensorshm by a producer process; get x, create y, infer with both
-              by (region, offset), publish y for other processes (segments registered once)
+              by (region, offset), publish y for other processes (the segment registered for
+              the inference and unregistered after: two more requests to Triton)
   tensorshm+put  the same, timing the producer's put of x into tensorshm too (its copy)
 Prints medians (ms) per size and the ratios of tensorshm to the others.
 
@@ -95,7 +96,7 @@ def shm_utils_row(protocol, triton, x: np.ndarray):
     return run
 
 
-def tensorshm_row(protocol, triton, client, feed: TritonFeeder, x: np.ndarray, put: bool):
+def tensorshm_row(protocol, client, feed: TritonFeeder, x: np.ndarray, put: bool):
     client.put("bench/x", x, replace=True)
 
     def run() -> None:
@@ -103,8 +104,8 @@ def tensorshm_row(protocol, triton, client, feed: TritonFeeder, x: np.ndarray, p
             client.put("bench/x", x, replace=True)
         with client.get("bench/x") as tx:
             y = client.create(tx.shape, tx.dtype)
-            triton.infer("affine", [feed.input("x", tx)],
-                         outputs=[feed.output("y", y), protocol.InferRequestedOutput("s")])
+            feed.infer("affine", [feed.input("x", tx)],
+                       [feed.output("y", y), protocol.InferRequestedOutput("s")])
             y.publish("bench/y", replace=True)
         with client.get("bench/y") as ty:
             assert np.from_dlpack(ty)[-1] == expected(x[-1:])[0]
@@ -154,8 +155,8 @@ def main() -> None:
                 rows = {
                     "inline": inline_row(protocol, triton, x),
                     "shm-utils": shm_utils_row(protocol, triton, x),
-                    "tensorshm": tensorshm_row(protocol, triton, client, feed, x, put=False),
-                    "+put": tensorshm_row(protocol, triton, client, feed, x, put=True),
+                    "tensorshm": tensorshm_row(protocol, client, feed, x, put=False),
+                    "+put": tensorshm_row(protocol, client, feed, x, put=True),
                 }
                 ms = {name: median_ms(run, args.runs, 3) for name, run in rows.items()}
                 print(f"{size:>4} MiB {ms['inline']:>9.1f} {ms['shm-utils']:>10.1f} "

@@ -1,6 +1,7 @@
 """Triton as another uid (65534, in group 4242), as it runs beside tensorshmd in a Pod: it opens
 segments by name read-write, so it maps them only when the daemon runs with --shm-group 4242
-(segments 0660 in that group); without it the feeder's register is refused, naming the fix."""
+(segments 0660 in that group); without it the feeder's register (at the inference) is refused,
+naming the fix."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_shm_group_lets_triton_of_another_uid_map_the_segments(other_uid_triton)
                 mode = os.stat(f"/dev/shm{x._segment_place()['shm_name']}")
                 assert (stat.S_IMODE(mode.st_mode), mode.st_gid) == (0o660, GROUP)
                 y = client.create(x.shape, x.dtype)
-                triton.infer("affine", [feed.input("x", x)], outputs=[feed.output("y", y)])
+                feed.infer("affine", [feed.input("x", x)], [feed.output("y", y)])
                 y.publish("y")
         consume(daemon, "y", seed=7)
     finally:
@@ -66,7 +67,7 @@ def test_without_shm_group_the_register_is_refused_naming_the_option(other_uid_t
             with client.get("x") as x:
                 with pytest.raises(tensorshm.FailedPreconditionError,
                                    match=r"Unable to open shared memory region.*--shm-group GROUP"):
-                    feed.input("x", x)
-            assert feed.regions == {}
+                    feed.infer("affine", [feed.input("x", x)])
+            assert feed.regions == []
     finally:
         assert daemon.stop() == 0

@@ -1,6 +1,7 @@
 """CUDA tensors through Triton's CUDA shared-memory extension, against the emulated driver
-(tests/support/fake_cuda): what the feeder registers (the segment's IPC handle, base64, the
-segment's size, Triton's device ordinal) and each input's (region, offset, length). A separate
+(tests/support/fake_cuda): what the feeder registers for one inference (the segment's IPC handle,
+base64, Triton's device ordinal, and the segment's bytes up to the end of the inference's last
+tensor in it), each input's (region, offset, length), and the unregister after. A separate
 process, as Triton would, opens that handle and reads the tensor's bytes at that offset. The CPU
 tritonserver here cannot open CUDA handles; tests/gpu runs a real device where one is lent."""
 
@@ -50,11 +51,20 @@ sys.stdout.write(out.raw.hex())
 
 
 class RecordingTriton(httpclient.InferenceServerClient):
-    """A tritonclient HTTP client whose CUDA region calls are recorded, not sent."""
+    """A tritonclient HTTP client whose region calls and inferences are recorded, not sent."""
 
     def __init__(self) -> None:
         super().__init__("127.0.0.1:9")
         self.calls: list[tuple] = []
+
+    def get_system_shared_memory_status(self, region_name="", headers=None, query_params=None):
+        return []
+
+    def get_cuda_shared_memory_status(self, region_name="", headers=None, query_params=None):
+        return []
+
+    def infer(self, model_name, inputs, outputs=None, **kwargs):
+        self.calls.append(("infer", model_name))
 
     def register_cuda_shared_memory(self, name, raw_handle, device_id, byte_size, headers=None):
         self.calls.append(("register", name, raw_handle, device_id, byte_size))
@@ -84,7 +94,7 @@ def daemon():
     assert d.stop() == 0
 
 
-def test_cuda_input_registers_the_segment_handle_and_reaches_the_bytes(daemon):
+def test_cuda_input_registers_the_segment_handle_for_the_inference_and_reaches_the_bytes(daemon):
     data = np.arange(3000, dtype=np.float32) * 1.5
     with tensorshm.connect(daemon.socket) as client:
         w = client.create((3000,), "float32", device="cuda:1")  # the daemon's device 0
@@ -95,13 +105,19 @@ def test_cuda_input_registers_the_segment_handle_and_reaches_the_bytes(daemon):
             place = x._segment_place()
             assert place["device"] == "cuda" and place["device_id"] == 1
             assert len(place["ipc_handle"]) == 64
-            infer_input = feed.input("x", x)
-            feed.input("x2", x)  # the same segment: registered once
-            region = feed.regions[("cuda", 1, place["segment_instance"], place["segment_id"])]
-            assert region.endswith(f".cuda1.{place['segment_id']}")
-            assert triton.calls == [("register", region, base64.b64encode(place["ipc_handle"]),
-                                     0, place["segment_size"])]
+            end = place["offset"] + data.nbytes
+            assert end < place["segment_size"]  # so that the bound below says something
+            infer_input, again = feed.input("x", x), feed.input("x2", x)
+            assert triton.calls == []  # nothing registered until the inference
+            feed.infer("m", [infer_input, again])
+            # The same segment: one region, up to the tensor's end, for the call only.
+            region = triton.calls[0][1]
+            assert region.startswith("tensorshm.")
+            assert triton.calls == [
+                ("register", region, base64.b64encode(place["ipc_handle"]), 0, end),
+                ("infer", "m"), ("unregister", region)]
             assert shm_parameters(infer_input) == (region, data.nbytes, place["offset"])
+            assert feed.regions == []
             # Triton's process sees the devices in order, as the daemon does (its ordinal 0).
             read = subprocess.run(
                 [sys.executable, "-c", READER, base64.b64encode(place["ipc_handle"]).decode(), "0",
@@ -110,7 +126,6 @@ def test_cuda_input_registers_the_segment_handle_and_reaches_the_bytes(daemon):
                 env={**os.environ, "TSM_FAKE_CUDA_VISIBLE": "0,1"})
             assert read.returncode == 0, read.stderr
             assert bytes.fromhex(read.stdout) == data.tobytes()
-        assert triton.calls[-1] == ("unregister", region)
 
 
 def test_cuda_output_is_a_region_of_the_writable_buffers_segment(daemon):
@@ -120,9 +135,11 @@ def test_cuda_output_is_a_region_of_the_writable_buffers_segment(daemon):
         with TritonFeeder(triton, client) as feed:
             requested = feed.output("y", y)
             place = y._segment_place()
-            region = feed.regions[("cuda", 0, place["segment_instance"], place["segment_id"])]
-            assert triton.calls[0][3] == 0  # this process's ordinal, unmapped
-            assert shm_parameters(requested) == (region, 64 * 4 * 4, place["offset"])
+            with feed.registered([], [requested]) as regions:
+                assert triton.calls == [("register", regions[0], base64.b64encode(
+                    place["ipc_handle"]), 0, place["offset"] + 64 * 4 * 4)]  # ordinal unmapped
+                assert shm_parameters(requested) == (regions[0], 64 * 4 * 4, place["offset"])
+            assert triton.calls[-1] == ("unregister", regions[0])
             with pytest.raises(tensorshm.InvalidArgumentError, match="copy=True copies host"):
                 w = client.create((8,), "float32", strides=(2,), device="cuda:0")
                 feed.input("w", w, copy=True)
@@ -136,10 +153,10 @@ def test_a_host_and_a_cuda_segment_of_the_same_numbers_are_two_regions(daemon):
         w = client.create((16,), "float32", device="cuda:1")
         triton = RecordingTriton()
         with client.get("h") as h, TritonFeeder(triton, client) as feed:
-            feed.input("h", h)
-            feed.output("w", w)
             hp, wp = h._segment_place(), w._segment_place()
             assert (hp["segment_instance"], hp["segment_id"]) == (
                 wp["segment_instance"], wp["segment_id"])  # the case this test is about
-            assert [call[0] for call in triton.calls] == ["register_system", "register"]
-            assert len(set(feed.regions.values())) == 2
+            feed.infer("m", [feed.input("h", h)], [feed.output("w", w)])
+            assert [call[0] for call in triton.calls] == [
+                "register_system", "register", "infer", "unregister_system", "unregister"]
+            assert triton.calls[0][1] != triton.calls[1][1]
