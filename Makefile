@@ -112,8 +112,10 @@ test-gpu: build python ecosystem-packages
 	$(CHECK_SKIPS) --label test-gpu $(RESULTS)/gpu.xml
 
 # tensorshm.transfer between two nodes' daemons (tests/multinode): two real tensorshmd stand for
-# two nodes, a mover process on each ships tensors over gRPC (control) and NIXL/UCX (bytes), with
-# a consumer process checking every byte, movers SIGKILLed mid-transfer and a daemon restart.
+# two nodes, a mover process on each ships tensors over gRPC (control, every call proving a fleet
+# token) and NIXL/UCX (bytes; or an authenticated gRPC stream), with a consumer process checking
+# every byte, movers SIGKILLed mid-transfer and a daemon restart; a third process as uid 65534,
+# impostors, a pickling peer and mTLS (test_trust.py).
 # NIXL 1.5.1 (--no-deps: its `nixl` package pulls torch for type hints only), grpcio and protobuf
 # go into .venv when they do not import. CI runs it.
 NIXL_PACKAGES = nixl==1.5.1 nixl-cu12==1.5.1
@@ -247,8 +249,9 @@ bench-ray: build python
 	$(BENCH_PY) bench/py_handoff.py --ray-python $(CURDIR)/.venv-ray/bin/python $(PY_HANDOFF_ARGS)
 
 # bench/ship.py: a 64 MiB and a 1 GiB tensor shipped from one tensorshmd to another (two nodes on
-# this machine, each side in its own process) by tensorshm.transfer (NIXL: UCX's own transports,
-# then UCX_TLS=tcp,self), by Ray's object store on a two-node ray.cluster_utils.Cluster, and by a
+# this machine, each side in its own process) by tensorshm.transfer (NIXL: UCX's transports but
+# TCP, then UCX_TLS=tcp,self with allow_tcp_rma, then its authenticated gRPC stream), by Ray's
+# object store on a two-node ray.cluster_utils.Cluster, and by a
 # gRPC byte stream; flags in SHIP_ARGS (e.g. SHIP_ARGS="--sizes 64Mi --runs 5"). Installs Ray into
 # .venv first if it does not import.
 SHIP_ARGS ?=

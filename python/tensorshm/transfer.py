@@ -125,7 +125,8 @@ class Mover:
         self._m = messages()
         self.timeout = timeout
         self.transport = transport
-        self.name = name or f"tsm-mover-{_socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.name = name or (
+            f"tsm-mover-{_socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
         self._agent: _Agent | None = None
         if transport != "grpc":
             try:
