@@ -5,10 +5,13 @@ Two kinds, alone or together:
 
 - **A fleet token** (``token_file``): a secret in a file only the mover's uid can read. Every call
   carries a proof, ``v1.<unix ms>.<nonce>.<HMAC>``: an HMAC-SHA256 under the token over the
-  method, the time, a fresh 128-bit nonce and the SHA-256 of the request's bytes. The serving
-  mover takes a proof once (it keeps the nonces it saw for the time window) and only within
-  ``WINDOW_SECONDS`` of its own clock, and answers with a proof over the caller's nonce and the
-  reply's bytes, which the caller checks before it uses a byte of the reply. A listener on the
+  method, the mover it is meant for (the address the caller dialed, or a Ray mover's actor
+  name), the time, a fresh 128-bit nonce and the SHA-256 of the request's bytes. The serving
+  mover takes a proof only if it names this mover, only once (it keeps the nonces it saw for the
+  time window) and only within ``WINDOW_SECONDS`` of its own clock, and answers with a proof over
+  the caller's nonce and the reply's bytes, which the caller checks before it uses a byte of the
+  reply. A proof meant for one mover is worthless at another, so a relay cannot turn a call to A
+  into a call to B. A listener on the
   wire (or a process that took a mover's port) sees proofs it cannot replay, cannot forge an
   answer, and learns nothing that lets it act as a mover; it does see the messages, so the token
   gives integrity, not secrecy: use TLS for that.
@@ -23,8 +26,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import math
 import os
+import re
 import secrets
 import stat
 import threading
@@ -42,6 +45,9 @@ WINDOW_SECONDS = 60.0
 _MAX_NONCES = 1 << 20
 _MIN_TOKEN_BYTES = 16
 PROOF_KEY = "tsm-proof"  # the gRPC metadata key of a call's and of an answer's proof
+_DIGITS = re.compile(r"[0-9]{1,15}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 _log = logging.getLogger("tensorshm.transfer")
 
@@ -77,7 +83,9 @@ class Token:
 
     def __init__(self, secret: bytes) -> None:
         self._key = hashlib.sha256(b"tensorshm-mover-token\0" + secret).digest()
-        self._seen: dict[bytes, float] = {}  # nonce -> when it may be forgotten
+        self._seen: dict[bytes, int] = {}  # nonce -> its proof's time (ms)
+        self._floor_ms = 0  # proofs older than this are refused (see check_call)
+        self._next_prune = 1024
         self._lock = threading.Lock()
 
     @classmethod
@@ -89,51 +97,62 @@ class Token:
                 f"{_MIN_TOKEN_BYTES} (e.g. head -c 32 /dev/urandom | base64 > FILE)")
         return cls(secret)
 
-    def _mac(self, label: bytes, method: str, when: bytes, nonce: bytes, body: bytes) -> str:
-        message = b"\0".join((label, method.encode(), when, nonce,
+    def _mac(self, label: bytes, method: str, when: bytes, nonce: bytes, body: bytes,
+             target: str = "") -> str:
+        # Fields of fixed form (the time is digits, the nonce 16 bytes, the hash 32) around
+        # the free ones, each of which is NUL-free: the message splits one way only.
+        message = b"\0".join((label, method.encode(), target.encode(), when, nonce,
                               hashlib.sha256(body).digest()))
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
-    def sign_call(self, method: str, request: bytes) -> tuple[str, bytes]:
-        """(proof, nonce) for one call; check its answer with the nonce."""
+    def sign_call(self, method: str, request: bytes, target: str) -> tuple[str, bytes]:
+        """(proof, nonce) for one call to the mover `target` (the address dialed, or a Ray
+        mover's actor name); check its answer with the nonce."""
         nonce = secrets.token_bytes(16)
         when = str(int(time.time() * 1000)).encode()
-        mac = self._mac(b"call", method, when, nonce, request)
+        mac = self._mac(b"call", method, when, nonce, request, target)
         return f"v1.{when.decode()}.{nonce.hex()}.{mac}", nonce
 
-    def check_call(self, method: str, request: bytes, proof: str | None) -> bytes:
+    def check_call(self, method: str, request: bytes, proof: str | None,
+                   targets: tuple[str, ...]) -> bytes:
         """The call's nonce, for the answer's proof: UnauthenticatedError when `proof` is absent,
-        malformed, stale, seen before or not made with this token."""
+        malformed, stale, seen before, made for another mover (one not named in `targets`, the
+        names this mover answers to) or not made with this token."""
         if not proof:
             raise _errors.UnauthenticatedError(
                 f"{method}: no proof of the fleet token (a mover with --token-file sends one)")
         parts = proof.split(".")
-        try:
-            if len(parts) != 4 or parts[0] != "v1":
-                raise ValueError(proof)
-            when_ms = int(parts[1])
-            nonce = bytes.fromhex(parts[2])
-        except ValueError:
-            raise _errors.UnauthenticatedError(f"{method}: a malformed proof") from None
+        if (len(parts) != 4 or parts[0] != "v1" or not _DIGITS.fullmatch(parts[1])
+                or not _HEX32.fullmatch(parts[2]) or not _HEX64.fullmatch(parts[3])):
+            raise _errors.UnauthenticatedError(f"{method}: a malformed proof")
+        when_ms, nonce = int(parts[1]), bytes.fromhex(parts[2])
         skew = abs(time.time() - when_ms / 1000.0)
-        if not math.isfinite(skew) or skew > WINDOW_SECONDS:
+        if skew > WINDOW_SECONDS:
             raise _errors.UnauthenticatedError(
                 f"{method}: a proof made {skew:.0f} s away from this mover's clock (at most "
                 f"{WINDOW_SECONDS:.0f}: are the nodes' clocks synchronised?)")
-        expected = self._mac(b"call", method, parts[1].encode(), nonce, request)
-        if len(nonce) != 16 or not hmac.compare_digest(expected, parts[3]):
+        target = next((t for t in targets if hmac.compare_digest(
+            self._mac(b"call", method, parts[1].encode(), nonce, request, t), parts[3])), None)
+        if target is None:
             raise _errors.UnauthenticatedError(
-                f"{method}: the proof was not made with this mover's fleet token")
-        now = time.monotonic()
+                f"{method}: the proof was not made with this mover's fleet token, or for "
+                f"another mover (this one answers to {', '.join(targets)})")
         with self._lock:
-            if len(self._seen) >= _MAX_NONCES // 2:
-                self._seen = {n: t for n, t in self._seen.items() if t > now}
+            # Replays: a nonce is refused while it is remembered, and a proof older than the
+            # newest taken less the window is refused outright, so a nonce can be forgotten
+            # once its time is below that floor, whatever the clock does meanwhile.
+            if when_ms < self._floor_ms:
+                raise _errors.UnauthenticatedError(f"{method}: a stale proof (a replay?)")
             if nonce in self._seen:
                 raise _errors.UnauthenticatedError(f"{method}: a proof used before (a replay)")
+            if len(self._seen) >= self._next_prune:
+                self._seen = {n: t for n, t in self._seen.items() if t >= self._floor_ms}
+                self._next_prune = max(2 * len(self._seen), 1024)
             if len(self._seen) >= _MAX_NONCES:
                 raise _errors.ResourceExhaustedError(
                     f"{method}: {_MAX_NONCES} proofs within {2 * WINDOW_SECONDS:.0f} s")
-            self._seen[nonce] = now + 2 * WINDOW_SECONDS
+            self._seen[nonce] = when_ms
+            self._floor_ms = max(self._floor_ms, when_ms - int(2 * WINDOW_SECONDS * 1000))
         return nonce
 
     def sign_chunk(self, method: str, nonce: bytes, where: str, data: bytes) -> str:
@@ -143,7 +162,8 @@ class Token:
 
     def check_chunk(self, method: str, nonce: bytes, where: str, data: bytes,
                     proof: str, peer: str) -> None:
-        if not hmac.compare_digest(self.sign_chunk(method, nonce, where, data), proof):
+        if not (_HEX64.fullmatch(proof)
+                and hmac.compare_digest(self.sign_chunk(method, nonce, where, data), proof)):
             raise _errors.UnauthenticatedError(
                 f"{method} at {peer}: the chunk at {where} was not made with the fleet token")
 
@@ -154,7 +174,7 @@ class Token:
                     peer: str) -> None:
         """UnauthenticatedError unless `proof` proves `reply` answers the call of `nonce`."""
         expected = self.sign_reply(method, nonce, reply)
-        if not proof or not hmac.compare_digest(expected, proof):
+        if not proof or not _HEX64.fullmatch(proof) or not hmac.compare_digest(expected, proof):
             raise _errors.UnauthenticatedError(
                 f"{method} at mover {peer}: its answer "
                 + ("carries no proof" if not proof else "was not made with the fleet token")

@@ -61,6 +61,26 @@ def messages() -> dict[str, Any]:
             for n in names}
 
 
+def _least_span(layout: Any) -> int:
+    """The fewest bytes a layout can span (a peer's nbytes below it would let the daemon make
+    more than the peer's quota counted)."""
+    from ._tensorshm import _dtype_fields
+
+    try:
+        _, bits, lanes = _dtype_fields(layout.dtype)
+    except Exception as e:  # the binding's own ValueError names the dtype
+        raise _errors.InvalidArgumentError(f"layout.dtype = \"{layout.dtype}\": {e}") from None
+    shape: list[int] = [int(n) for n in layout.shape]
+    strides: list[int] = [int(st) for st in layout.strides]
+    if any(n <= 0 for n in shape):
+        return 0
+    if not strides:
+        elements = math.prod(shape)
+    else:
+        elements = 1 + sum((n - 1) * abs(st) for n, st in zip(shape, strides))
+    return -(-elements * bits * lanes // 8)
+
+
 def device_name(place: dict[str, Any]) -> str:
     return "cpu" if place["device"] == "cpu" else f"cuda:{place['device_id']}"
 
@@ -78,9 +98,14 @@ class Hold:
     prepared: bool = False
     name: str = ""
     replace: bool = False
-    peer: str = ""  # the requester's agent name: whose quota a prepared buffer counts against
+    # Who asked for it (the caller's transport identity, see Service.serve): whose quota it
+    # counts against.
+    peer: str = ""
+    nbytes: int = 0  # the bytes it counts against that quota (from before it was made)
     expired: bool = False  # past its deadline: refused to Read, Write and Finish
+    finished: bool = False  # taken by Finish: no chunk lands after
     dropped: bool = False  # its tensor released
+    written: set[int] = field(default_factory=set)  # the chunks a Write stream wrote (offsets)
     # Held while a Read or Write copies, and by the drop: no chunk touches memory given back.
     busy: threading.Lock = field(default_factory=threading.Lock)
 
@@ -93,6 +118,7 @@ class Limits:
     offer_prefixes: tuple[str, ...] = ("",)
     accept_prefixes: tuple[str, ...] = ("",)
     peer_quota_bytes: int = 4 << 30
+    peer_holds: int = 256  # the most transfers one peer may have held here at once
 
 
 class Service:
@@ -100,8 +126,9 @@ class Service:
     Thread-safe: its handlers run on gRPC's or Ray's threads at once."""
 
     def __init__(self, client: Any, agent: Agent | None, credentials: Credentials,
-                 limits: Limits) -> None:
+                 limits: Limits, targets: tuple[str, ...]) -> None:
         self.client = client
+        self.targets = targets  # the names a call's proof may name this mover by
         self.agent = agent
         self.credentials = credentials
         self.limits = limits
@@ -111,23 +138,39 @@ class Service:
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self._devices: set[str] | None = None
+        self._usage: dict[str, tuple[int, int]] = {}  # caller -> (holds, prepared bytes)
         self._poller = threading.Thread(target=self._poll_holds, name="tensorshm-mover-poll",
                                         daemon=True)
         self._poller.start()
 
     # ---- One call ----
 
-    def serve(self, method: str, request: bytes, proof: str | None) -> tuple[bytes, str]:
-        """One Mover service call: (the reply's bytes, its proof) or the tensorshm error the
-        caller gets. The proof is checked before anything else."""
+    def _check(self, method: str, request: bytes, proof: str | None) -> bytes:
         token = self.credentials.token
-        nonce = token.check_call(method, request, proof) if token is not None else b""
+        return token.check_call(method, request, proof, self.targets) if token else b""
+
+    def serve(self, method: str, request: bytes, proof: str | None,
+              caller: str = "peer") -> tuple[bytes, str]:
+        """One Mover service call that comes through a Peer (not gRPC): (the reply's bytes, its
+        proof) or the tensorshm error the caller gets. The proof is checked before anything
+        else; a mover that knows its peers by TLS alone takes no call this way (a Peer proves
+        nothing), unless it is insecure. `caller`: who the call is from, for its quota."""
+        if self.credentials.token is None and not self.credentials.insecure:
+            raise _errors.UnauthenticatedError(
+                f"{method}: this mover proves its peers by TLS, which a call through "
+                "Mover.serve has not: give it a token_file")
+        return self._serve(method, request, proof, caller)
+
+    def _serve(self, method: str, request: bytes, proof: str | None,
+               caller: str) -> tuple[bytes, str]:
+        nonce = self._check(method, request, proof)
         if method not in METHODS:
             raise _errors.UnimplementedError(
                 f"method = \"{method}\": the Mover service has {', '.join(METHODS)}")
         handler, request_type, _ = METHODS[method]
-        reply = getattr(self, handler)(self.m[request_type].FromString(request))
+        reply = getattr(self, handler)(self.m[request_type].FromString(request), caller)
         data = bytes(reply.SerializeToString())
+        token = self.credentials.token
         return data, token.sign_reply(method, nonce, data) if token is not None else ""
 
     def grpc_handler(self, grpc: Any) -> Any:
@@ -140,6 +183,15 @@ class Service:
                         grpc.StatusCode.UNKNOWN)
             context.abort(code, str(e))
 
+        def caller(context: Any) -> str:
+            """The caller's transport identity: its certificate's names under mTLS, else its
+            address without the port (a peer's own name for itself is not evidence)."""
+            names = context.auth_context().get("x509_subject_alternative_name") or \
+                context.auth_context().get("x509_common_name")
+            if names:
+                return "tls:" + ",".join(n.decode(errors="replace") for n in names)
+            return "host:" + str(context.peer()).rsplit(":", 1)[0]
+
         def answer(context: Any, reply: bytes, reply_proof: str) -> bytes:
             if reply_proof:
                 context.set_trailing_metadata(((PROOF_KEY, reply_proof),))
@@ -149,7 +201,7 @@ class Service:
             def handle(request: bytes, context: Any) -> bytes:
                 proof = dict(context.invocation_metadata()).get(PROOF_KEY)
                 try:
-                    return answer(context, *self.serve(method, request, proof))
+                    return answer(context, *self._serve(method, request, proof, caller(context)))
                 except _errors.Error as e:
                     abort(context, e)
                     raise  # not reached: abort raises
@@ -226,14 +278,20 @@ class Service:
             return self.m["Endpoint"](span=span)
         hold.registration = self.agent.register(place)
         span.address = place["address"]
-        return self.m["Endpoint"](agent_name=self.agent.name, agent_metadata=self.agent.metadata(),
+        return self.m["Endpoint"](agent_name=self.agent.name,
+                                  agent_metadata=self.agent.metadata(hold.registration),
                                   span=span)
 
-    def _offer(self, req: Any) -> Any:
+    def _offer(self, req: Any, caller: str) -> Any:
         self._check_name(req.name, self.limits.offer_prefixes, "offers")
         seconds = self.hold_time(req.hold_seconds)
-        tensor = self.client.get(req.name, timeout=0)
-        hold = Hold(tensor, {}, time.monotonic() + seconds, peer=req.requester_agent)
+        self._reserve(caller, 0)
+        try:
+            tensor = self.client.get(req.name, timeout=0)
+        except BaseException:
+            self._unreserve(caller, 0)
+            raise
+        hold = Hold(tensor, {}, time.monotonic() + seconds, peer=caller)
         try:
             hold.place = tensor._segment_place()
             source = self._endpoint(hold, req.nixl)
@@ -246,34 +304,64 @@ class Service:
                                         nbytes=hold.place["nbytes"])
         return self.m["OfferReply"](transfer_id=transfer_id, layout=layout, source=source)
 
-    def _prepare(self, req: Any) -> Any:
+    def _prepare(self, req: Any, caller: str) -> Any:
         self._check_name(req.name, self.limits.accept_prefixes, "accepts")
         seconds = self.hold_time(req.hold_seconds)
         layout = req.layout
         device = self._check_device(layout.device)
-        with self._lock:
-            held = sum(h.place.get("nbytes", 0) for h in self._holds.values()
-                       if h.prepared and h.peer == req.requester_agent)
-        if held + layout.nbytes > self.limits.peer_quota_bytes:
-            raise _errors.ResourceExhaustedError(
-                f"layout.nbytes = {layout.nbytes}: mover \"{req.requester_agent}\" has "
-                f"{held} bytes prepared here, and may have {self.limits.peer_quota_bytes}")
-        tensor = self.client.create(list(layout.shape), layout.dtype, device,
-                                    strides=list(layout.strides) or None, timeout=0)
-        hold = Hold(tensor, {}, time.monotonic() + seconds, prepared=True, name=req.name,
-                    replace=req.replace, peer=req.requester_agent)
+        least = _least_span(layout)
+        if layout.nbytes < least:
+            raise _errors.InvalidArgumentError(
+                f"layout.nbytes = {layout.nbytes}: {layout.dtype}{list(layout.shape)} with "
+                f"strides {list(layout.strides)} spans at least {least} bytes")
+        self._reserve(caller, layout.nbytes)  # before anything is made
+        hold = None
         try:
+            tensor = self.client.create(list(layout.shape), layout.dtype, device,
+                                        strides=list(layout.strides) or None, timeout=0)
+            hold = Hold(tensor, {}, time.monotonic() + seconds, prepared=True, name=req.name,
+                        replace=req.replace, peer=caller, nbytes=layout.nbytes)
             hold.place = tensor._segment_place()
             if hold.place["nbytes"] != layout.nbytes:
                 raise _errors.InvalidArgumentError(
                     f"layout.nbytes = {layout.nbytes}: {layout.dtype}{list(layout.shape)} with "
                     f"strides {list(layout.strides)} spans {hold.place['nbytes']} bytes here")
+            if hold.place["device"] == "cpu":
+                # What the daemon hands out may hold a deleted tensor's bytes: a commit without
+                # (all) the writes publishes zeros, never them.
+                ctypes.memset(int(hold.place["address"]), 0, layout.nbytes)
             destination = self._endpoint(hold, req.nixl)
             transfer_id = self._hold(hold)
         except BaseException:
-            self._drop(hold)
+            if hold is not None:
+                self._drop(hold)
+            else:
+                self._unreserve(caller, layout.nbytes)
             raise
         return self.m["PrepareReply"](transfer_id=transfer_id, destination=destination)
+
+    def _reserve(self, caller: str, nbytes: int) -> None:
+        """Counts a hold of `nbytes` against `caller`'s quota and hold count, or refuses it
+        (ResourceExhaustedError); atomic with other calls'."""
+        with self._lock:
+            count, held = self._usage.get(caller, (0, 0))
+            if count >= self.limits.peer_holds:
+                raise _errors.ResourceExhaustedError(
+                    f"{caller}: {count} transfers held here already, at most "
+                    f"{self.limits.peer_holds}")
+            if held + nbytes > self.limits.peer_quota_bytes:
+                raise _errors.ResourceExhaustedError(
+                    f"layout.nbytes = {nbytes}: {caller} has {held} bytes prepared here, and "
+                    f"may have {self.limits.peer_quota_bytes}")
+            self._usage[caller] = (count + 1, held + nbytes)
+
+    def _unreserve(self, caller: str, nbytes: int) -> None:
+        with self._lock:
+            count, held = self._usage.get(caller, (1, nbytes))
+            if count <= 1:
+                self._usage.pop(caller, None)
+            else:
+                self._usage[caller] = (count - 1, held - nbytes)
 
     def _take(self, transfer_id: str, pop: bool) -> Hold:
         """The live hold of `transfer_id` (`pop`: no longer held after); NotFoundError when
@@ -290,17 +378,26 @@ class Service:
                 "hold time passed)")
         return hold
 
-    def _finish(self, req: Any) -> Any:
+    def _finish(self, req: Any, caller: str) -> Any:
         hold = self._take(req.transfer_id, pop=True)
         try:
+            with hold.busy:  # a chunk being written lands first; none lands after
+                hold.finished = True
             if req.commit and hold.prepared:
+                # Bytes that came in Write calls (no NIXL registration) must all have come: a
+                # relay that drops a chunk cannot get a buffer published with a hole in it.
+                chunks = -(-hold.place["nbytes"] // CHUNK_BYTES)
+                if (hold.registration is None or hold.written) and len(hold.written) != chunks:
+                    raise _errors.FailedPreconditionError(
+                        f"transfer_id = \"{req.transfer_id}\": {len(hold.written)} of its "
+                        f"{chunks} chunks were written; nothing published")
                 hold.tensor.publish(hold.name, replace=hold.replace)
                 return self.m["FinishReply"](published=hold.name)
             return self.m["FinishReply"]()
         finally:
             self._drop(hold)
 
-    def _list(self, req: Any) -> Any:
+    def _list(self, req: Any, caller: str) -> Any:
         names = [n for n in self.client.keys(req.prefix)
                  if self._under(n, self.limits.offer_prefixes)]
         return self.m["ListReply"](names=names)
@@ -331,29 +428,40 @@ class Service:
         the hold ended (NotFoundError): the drop waits for a copy under way."""
         address = int(hold.place["address"]) + offset
         with hold.busy:
-            if hold.dropped or hold.expired:
-                raise _errors.NotFoundError("the transfer ended (its hold time passed)")
+            if hold.dropped or hold.expired or hold.finished:
+                raise _errors.NotFoundError("the transfer ended (finished, or its hold time "
+                                            "passed)")
             if data is None:
                 return ctypes.string_at(address, length)
             ctypes.memmove(address, data, length)
             return b""
 
-    def _read(self, req: Any) -> Any:
+    def _read(self, req: Any, caller: str) -> Any:
         hold = self._held(req.transfer_id, prepared=False)
         self._bounds(hold, req.offset, req.length, "Read", CHUNK_BYTES)
         return self.m["ReadReply"](data=self._copy(hold, req.offset, req.length),
                                    offset=req.offset)
 
-    def _write(self, req: Any) -> Any:
-        hold = self._held(req.transfer_id, prepared=True)
-        self._bounds(hold, req.offset, len(req.data), "Write", CHUNK_BYTES)
-        self._copy(hold, req.offset, len(req.data), req.data)
+    def _write(self, req: Any, caller: str) -> Any:
+        self._write_chunk(self._held(req.transfer_id, prepared=True), req.offset, req.data)
         return self.m["WriteReply"]()
+
+    def _write_chunk(self, hold: Hold, offset: int, data: bytes) -> None:
+        """A Write's chunk: whole chunks at their places only, so that Finish can tell that
+        every one came."""
+        nbytes = hold.place["nbytes"]
+        if offset % CHUNK_BYTES or len(data) != min(CHUNK_BYTES, nbytes - offset):
+            raise _errors.InvalidArgumentError(
+                f"Write: {len(data)} bytes at offset {offset}; chunks are the span's "
+                f"{CHUNK_BYTES}-byte pieces, whole and in place")
+        self._copy(hold, offset, len(data), data)
+        with hold.busy:
+            hold.written.add(offset)
 
     def read_stream(self, request: bytes, proof: str | None) -> Iterator[bytes]:
         """Read over gRPC: the span's chunks [offset, offset + length), each with its proof."""
         token = self.credentials.token
-        nonce = token.check_call("Read", request, proof) if token is not None else b""
+        nonce = self._check("Read", request, proof)
         req = self.m["ReadRequest"].FromString(request)
         hold = self._held(req.transfer_id, prepared=False)
         self._bounds(hold, req.offset, req.length, "Read", hold.place["nbytes"])
@@ -369,7 +477,7 @@ class Service:
         """Write over gRPC: chunks, each proved, into prepared buffers; the reply and its proof.
         The call's own proof is checked before a chunk is read."""
         token = self.credentials.token
-        nonce = token.check_call("Write", b"", proof) if token is not None else b""
+        nonce = self._check("Write", b"", proof)
         holds: dict[str, Hold] = {}
         for raw in requests:
             req = self.m["WriteRequest"].FromString(raw)
@@ -378,8 +486,7 @@ class Service:
                                   req.proof, "the caller")
             hold = holds.get(req.transfer_id) or holds.setdefault(
                 req.transfer_id, self._held(req.transfer_id, prepared=True))
-            self._bounds(hold, req.offset, len(req.data), "Write", CHUNK_BYTES)
-            self._copy(hold, req.offset, len(req.data), req.data)
+            self._write_chunk(hold, req.offset, req.data)
         reply = bytes(self.m["WriteReply"]().SerializeToString())
         return reply, token.sign_reply("Write", nonce, reply) if token is not None else ""
 
@@ -390,6 +497,7 @@ class Service:
             if hold.dropped:
                 return
             hold.dropped = True
+        self._unreserve(hold.peer, hold.nbytes)
         if hold.registration is not None and self.agent is not None:
             self.agent.deregister(hold.registration)
             hold.registration = None

@@ -2,10 +2,13 @@
 ships for that transfer only and running one-sided READs and WRITEs (see transfer.py).
 
 Which UCX transports the agent may use is this module's business: by default only those whose
-access the kernel or the NIC enforces (shared memory and CMA between processes of one host, RDMA
-verbs, cuda_ipc), never UCX's TCP transport, whose software emulation of RDMA copies to and from
-any address a peer names in the mover's process and which listens on every interface. With TCP
-left out the agent listens on no port at all. ``allow_tcp_rma`` lets TCP in (see Mover).
+access the kernel or the NIC enforces (CMA between processes of one host, RDMA verbs, cuda_ipc),
+never UCX's TCP transport, which listens on every interface, and never UCX's software emulation
+of RDMA (over TCP, shared memory or UD), which copies to and from any address a peer names in
+the mover's process, registered or not. With TCP left out the agent listens on no port at all;
+with the emulation off, a READ or WRITE runs only where a transport does it for real, and fails
+at once, before a byte moves, where none does (the Mover then sends the bytes over gRPC).
+``allow_tcp_rma`` lets both in (see Mover).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from typing import Any
 from . import _errors
 
 _POLL_SECONDS = 0.0005
-# The transports a mover's agent may use unless TCP RMA is allowed: UCX's "all but TCP".
+# The transports a mover's agent may use unless TCP RMA is allowed: UCX's "all but TCP", with
+# its software emulation of RDMA off.
 SAFE_UCX_TLS = "^tcp"
+_EMULATION = "UCX_PROTO_EMULATION_ENABLE"
 # After this many metadata loads of one peer with nothing in flight, the peer is dropped and
 # loaded afresh on its next transfer, so that the registrations of past transfers do not pile up.
 _PEER_RELOADS = 256
@@ -53,6 +58,15 @@ def tcp_allowed(tls: str) -> bool:
     return bool(names & {"tcp", "all"})
 
 
+class UnsafeUcx(_errors.FailedPreconditionError):
+    """The environment lets UCX do software RDMA (TCP, or its emulation) and the mover was not
+    told that it may."""
+
+
+class NoPath(_errors.ConnectionError):
+    """No UCX transport this agent may use reaches the peer (nothing was moved)."""
+
+
 @dataclass
 class Registration:
     """One registered span: its NIXL registration and where it lies."""
@@ -80,19 +94,27 @@ class Agent:
         self._api = api
         tls = os.environ.get("UCX_TLS")
         if tls is not None and tcp_allowed(tls) and not allow_tcp_rma:
-            raise _errors.FailedPreconditionError(
+            raise UnsafeUcx(
                 f"UCX_TLS = \"{tls}\" lets UCX use TCP, whose RDMA emulation lets any peer that "
                 "reaches its port read and write this process's memory: leave TCP out, or "
                 "allow_tcp_rma=True (--allow-tcp-rma) knowing that")
+        emulation = os.environ.get(_EMULATION)
+        if emulation is not None and emulation.lower() not in ("n", "no", "0", "off", "false") \
+                and not allow_tcp_rma:
+            raise UnsafeUcx(
+                f"{_EMULATION} = \"{emulation}\" turns on UCX's software RDMA, which lets a peer "
+                "read and write any address of this process: unset it, or allow_tcp_rma=True "
+                "(--allow-tcp-rma) knowing that")
         config = api.nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=[],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.name = name
         self.nixl = api.nixl_agent(name, config)
         with _env_lock:
-            saved = os.environ.get("UCX_TLS")
-            if not allow_tcp_rma and saved is None:
-                os.environ["UCX_TLS"] = SAFE_UCX_TLS
+            saved = {k: os.environ.get(k) for k in ("UCX_TLS", _EMULATION)}
+            if not allow_tcp_rma:
+                os.environ.setdefault("UCX_TLS", SAFE_UCX_TLS)
+                os.environ[_EMULATION] = "n"
             try:
                 # Peer failure handling needs a transport with its own connection (TCP, RDMA):
                 # the shared-memory ones have none, and a dead peer's transfer then ends at its
@@ -103,13 +125,18 @@ class Agent:
                 raise _errors.FailedPreconditionError(
                     f"NIXL agent {name}: its UCX backend did not start ({e})") from e
             finally:
-                if saved is None:
-                    os.environ.pop("UCX_TLS", None)
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
         self._lock = threading.Lock()
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded last
         self._loads: dict[str, int] = {}  # agent name -> loads since it was added
         self._busy: dict[str, int] = {}  # agent name -> transfers in flight with it
         self._registered: set[int] = set()  # id() of the live Registrations
+        # Peers that UCX found no transport to, with the emulation off: their bytes go by gRPC.
+        self._no_path: set[str] = set()
 
     def register(self, place: dict[str, Any]) -> Registration:
         """Registers the span of a tensor's bytes (a _segment_place() dict) for one transfer;
@@ -145,9 +172,15 @@ class Agent:
         with self._lock:
             return len(self._registered)
 
-    def metadata(self) -> bytes:
-        """What a peer needs to reach the registered spans: taken after the registration."""
-        return bytes(self.nixl.get_agent_metadata())
+    def metadata(self, registration: Registration) -> bytes:
+        """What a peer needs to reach `registration`'s span, and no other: the connection and
+        that one registration (NIXL's partial metadata)."""
+        return bytes(self.nixl.get_partial_agent_metadata(registration.handle, True, ["UCX"]))
+
+    def reaches(self, name: str) -> bool:
+        """False once UCX found no transport to agent `name` (see move)."""
+        with self._lock:
+            return name not in self._no_path
 
     def descs(self, registration: Registration) -> Any:
         return self.nixl.get_xfer_descs(
@@ -190,22 +223,30 @@ class Agent:
     def forget(self, name: str) -> None:
         """After a failed transfer: the peer may have restarted; take its metadata again."""
         with self._lock:
-            if self._peers.pop(name, None) is not None and not self._busy.get(name):
+            # The caller's own transfer is the one in flight it may count.
+            if self._peers.pop(name, None) is not None and self._busy.get(name, 0) <= 1:
                 self.nixl.remove_remote_agent(name)
                 self._loads[name] = 0
 
     def move(self, operation: str, local: Any, remote: Any, peer: str, note: bytes,
              deadline: float) -> None:
         """One NIXL READ or WRITE between `local` and `remote`, polled until done; TimeoutError
-        past `deadline`, ConnectionError when the peer is gone."""
+        past `deadline`, ConnectionError when the peer is gone, NoPath (before a byte moved)
+        when no transport this agent may use reaches it."""
         try:
             handle = self.nixl.initialize_xfer(operation, local, remote, peer, note)
         except Exception as e:  # the nixl._bindings errors
-            raise _errors.ConnectionError(
+            raise NoPath(
                 f"NIXL {operation} with agent {peer}: the span is not one it registered for "
                 f"this transfer, or no transport reaches it: {e}") from e
         try:
-            state = self.nixl.transfer(handle, note)
+            try:
+                state = self.nixl.transfer(handle, note)
+            except Exception as e:  # UCX found no protocol: nothing was posted
+                with self._lock:
+                    self._no_path.add(peer)
+                raise NoPath(f"NIXL {operation} with agent {peer}: no transport this mover "
+                             f"may use reaches it ({e})") from e
             while state != "DONE":
                 if time.monotonic() > deadline:
                     raise _errors.TimeoutError(

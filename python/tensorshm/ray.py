@@ -25,8 +25,10 @@ metadata and the span, a few kB), each with its proof of the fleet token (``toke
 same secret in a file on every node, readable by the movers' uid alone), and checks the proof of
 each answer, as over gRPC. A Ray namespace is no boundary: any driver or task of the cluster can
 call an actor's ``serve``, and without a proof it gets UnauthenticatedError and nothing else.
-(Ray itself runs any code a member of the cluster submits, on every node: the token guards the
-movers' protocol, not the cluster.) The tensor's bytes never pass through Ray's object store:
+The actors' other methods (``pull``, ``push``, ``pull_prefix``, ``close``) are a Ray API like
+any actor's, open to every member of the cluster, and Ray pickles their arguments: Ray runs any
+code a member of the cluster submits, on every node, so the cluster's membership is the boundary
+there; the token guards the movers' protocol between nodes, not the cluster. The tensor's bytes never pass through Ray's object store:
 NIXL READs them one-sided from the source daemon's shared memory into a buffer of the
 destination daemon, which publishes it under the name. A mover neither holds CPU slots
 (``num_cpus=0``) nor spins while idle.
@@ -61,7 +63,8 @@ def actor_name(node: str) -> str:
 
 class _ActorPeer:
     """Another node's MoverActor as a tensorshm.transfer.Peer: Mover service calls go to its
-    ``serve`` method as Ray actor calls."""
+    ``serve`` method as Ray actor calls. ``str()`` is its actor name, which the calls' proofs
+    name (the mover answers to it alone)."""
 
     def __init__(self, handle: Any, label: str) -> None:
         self.handle = handle
@@ -113,8 +116,10 @@ class MoverActor:
         # Ray's error for a failed __init__ carries only its text, not the tensorshm error.
         self._start_error: _errors.Error | None = None
         try:
+            # Peers' proofs name this mover by its actor name (see _ActorPeer).
             self._mover = Mover(socket, listen=None, hold_seconds=hold_seconds,
-                                token_file=token_file, insecure=insecure)
+                                token_file=token_file, insecure=insecure,
+                                advertise=[actor_name(node)])
         except _errors.Error as e:
             self._start_error = type(e)(f"the mover of node \"{node}\": {e}", e.code)
 
@@ -147,8 +152,8 @@ class MoverActor:
         """The mover of `node`, a node name or a handle. A name is looked up for every ship (Ray
         answers from its own table, in microseconds), so a mover started again is found."""
         if isinstance(node, str):
-            return _ActorPeer(_lookup(node), node)
-        return _ActorPeer(node, repr(node))
+            return _ActorPeer(_lookup(node), actor_name(node))
+        return _ActorPeer(node, actor_name(ray.get(node.info.remote())["node"]))
 
     @ray.method(concurrency_group="ship")
     def pull(self, source: Any, name: str, as_name: str | None = None, *, replace: bool = False,

@@ -60,6 +60,7 @@ from ._mover_auth import PROOF_KEY, Credentials
 from ._mover_service import (CHUNK_BYTES, MESSAGE_LIMIT, METHODS, Limits, Service, device_name,
                              messages)
 from ._nixl import Agent as _Agent
+from ._nixl import NoPath, UnsafeUcx
 
 _log = logging.getLogger("tensorshm.transfer")
 _TRANSPORTS = ("auto", "nixl", "grpc")
@@ -99,7 +100,10 @@ class Mover:
     negative asks are refused). ``peer_quota_bytes``: the most bytes one peer may have prepared
     here at once. ``offer_prefixes`` / ``accept_prefixes``: the names this mover offers (Offer,
     List) and accepts (Prepare); by default every name. ``transport`` and ``allow_tcp_rma``: see
-    the module doc.
+    the module doc. ``advertise``: the addresses peers dial this mover by, besides ``listen``'s
+    (a DNS name, a Service's address; needed for a wildcard ``listen``): a call's proof names the
+    mover it is meant for, and one meant for another mover is refused, so that a relay cannot
+    pass a call to one mover on to another.
     """
 
     def __init__(self, socket: str | None = None, *, listen: str | None = "127.0.0.1:0",
@@ -110,7 +114,8 @@ class Mover:
                  insecure: bool = False, transport: str = "auto", allow_tcp_rma: bool = False,
                  offer_prefixes: tuple[str, ...] | list[str] = ("",),
                  accept_prefixes: tuple[str, ...] | list[str] = ("",),
-                 peer_quota_bytes: int = 4 << 30) -> None:
+                 peer_quota_bytes: int = 4 << 30,
+                 advertise: tuple[str, ...] | list[str] = ()) -> None:
         import grpc
 
         if transport not in _TRANSPORTS:
@@ -132,36 +137,55 @@ class Mover:
             try:
                 self._agent = _Agent(self.name, allow_tcp_rma=allow_tcp_rma)
             except _errors.FailedPreconditionError as e:
-                if transport == "nixl" or "UCX_TLS" in str(e):
+                if transport == "nixl" or isinstance(e, UnsafeUcx):
                     raise
                 _log.info("%s: no NIXL (%s): bytes go over gRPC", self.name, e)
-        self._own_client = client is None
-        self.client = connect(socket) if client is None else client
-        self._service = Service(self.client, self._agent, self.credentials, Limits(
-            hold_seconds=hold_seconds, offer_prefixes=tuple(offer_prefixes),
-            accept_prefixes=tuple(accept_prefixes), peer_quota_bytes=peer_quota_bytes))
         self._channels: dict[str, Any] = {}
         self._channels_lock = threading.Lock()
         self._server = None
         self.address: str | None = None
         self._closed = False
-        if listen is not None:
-            self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                       options=_options())
-            self._server.add_generic_rpc_handlers((self._service.grpc_handler(grpc),))
-            server_credentials = self.credentials.server_credentials(grpc)
-            host = listen.rsplit(":", 1)[0]
-            try:
-                port = (self._server.add_secure_port(listen, server_credentials)
-                        if server_credentials is not None
-                        else self._server.add_insecure_port(listen))
-            except RuntimeError:
-                port = 0
-            if port == 0:
-                self.close()
-                raise _errors.InvalidArgumentError(f"listen = \"{listen}\": cannot listen there")
-            self.address = f"{host}:{port}"
-            self._server.start()
+        self._own_client = client is None
+        try:
+            self.client = connect(socket) if client is None else client
+            if listen is not None:
+                self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                                           options=_options())
+                server_credentials = self.credentials.server_credentials(grpc)
+                host = listen.rsplit(":", 1)[0]
+                try:
+                    port = (self._server.add_secure_port(listen, server_credentials)
+                            if server_credentials is not None
+                            else self._server.add_insecure_port(listen))
+                except RuntimeError:
+                    port = 0
+                if port == 0:
+                    raise _errors.InvalidArgumentError(
+                        f"listen = \"{listen}\": cannot listen there")
+                self.address = f"{host}:{port}"
+                if host.strip("[]") in ("", "0.0.0.0", "::") and not advertise:
+                    raise _errors.InvalidArgumentError(
+                        f"listen = \"{listen}\": a wildcard address needs advertise= "
+                        "(--advertise): the addresses peers dial this mover by, which their "
+                        "proofs name")
+            # The names a call's proof may name this mover by: the address it listens on and
+            # those it is reached by (a DNS name, a load balancer's, a Ray actor's name).
+            targets = tuple(advertise) + ((self.address,) if self.address else ())
+            if self.credentials.token is not None and not targets:
+                raise _errors.InvalidArgumentError(
+                    "advertise: a mover with no listen address needs the name its peers call "
+                    "it by (tensorshm.ray gives its actor name)")
+            self.targets = targets
+            self._service = Service(self.client, self._agent, self.credentials, Limits(
+                hold_seconds=hold_seconds, offer_prefixes=tuple(offer_prefixes),
+                accept_prefixes=tuple(accept_prefixes), peer_quota_bytes=peer_quota_bytes),
+                targets)
+            if self._server is not None:
+                self._server.add_generic_rpc_handlers((self._service.grpc_handler(grpc),))
+                self._server.start()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def hold_seconds(self) -> float:
@@ -199,7 +223,8 @@ class Mover:
         """One Mover service call at `peer`, proved, and its answer, checked."""
         data = request.SerializeToString()
         token = self.credentials.token
-        proof, nonce = token.sign_call(method, data) if token is not None else ("", b"")
+        proof, nonce = (token.sign_call(method, data, str(peer)) if token is not None
+                        else ("", b""))
         timeout = max(deadline - time.monotonic(), 0.001)
         if isinstance(peer, str):
             grpc = self._grpc
@@ -229,7 +254,7 @@ class Mover:
         return max(deadline - time.monotonic(), 0.0) + _FINISH_SECONDS
 
     def _span(self, endpoint: Any, place: dict[str, Any], peer: str | Peer, what: str) -> None:
-        """Checks that a peer's span is the length and device of ours."""
+        """Checks that a peer's span is the length of ours."""
         span = endpoint.span
         if span.length != place["nbytes"]:
             raise _errors.InvalidArgumentError(
@@ -240,29 +265,37 @@ class Mover:
                  peer: str | Peer, deadline: float) -> bool:
         """Moves the span by NIXL if both movers can: False when the bytes must go by gRPC
         instead (transport "auto" only)."""
-        if self._agent is None or not endpoint.agent_name:
+        agent = self._agent
+        if agent is None or not endpoint.agent_name or not agent.reaches(endpoint.agent_name):
             if self.transport == "nixl":
                 raise _errors.FailedPreconditionError(
-                    f"mover {peer} moves no bytes by NIXL, and transport = \"nixl\"")
+                    f"mover {peer} and this one share no NIXL transport, and transport = "
+                    "\"nixl\"")
             return False
-        agent = self._agent
         try:
             source = agent.peer(endpoint.agent_name, endpoint.agent_metadata)
         except _errors.ConnectionError:
             if self.transport == "nixl":
                 raise
             return False  # no UCX transport both may use: the bytes go by gRPC
-        registration = agent.register(place)
         try:
-            remote = agent.remote_descs(endpoint.span.address, endpoint.span.length,
-                                        endpoint.span.device)
-            agent.move(operation, agent.descs(registration), remote, source,
-                       transfer_id.encode(), deadline)
+            registration = agent.register(place)
+            try:
+                remote = agent.remote_descs(endpoint.span.address, endpoint.span.length,
+                                            endpoint.span.device)
+                agent.move(operation, agent.descs(registration), remote, source,
+                           transfer_id.encode(), deadline)
+            finally:
+                agent.deregister(registration)
+        except NoPath:
+            agent.forget(source)
+            if self.transport == "nixl":
+                raise
+            return False
         except _errors.ConnectionError:
             agent.forget(source)
             raise
         finally:
-            agent.deregister(registration)
             agent.done(source)
         return True
 
@@ -292,7 +325,8 @@ class Mover:
         method = "Read" if operation == "READ" else "Write"
         request = (self._m["ReadRequest"](transfer_id=transfer_id, offset=0, length=nbytes)
                    .SerializeToString() if method == "Read" else b"")
-        proof, nonce = token.sign_call(method, request) if token is not None else ("", b"")
+        proof, nonce = (token.sign_call(method, request, peer) if token is not None
+                        else ("", b""))
         metadata = ((PROOF_KEY, proof),) if proof else None
         timeout = max(deadline - time.monotonic(), 0.001)
         path = f"/tensorshm.v1.Mover/{method}"
@@ -481,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensorshm.transfer", description=main.__doc__)
     parser.add_argument("--socket", help="this node's tensorshmd (default: as tensorshm.connect())")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve movers on")
+    parser.add_argument("--advertise", action="append",
+                        help="HOST:PORT peers dial this mover by, besides --listen's (repeatable; "
+                        "needed for a wildcard --listen): their proofs name it")
     parser.add_argument("--token-file", help="the fleet secret: a file of this uid that no "
                         "group or other user can read; every call and answer proves it")
     parser.add_argument("--tls-cert", help="mTLS: this mover's certificate chain (PEM)")
@@ -513,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
                allow_tcp_rma=args.allow_tcp_rma,
                offer_prefixes=args.offer_prefixes or ("",),
                accept_prefixes=args.accept_prefixes or ("",),
-               peer_quota_bytes=args.peer_quota) as mover:
+               peer_quota_bytes=args.peer_quota, advertise=args.advertise or ()) as mover:
         print(f"mover {mover.name} serving on {mover.address}", flush=True)
         stop.wait()
     return 0

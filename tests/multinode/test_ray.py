@@ -131,7 +131,8 @@ def test_a_name_not_published_is_not_found_and_a_node_without_a_mover_unreachabl
     a, b = node_daemons
     with pytest.raises(tensorshm.NotFoundError) as e:
         tensorshm.ray.ship("ray/missing", "node_a", "node_b", timeout=10)
-    assert 'name = "ray/missing"' in str(e.value) and "mover node_a" in str(e.value), e.value
+    assert 'name = "ray/missing"' in str(e.value), e.value
+    assert "mover tensorshm-mover:node_a" in str(e.value), e.value
     with tensorshm.connect(b.socket) as cb:
         assert nothing_held(cb) and "ray/missing" not in cb
     with pytest.raises(tensorshm.ConnectionError, match='node = "node_c": no mover runs'):
@@ -193,14 +194,17 @@ def test_a_ray_caller_without_the_token_gets_nothing_from_a_mover(node_daemons, 
         offer = m["OfferRequest"](name="ray/secret").SerializeToString()
         listing = m["ListRequest"](prefix="").SerializeToString()
         other = Token(b"another fleet's token, 32 bytes!")
-        for method, request, proof in (("Offer", offer, ""),
-                                       ("Offer", offer, other.sign_call("Offer", offer)[0]),
-                                       ("List", listing, "")):
+        target = tensorshm.ray.actor_name("node_a")
+        for method, request, proof in (
+                ("Offer", offer, ""), ("Offer", offer, other.sign_call("Offer", offer, target)[0]),
+                ("List", listing, ""),
+                ("List", listing, Token.from_file(TOKEN_FILE).sign_call(
+                    "List", listing, tensorshm.ray.actor_name("node_b"))[0])):
             reply, reply_proof, code, message = ray.get(
                 movers["node_a"].serve.remote(method, request, proof))
             assert (reply, reply_proof, code) == (b"", "", 16), (method, message)
             print(method, message)
-        proof, _ = Token.from_file(TOKEN_FILE).sign_call("List", listing)
+        proof, _ = Token.from_file(TOKEN_FILE).sign_call("List", listing, target)
         assert ray.get(movers["node_a"].serve.remote("List", listing, proof))[2] == 0
         replayed = ray.get(movers["node_a"].serve.remote("List", listing, proof))
         assert replayed[2] == 16 and "a replay" in replayed[3], replayed

@@ -39,7 +39,7 @@ def call(address: str, method: str, request, *, proof_token: Token | None = None
     """One raw Mover call from this process: (status code, reply or details, answer proof)."""
     data = request.SerializeToString() if hasattr(request, "SerializeToString") else request
     if proof_token is not None:
-        proof, _ = proof_token.sign_call(method, data)
+        proof, _ = proof_token.sign_call(method, data, address)
     channel = (grpc.secure_channel(address, credentials) if credentials is not None
                else grpc.insecure_channel(address))
     with channel:
@@ -85,7 +85,7 @@ def send(method, data, proof):
             return e.code().name, e.details()
 for method, request in calls:
     data = bytes.fromhex(request)
-    for how, proof in (("none", None), ("other", other.sign_call(method, data)[0])):
+    for how, proof in (("none", None), ("other", other.sign_call(method, data, address)[0])):
         answers.append([method, how, *send(method, data, proof)])
 answers.append(["List", "replay", *send("List", bytes.fromhex(replayed["request"]),
                                         replayed["proof"])])
@@ -102,7 +102,7 @@ def test_unauthenticated_calls_touch_nothing(daemons):
             before = ca.stat()
             # A mover's own call, seen on the wire: its proof and bytes, to replay.
             request = M["ListRequest"](prefix="").SerializeToString()
-            proof, _ = token().sign_call("List", request)
+            proof, _ = token().sign_call("List", request, node_a.address)
             code, reply, _ = call(node_a.address, "List", request, proof=proof)
             assert code == grpc.StatusCode.OK and list(reply.names) == ["secret/api-key"]
             run = subprocess.run(
@@ -282,6 +282,11 @@ def test_a_mover_refuses_to_start_without_credentials_or_with_a_readable_token(d
                     env={"UCX_TLS": "tcp,self"})
     assert run.returncode != 0 and 'UCX_TLS = "tcp,self" lets UCX use TCP' in run.stderr
     assert "--allow-tcp-rma" in run.stderr
+    run = run_mover("--socket", a.socket, "--token-file", TOKEN_FILE,
+                    env={"UCX_PROTO_EMULATION_ENABLE": "y"})
+    assert run.returncode != 0 and "UCX_PROTO_EMULATION_ENABLE" in run.stderr, run.stderr
+    run = run_mover("--socket", a.socket, "--token-file", TOKEN_FILE, "--listen", "0.0.0.0:0")
+    assert run.returncode != 0 and "a wildcard address needs advertise" in run.stderr
     help_text = run_mover("--help").stdout
     assert "ANY peer that reaches its port" in help_text.replace("\n", " ").replace("  ", " ")
     # --insecure starts, and says so loudly.
@@ -333,29 +338,41 @@ def test_prepare_is_bounded_by_a_quota_per_peer_prefixes_and_devices(daemons):
                   accept_prefixes=["in/"])
     tok = token()
 
-    def prepare(name: str, nbytes: int, device: str = "cpu", peer: str = "peer-1"):
+    def prepare(name: str, nbytes: int, device: str = "cpu", peer: str = "peer-1",
+                claimed: int | None = None):
         return call(node_a.address, "Prepare", M["PrepareRequest"](
             name=name, requester_agent=peer, layout=M["TensorLayout"](
-                dtype="uint8", shape=[nbytes], device=device, nbytes=nbytes)), proof_token=tok)
+                dtype="uint8", shape=[nbytes], device=device,
+                nbytes=nbytes if claimed is None else claimed)), proof_token=tok)
 
     try:
         with tensorshm.connect(a.socket) as ca:
+            before = ca.stat()["pools"][0]["used_bytes"]
             code, first, _ = prepare("in/a", 768 << 10)
             assert code == grpc.StatusCode.OK, first
             code, details, _ = prepare("in/b", 512 << 10)
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
             assert "layout.nbytes = 524288" in details and "786432 bytes prepared" in details
-            code, other, _ = prepare("in/b", 512 << 10, peer="peer-2")  # its own quota
-            assert code == grpc.StatusCode.OK, other
+            # The quota is the caller's (its address here), not the name it gives itself.
+            code, details, _ = prepare("in/b", 512 << 10, peer="peer-2")
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+            # Claiming fewer bytes than the layout spans is refused before anything is made.
+            code, details, _ = prepare("in/c", 48 << 20, claimed=1)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+            assert "layout.nbytes = 1: uint8[50331648]" in details, details
+            assert ca.stat()["pools"][0]["used_bytes"] <= before + (1 << 20)
             code, details, _ = prepare("in/c", 4096, device="cuda:3")
             assert code == grpc.StatusCode.INVALID_ARGUMENT, details
             assert 'layout.device = "cuda:3"' in details and "cpu" in details
             code, details, _ = prepare("etc/c", 4096)
             assert code == grpc.StatusCode.PERMISSION_DENIED, details
             assert 'name = "etc/c"' in details and '"in/"' in details
-            for transfer in (first, other):
-                assert call(node_a.address, "Finish", M["FinishRequest"](
-                    transfer_id=transfer.transfer_id), proof_token=tok)[0] == grpc.StatusCode.OK
+            assert call(node_a.address, "Finish", M["FinishRequest"](
+                transfer_id=first.transfer_id), proof_token=tok)[0] == grpc.StatusCode.OK
+            code, second, _ = prepare("in/b", 512 << 10)  # room again
+            assert code == grpc.StatusCode.OK, second
+            assert call(node_a.address, "Finish", M["FinishRequest"](
+                transfer_id=second.transfer_id), proof_token=tok)[0] == grpc.StatusCode.OK
             publish(ca, "pub/x", "bytes:100")
             publish(ca, "secret/x", "bytes:100")
             code, listed, _ = call(node_a.address, "List", M["ListRequest"](), proof_token=tok)
@@ -364,6 +381,85 @@ def test_prepare_is_bounded_by_a_quota_per_peer_prefixes_and_devices(daemons):
                                     proof_token=tok)
             assert code == grpc.StatusCode.PERMISSION_DENIED and "pub/" in details, details
             assert wait_for(lambda: nothing_held(ca)), ca.stat()
+    finally:
+        node_a.stop()
+
+
+def test_a_proof_for_one_mover_is_refused_by_another(daemons, nodes):
+    (a, b), (node_a, node_b) = daemons, nodes
+    with tensorshm.connect(b.socket) as cb:
+        cb.put("b-only/payroll", np.arange(10)).release()
+    request = M["ListRequest"](prefix="").SerializeToString()
+    proof, _ = token().sign_call("List", request, node_a.address)  # meant for A
+    code, details, _ = call(node_b.address, "List", request, proof=proof)  # relayed to B
+    assert code == UNAUTHENTICATED and "for another mover" in details, details
+    assert "payroll" not in details
+
+
+def test_a_commit_publishes_only_what_was_written(daemons):
+    a, _ = daemons
+    node_a = Node(a.socket, transport="grpc")
+    tok = token()
+    nbytes = (2 << 20) * 4 + 4096  # three chunks, the last short
+    layout = M["TensorLayout"](dtype="uint8", shape=[nbytes], device="cpu", nbytes=nbytes)
+    try:
+        with tensorshm.connect(a.socket) as ca:
+            # Freed memory with something in it: a later buffer may be made there.
+            ca.put("secret/gone", np.full(nbytes, 0x5A, dtype=np.uint8)).release()
+            ca.delete("secret/gone")
+            # A commit with no write publishes zeros, never the freed bytes.
+            code, prepared, _ = call(node_a.address, "Prepare", M["PrepareRequest"](
+                name="in/empty", layout=layout), proof_token=tok)
+            assert code == grpc.StatusCode.OK, prepared
+            code, done, _ = call(node_a.address, "Finish", M["FinishRequest"](
+                transfer_id=prepared.transfer_id, commit=True), proof_token=tok)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, done
+            assert "0 of its 3 chunks were written" in done, done
+            # A Write stream that lost a chunk (a relay dropped it): the commit is refused.
+            code, prepared, _ = call(node_a.address, "Prepare", M["PrepareRequest"](
+                name="in/holed", layout=layout), proof_token=tok)
+            assert code == grpc.StatusCode.OK, prepared
+            tid = prepared.transfer_id
+            proof, nonce = tok.sign_call("Write", b"", node_a.address)
+            chunks = []
+            for offset in (0, 8 << 20):  # the middle chunk is missing
+                data = b"\x01" * min(4 << 20, nbytes - offset)
+                chunks.append(M["WriteRequest"](
+                    transfer_id=tid, offset=offset, data=data,
+                    proof=tok.sign_chunk("Write", nonce, f"{tid}:{offset}", data)
+                ).SerializeToString())
+            with grpc.insecure_channel(node_a.address) as channel:
+                channel.stream_unary(f"/{SERVICE}/Write")(iter(chunks), timeout=10,
+                                                         metadata=((PROOF_KEY, proof),))
+            code, done, _ = call(node_a.address, "Finish", M["FinishRequest"](
+                transfer_id=tid, commit=True), proof_token=tok)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, done
+            assert "2 of its 3 chunks were written; nothing published" in done, done
+            assert "in/holed" not in ca and "in/empty" not in ca
+            assert wait_for(lambda: nothing_held(ca)), ca.stat()
+    finally:
+        node_a.stop()
+
+
+def test_a_nixl_commit_without_the_write_publishes_zeros(daemons):
+    a, _ = daemons
+    node_a = Node(a.socket)
+    tok = token()
+    nbytes = 1 << 20
+    try:
+        with tensorshm.connect(a.socket) as ca:
+            ca.put("secret/gone", np.full(nbytes, 0x5A, dtype=np.uint8)).release()
+            ca.delete("secret/gone")
+            code, prepared, _ = call(node_a.address, "Prepare", M["PrepareRequest"](
+                name="in/x", nixl=True, layout=M["TensorLayout"](
+                    dtype="uint8", shape=[nbytes], device="cpu", nbytes=nbytes)),
+                proof_token=tok)
+            assert code == grpc.StatusCode.OK and prepared.destination.agent_name, prepared
+            code, done, _ = call(node_a.address, "Finish", M["FinishRequest"](
+                transfer_id=prepared.transfer_id, commit=True), proof_token=tok)
+            assert code == grpc.StatusCode.OK, done
+            got = np.from_dlpack(ca.get("in/x"))
+            assert not got.any(), np.count_nonzero(got)  # zeros, not the deleted tensor's 0x5A
     finally:
         node_a.stop()
 
@@ -413,10 +509,11 @@ SHIPS = [("tiny", "bytes:1024"), ("big", f"f32:{16 << 20}"), ("strided", "stride
 def test_bytes_go_over_the_authenticated_channel_where_no_safe_transport_is_shared(
         daemons, name, kind):
     a, b = daemons
-    # B's UCX may use CMA alone, which cannot carry NIXL's messages: no transport the two share,
-    # so the bytes go in Read and Write calls. C has no NIXL at all (transport "grpc").
+    # B's UCX may use shared memory alone, which does no RDMA for real: with UCX's emulation of
+    # it off, no transport moves the span, so the bytes go in Read and Write streams. C has no
+    # NIXL at all (transport "grpc").
     node_a = Node(a.socket)
-    node_b = Node(b.socket, env={"UCX_TLS": "cma,self"})
+    node_b = Node(b.socket, env={"UCX_TLS": "posix,sysv,self"})
     node_c = Node(b.socket, transport="grpc")
     try:
         with tensorshm.connect(a.socket) as ca, tensorshm.connect(b.socket) as cb:
@@ -541,8 +638,10 @@ def test_a_peer_path_moves_chunks_with_proofs_both_ways(daemons):
     from tensorshm.transfer import Mover
 
     a, b = daemons
-    with Mover(a.socket, listen=None, token_file=TOKEN_FILE, transport="grpc") as ma, \
-            Mover(b.socket, listen=None, token_file=TOKEN_FILE, transport="grpc") as mb, \
+    with Mover(a.socket, listen=None, token_file=TOKEN_FILE, transport="grpc",
+               advertise=["direct-peer"]) as ma, \
+            Mover(b.socket, listen=None, token_file=TOKEN_FILE, transport="grpc",
+                  advertise=["direct-peer-b"]) as mb, \
             tensorshm.connect(a.socket) as ca, tensorshm.connect(b.socket) as cb:
         kind = f"bytes:{(9 << 20) + 5}"  # three chunks, the last one short
         publish(ca, "p/x", kind)
