@@ -4,11 +4,9 @@ proto/tensorshm/v1/mover.proto) and the limits a peer cannot lift.
 A peer's call is checked (its proof of the fleet token, when the mover has one) before its
 request is even parsed. Then: names only under the prefixes this mover offers (Offer, List) or
 accepts (Prepare); holds no longer than this mover's own maximum; prepared bytes within a quota
-per peer; devices this node's daemon has. A hold keeps a lease (Offer) or an unpublished buffer
-(Prepare) until the peer's Finish or the hold's end; only the span of its tensor is registered
-with NIXL, and only while the hold lasts. A hold that ran out is deregistered at once but kept
-for one more hold time before its memory goes back, so that a peer still moving bytes (too slow,
-or dead) never reads or writes memory that another tensor has by then.
+per peer; devices this node's daemon has. A hold (tensorshm/_mover_holds.py) keeps a lease
+(Offer) or an unpublished buffer (Prepare) until the peer's Finish or the hold's end; only the
+span of its tensor is registered with NIXL, and only while the hold lasts.
 """
 
 from __future__ import annotations
@@ -17,23 +15,20 @@ import ctypes
 import functools
 import importlib.resources
 import math
-import secrets
-import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
 from . import _errors
 from ._mover_auth import Credentials
-from ._nixl import Agent, Registration
+from ._mover_holds import Hold, HoldTable, Limits
+from ._nixl import Agent
 
 SERVICE = "tensorshm.v1.Mover"
 # The largest chunk one Read or Write message carries (gRPC's messages are bounded: see
 # MESSAGE_LIMIT).
 CHUNK_BYTES = 4 << 20
 MESSAGE_LIMIT = CHUNK_BYTES + (1 << 20)
-_POLL_SECONDS = 0.0005
 
 # The Mover service's methods: name -> (handler, request message, reply message).
 METHODS = {
@@ -85,42 +80,6 @@ def device_name(place: dict[str, Any]) -> str:
     return "cpu" if place["device"] == "cpu" else f"cuda:{place['device_id']}"
 
 
-@dataclass
-class Hold:
-    """What this mover keeps for a peer's transfer: a source's lease (Offer) or a destination's
-    unpublished buffer (Prepare: `name` is what Finish publishes it as), until Finish or
-    `deadline`."""
-
-    tensor: Any
-    place: dict[str, Any]
-    deadline: float
-    registration: Registration | None = None
-    prepared: bool = False
-    name: str = ""
-    replace: bool = False
-    # Who asked for it (the caller's transport identity, see Service.serve): whose quota it
-    # counts against.
-    peer: str = ""
-    nbytes: int = 0  # the bytes it counts against that quota (from before it was made)
-    expired: bool = False  # past its deadline: refused to Read, Write and Finish
-    finished: bool = False  # taken by Finish: no chunk lands after
-    dropped: bool = False  # its tensor released
-    written: set[int] = field(default_factory=set)  # the chunks a Write stream wrote (offsets)
-    # Held while a Read or Write copies, and by the drop: no chunk touches memory given back.
-    busy: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What peers may ask of this mover (see Mover)."""
-
-    hold_seconds: float = 60.0
-    offer_prefixes: tuple[str, ...] = ("",)
-    accept_prefixes: tuple[str, ...] = ("",)
-    peer_quota_bytes: int = 4 << 30
-    peer_holds: int = 256  # the most transfers one peer may have held here at once
-
-
 class Service:
     """The Mover service over this node's client and agent (None: bytes by Read and Write only).
     Thread-safe: its handlers run on gRPC's or Ray's threads at once."""
@@ -133,15 +92,8 @@ class Service:
         self.credentials = credentials
         self.limits = limits
         self.m = messages()
-        self._holds: dict[str, Hold] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._closed = False
+        self.table = HoldTable(agent, limits)
         self._devices: set[str] | None = None
-        self._usage: dict[str, tuple[int, int]] = {}  # caller -> (holds, prepared bytes)
-        self._poller = threading.Thread(target=self._poll_holds, name="tensorshm-mover-poll",
-                                        daemon=True)
-        self._poller.start()
 
     # ---- One call ----
 
@@ -260,15 +212,6 @@ class Service:
 
     # ---- Handlers ----
 
-    def _hold(self, hold: Hold) -> str:
-        transfer_id = secrets.token_hex(16)
-        with self._lock:
-            if self._closed:
-                raise _errors.ConnectionError("this mover is closing")
-            self._holds[transfer_id] = hold
-            self._wake.notify()
-        return transfer_id
-
     def _endpoint(self, hold: Hold, nixl: bool) -> Any:
         """Where the hold's bytes lie for the peer: registered with NIXL (for this transfer
         alone) when both sides can, else for Read or Write calls."""
@@ -285,19 +228,19 @@ class Service:
     def _offer(self, req: Any, caller: str) -> Any:
         self._check_name(req.name, self.limits.offer_prefixes, "offers")
         seconds = self.hold_time(req.hold_seconds)
-        self._reserve(caller, 0)
+        self.table.reserve(caller, 0)
         try:
             tensor = self.client.get(req.name, timeout=0)
         except BaseException:
-            self._unreserve(caller, 0)
+            self.table.unreserve(caller, 0)
             raise
         hold = Hold(tensor, {}, time.monotonic() + seconds, peer=caller)
         try:
             hold.place = tensor._segment_place()
             source = self._endpoint(hold, req.nixl)
-            transfer_id = self._hold(hold)
+            transfer_id = self.table.add(hold)
         except BaseException:
-            self._drop(hold)
+            self.table.drop(hold)
             raise
         layout = self.m["TensorLayout"](dtype=tensor.dtype, shape=list(tensor.shape),
                                         strides=list(tensor.strides), device=tensor.device,
@@ -314,7 +257,7 @@ class Service:
             raise _errors.InvalidArgumentError(
                 f"layout.nbytes = {layout.nbytes}: {layout.dtype}{list(layout.shape)} with "
                 f"strides {list(layout.strides)} spans at least {least} bytes")
-        self._reserve(caller, layout.nbytes)  # before anything is made
+        self.table.reserve(caller, layout.nbytes)  # before anything is made
         hold = None
         try:
             tensor = self.client.create(list(layout.shape), layout.dtype, device,
@@ -331,55 +274,17 @@ class Service:
                 # (all) the writes publishes zeros, never them.
                 ctypes.memset(int(hold.place["address"]), 0, layout.nbytes)
             destination = self._endpoint(hold, req.nixl)
-            transfer_id = self._hold(hold)
+            transfer_id = self.table.add(hold)
         except BaseException:
             if hold is not None:
-                self._drop(hold)
+                self.table.drop(hold)
             else:
-                self._unreserve(caller, layout.nbytes)
+                self.table.unreserve(caller, layout.nbytes)
             raise
         return self.m["PrepareReply"](transfer_id=transfer_id, destination=destination)
 
-    def _reserve(self, caller: str, nbytes: int) -> None:
-        """Counts a hold of `nbytes` against `caller`'s quota and hold count, or refuses it
-        (ResourceExhaustedError); atomic with other calls'."""
-        with self._lock:
-            count, held = self._usage.get(caller, (0, 0))
-            if count >= self.limits.peer_holds:
-                raise _errors.ResourceExhaustedError(
-                    f"{caller}: {count} transfers held here already, at most "
-                    f"{self.limits.peer_holds}")
-            if held + nbytes > self.limits.peer_quota_bytes:
-                raise _errors.ResourceExhaustedError(
-                    f"layout.nbytes = {nbytes}: {caller} has {held} bytes prepared here, and "
-                    f"may have {self.limits.peer_quota_bytes}")
-            self._usage[caller] = (count + 1, held + nbytes)
-
-    def _unreserve(self, caller: str, nbytes: int) -> None:
-        with self._lock:
-            count, held = self._usage.get(caller, (1, nbytes))
-            if count <= 1:
-                self._usage.pop(caller, None)
-            else:
-                self._usage[caller] = (count - 1, held - nbytes)
-
-    def _take(self, transfer_id: str, pop: bool) -> Hold:
-        """The live hold of `transfer_id` (`pop`: no longer held after); NotFoundError when
-        there is none or its time passed."""
-        with self._lock:
-            hold = self._holds.get(transfer_id)
-            if hold is not None and pop:
-                del self._holds[transfer_id]
-        if hold is None or hold.expired:
-            if hold is not None and pop:
-                self._drop(hold)  # the peer says it is done with it
-            raise _errors.NotFoundError(
-                f"transfer_id = \"{transfer_id}\": no such transfer here (finished, or its "
-                "hold time passed)")
-        return hold
-
     def _finish(self, req: Any, caller: str) -> Any:
-        hold = self._take(req.transfer_id, pop=True)
+        hold = self.table.take(req.transfer_id, pop=True)
         try:
             with hold.busy:  # a chunk being written lands first; none lands after
                 hold.finished = True
@@ -395,7 +300,7 @@ class Service:
                 return self.m["FinishReply"](published=hold.name)
             return self.m["FinishReply"]()
         finally:
-            self._drop(hold)
+            self.table.drop(hold)
 
     def _list(self, req: Any, caller: str) -> Any:
         names = [n for n in self.client.keys(req.prefix)
@@ -404,7 +309,7 @@ class Service:
 
     def _held(self, transfer_id: str, prepared: bool) -> Hold:
         """The live hold of a Read (an offer) or a Write (a prepared buffer)."""
-        hold = self._take(transfer_id, pop=False)
+        hold = self.table.take(transfer_id, pop=False)
         if hold.prepared != prepared:
             raise _errors.FailedPreconditionError(
                 f"transfer_id = \"{transfer_id}\": "
@@ -490,74 +395,10 @@ class Service:
         reply = bytes(self.m["WriteReply"]().SerializeToString())
         return reply, token.sign_reply("Write", nonce, reply) if token is not None else ""
 
-    # ---- Holds' ends ----
-
-    def _drop(self, hold: Hold) -> None:
-        with hold.busy:
-            if hold.dropped:
-                return
-            hold.dropped = True
-        self._unreserve(hold.peer, hold.nbytes)
-        if hold.registration is not None and self.agent is not None:
-            self.agent.deregister(hold.registration)
-            hold.registration = None
-        hold.tensor.release()
-
-    def _poll_holds(self) -> None:
-        """While peers' transfers are held: progresses the agent (a peer's READ or WRITE needs
-        this side to answer its connection) and ends holds whose time has passed: first their
-        registration, one hold time later their memory."""
-        while True:
-            with self._lock:
-                while not self._holds and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    return
-                nixl = any(h.registration is not None for h in self._holds.values())
-                if not nixl:
-                    soonest = min(h.deadline for h in self._holds.values())
-                    self._wake.wait(max(soonest - time.monotonic(), 0.0))
-            if nixl and self.agent is not None:
-                try:
-                    self.agent.poll()
-                except Exception:
-                    pass  # a peer that went away: its transfer fails on its side
-            now = time.monotonic()
-            ending: list[Hold] = []  # out of time now: deregistered, refused, memory kept
-            ended: list[Hold] = []  # out of time for a second hold time: memory given back
-            with self._lock:
-                for transfer_id, hold in list(self._holds.items()):
-                    if hold.deadline >= now:
-                        continue
-                    if hold.expired:
-                        del self._holds[transfer_id]
-                        ended.append(hold)
-                    else:
-                        hold.expired = True
-                        hold.deadline = now + self.limits.hold_seconds
-                        ending.append(hold)
-            for hold in ending:
-                with hold.busy:  # no chunk copies past this point
-                    registration, hold.registration = hold.registration, None
-                if registration is not None and self.agent is not None:
-                    self.agent.deregister(registration)
-            for hold in ended:
-                self._drop(hold)
-            if nixl:
-                time.sleep(_POLL_SECONDS)
-
     @property
     def holds(self) -> int:
-        with self._lock:
-            return len(self._holds)
+        return self.table.count
 
     def close(self) -> None:
         """Drops every hold (a closing mover's peers' transfers fail)."""
-        with self._lock:
-            self._closed = True
-            holds = list(self._holds.values())
-            self._holds.clear()
-            self._wake.notify()
-        self._poller.join()
-        for hold in holds:
-            self._drop(hold)
+        self.table.close()

@@ -28,7 +28,8 @@ call an actor's ``serve``, and without a proof it gets UnauthenticatedError and 
 The actors' other methods (``pull``, ``push``, ``pull_prefix``, ``close``) are a Ray API like
 any actor's, open to every member of the cluster, and Ray pickles their arguments: Ray runs any
 code a member of the cluster submits, on every node, so the cluster's membership is the boundary
-there; the token guards the movers' protocol between nodes, not the cluster. The tensor's bytes never pass through Ray's object store:
+there; the token guards the movers' protocol between nodes, not the cluster. The tensor's
+bytes never pass through Ray's object store:
 NIXL READs them one-sided from the source daemon's shared memory into a buffer of the
 destination daemon, which publishes it under the name. A mover neither holds CPU slots
 (``num_cpus=0``) nor spins while idle.
