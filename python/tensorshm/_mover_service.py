@@ -120,7 +120,13 @@ class Service:
             raise _errors.UnimplementedError(
                 f"method = \"{method}\": the Mover service has {', '.join(METHODS)}")
         handler, request_type, _ = METHODS[method]
-        reply = getattr(self, handler)(self.m[request_type].FromString(request), caller)
+        message = self.m[request_type].FromString(request)
+        named: str = getattr(message, "requester_agent", "")
+        if caller == "peer" and named:
+            # Through Mover.serve there is no transport identity: the name the (proved) peer
+            # gives itself keeps one peer's holds from counting against all the others'.
+            caller = f"peer:{named}"
+        reply = getattr(self, handler)(message, caller)
         data = bytes(reply.SerializeToString())
         token = self.credentials.token
         return data, token.sign_reply(method, nonce, data) if token is not None else ""
@@ -289,13 +295,15 @@ class Service:
             with hold.busy:  # a chunk being written lands first; none lands after
                 hold.finished = True
             if req.commit and hold.prepared:
-                # Bytes that came in Write calls (no NIXL registration) must all have come: a
-                # relay that drops a chunk cannot get a buffer published with a hole in it.
-                chunks = -(-hold.place["nbytes"] // CHUNK_BYTES)
-                if (hold.registration is None or hold.written) and len(hold.written) != chunks:
+                # Bytes sent in Write calls must all have come, as the caller's (proved) count
+                # says: a relay that drops chunks, or all of them, gets nothing published.
+                every = set(range(0, hold.place["nbytes"], CHUNK_BYTES))
+                by_grpc = req.chunks or hold.written or hold.registration is None
+                if by_grpc and (hold.written != every or req.chunks != len(every)):
                     raise _errors.FailedPreconditionError(
                         f"transfer_id = \"{req.transfer_id}\": {len(hold.written)} of its "
-                        f"{chunks} chunks were written; nothing published")
+                        f"{len(every)} chunks were written (the caller says it sent "
+                        f"{req.chunks}); nothing published")
                 hold.tensor.publish(hold.name, replace=hold.replace)
                 return self.m["FinishReply"](published=hold.name)
             return self.m["FinishReply"]()
@@ -355,7 +363,8 @@ class Service:
         """A Write's chunk: whole chunks at their places only, so that Finish can tell that
         every one came."""
         nbytes = hold.place["nbytes"]
-        if offset % CHUNK_BYTES or len(data) != min(CHUNK_BYTES, nbytes - offset):
+        if (offset % CHUNK_BYTES or not 0 <= offset < nbytes
+                or len(data) != min(CHUNK_BYTES, nbytes - offset)):
             raise _errors.InvalidArgumentError(
                 f"Write: {len(data)} bytes at offset {offset}; chunks are the span's "
                 f"{CHUNK_BYTES}-byte pieces, whole and in place")
@@ -392,6 +401,8 @@ class Service:
             hold = holds.get(req.transfer_id) or holds.setdefault(
                 req.transfer_id, self._held(req.transfer_id, prepared=True))
             self._write_chunk(hold, req.offset, req.data)
+        if not holds:
+            raise _errors.InvalidArgumentError("Write: a stream with no chunk")
         reply = bytes(self.m["WriteReply"]().SerializeToString())
         return reply, token.sign_reply("Write", nonce, reply) if token is not None else ""
 

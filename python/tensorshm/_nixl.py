@@ -1,18 +1,28 @@
 """tensorshm.transfer's NIXL side: one agent per Mover, registering the span of each tensor it
 ships for that transfer only and running one-sided READs and WRITEs (see transfer.py).
 
-Which UCX transports the agent may use is this module's business: by default only those whose
-access the kernel or the NIC enforces (CMA between processes of one host, RDMA verbs, cuda_ipc),
-never UCX's TCP transport, which listens on every interface, and never UCX's software emulation
-of RDMA (over TCP, shared memory or UD), which copies to and from any address a peer names in
-the mover's process, registered or not. With TCP left out the agent listens on no port at all;
-with the emulation off, a READ or WRITE runs only where a transport does it for real, and fails
-at once, before a byte moves, where none does (the Mover then sends the bytes over gRPC).
-``allow_tcp_rma`` lets both in (see Mover).
+Which UCX transports the agent may use is this module's business. UCX emulates RDMA in software
+(over TCP, shared memory, UD) where a transport has none, and it serves that emulation to any
+peer that holds the agent's worker address, whatever this side's own settings: a put or get to
+any address of the mover's process, registered or not. So:
+
+- Without mTLS (a fleet token alone: the metadata, worker address included, crosses the wire
+  readable), the agent reaches processes of its own host only: shared memory, CMA (the kernel
+  lets a same-uid or CAP_SYS_PTRACE process alone touch another's memory that way) and cuda_ipc.
+  Between hosts the bytes then go over the authenticated gRPC stream.
+- With mTLS (the metadata goes to the fleet's movers alone), every transport but TCP: RDMA verbs
+  between hosts as well. A mover of the fleet is then trusted with the others' processes.
+- Never UCX's TCP transport (it listens on every interface) and never this side's use of the
+  emulation (UCX_PROTO_EMULATION_ENABLE=n): a READ or WRITE runs only where a transport does it
+  for real, and fails at once, before a byte moves, where none does (the Mover then sends the
+  bytes over gRPC). With TCP left out the agent listens on no port at all.
+
+``allow_tcp_rma`` lets all of it in (see Mover).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import threading
@@ -23,9 +33,12 @@ from typing import Any
 from . import _errors
 
 _POLL_SECONDS = 0.0005
-# The transports a mover's agent may use unless TCP RMA is allowed: UCX's "all but TCP", with
-# its software emulation of RDMA off.
-SAFE_UCX_TLS = "^tcp"
+# The transports a mover's agent may use unless TCP RMA is allowed, with UCX's software emulation
+# of RDMA off: those within one host, or (with mTLS) all but TCP.
+HOST_UCX_TLS = "shm,cuda_ipc,cuda_copy,self"  # less cuda_* where no CUDA driver loads
+FLEET_UCX_TLS = "^tcp"
+_HOST_TRANSPORTS = {"shm", "sm", "posix", "sysv", "cma", "knem", "xpmem", "self", "cuda_ipc",
+                    "cuda_copy", "cuda", "rocm_ipc", "rocm_copy", "rocm"}
 _EMULATION = "UCX_PROTO_EMULATION_ENABLE"
 # After this many metadata loads of one peer with nothing in flight, the peer is dropped and
 # loaded afresh on its next transfer, so that the registrations of past transfers do not pile up.
@@ -56,6 +69,22 @@ def tcp_allowed(tls: str) -> bool:
     if tls.startswith("^"):
         return "tcp" not in {n.lstrip("^") for n in names}
     return bool(names & {"tcp", "all"})
+
+
+def _host_tls() -> str:
+    """HOST_UCX_TLS, without the CUDA transports where the CUDA driver does not load (UCX would
+    warn that they are not available at every start)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "shm,self"
+    return HOST_UCX_TLS
+
+
+def _host_only(tls: str) -> bool:
+    """Whether a UCX_TLS value names transports within one host only."""
+    names = {n.strip() for n in tls.split(",") if n.strip()}
+    return not tls.startswith("^") and names <= _HOST_TRANSPORTS
 
 
 class UnsafeUcx(_errors.FailedPreconditionError):
@@ -89,7 +118,7 @@ class Agent:
     """This mover's NIXL agent. Without NIXL's progress thread (it spins a core): the Mover polls
     while it serves a transfer, and an initiator polls its own transfer. Thread-safe."""
 
-    def __init__(self, name: str, *, allow_tcp_rma: bool = False) -> None:
+    def __init__(self, name: str, *, allow_tcp_rma: bool = False, mtls: bool = False) -> None:
         api = _import_nixl()
         self._api = api
         tls = os.environ.get("UCX_TLS")
@@ -98,6 +127,12 @@ class Agent:
                 f"UCX_TLS = \"{tls}\" lets UCX use TCP, whose RDMA emulation lets any peer that "
                 "reaches its port read and write this process's memory: leave TCP out, or "
                 "allow_tcp_rma=True (--allow-tcp-rma) knowing that")
+        if tls is not None and not (mtls or allow_tcp_rma or _host_only(tls)):
+            raise UnsafeUcx(
+                f"UCX_TLS = \"{tls}\" names transports between hosts, and without mTLS the "
+                "agent's worker address crosses the wire readable: whoever sees it can read "
+                "and write this process's memory through UCX's emulated RDMA. Use mTLS "
+                f"(--tls-*), or transports of one host ({HOST_UCX_TLS})")
         emulation = os.environ.get(_EMULATION)
         if emulation is not None and emulation.lower() not in ("n", "no", "0", "off", "false") \
                 and not allow_tcp_rma:
@@ -113,7 +148,7 @@ class Agent:
         with _env_lock:
             saved = {k: os.environ.get(k) for k in ("UCX_TLS", _EMULATION)}
             if not allow_tcp_rma:
-                os.environ.setdefault("UCX_TLS", SAFE_UCX_TLS)
+                os.environ.setdefault("UCX_TLS", FLEET_UCX_TLS if mtls else _host_tls())
                 os.environ[_EMULATION] = "n"
             try:
                 # Peer failure handling needs a transport with its own connection (TCP, RDMA):

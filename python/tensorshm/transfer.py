@@ -29,10 +29,11 @@ gets UNAUTHENTICATED and touches nothing; a mover with neither refuses to start 
 
 **Transports.** NIXL over UCX, restricted to transports whose access the kernel or the NIC
 enforces: shared memory and CMA between processes of one host (CMA needs the same uid or
-CAP_SYS_PTRACE), RDMA verbs, cuda_ipc. UCX's TCP transport is left out unless
-``allow_tcp_rma=True``: its software RDMA lets any peer that reaches its port read and write the
-mover process's memory. ``transport``: "auto" (NIXL where both movers can, else chunks over
-gRPC), "nixl" or "grpc".
+CAP_SYS_PTRACE) and cuda_ipc; with mTLS, RDMA verbs between hosts too (see tensorshm/_nixl.py:
+UCX serves software RDMA to whoever learns its worker address, so that address travels only
+under TLS). UCX's TCP transport is left out unless ``allow_tcp_rma=True``: its software RDMA
+lets any peer that reaches its port read and write the mover process's memory. ``transport``:
+"auto" (NIXL where both movers can, else chunks over gRPC), "nixl" or "grpc".
 
 The control channel is gRPC, or any other when the peer is a :class:`Peer`: its calls then go
 through ``Peer.call`` into the other mover's :meth:`Mover.serve` (tensorshm.ray's movers, Ray
@@ -136,7 +137,8 @@ class Mover:
         self._agent: _Agent | None = None
         if transport != "grpc":
             try:
-                self._agent = _Agent(self.name, allow_tcp_rma=allow_tcp_rma)
+                self._agent = _Agent(self.name, allow_tcp_rma=allow_tcp_rma,
+                                     mtls=self.credentials.tls is not None)
             except _errors.FailedPreconditionError as e:
                 if transport == "nixl" or isinstance(e, UnsafeUcx):
                     raise
@@ -244,9 +246,10 @@ class Mover:
             token.check_reply(method, nonce, reply, reply_proof, str(peer))
         return self._m[METHODS[method][2]].FromString(reply)
 
-    def _finish(self, peer: str | Peer, transfer_id: str, commit: bool, deadline: float) -> Any:
+    def _finish(self, peer: str | Peer, transfer_id: str, commit: bool, deadline: float,
+                chunks: int = 0) -> Any:
         return self._call(peer, "Finish", self._m["FinishRequest"](
-            transfer_id=transfer_id, commit=commit),
+            transfer_id=transfer_id, commit=commit, chunks=chunks),
             max(deadline, time.monotonic() + _FINISH_SECONDS))
 
     def _hold_ask(self, deadline: float) -> float:
@@ -432,18 +435,20 @@ class Mover:
                 name=as_name or name, layout=layout, hold_seconds=self._hold_ask(deadline),
                 replace=replace, requester_agent=self.name, nixl=self._agent is not None),
                 deadline)
+            chunks = 0  # sent in Write calls: the destination checks that all of them came
             try:
                 self._span(prepared.destination, place, peer, "Prepare")
                 if not self._by_nixl("WRITE", place, prepared.destination,
                                      prepared.transfer_id, peer, deadline):
                     self._by_grpc("WRITE", place, prepared.transfer_id, peer, deadline)
+                    chunks = -(-int(place["nbytes"]) // CHUNK_BYTES)
             except BaseException:
                 try:  # the destination drops its buffer (or does when its hold time passes)
                     self._finish(peer, prepared.transfer_id, False, deadline)
                 except _errors.Error:
                     pass
                 raise
-            finished = self._finish(peer, prepared.transfer_id, True, deadline)
+            finished = self._finish(peer, prepared.transfer_id, True, deadline, chunks)
         return str(finished.published)
 
     def pull_prefix(self, peer: str | Peer, prefix: str, *, replace: bool = False,

@@ -285,6 +285,9 @@ def test_a_mover_refuses_to_start_without_credentials_or_with_a_readable_token(d
     run = run_mover("--socket", a.socket, "--token-file", TOKEN_FILE,
                     env={"UCX_PROTO_EMULATION_ENABLE": "y"})
     assert run.returncode != 0 and "UCX_PROTO_EMULATION_ENABLE" in run.stderr, run.stderr
+    # Without mTLS the worker address crosses the wire readable: no transports between hosts.
+    run = run_mover("--socket", a.socket, "--token-file", TOKEN_FILE, env={"UCX_TLS": "^tcp"})
+    assert run.returncode != 0 and "names transports between hosts" in run.stderr, run.stderr
     run = run_mover("--socket", a.socket, "--token-file", TOKEN_FILE, "--listen", "0.0.0.0:0")
     assert run.returncode != 0 and "a wildcard address needs advertise" in run.stderr
     help_text = run_mover("--help").stdout
@@ -432,9 +435,22 @@ def test_a_commit_publishes_only_what_was_written(daemons):
                 channel.stream_unary(f"/{SERVICE}/Write")(iter(chunks), timeout=10,
                                                          metadata=((PROOF_KEY, proof),))
             code, done, _ = call(node_a.address, "Finish", M["FinishRequest"](
-                transfer_id=tid, commit=True), proof_token=tok)
+                transfer_id=tid, commit=True, chunks=3), proof_token=tok)
             assert code == grpc.StatusCode.FAILED_PRECONDITION, done
-            assert "2 of its 3 chunks were written; nothing published" in done, done
+            assert "2 of its 3 chunks were written (the caller says it sent 3); nothing " \
+                "published" in done, done
+            # A Write stream with no chunk at all is refused as such.
+            code, prepared, _ = call(node_a.address, "Prepare", M["PrepareRequest"](
+                name="in/none", layout=layout), proof_token=tok)
+            proof, _ = tok.sign_call("Write", b"", node_a.address)
+            with grpc.insecure_channel(node_a.address) as channel, \
+                    pytest.raises(grpc.RpcError) as refused:
+                channel.stream_unary(f"/{SERVICE}/Write")(iter([]), timeout=10,
+                                                         metadata=((PROOF_KEY, proof),))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "a stream with no chunk" in refused.value.details()
+            assert call(node_a.address, "Finish", M["FinishRequest"](
+                transfer_id=prepared.transfer_id), proof_token=tok)[0] == grpc.StatusCode.OK
             assert "in/holed" not in ca and "in/empty" not in ca
             assert wait_for(lambda: nothing_held(ca)), ca.stat()
     finally:
@@ -460,6 +476,17 @@ def test_a_nixl_commit_without_the_write_publishes_zeros(daemons):
             assert code == grpc.StatusCode.OK, done
             got = np.from_dlpack(ca.get("in/x"))
             assert not got.any(), np.count_nonzero(got)  # zeros, not the deleted tensor's 0x5A
+            # A pusher that fell back to Write calls says how many it sent: a relay that
+            # dropped them all gets nothing published, NIXL registration or not.
+            code, prepared, _ = call(node_a.address, "Prepare", M["PrepareRequest"](
+                name="in/y", nixl=True, layout=M["TensorLayout"](
+                    dtype="uint8", shape=[nbytes], device="cpu", nbytes=nbytes)),
+                proof_token=tok)
+            code, done, _ = call(node_a.address, "Finish", M["FinishRequest"](
+                transfer_id=prepared.transfer_id, commit=True, chunks=1), proof_token=tok)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, done
+            assert "0 of its 1 chunks were written (the caller says it sent 1)" in done, done
+            assert "in/y" not in ca
     finally:
         node_a.stop()
 
