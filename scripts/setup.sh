@@ -8,7 +8,8 @@ apt_packages=(build-essential cmake pkg-config python3 python3-venv python3-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libboost-dev libabsl-dev libgtest-dev libgmock-dev clang libclang-rt-dev spin
   libcli11-dev libspdlog-dev libtoml11-dev libcpp-httplib-dev nlohmann-json3-dev
-  systemd)  # systemd: systemd-analyze, for tests/deploy's unit check
+  systemd openssl)  # systemd: systemd-analyze and libseccomp, for tests/deploy's unit check;
+                   # openssl: the movers' mTLS certificates in tests/multinode
 
 missing=()
 for p in "${apt_packages[@]}"; do
