@@ -119,6 +119,11 @@ def nodes(daemons):
         n.stop()
 
 
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """As tests/python's: what this run's daemons left in /dev/shm fails it."""
+    python_conftest.pytest_sessionfinish(session, exitstatus)
+
+
 def pytest_unconfigure(config) -> None:
     import shutil
 

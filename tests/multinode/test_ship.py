@@ -207,5 +207,5 @@ def test_source_daemon_restart_between_two_ships():
     finally:
         node_a.stop()
         node_b.stop()
-        a.stop()
+        a.remove()  # and its kept segments
         b.stop()

@@ -29,11 +29,17 @@ def _tensorshmd() -> str:
     return path
 
 
+# Every shm prefix a Daemon of this process used: pytest_sessionfinish fails the run on what
+# any of them left in /dev/shm.
+PREFIXES: set[str] = set()
+
+
 class Daemon:
     """A tensorshmd on its own socket and shm prefix, stopped with SIGTERM.
 
     A restart passes the stopped daemon's ``socket`` and ``prefix``; a given prefix is reused as
-    it is (its segments are not cleaned up first).
+    it is (its segments are not cleaned up first). A daemon with --keep-segments leaves them at
+    stop(): end its test with remove().
     """
 
     def __init__(self, name: str, host_pool: str = "256Mi", extra_args: tuple = (),
@@ -45,6 +51,7 @@ class Daemon:
         if prefix is None:
             for leftover in pathlib.Path("/dev/shm").glob(self.prefix + ".*"):
                 leftover.unlink()
+        PREFIXES.add(self.prefix)
         self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
         self.process = subprocess.Popen(
             [_tensorshmd(), "--socket", self.socket, "--shm-prefix", self.prefix,
@@ -66,6 +73,14 @@ class Daemon:
         self.log.close()
         return code
 
+    def remove(self) -> int | None:
+        """Stops the daemon if it runs, then removes what its prefix left in /dev/shm (kept
+        segments, a killed daemon's objects). Its exit code, None if it was not running."""
+        code = self.stop() if self.process.poll() is None else None
+        for path in pathlib.Path("/dev/shm").glob(self.prefix + ".*"):
+            path.unlink(missing_ok=True)
+        return code
+
 
 @pytest.fixture(scope="module")
 def daemon(request):
@@ -81,10 +96,18 @@ def client(daemon):
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """The emulated CUDA driver (tests/support/fake_cuda) names its device memory and events
+    """A test that leaves its daemon's objects in /dev/shm fails the run (they are removed, and
+    named). The emulated CUDA driver (tests/support/fake_cuda) names its device memory and events
     /dev/shm/tsmfakecu.<pid>.*; a process that exits holding one (a producer child whose event
     outlives it, as a real driver's would not) leaves the file behind. Remove those of this
     process and of processes that are gone."""
+    left = sorted(p for prefix in PREFIXES for p in pathlib.Path("/dev/shm").glob(prefix + ".*"))
+    if left:
+        for path in left:
+            path.unlink(missing_ok=True)
+        print(f"\nleft in /dev/shm by this run's daemons (removed now): "
+              f"{', '.join(p.name for p in left)}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     for path in pathlib.Path("/dev/shm").glob("tsmfakecu.*.*"):
         pid = path.name.split(".")[1]
         if not pid.isdigit():

@@ -73,7 +73,7 @@ def test_stat_and_get_ride_through_a_sigkill_and_a_clean_restart():
     finally:
         if client is not None:
             client.close()
-        daemon.stop()
+        daemon.remove()  # and its kept segments
 
 
 def test_publish_in_flight_at_the_kill_says_its_fate_is_unknown():
@@ -113,7 +113,7 @@ def test_publish_in_flight_at_the_kill_says_its_fate_is_unknown():
     finally:
         if client is not None:
             client.close()
-        daemon.stop()
+        daemon.remove()  # and its kept segments
 
 
 def test_connect_to_a_stopped_daemon_fails_by_its_timeout():
