@@ -41,14 +41,14 @@ class RestartCallsTest : public ::testing::Test {
     dir_ = std::filesystem::temp_directory_path().string() + "/" + prefix_;
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
-    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
-      if (entry.path().filename().string().rfind(prefix_ + ".", 0) == 0) {
-        std::filesystem::remove(entry.path());
-      }
-    }
+    RemoveShmObjects(prefix_);
     socket_ = dir_ + "/s.sock";
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
+  // The daemons (locals of each test) are gone by now; --keep-segments left their objects.
+  void TearDown() override {
+    RemoveShmObjects(prefix_);
+    std::filesystem::remove_all(dir_);
+  }
 
   // Stops the daemon with `signal_number` and starts it again on the same socket and prefix.
   void Restart(absl::StatusOr<ChildProcess>& daemon, int signal_number) {

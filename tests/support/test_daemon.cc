@@ -205,8 +205,6 @@ bool ChildProcess::WaitForOutput(const std::string& text, absl::Duration timeout
   return false;
 }
 
-namespace {
-
 void RemoveShmObjects(const std::string& prefix) {
   DIR* dir = opendir("/dev/shm");
   if (dir == nullptr) return;
@@ -217,6 +215,8 @@ void RemoveShmObjects(const std::string& prefix) {
   }
   closedir(dir);
 }
+
+namespace {
 
 bool SocketAccepts(const std::string& path) {
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);

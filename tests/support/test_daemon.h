@@ -116,6 +116,9 @@ std::vector<std::string> AsUid(int uid);
 std::string RunToEnd(const std::vector<std::string>& argv, const std::string& log_path,
                      absl::Duration limit = absl::Seconds(120));
 
+// Removes /dev/shm/<prefix>.* (what a daemon with --keep-segments, or a killed one, left).
+void RemoveShmObjects(const std::string& prefix);
+
 // The rest of the first line of `output` starting with `key` + " ", or "" if none.
 std::string Line(const std::string& output, const std::string& key);
 
