@@ -144,8 +144,8 @@ class Service:
         def caller(context: Any) -> str:
             """The caller's transport identity: its certificate's names under mTLS, else its
             address without the port (a peer's own name for itself is not evidence)."""
-            names = context.auth_context().get("x509_subject_alternative_name") or \
-                context.auth_context().get("x509_common_name")
+            auth = context.auth_context()
+            names = auth.get("x509_subject_alternative_name") or auth.get("x509_common_name")
             if names:
                 return "tls:" + ",".join(n.decode(errors="replace") for n in names)
             return "host:" + str(context.peer()).rsplit(":", 1)[0]

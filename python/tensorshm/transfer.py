@@ -45,44 +45,28 @@ only for type hints); grpcio and protobuf. ``make test-multinode`` installs them
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
 import socket as _socket
-import threading
 import time
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Any
 
 from . import _errors
 from ._client import Client, connect
-from ._mover_auth import PROOF_KEY, Credentials
+from ._mover_auth import Credentials
+from ._mover_calls import Calls, Peer, options
 from ._mover_holds import Limits
-from ._mover_service import (CHUNK_BYTES, MESSAGE_LIMIT, METHODS, Service, device_name,
-                             messages)
+from ._mover_service import CHUNK_BYTES, Service, messages
 from ._nixl import Agent as _Agent
 from ._nixl import NoPath, UnsafeUcx
+
+__all__ = ["Mover", "Peer", "main"]
 
 _log = logging.getLogger("tensorshm.transfer")
 _TRANSPORTS = ("auto", "nixl", "grpc")
 _FINISH_SECONDS = 5.0  # what a Finish may take beyond a ship's deadline
-
-
-class Peer(Protocol):
-    """Another node's mover reached over a channel other than gRPC (``str(peer)`` names it in
-    errors). ``call`` sends one Mover service call, the request serialized with its proof, to
-    that mover's :meth:`Mover.serve` and returns the serialized reply with its proof; it raises
-    the tensorshm error the peer raised, TimeoutError when no answer comes within `timeout`
-    seconds, and ConnectionError when the peer cannot be reached."""
-
-    def call(self, method: str, request: bytes, proof: str, timeout: float) -> tuple[bytes, str]:
-        ...
-
-
-def _options() -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", MESSAGE_LIMIT),
-            ("grpc.max_send_message_length", MESSAGE_LIMIT)]
 
 
 class Mover:
@@ -143,8 +127,7 @@ class Mover:
                 if transport == "nixl" or isinstance(e, UnsafeUcx):
                     raise
                 _log.info("%s: no NIXL (%s): bytes go over gRPC", self.name, e)
-        self._channels: dict[str, Any] = {}
-        self._channels_lock = threading.Lock()
+        self._calls = Calls(grpc, self.credentials, self._m)
         self._server = None
         self.address: str | None = None
         self._closed = False
@@ -153,7 +136,7 @@ class Mover:
             self.client = connect(socket) if client is None else client
             if listen is not None:
                 self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                           options=_options())
+                                           options=options())
                 server_credentials = self.credentials.server_credentials(grpc)
                 host = listen.rsplit(":", 1)[0]
                 try:
@@ -210,45 +193,9 @@ class Mover:
 
     # ---- Calling peers ----
 
-    def _channel(self, peer: str) -> Any:
-        with self._channels_lock:
-            channel = self._channels.get(peer)
-            if channel is None:
-                grpc = self._grpc
-                credentials = self.credentials.channel_credentials(grpc)
-                channel = (grpc.secure_channel(peer, credentials, options=_options())
-                           if credentials is not None
-                           else grpc.insecure_channel(peer, options=_options()))
-                self._channels[peer] = channel
-        return channel
-
-    def _call(self, peer: str | Peer, method: str, request: Any, deadline: float) -> Any:
-        """One Mover service call at `peer`, proved, and its answer, checked."""
-        data = request.SerializeToString()
-        token = self.credentials.token
-        proof, nonce = (token.sign_call(method, data, str(peer)) if token is not None
-                        else ("", b""))
-        timeout = max(deadline - time.monotonic(), 0.001)
-        if isinstance(peer, str):
-            grpc = self._grpc
-            stub = self._channel(peer).unary_unary(f"/tensorshm.v1.Mover/{method}")
-            try:
-                reply, call = stub.with_call(
-                    data, timeout=timeout, metadata=((PROOF_KEY, proof),) if proof else None)
-            except grpc.RpcError as e:
-                code = e.code().value[0]
-                raise _errors._BY_CODE.get(code, _errors.Error)(
-                    f"{method} at mover {peer}: {e.details()}", code) from None
-            reply_proof = dict(call.trailing_metadata() or ()).get(PROOF_KEY)
-        else:
-            reply, reply_proof = peer.call(method, data, proof, timeout)
-        if token is not None:
-            token.check_reply(method, nonce, reply, reply_proof, str(peer))
-        return self._m[METHODS[method][2]].FromString(reply)
-
     def _finish(self, peer: str | Peer, transfer_id: str, commit: bool, deadline: float,
                 chunks: int = 0) -> Any:
-        return self._call(peer, "Finish", self._m["FinishRequest"](
+        return self._calls.call(peer, "Finish", self._m["FinishRequest"](
             transfer_id=transfer_id, commit=commit, chunks=chunks),
             max(deadline, time.monotonic() + _FINISH_SECONDS))
 
@@ -303,82 +250,6 @@ class Mover:
             agent.done(source)
         return True
 
-    def _by_grpc(self, operation: str, place: dict[str, Any], transfer_id: str,
-                 peer: str | Peer, deadline: float) -> None:
-        """Moves the span over the control channel: a stream of proved chunks over gRPC (Read,
-        Write), or one chunk a call through a Peer."""
-        if place["device"] != "cpu":
-            raise _errors.UnimplementedError(
-                f"device = \"{device_name(place)}\": device bytes move by NIXL only, and mover "
-                f"{peer} and this one share no NIXL transport")
-        address, nbytes = int(place["address"]), int(place["nbytes"])
-        if not isinstance(peer, str):
-            for offset in range(0, nbytes, CHUNK_BYTES):
-                length = min(CHUNK_BYTES, nbytes - offset)
-                if operation == "READ":
-                    reply = self._call(peer, "Read", self._m["ReadRequest"](
-                        transfer_id=transfer_id, offset=offset, length=length), deadline)
-                    self._land(reply, offset, length, address, peer)
-                else:
-                    self._call(peer, "Write", self._m["WriteRequest"](
-                        transfer_id=transfer_id, offset=offset,
-                        data=ctypes.string_at(address + offset, length)), deadline)
-            return
-        grpc = self._grpc
-        token = self.credentials.token
-        method = "Read" if operation == "READ" else "Write"
-        request = (self._m["ReadRequest"](transfer_id=transfer_id, offset=0, length=nbytes)
-                   .SerializeToString() if method == "Read" else b"")
-        proof, nonce = (token.sign_call(method, request, peer) if token is not None
-                        else ("", b""))
-        metadata = ((PROOF_KEY, proof),) if proof else None
-        timeout = max(deadline - time.monotonic(), 0.001)
-        path = f"/tensorshm.v1.Mover/{method}"
-        try:
-            if method == "Read":
-                offset = 0
-                for raw in self._channel(peer).unary_stream(path)(
-                        request, timeout=timeout, metadata=metadata):
-                    reply = self._m["ReadReply"].FromString(raw)
-                    if token is not None:
-                        token.check_chunk("Read", nonce, f"{transfer_id}:{reply.offset}",
-                                          reply.data, reply.proof, f"mover {peer}")
-                    length = min(CHUNK_BYTES, nbytes - offset)
-                    self._land(reply, offset, length, address, peer)
-                    offset += length
-                if offset != nbytes:
-                    raise _errors.InvalidArgumentError(
-                        f"Read at mover {peer}: {offset} of the span's {nbytes} bytes came")
-                return
-
-            def chunks() -> Any:
-                for offset in range(0, nbytes, CHUNK_BYTES):
-                    data = ctypes.string_at(address + offset, min(CHUNK_BYTES, nbytes - offset))
-                    where = f"{transfer_id}:{offset}"
-                    yield self._m["WriteRequest"](
-                        transfer_id=transfer_id, offset=offset, data=data,
-                        proof=token.sign_chunk("Write", nonce, where, data) if token else ""
-                    ).SerializeToString()
-
-            reply, call = self._channel(peer).stream_unary(path).with_call(
-                chunks(), timeout=timeout, metadata=metadata)
-            if token is not None:
-                token.check_reply("Write", nonce, reply,
-                                  dict(call.trailing_metadata() or ()).get(PROOF_KEY), str(peer))
-        except grpc.RpcError as e:
-            code = e.code().value[0]
-            raise _errors._BY_CODE.get(code, _errors.Error)(
-                f"{method} at mover {peer}: {e.details()}", code) from None
-
-    @staticmethod
-    def _land(reply: Any, offset: int, length: int, address: int, peer: str | Peer) -> None:
-        """Copies a Read chunk into place, if it is the one asked for."""
-        if reply.offset != offset or len(reply.data) != length:
-            raise _errors.InvalidArgumentError(
-                f"Read at mover {peer}: {len(reply.data)} bytes at offset {reply.offset}, for "
-                f"{length} at {offset}")
-        ctypes.memmove(address + offset, reply.data, length)
-
     # ---- Shipping ----
 
     def pull(self, peer: str | Peer, name: str, as_name: str | None = None, *,
@@ -390,7 +261,7 @@ class Mover:
         at the source, "cuda:N" by this node's numbering). Device memory moves where NIXL can
         register it (UCX with CUDA support); elsewhere UnimplementedError names the device."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        offer = self._call(peer, "Offer", self._m["OfferRequest"](
+        offer = self._calls.call(peer, "Offer", self._m["OfferRequest"](
             name=name, hold_seconds=self._hold_ask(deadline), requester_agent=self.name,
             nixl=self._agent is not None), deadline)
         layout = offer.layout
@@ -404,7 +275,7 @@ class Mover:
             place = tensor._segment_place()
             self._span(offer.source, place, peer, "Offer")
             if not self._by_nixl("READ", place, offer.source, offer.transfer_id, peer, deadline):
-                self._by_grpc("READ", place, offer.transfer_id, peer, deadline)
+                self._calls.stream("READ", place, offer.transfer_id, peer, deadline)
             # The source held the bytes until now only if it still has the transfer: else its
             # hold ran out mid-read, and what was read may be another tensor's.
             finished = True
@@ -431,7 +302,7 @@ class Mover:
             layout = self._m["TensorLayout"](dtype=tensor.dtype, shape=list(tensor.shape),
                                              strides=list(tensor.strides), device=tensor.device,
                                              nbytes=place["nbytes"])
-            prepared = self._call(peer, "Prepare", self._m["PrepareRequest"](
+            prepared = self._calls.call(peer, "Prepare", self._m["PrepareRequest"](
                 name=as_name or name, layout=layout, hold_seconds=self._hold_ask(deadline),
                 replace=replace, requester_agent=self.name, nixl=self._agent is not None),
                 deadline)
@@ -440,7 +311,7 @@ class Mover:
                 self._span(prepared.destination, place, peer, "Prepare")
                 if not self._by_nixl("WRITE", place, prepared.destination,
                                      prepared.transfer_id, peer, deadline):
-                    self._by_grpc("WRITE", place, prepared.transfer_id, peer, deadline)
+                    self._calls.stream("WRITE", place, prepared.transfer_id, peer, deadline)
                     chunks = -(-int(place["nbytes"]) // CHUNK_BYTES)
             except BaseException:
                 try:  # the destination drops its buffer (or does when its hold time passes)
@@ -456,7 +327,7 @@ class Mover:
         """Ships every name under `prefix` at `peer`; returns the names, in order. A peer that
         lists a name outside `prefix` gets PermissionError, and nothing is shipped."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        names = list(self._call(peer, "List", self._m["ListRequest"](prefix=prefix),
+        names = list(self._calls.call(peer, "List", self._m["ListRequest"](prefix=prefix),
                                 deadline).names)
         outside = [n for n in names if not n.startswith(prefix)]
         if outside:
@@ -487,8 +358,7 @@ class Mover:
             self._server.stop(grace=None)
         if hasattr(self, "_service"):
             self._service.close()
-        for channel in self._channels.values():
-            channel.close()
+        self._calls.close()
         if self._agent is not None:
             self._agent.close()
         if self._own_client and hasattr(self, "client"):
