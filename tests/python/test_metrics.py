@@ -25,8 +25,10 @@ POOL = 64 << 20
 
 
 def _binary(name: str) -> str:
+    """A C++ test program: in $TSM_TEST_BINARIES (tests/wheels, whose daemon is a wheel's), else
+    in tests/ beside the daemon's build."""
     daemon = pathlib.Path(os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd")))
-    path = daemon.parent / "tests" / name
+    path = pathlib.Path(os.environ.get("TSM_TEST_BINARIES", daemon.parent / "tests")) / name
     if not os.access(path, os.X_OK):
         pytest.fail(f"{path} not found: build it (cmake --build build --target {name})")
     return str(path)
