@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel wheels test-wheels deb test-packages install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel wheels test-wheels bench-wheels deb test-packages install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -289,6 +289,12 @@ test-wheels: build wheels
 	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/wheels.xml
 	$(VENV_PY) -m pytest -q -rs -s tests/wheels --junitxml=$(RESULTS)/wheels.xml
 	$(CHECK_SKIPS) --label test-wheels $(RESULTS)/wheels.xml
+
+# bench/py_wheels.py: py_handoff's 4 KiB handoff and warm get+release with each wheel in a venv of
+# its Python (cp311 against cp312-abi3, and a full-API cp312 when one is built), in turns.
+PY_WHEELS_ARGS ?=
+bench-wheels: wheels
+	$(VENV_PY) bench/py_wheels.py $(PY_WHEELS_ARGS)
 
 # The wheels and the .deb installed for real, each in a fresh container made with buildah
 # (tests/packages/test-packages.sh): the cp311 wheel on bookworm and the cp312-abi3 wheel on trixie

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Makes the Debian base images the container tests build from, in the buildah store of
-# tests/container/buildah-storage.sh: localhost/debian:bookworm and localhost/debian:bookworm-slim.
+# tests/container/buildah-storage.sh: localhost/debian:bookworm and localhost/debian:bookworm-slim,
+# or, given a suite (`base-images.sh trixie`), localhost/debian:<suite>.
 # No image registry is reachable from the project's machines, only Debian's archive: the images
 # are a minbase debootstrap of bookworm committed with buildah, which is also what the official
 # debian:bookworm images are made from (debuerreotype; -slim only drops documentation, so here
 # both names are the same image).
 #
-#   bash tests/container/base-images.sh
+#   bash tests/container/base-images.sh          (bookworm)
+#   bash tests/container/base-images.sh trixie   (test-packages installs the abi3 wheel there)
 #   source tests/container/buildah-storage.sh
 #   $BUILDAH from --pull=never localhost/debian:bookworm
 #
 # Idempotent: an image already in the store is kept, and the debootstrap tarball is cached as
-# $TSM_CONTAINER_CACHE/bookworm-minbase.tar, so a rerun downloads nothing. Installs buildah and
+# $TSM_CONTAINER_CACHE/<suite>-minbase.tar, so a rerun downloads nothing. Installs buildah and
 # debootstrap when missing. Fetches from the Debian archive the host's apt uses
 # (TSM_DEBIAN_MIRROR overrides). Needs root. Exits non-zero, saying why, on any failure. To make
 # them again (another mirror, new host CA certificates):
@@ -20,8 +22,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source tests/container/buildah-storage.sh
 
-suite=bookworm
-images=(localhost/debian:bookworm localhost/debian:bookworm-slim)
+suite=${1:-bookworm}
+case $suite in
+  bookworm) images=(localhost/debian:bookworm localhost/debian:bookworm-slim) ;;
+  *) images=("localhost/debian:$suite") ;;
+esac
 tarball=$TSM_CONTAINER_CACHE/$suite-minbase.tar
 
 say() { echo "base-images: $*"; }
@@ -68,7 +73,7 @@ mkdir -p "$TSM_CONTAINER_CACHE"
 exec 9>"$TSM_CONTAINER_CACHE/base-images.lock"
 flock 9
 
-if have_image "${images[0]}" && have_image "${images[1]}"; then
+if have_image "${images[0]}" && have_image "${images[-1]}"; then
   say "cached in $TSM_CONTAINER_CACHE/storage: ${images[*]}"
   exit 0
 fi
@@ -90,7 +95,7 @@ else
 fi
 
 # The working container, removed on exit whatever happens (and here, if a killed run left it).
-container=tsm-base-image
+container=tsm-base-image-$suite
 $BUILDAH rm "$container" >/dev/null 2>&1 || true
 trap '$BUILDAH rm "$container" >/dev/null 2>&1 || true' EXIT
 
@@ -131,5 +136,7 @@ $BUILDAH config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sb
 say "buildah commit ${images[0]}"
 $BUILDAH commit --quiet "$container" "${images[0]}" >/dev/null ||
   fail "buildah commit ${images[0]}"
-$BUILDAH tag "${images[0]}" "${images[1]}" || fail "buildah tag ${images[1]}"
+if [ ${#images[@]} -gt 1 ]; then
+  $BUILDAH tag "${images[0]}" "${images[1]}" || fail "buildah tag ${images[1]}"
+fi
 say "made ${images[*]} ($($BUILDAH images --noheading --format "{{.Size}}" "${images[0]}" | head -n 1))"

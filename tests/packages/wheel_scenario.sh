@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Runs inside a fresh bookworm container (tests/packages/test-packages.sh): a user with only
-# python3 and python3-venv installs the wheel from PyPI-less files plus numpy from PyPI, then
-# runs the wheel's tensorshmd and tensorshmctl from the venv, a producer and a consumer process,
-# and tensorshm.Daemon. $1: the directory holding the wheel and this directory's files.
+# Runs inside a fresh Debian container (tests/packages/test-packages.sh: bookworm with the cp311
+# wheel, trixie with the cp312-abi3 one): a user with only python3 and python3-venv installs the
+# wheel file plus numpy from PyPI, then runs the wheel's tensorshmd and tensorshmctl from the
+# venv, a producer and a consumer process, and tensorshm.Daemon. $1: the directory holding the
+# wheels and this directory's files; $2: the wheel's file name.
 set -euo pipefail
 pkg=$1
+wheel=$pkg/$2
 say() { echo "wheel: $*"; }
 
 export DEBIAN_FRONTEND=noninteractive
@@ -15,12 +17,13 @@ if dpkg-query -W -f='${Package}\n' | grep -E -- '-dev$|grpc|protobuf|absl'; then
   echo "wheel: the container has the packages above, which the test must not have" >&2
   exit 1
 fi
-say "python3 and python3-venv only: $(python3 --version)"
+release=$(. /etc/os-release && echo "$PRETTY_NAME")
+say "python3 and python3-venv only: $(python3 --version), $release"
 
 python3 -m venv /opt/tsm
-/opt/tsm/bin/pip install -q --disable-pip-version-check "$pkg"/tensorshm-*.whl numpy
+/opt/tsm/bin/pip install -q --disable-pip-version-check "$wheel" numpy
 export PATH=/opt/tsm/bin:$PATH
-say "installed $(basename "$pkg"/tensorshm-*.whl) and numpy into /opt/tsm"
+say "installed $(basename "$wheel") and numpy into /opt/tsm"
 
 version=$(tensorshmd --version)
 pip_version=$(pip show tensorshm | sed -n 's/^Version: //p')
