@@ -235,6 +235,22 @@ def median_after_first(values):
     return statistics.median(values[1:] if len(values) > 1 else values)
 
 
+def start_daemon(pool: int):
+    """A tensorshmd ($TENSORSHMD, else build/tensorshmd) with a host pool of `pool` bytes on a
+    socket of its own: (process, socket path, its directory), once the socket is there."""
+    daemon_dir = tempfile.mkdtemp(prefix="tsm-pybench-")
+    socket = os.path.join(daemon_dir, "tensorshm.sock")
+    tensorshmd = os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd"))
+    daemon = subprocess.Popen([tensorshmd, "--socket", socket, "--host-pool", f"{pool}B",
+                               "--log-level", "warning"], stdout=subprocess.DEVNULL)
+    while not os.path.exists(socket):
+        if daemon.poll() is not None:
+            shutil.rmtree(daemon_dir, ignore_errors=True)
+            raise RuntimeError(f"{tensorshmd} did not start")
+        time.sleep(0.01)
+    return daemon, socket, daemon_dir
+
+
 def drive(sizes, max_iterations, ray_interpreter) -> int:
     ctx = mp.get_context("spawn")
     try:
@@ -249,18 +265,12 @@ def drive(sizes, max_iterations, ray_interpreter) -> int:
     ray_results = run_ray(ray_interpreter, sizes, [iterations[s] for s in sizes])
     ray_skipped = ray_results.get("skipped")
 
-    daemon_dir = tempfile.mkdtemp(prefix="tsm-pybench-")
-    socket = os.path.join(daemon_dir, "tensorshm.sock")
-    tensorshmd = os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd"))
     pool = 2 * max(sizes) + (256 << 20)
-    daemon = subprocess.Popen([tensorshmd, "--socket", socket, "--host-pool", f"{pool}B",
-                               "--log-level", "warning"], stdout=subprocess.DEVNULL)
-    while not os.path.exists(socket):
-        if daemon.poll() is not None:
-            print("tensorshmd did not start", file=sys.stderr)
-            shutil.rmtree(daemon_dir, ignore_errors=True)
-            return 1
-        time.sleep(0.01)
+    try:
+        daemon, socket, daemon_dir = start_daemon(pool)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
 
     methods = [("tensorshm", tsm_producer, tsm_consumer, (socket,), None),
                ("shared_memory", shm_producer, shm_consumer, (), "pipe"),
@@ -324,16 +334,8 @@ def micro(socket, gets=20000, puts=60000, big_puts=200) -> None:
     import tensorshm
 
     client = tensorshm.connect(socket)
-    client.put("micro/warm", np.arange(1024, dtype=np.float32)).release()
-    samples = []
-    for _ in range(gets):
-        start = time.perf_counter_ns()
-        t = client.get("micro/warm")
-        view = np.from_dlpack(t)
-        del view, t
-        samples.append(time.perf_counter_ns() - start)
-    print(f"get + np.from_dlpack + release (warm, 4 KiB): median {fmt_ns(statistics.median(samples))}"
-          f" over {gets}")
+    print(f"get + np.from_dlpack + release (warm, 4 KiB): median "
+          f"{fmt_ns(warm_get_ns(client, gets))} over {gets}")
 
     array = np.full(1 << 20, 7, dtype=np.uint8)
     put_ns, put_faults = [], []
@@ -371,6 +373,22 @@ def micro(socket, gets=20000, puts=60000, big_puts=200) -> None:
     rate = puts / ((time.perf_counter_ns() - start_all) / 1e9)
     print(f"put of a tiny tensor (8 bytes, replace), {puts} in a row: median "
           f"{fmt_ns(statistics.median(samples))} each, {rate:,.0f} puts/s")
+
+
+def warm_get_ns(client, gets: int) -> float:
+    """The median of `gets` warm client.get + np.from_dlpack + release of a published 4 KiB
+    tensor, in this process."""
+    import numpy as np
+
+    client.put("micro/warm", np.arange(1024, dtype=np.float32)).release()
+    samples = []
+    for _ in range(gets):
+        start = time.perf_counter_ns()
+        t = client.get("micro/warm")
+        view = np.from_dlpack(t)
+        del view, t
+        samples.append(time.perf_counter_ns() - start)
+    return statistics.median(samples)
 
 
 def warm_copy(ctx, size, iterations):
