@@ -1,13 +1,16 @@
 #include "client/admin.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/fork.h"
 #include "common/base/sys_error.h"
@@ -31,14 +34,53 @@ absl::Status UntrustedServer(const std::string& where, const PeerCredentials& pe
   return absl::PermissionDeniedError(absl::StrCat(
       "tensorshmd at ", where, " is served by uid ", peer.uid, " (pid ", peer.pid,
       "), which this client does not trust: it expects ", expected,
-      ". A daemon of another user reads and can change every tensor that passes through it, and "
-      "another user may have taken over the socket's path. If that daemon is the one to use, "
-      "name its uid: ClientOptions::server_uid = ",
-      peer.uid, " (C: tsm_connect_server_uid; Python: tensorshm.connect(..., server_uid=", peer.uid,
-      "))"));
+      ", or the owner of a directory only root could have made for it (as /run/tensorshm for "
+      "the packaged daemon). A daemon of another user reads and can change every tensor that "
+      "passes through it, and another user may have taken over the socket's path. If that "
+      "daemon is the one to use, name its uid: TENSORSHM_SERVER_UID=",
+      peer.uid, " in the environment, or ClientOptions::server_uid = ", peer.uid,
+      " (C: tsm_connect_server_uid; Python: tensorshm.connect(..., server_uid=", peer.uid,
+      "); tensorshmctl --server-uid ", peer.uid, ")"));
+}
+
+// Whether `path` is a directory (not a link to one) owned by `owner` that no one else can write.
+bool OwnedDirectory(const std::string& path, uid_t owner) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == owner &&
+         (st.st_mode & (S_IWGRP | S_IWOTH)) == 0;
 }
 
 }  // namespace
+
+absl::StatusOr<std::optional<uint32_t>> ServerUidOrEnvironment(std::optional<uint32_t> given) {
+  if (given.has_value()) return given;
+  const char* value = std::getenv("TENSORSHM_SERVER_UID");
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  uint32_t uid = 0;
+  if (!absl::SimpleAtoi(value, &uid) || uid == static_cast<uint32_t>(-1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("$TENSORSHM_SERVER_UID = \"", value, "\": not a uid (a number, e.g. 1000)"));
+  }
+  return uid;
+}
+
+bool InDirectoryRootMadeFor(const std::string& socket, uint32_t server) {
+  const size_t slash = socket.rfind('/');
+  if (socket.empty() || socket[0] != '/' || slash == 0 || slash == std::string::npos) {
+    return false;
+  }
+  struct stat st {};
+  if (::lstat(socket.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
+  std::string directory = socket.substr(0, slash);
+  if (!OwnedDirectory(directory, server)) return false;
+  // Every directory above, up to /, root's alone: no one else can have made, renamed or replaced
+  // the one below.
+  while (!directory.empty()) {
+    directory.resize(directory.rfind('/'));
+    if (!OwnedDirectory(directory.empty() ? "/" : directory, 0)) return false;
+  }
+  return true;
+}
 
 absl::StatusOr<UniqueFd> ConnectToDaemon(const std::string& socket,
                                          std::optional<uint32_t> server_uid) {
@@ -60,7 +102,8 @@ absl::StatusOr<UniqueFd> ConnectToDaemon(const std::string& socket,
   absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(fd.get(), where);
   if (!peer.ok()) return peer.status();
   if (peer->uid == geteuid() || peer->uid == 0 ||
-      (server_uid.has_value() && peer->uid == *server_uid)) {
+      (server_uid.has_value() && peer->uid == *server_uid) ||
+      InDirectoryRootMadeFor(socket, peer->uid)) {
     // The daemon's end as the kernel names it (a relative, linked or bind-mounted path given to
     // the client may differ): what a fork child recognises the parent's connections by.
     sockaddr_un name{};

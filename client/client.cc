@@ -14,6 +14,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "client/admin.h"
 #include "client/calls.h"
 #include "client/cancel.h"
 #include "client/client_access.h"
@@ -35,33 +36,20 @@ namespace {
 // Connect: the pause between attempts while the daemon's socket does not accept yet.
 constexpr absl::Duration kConnectRetry = absl::Milliseconds(20);
 
-// ClientOptions::server_uid, else $TENSORSHM_SERVER_UID (a uid), else none. INVALID_ARGUMENT
-// naming the variable for a value that is not a uid.
-absl::StatusOr<std::optional<uint32_t>> ServerUid(const ClientOptions& options) {
-  if (options.server_uid.has_value()) return options.server_uid;
-  const char* value = std::getenv("TENSORSHM_SERVER_UID");
-  if (value == nullptr || *value == '\0') return std::nullopt;
-  uint32_t uid = 0;
-  if (!absl::SimpleAtoi(value, &uid) || uid == static_cast<uint32_t>(-1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("$TENSORSHM_SERVER_UID = \"", value, "\": not a uid (a number, e.g. 1000)"));
-  }
-  return uid;
-}
-
 // Connect; `cancel` (may be null) ends the wait for the daemon.
 absl::StatusOr<std::shared_ptr<Client>> ConnectClient(const ClientOptions& given,
                                                       CancelState* cancel) {
   PrepareProcessForClients();
-  absl::StatusOr<std::optional<uint32_t>> server_uid = ServerUid(given);
+  absl::StatusOr<std::optional<uint32_t>> server_uid = ServerUidOrEnvironment(given.server_uid);
   if (!server_uid.ok()) return server_uid.status();
   ClientOptions options = given;
   options.server_uid = *server_uid;
-  const std::string socket = options.socket.empty() ? DefaultSocketPath() : options.socket;
+  const std::string socket = options.socket.empty() ? ClientSocketPath() : options.socket;
   RememberDaemonSocket(socket);
+  // Where the path came from, for messages.
   const std::string from = options.socket.empty()
-                               ? absl::StrCat("the default, ", DefaultSocketSource())
-                               : std::string("ClientOptions::socket");
+                               ? absl::StrCat("the default path, ", ClientSocketSource())
+                               : std::string("the path this program gave");
   // The daemon may be starting (its socket is there but does not accept yet): connecting is
   // tried until connect_timeout, and so is opening the session. No socket file at all is no
   // daemon: said at once. A server of the wrong uid is refused at once.
@@ -77,8 +65,7 @@ absl::StatusOr<std::shared_ptr<Client>> ConnectClient(const ClientOptions& given
     struct stat file {};
     if (::stat(socket.c_str(), &file) != 0 && (errno == ENOENT || errno == ENOTDIR)) {
       return absl::UnavailableError(absl::StrCat(
-          "tensorshmd is not reachable at unix:", socket,
-          ": no socket file at that path (the path from ", from,
+          "tensorshmd is not reachable at unix:", socket, ": no socket file at that path (", from,
           "). No daemon serves it: start one with `tensorshmd` (it serves that path by default; "
           "--socket PATH for another, with $TENSORSHM_SOCKET=PATH for clients), or from Python "
           "with `tensorshm.Daemon()`, a private daemon for this program"));
@@ -88,7 +75,7 @@ absl::StatusOr<std::shared_ptr<Client>> ConnectClient(const ClientOptions& given
   }
   if (absl::IsUnavailable(connection.status())) {
     return absl::UnavailableError(absl::StrCat("tensorshmd is not reachable at unix:", socket,
-                                               " (is it running? socket from ", from,
+                                               " (is it running? ", from,
                                                "): ", connection.status().message()));
   }
   if (!connection.ok()) return connection.status();

@@ -248,8 +248,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                    << " s for reconnecting clients";
   }
   for (std::unique_ptr<CudaPool>& pool : cuda_pools) (*catalog)->AddCudaPool(std::move(pool));
+  std::map<gid_t, std::string> admitted_groups;
+  for (gid_t gid : options.allow_gids) admitted_groups[gid] = GroupName(gid);
   daemon->policy_ =
-      std::make_unique<AccessPolicy>(geteuid(), options.allow_uids, options.allow_gids);
+      std::make_unique<AccessPolicy>(geteuid(), options.allow_uids, std::move(admitted_groups));
   daemon->service_ = std::make_unique<TensorShmService>(
       *std::move(catalog), options.session_quota_bytes, daemon->policy_.get(), &daemon->peers_,
       options.uid_limits);

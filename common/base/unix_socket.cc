@@ -10,15 +10,29 @@
 
 namespace tensorshm {
 
-absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd, absl::string_view name) {
+absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd, absl::string_view name,
+                                                    bool with_groups) {
+  auto shown = [&] { return name.empty() ? absl::StrCat("fd ", fd) : std::string(name); };
   ucred credentials{};
   socklen_t length = sizeof(credentials);
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
-    const int err = errno;
-    return ErrnoError("getsockopt(SO_PEERCRED)",
-                      name.empty() ? absl::StrCat("fd ", fd) : std::string(name), err);
+    return ErrnoError("getsockopt(SO_PEERCRED)", shown(), errno);
   }
-  return PeerCredentials{credentials.pid, credentials.uid, credentials.gid};
+  PeerCredentials peer{credentials.pid, credentials.uid, credentials.gid, nullptr};
+  if (!with_groups) return peer;
+  // Most processes have a few groups; ERANGE says how many more room it takes.
+  auto groups = std::make_shared<std::vector<gid_t>>(16);
+  while (true) {
+    length = static_cast<socklen_t>(groups->size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups->data(), &length) == 0) break;
+    if (errno != ERANGE || length <= groups->size() * sizeof(gid_t)) {
+      return ErrnoError("getsockopt(SO_PEERGROUPS)", shown(), errno);
+    }
+    groups->resize(length / sizeof(gid_t));
+  }
+  groups->resize(length / sizeof(gid_t));
+  peer.groups = std::move(groups);
+  return peer;
 }
 
 }  // namespace tensorshm

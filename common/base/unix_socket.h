@@ -6,6 +6,9 @@
 
 #include <sys/types.h>
 
+#include <memory>
+#include <vector>
+
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -18,11 +21,16 @@ struct PeerCredentials {
   pid_t pid = 0;
   uid_t uid = 0;
   gid_t gid = 0;
+  // Its supplementary groups when connect() was called (SO_PEERGROUPS), when they were asked
+  // for; null otherwise. Shared: credentials are copied per call.
+  std::shared_ptr<const std::vector<gid_t>> groups;
 };
 
-// Reads the credentials of the peer of connected Unix socket `fd` (borrowed). Errors:
-// getsockopt(SO_PEERCRED)'s, naming `name`, or "fd N" when `name` is empty.
-absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd, absl::string_view name = {});
+// Reads the credentials of the peer of connected Unix socket `fd` (borrowed), with its
+// supplementary groups when `with_groups`. Errors: getsockopt(SO_PEERCRED)'s or
+// getsockopt(SO_PEERGROUPS)'s, naming `name`, or "fd N" when `name` is empty.
+absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd, absl::string_view name = {},
+                                                    bool with_groups = false);
 
 }  // namespace tensorshm
 

@@ -28,16 +28,21 @@
 namespace tensorshm {
 
 struct ClientOptions {
-  std::string socket;       // empty: $TENSORSHM_SOCKET, $XDG_RUNTIME_DIR/tensorshm.sock, or
-                            // /tmp/tensorshm-$UID/tensorshm.sock
+  // Empty: $TENSORSHM_SOCKET; else the user's own daemon's socket ($XDG_RUNTIME_DIR/
+  // tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock) when one is there; else the packaged
+  // daemon's /run/tensorshm/tensorshm.sock when one is there.
+  std::string socket;
   std::string client_name;  // shown in the daemon's logs
   // How long Connect waits for the daemon to answer.
   absl::Duration connect_timeout = absl::Seconds(5);
   // Who may serve the socket. The client checks the uid of the process serving every connection
-  // it makes (SO_PEERCRED): by default it must be this process's effective uid or root, since a
-  // daemon of another user reads and can change every tensor passed through it, and another user
-  // could have taken over the socket's path. A daemon run as another user on purpose (a shared
-  // service account) is accepted when its uid is named here, or, when unset here, in
+  // it makes (SO_PEERCRED): by default it must be this process's effective uid, root, or the
+  // owner of a directory only root could have made for it (the socket's directory is that uid's
+  // and writable by it alone, every directory above is root's and writable by root alone, as
+  // systemd's RuntimeDirectory= makes /run/tensorshm), since a daemon of another user reads and
+  // can change every tensor passed through it, and another user could have taken over the
+  // socket's path. A daemon run as another user elsewhere is accepted when its uid is named here,
+  // or, when unset here, in
   // $TENSORSHM_SERVER_UID (a value that is not a uid is INVALID_ARGUMENT). A refused server is
   // PERMISSION_DENIED naming the socket, the server's uid and pid and this option.
   std::optional<uint32_t> server_uid = std::nullopt;

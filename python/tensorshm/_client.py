@@ -316,16 +316,18 @@ class Client:
 
 def connect(socket: str | None = None, *, client_name: str | None = None,
             timeout: float = 5.0, server_uid: int | None = None) -> Client:
-    """Connect to tensorshmd. ``socket=None``: $TENSORSHM_SOCKET, else
-    $XDG_RUNTIME_DIR/tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock.
+    """Connect to tensorshmd. ``socket=None``: $TENSORSHM_SOCKET, else the user's own daemon's
+    socket ($XDG_RUNTIME_DIR/tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock) when one
+    is there, else the packaged daemon's /run/tensorshm/tensorshm.sock when one is there.
     ConnectionError if the daemon does not accept the connection and open the session within
     ``timeout`` seconds (a stopped daemon included), and at once, naming the path, if there is no
     socket file there. The wait hears signals: Ctrl-C raises KeyboardInterrupt.
 
     The client checks who serves every connection it makes to the socket (SO_PEERCRED): by
-    default the daemon must run as this process's effective uid or as root, since a daemon of
-    another user reads and can change every tensor passed through it (and another user could
-    have taken over the socket's path). ``server_uid`` names one more uid to accept, for a
-    daemon run as another user on purpose. A refused server raises PermissionError naming the
+    default the daemon must run as this process's effective uid, as root, or as the owner of a
+    directory only root could have made for it (as the packaged daemon's /run/tensorshm), since a
+    daemon of another user reads and can change every tensor passed through it (and another user
+    could have taken over the socket's path). ``server_uid`` (else $TENSORSHM_SERVER_UID) names
+    one more uid to accept, for a daemon run as another user elsewhere. A refused server raises PermissionError naming the
     socket, the server's uid and pid."""
     return Client(_tensorshm._Client.connect(socket, client_name, timeout, server_uid))

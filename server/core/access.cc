@@ -17,12 +17,32 @@ absl::Status AccessPolicy::Admit(const PeerCredentials& peer) const {
   if (peer.uid == owner_ || uids_.count(peer.uid) > 0 || gids_.count(peer.gid) > 0) {
     return absl::OkStatus();
   }
-  // Which uids and gids are admitted is the operator's business, not a stranger's: the refusal
-  // names the caller and the flags, never the list.
-  return absl::PermissionDeniedError(
-      absl::StrCat("uid ", peer.uid, ", gid ", peer.gid, " (pid ", peer.pid,
-                   ") may not use this tensorshmd: it admits its own uid and those its operator "
-                   "named (--allow-uid / --allow-gid)"));
+  if (peer.groups != nullptr && !gids_.empty()) {
+    for (gid_t group : *peer.groups) {
+      if (gids_.count(group) > 0) return absl::OkStatus();
+    }
+  }
+  // Which uids are admitted is the operator's business, not a stranger's: the refusal names the
+  // caller and the flags, never the list. The groups are how a user gets in: named.
+  std::string how =
+      "it admits its own uid and those its operator named (--allow-uid / --allow-gid)";
+  if (!gids_.empty()) {
+    std::string names;
+    for (const auto& [gid, name] : gids_) {
+      absl::StrAppend(&names, names.empty() ? "" : ", ", name);
+    }
+    const std::string& first = gids_.begin()->second;
+    how = absl::StrCat(
+        "it admits its own uid, those its operator named (--allow-uid) and the "
+        "members of group ",
+        names,
+        " (--allow-gid): to be admitted, join it "
+        "(usermod -aG ",
+        first, " USER, then log in again)");
+  }
+  return absl::PermissionDeniedError(absl::StrCat("uid ", peer.uid, ", gid ", peer.gid, " (pid ",
+                                                  peer.pid,
+                                                  ") may not use this tensorshmd: ", how));
 }
 
 absl::Status PeerTable::Add(int fd, const PeerCredentials& credentials) {

@@ -21,21 +21,22 @@ namespace tensorshm {
 // Immutable after construction; thread-safe.
 class AccessPolicy {
  public:
-  AccessPolicy(uid_t owner, std::set<uid_t> uids, std::set<gid_t> gids)
+  // `gids`: each admitted group's gid and name (a group's members are told its name).
+  AccessPolicy(uid_t owner, std::set<uid_t> uids, std::map<gid_t, std::string> gids)
       : owner_(owner), uids_(std::move(uids)), gids_(std::move(gids)) {}
 
-  // OK if `peer` may connect: its uid is the daemon's or allowed, or its primary gid is allowed.
-  // PERMISSION_DENIED naming the uid, gid and pid otherwise (never the admitted uids and gids).
+  // OK if `peer` may connect: its uid is the daemon's or allowed, or its primary gid or one of
+  // its supplementary groups (peer.groups) is allowed. PERMISSION_DENIED naming the uid, gid and
+  // pid otherwise, and the groups that would admit it (never the admitted uids).
   absl::Status Admit(const PeerCredentials& peer) const;
   // Whether anyone but the owner is admitted (the socket and segments must then be shared).
   bool shared() const { return !uids_.empty() || !gids_.empty(); }
   uid_t owner() const { return owner_; }
-  const std::set<gid_t>& gids() const { return gids_; }
 
  private:
   uid_t owner_;
   std::set<uid_t> uids_;
-  std::set<gid_t> gids_;
+  std::map<gid_t, std::string> gids_;
 };
 
 // The credentials of every accepted gRPC connection, by its descriptor, which gRPC reports as

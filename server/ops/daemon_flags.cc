@@ -72,8 +72,10 @@ const std::vector<FlagSpec>& DaemonFlags() {
       {"allow-uid", FlagKind::kRepeated, "UID",
        "also admit clients running as UID (repeatable); by default only\n"
        "the daemon's own uid is admitted, others get PERMISSION_DENIED"},
-      {"allow-gid", FlagKind::kRepeated, "GID",
-       "also admit clients whose primary gid is GID (repeatable)\n"
+      {"allow-gid", FlagKind::kRepeated, "GROUP",
+       "also admit the members of GROUP, a name or a gid (repeatable):\n"
+       "clients whose primary or supplementary group it is, as the\n"
+       "kernel recorded them at connect\n"
        "(segments stay mode 0600 either way, unless --shm-group: clients\n"
        "receive their descriptors over the socket, and each uid writes\n"
        "only its own)"},

@@ -195,13 +195,18 @@ absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOp
       return absl::InvalidArgumentError(
           absl::StrCat("--recovery-grace = \"", value, "\": expected seconds >= 0"));
     }
-  } else if (arg == "--allow-uid" || arg == "--allow-gid") {
+  } else if (arg == "--allow-uid") {
     uint32_t id;
     if (!absl::SimpleAtoi(value, &id)) {
-      return absl::InvalidArgumentError(absl::StrCat(arg, " = \"", value, "\": expected a numeric ",
-                                                     arg == "--allow-uid" ? "uid" : "gid"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(arg, " = \"", value, "\": expected a numeric uid"));
     }
-    (arg == "--allow-uid" ? options.allow_uids : options.allow_gids).insert(id);
+    options.allow_uids.insert(id);
+  } else if (arg == "--allow-gid") {
+    // A group name (the packaged config's "tensorshm") or a number, as --shm-group.
+    absl::StatusOr<ShmGroup> group = ParseGroup(arg, value);
+    if (!group.ok()) return group.status();
+    options.allow_gids.insert(group->gid);
   } else if (arg == "--session-quota") {
     absl::StatusOr<uint64_t> size = ParseSize(value, arg);
     if (!size.ok()) return size.status();

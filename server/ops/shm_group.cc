@@ -73,8 +73,12 @@ bool IsMember(gid_t gid) {
 }  // namespace
 
 absl::StatusOr<ShmGroup> ParseShmGroup(absl::string_view text) {
+  return ParseGroup("--shm-group", text);
+}
+
+absl::StatusOr<ShmGroup> ParseGroup(absl::string_view flag, absl::string_view text) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat("--shm-group = \"", text, "\": ", why));
+    return absl::InvalidArgumentError(absl::StrCat(flag, " = \"", text, "\": ", why));
   };
   if (text.empty()) return bad("expected a group name or a numeric gid");
   absl::StatusOr<std::optional<ShmGroup>> named = LookUpGroup(std::string(text), std::nullopt);

@@ -25,6 +25,9 @@ struct ShmGroup {
 // (`--shm-group = "nosuchgroup": no such group`) or a number that is no gid.
 absl::StatusOr<ShmGroup> ParseShmGroup(absl::string_view text);
 
+// The same for another flag's value (--allow-gid), named in the messages.
+absl::StatusOr<ShmGroup> ParseGroup(absl::string_view flag, absl::string_view text);
+
 // Whether this process can give the objects it creates to `group` (fchown): it runs with
 // CAP_CHOWN (root, as a rule), or `group` is its effective gid or one of its supplementary
 // groups. FAILED_PRECONDITION naming the flag, the group, the daemon's uid and the fix otherwise.

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import pytest
 
-from test_manifests import SYSTEMD_DIR, UNIT, daemon_binary, unit_entries
+from test_manifests import UNIT, daemon_binary, shipped_config, unit_entries
 
 # What issue 35 asked of the unit: `systemd-analyze security` scores it 2.0 or lower.
 MAX_EXPOSURE = 2.0
@@ -299,7 +299,7 @@ class UnitDaemon:
         self.prefix = f"tsm-unit-{os.getpid()}-{'root' if user is not None else 'self'}"
         self.remove_segments()
         args = service_value("ExecStart").split()[1:]
-        args[args.index("--config") + 1] = os.path.join(SYSTEMD_DIR, "tensorshmd.toml")
+        args[args.index("--config") + 1] = shipped_config(self.base)
         args[args.index("--socket") + 1] = self.socket
         args[args.index("--shm-prefix") + 1] = self.prefix
         args += ["--host-pool", "64Mi", "--segment-size", "16Mi", "--metrics", "127.0.0.1:0",
@@ -453,7 +453,8 @@ def test_systemd_unit_filters_serve_a_client(unit_daemon):
     require_tensorshm()
     daemon = unit_daemon(user=None, shm_group=os.getegid())
     served = serve_a_client(daemon)
-    assert served.socket_mode == 0o600
+    # The shipped config admits a group (allow-gid): the credentials decide, not the file's mode.
+    assert served.socket_mode == 0o666
     assert 0o660 in served.segment_modes.values(), \
         f"no group-shared segment under UMask={service_value('UMask')}: {served.segment_modes}"
 
@@ -467,7 +468,7 @@ def test_systemd_unit_serves_another_user_as_its_own_user(unit_daemon):
     require_tensorshm()
     daemon = unit_daemon(user=NOBODY, shm_group=NOBODY, extra_args=("--allow-uid", "0"))
     served = serve_a_client(daemon)
-    assert served.socket_mode == 0o666  # allow-uid: the credentials decide, not the file's mode
+    assert served.socket_mode == 0o666  # allow-gid, allow-uid: the credentials decide
     assert 0o660 in served.segment_modes.values(), served.segment_modes
     segments = daemon.segments()
     assert segments and all(os.stat(p).st_uid == NOBODY for p in segments), segments

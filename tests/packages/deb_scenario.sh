@@ -3,7 +3,10 @@
 # the .deb pulls its runtime dependencies from the Debian archive; the package's tensorshmd
 # serves, its unit is installed but not enabled, and a C program built with
 # `cc $(pkg-config --cflags --libs tensorshm)` exchanges a tensor with it across two processes.
-# $1: the directory holding the .deb and the C program (tests/install/c_program/main.c).
+# Then the packaged daemon as its unit starts it, with the shipped config: a user in the group
+# tensorshm runs that C program, tensorshmctl and a Python client (the cp311 wheel in a venv of
+# its own) with no setting at all; a user outside the group is refused, told the group.
+# $1: the directory holding the .deb, the wheels and the C program (tests/install/c_program).
 set -euo pipefail
 pkg=$1
 say() { echo "deb: $*"; }
@@ -60,4 +63,56 @@ kill -TERM "$daemon"
 wait "$daemon"
 trap - EXIT
 say "the package's tensorshmd stopped on SIGTERM with status 0"
+
+# The packaged daemon as its unit starts it, with the shipped config (no systemd here: the unit's
+# RuntimeDirectory= and User= by hand); a user in the group tensorshm uses it with no setting at
+# all, a user outside it is refused and told the group.
+getent group tensorshm >/dev/null || { echo "deb: the package made no group tensorshm" >&2; exit 1; }
+install -d -o tensorshm -g tensorshm -m 0711 /run/tensorshm
+read -r -a exec_start <<<"$(sed -n 's/^ExecStart=//p' "$unit")"
+setpriv --reuid=tensorshm --regid=tensorshm --init-groups "${exec_start[@]}" \
+  >/tmp/system-daemon.log 2>&1 &
+system=$!
+trap 'kill "$system" 2>/dev/null || true; cat /tmp/system-daemon.log' EXIT
+for _ in $(seq 100); do [ -S /run/tensorshm/tensorshm.sock ] && break; sleep 0.1; done
+say "the unit's daemon: ${exec_start[*]} (as user tensorshm)"
+useradd --create-home --shell /bin/bash member
+usermod -aG tensorshm member
+useradd --create-home --shell /bin/bash stranger
+as() { local who=$1; shift; su - "$who" -c "$*"; }  # a new login: groups from /etc/group
+say "member, no settings: tensorshmctl health: $(as member tensorshmctl health)"
+produced=$(as member /tmp/c_program produce "''" sys/c)
+consumed=$(as member /tmp/c_program consume "''" sys/c)
+say "member, no settings: C producer $produced, consumer $consumed"
+[ -n "$produced" ] && [ "$produced" = "$consumed" ] || {
+  echo "deb: the member's consumer saw other values than its producer published" >&2
+  exit 1
+}
+# Python: the member's own venv with the cp311 wheel (the client only; the system daemon serves).
+apt-get install -y -qq --no-install-recommends python3 python3-venv >/dev/null
+wheel=$(ls "$pkg"/tensorshm-*-cp311-cp311-*.whl)
+as member "python3 -m venv ~/venv && ~/venv/bin/pip install -q --disable-pip-version-check \
+  $wheel numpy"
+python_said=$(as member "~/venv/bin/python -c 'import tensorshm, numpy as np
+with tensorshm.connect() as c:
+    c.put(\"sys/py\", np.arange(5))
+    print(c.socket, np.from_dlpack(c.get(\"sys/py\")).tolist())'")
+say "member, no settings: Python: $python_said"
+[ "$python_said" = "/run/tensorshm/tensorshm.sock [0, 1, 2, 3, 4]" ] || {
+  echo "deb: the member's Python client did not use the system daemon as expected" >&2
+  exit 1
+}
+if refused=$(as stranger /tmp/c_program produce "''" sys/x 2>&1); then
+  echo "deb: a user outside the group tensorshm was admitted: $refused" >&2
+  exit 1
+fi
+say "stranger: $refused"
+case "$refused" in *"members of group tensorshm"*"usermod -aG tensorshm USER"*) ;; *)
+  echo "deb: the refusal does not name the group tensorshm and how to join it" >&2
+  exit 1
+esac
+kill -TERM "$system"
+wait "$system"
+trap - EXIT
+rm -f /dev/shm/tsm-system.*  # --keep-segments kept them for a restart
 say "PASS"

@@ -183,6 +183,12 @@ def test_connect_without_a_daemon_names_the_path_its_source_and_the_two_ways(tmp
                  "$XDG_RUNTIME_DIR/tensorshm.sock ($TENSORSHM_SOCKET unset)", "`tensorshmd`",
                  "`tensorshm.Daemon()`"):
         assert part in message, (part, message)
+    # A path the program gave is called that, in every language (not ClientOptions::socket).
+    with pytest.raises(tensorshm.ConnectionError) as info:
+        tensorshm.connect(str(tmp_path / "given.sock"))
+    assert "no socket file at that path (the path this program gave)" in str(info.value), \
+        info.value
+    assert "ClientOptions" not in str(info.value)
     if os.path.exists(f"/tmp/tensorshm-{os.getuid()}/tensorshm.sock"):
         return  # `make run` serves this user's last default path here: nothing more to see
     monkeypatch.delenv("XDG_RUNTIME_DIR")

@@ -1,7 +1,8 @@
 """connect(server_uid=...): a client refuses a socket served by a uid it does not expect.
 
 A real tensorshmd runs as uid 65534 (setpriv) and admits root; the root client refuses it by
-default and uses it once its uid is named.
+default and uses it once its uid is named, or where its socket's directory is one only root could
+have made for it (under /run, as the packaged daemon's /run/tensorshm).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import pytest
 import tensorshm
 from conftest import _tensorshmd
 
+
+def _tensorshmctl() -> str:
+    return os.path.join(os.path.dirname(_tensorshmd()), "tensorshmctl")
+
 NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(
@@ -25,9 +30,8 @@ pytestmark = pytest.mark.skipif(
     reason="needs root and setpriv to start a daemon as uid 65534")
 
 
-@pytest.fixture
-def nobody_daemon():
-    top = tempfile.mkdtemp(prefix="tsm-py-serveruid-")
+def _nobody_daemon(base: str):
+    top = tempfile.mkdtemp(prefix="tsm-py-serveruid-", dir=base)
     os.chmod(top, 0o755)
     run = os.path.join(top, "run")
     os.mkdir(run, 0o700)
@@ -53,6 +57,20 @@ def nobody_daemon():
     shutil.rmtree(top)
 
 
+@pytest.fixture
+def nobody_daemon():
+    """Its socket in /tmp/tsm-py-serveruid-*/run: /tmp is writable by everyone, so nothing vouches
+    for the directory's owner."""
+    yield from _nobody_daemon("/tmp")
+
+
+@pytest.fixture
+def vouched_nobody_daemon():
+    """Its socket in /run/tsm-py-serveruid-*/run, uid 65534's, below directories only root can
+    write: as systemd makes /run/tensorshm for the packaged daemon."""
+    yield from _nobody_daemon("/run")
+
+
 def test_refuses_another_uids_daemon_by_default(nobody_daemon):
     socket, pid = nobody_daemon
     with pytest.raises(tensorshm.PermissionError) as info:
@@ -63,6 +81,8 @@ def test_refuses_another_uids_daemon_by_default(nobody_daemon):
     assert f"served by uid {NOBODY} (pid {pid})" in message
     assert "expects uid 0" in message
     assert f"server_uid={NOBODY}" in message
+    assert f"TENSORSHM_SERVER_UID={NOBODY}" in message
+    assert "a directory only root could have made for it" in message
     assert isinstance(info.value, PermissionError)
 
 
@@ -97,3 +117,32 @@ def test_server_uid_from_the_environment(nobody_daemon, monkeypatch):
     monkeypatch.setenv("TENSORSHM_SERVER_UID", "0")  # root only: uid 65534 refused again
     with pytest.raises(tensorshm.PermissionError):
         tensorshm.connect(socket, client_name="root-env")
+
+
+def test_trusts_the_daemon_of_a_directory_root_made_for_it(vouched_nobody_daemon):
+    """No server_uid, no variable: the socket's directory is uid 65534's and every directory
+    above it root's alone, so root made it for that uid."""
+    socket, _ = vouched_nobody_daemon
+    with tensorshm.connect(socket, client_name="vouched") as client:
+        client.put("vouched", np.arange(8, dtype=np.int32))
+        np.testing.assert_array_equal(np.from_dlpack(client.get("vouched")), np.arange(8))
+    health = subprocess.run([_tensorshmctl(), "--socket", socket, "--timeout", "5s", "health"],
+                            capture_output=True, text=True)
+    assert health.returncode == 0 and health.stdout.strip() == "SERVING", health
+
+
+def test_tensorshmctl_takes_the_server_uid_from_the_environment(nobody_daemon):
+    """Every subcommand, health included, honours $TENSORSHM_SERVER_UID as clients do."""
+    socket, _ = nobody_daemon
+    base = [_tensorshmctl(), "--socket", socket, "--timeout", "5s"]
+    env = {k: v for k, v in os.environ.items() if k != "TENSORSHM_SERVER_UID"}
+    for command in (["health"], ["status"]):
+        refused = subprocess.run(base + command, capture_output=True, text=True, env=env)
+        assert refused.returncode == 1, refused
+        assert f"TENSORSHM_SERVER_UID={NOBODY}" in refused.stderr, refused.stderr
+        named = subprocess.run(base + command, capture_output=True, text=True,
+                               env=dict(env, TENSORSHM_SERVER_UID=str(NOBODY)))
+        assert named.returncode == 0, named
+    bad = subprocess.run(base + ["health"], capture_output=True, text=True,
+                         env=dict(env, TENSORSHM_SERVER_UID="nobody"))
+    assert bad.returncode == 2 and '$TENSORSHM_SERVER_UID = "nobody"' in bad.stderr, bad

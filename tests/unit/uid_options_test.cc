@@ -1,5 +1,7 @@
 // The per-uid limit flags of tensorshmd (--uid-sessions, --uid-leases, --uid-waiters,
 // --uid-quota): defaults, parsing and refusals.
+#include <set>
+
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "server/ops/options.h"
@@ -55,6 +57,17 @@ TEST(UidLimitOptionsTest, BadValuesNameTheFlagAndValue) {
   absl::StatusOr<DaemonOptions> missing = Parse({"--uid-leases"});
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().message(), "--uid-leases: needs a value");
+}
+
+TEST(UidLimitOptionsTest, AllowGidTakesAGroupNameOrANumber) {
+  // The packaged config names its group: allow-gid = ["tensorshm"].
+  absl::StatusOr<DaemonOptions> named = Parse({"--allow-gid", "nogroup", "--allow-gid", "0"});
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->allow_gids, (std::set<gid_t>{0, 65534}));
+  absl::StatusOr<DaemonOptions> unknown = Parse({"--allow-gid", "no-such-group-here"});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unknown.status().message(), "--allow-gid = \"no-such-group-here\": no such group");
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/admin.h"
 #include "common/base/socket_path.h"
 #include "common/tensor/name.h"
 #include "tensorshm/client.h"
@@ -48,7 +49,7 @@ constexpr int kExitFailed = 1;
 constexpr int kExitUsage = 2;
 
 struct GlobalOptions {
-  std::string socket;  // resolved: --socket, else DefaultSocketPath()
+  std::string socket;  // resolved: --socket, else ClientSocketPath()
   absl::Duration timeout = absl::Seconds(5);
   std::optional<uint32_t> server_uid;
   bool json = false;
@@ -214,8 +215,10 @@ int Main(int argc, char** argv) {
 
   std::string socket;
   app.add_option("--socket", socket,
-                 "The daemon's socket. Default: $TENSORSHM_SOCKET, else "
-                 "$XDG_RUNTIME_DIR/tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock");
+                 "The daemon's socket. Default: $TENSORSHM_SOCKET, else the user's own "
+                 "($XDG_RUNTIME_DIR/tensorshm.sock, else /tmp/tensorshm-$UID/tensorshm.sock) "
+                 "when a socket is there, else the system daemon's /run/tensorshm/tensorshm.sock "
+                 "when one is there");
   std::string timeout_text = "5s";
   app.add_option("--timeout", timeout_text,
                  "Longest wait for the daemon to accept the connection, and again for its answers "
@@ -232,7 +235,9 @@ int Main(int argc, char** argv) {
   uint32_t server_uid = 0;
   CLI::Option* server_uid_option = app.add_option(
       "--server-uid", server_uid,
-      "Also trust a daemon run by this uid (by default only this process's uid and root)");
+      "Also trust a daemon run by this uid (default: $TENSORSHM_SERVER_UID; trusted anyway: this "
+      "process's uid, root, and the owner of a directory only root could have made for it, as "
+      "the packaged daemon's /run/tensorshm)");
   std::string output = "text";
   app.add_option("-o,--output", output, "Output format")
       ->check(CLI::IsMember({"text", "json"}))
@@ -317,9 +322,15 @@ int Main(int argc, char** argv) {
   }
 
   GlobalOptions options;
-  options.socket = socket.empty() ? DefaultSocketPath() : socket;
+  options.socket = socket.empty() ? ClientSocketPath() : socket;
   options.timeout = *ParseTimeout(timeout_text);
-  if (*server_uid_option) options.server_uid = server_uid;
+  absl::StatusOr<std::optional<uint32_t>> trusted = ServerUidOrEnvironment(
+      *server_uid_option ? std::optional<uint32_t>(server_uid) : std::nullopt);
+  if (!trusted.ok()) {
+    std::cerr << "tensorshmctl: " << trusted.status().message() << std::endl;
+    return kExitUsage;
+  }
+  options.server_uid = *trusted;
   options.json = output == "json";
   if (health->parsed()) return RunHealth(options);
   if (leftovers->parsed()) return RunLeftovers(options, leftover_prefix, remove_leftovers);
