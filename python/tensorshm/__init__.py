@@ -66,3 +66,12 @@ __version__: str = _tensorshm.__version__
 Client.__module__ = __name__
 connect.__module__ = __name__
 Daemon.__module__ = __name__
+for _error in (AlreadyExistsError, CancelledError, ClosedError, ConnectionError, DataLossError,
+               Error, FailedPreconditionError, InternalError, InvalidArgumentError, NotFoundError,
+               PermissionError, ReleasedError, ResourceExhaustedError, TimeoutError,
+               UnauthenticatedError, UnimplementedError):
+    _error.__module__ = __name__
+del _error
+
+# `from __future__ import annotations` binds this name here: not part of the package.
+del annotations

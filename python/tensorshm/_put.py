@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from . import _tensorshm
+from ._errors import InvalidArgumentError
 from ._numpy import to_numpy
 from ._tensorshm import Tensor
 
@@ -26,6 +27,7 @@ def put(client: Client, name: str, obj: Any, replace: bool, timeout: float | Non
         import numpy as np
 
         obj = np.asarray(obj)
+    _refuse_what_no_tensor_holds(name, obj)
     cls = type(obj)
     api = getattr(cls, "__dlpack_c_exchange_api__", None)
     if api is None:
@@ -90,6 +92,37 @@ def _put_numpy(client: Client, name: str, array: Any, replace: bool, timeout: fl
     np.copyto(to_numpy(w), array, casting="no")
     w.publish(name, replace)
     return w
+
+
+# numpy kinds with no DLPack type: Python objects, bytes, str, structured (void).
+_NO_TENSOR_KINDS = {"O": "Python objects", "S": "bytes", "U": "str", "V": "structured records"}
+
+
+def _refuse_what_no_tensor_holds(name: str, obj: Any) -> None:
+    """Python sequences and numbers, numpy arrays of objects, strings or records, and
+    big-endian arrays: refused naming what to pass instead (before numpy's own errors)."""
+    if isinstance(obj, (list, tuple, int, float, complex)):
+        kind = type(obj).__name__
+        raise TypeError(
+            f"put({name!r}, ...): a {kind} is not a tensor: pass np.asarray(value) (or "
+            "torch.tensor(value), or any other DLPack producer)")
+    if not _is_numpy_array(obj):
+        return
+    dtype = obj.dtype
+    # ml_dtypes' types (bfloat16, float8_*) are of kind 'V' too, each with a scalar type of its
+    # own: only numpy's void (raw bytes, structured records) is refused.
+    import numpy as np
+
+    if dtype.kind in _NO_TENSOR_KINDS and (dtype.kind != "V" or dtype.type is np.void):
+        raise InvalidArgumentError(
+            f"put({name!r}, ...): dtype = {dtype.str!r} (numpy kind {dtype.kind!r}, "
+            f"{_NO_TENSOR_KINDS[dtype.kind]}): a tensor holds numbers (bool, int, uint, float, "
+            "complex, and ml_dtypes' bfloat16 and float8 types); encode text or bytes as uint8 "
+            "first, e.g. np.frombuffer(text.encode(), np.uint8)")
+    if dtype.byteorder == ">":
+        raise InvalidArgumentError(
+            f"put({name!r}, ...): dtype = {dtype.str!r} is big-endian, and a tensor's bytes are "
+            "little-endian (as DLPack's): pass array.astype(array.dtype.newbyteorder('='))")
 
 
 def _is_numpy_scalar(obj: Any) -> bool:

@@ -40,7 +40,8 @@ shared-memory extension (Triton opens the POSIX shm object by name: start tensor
 the CUDA extension, with the segment's IPC handle. Keep an input's tensor (its lease) and an
 output's writable tensor alive until the inference has returned.
 
-Needs ``tritonclient`` (``pip install tensorshm[triton]``); works with its HTTP and gRPC clients.
+Needs ``tritonclient`` (the wheel's extra: ``pip install "tensorshm-*.whl[triton]"``); works
+with its HTTP and gRPC clients.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@
 #include "common/base/check.h"
 #include "common/tensor/wire.h"
 #include "server/core/store.h"
+#include "server/memory/pool_refusal.h"
 
 namespace tensorshm {
 namespace {
@@ -111,7 +112,8 @@ absl::Status Store::CreateFor(tensorshm::Session& session, const v1::CreateReque
                                       request.subbyte_padded(), session.uid, growth);
   }
   if (absl::IsResourceExhausted(tensor.status())) {
-    if (pool_full != nullptr) *pool_full = true;
+    // A tensor larger than the whole pool never fits: said at once, not after a wait.
+    if (pool_full != nullptr && !NeverFits(tensor.status())) *pool_full = true;
     // Once per create: the tries of a create waiting for memory are not counted again.
     if (!waited) metrics_.CountAllocationFailure(AllocationFailure::kPool);
   }

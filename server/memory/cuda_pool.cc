@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "server/memory/pool_refusal.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
@@ -119,6 +120,11 @@ absl::StatusOr<Buffer> CudaPool::Allocate(uint64_t nbytes, GrowthRequest* growth
   int index = BestFitSegment(segments_, length);
   if (index < 0) {
     const uint64_t remaining = options_.capacity_bytes - reserved_bytes_;
+    if (length > options_.capacity_bytes) {
+      return NeverFitsError(absl::StrCat("cuda:", options_.ordinal, " pool: cannot allocate ",
+                                         nbytes, " bytes: larger than the whole pool (",
+                                         options_.capacity_bytes, " bytes, --cuda-pool)"));
+    }
     if (remaining < length) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cuda:", options_.ordinal, " pool: cannot allocate ", nbytes,

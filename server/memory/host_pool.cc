@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 #include "common/shm/tensor_record.h"
+#include "server/memory/pool_refusal.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
@@ -292,9 +293,9 @@ absl::StatusOr<Buffer> HostPool::Allocate(uint64_t nbytes, uint32_t uid, GrowthR
   TSM_CHECK(nbytes > 0);
   const uint64_t page = PageSize();
   if (nbytes > options_.capacity_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("host pool: cannot allocate ", nbytes, " bytes: larger than the whole pool (",
-                     options_.capacity_bytes, " bytes, --host-pool)"));
+    return NeverFitsError(absl::StrCat("host pool: cannot allocate ", nbytes,
+                                       " bytes: larger than the whole pool (",
+                                       options_.capacity_bytes, " bytes, --host-pool)"));
   }
   const uint64_t length = (nbytes + page - 1) / page * page;
   if (std::optional<Buffer> hot = TakeRecentlyFreed(length, uid)) return *hot;

@@ -203,4 +203,7 @@ def test_put_consumes_a_capsule_once(client):
 
 def test_put_of_something_else_is_a_type_error(client):
     with pytest.raises(TypeError, match="not a DLPack producer"):
+        client.put("proto/dict", {"a": 1})
+    # A list is told what to pass instead (tests/python/test_put_refusals.py).
+    with pytest.raises(TypeError, match="a list is not a tensor"):
         client.put("proto/list", [1, 2, 3])
