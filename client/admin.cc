@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/fork.h"
+#include "common/base/socket_path.h"
 #include "common/base/sys_error.h"
 #include "common/base/unique_fd.h"
 #include "common/base/unix_socket.h"
@@ -34,8 +35,8 @@ absl::Status UntrustedServer(const std::string& where, const PeerCredentials& pe
   return absl::PermissionDeniedError(absl::StrCat(
       "tensorshmd at ", where, " is served by uid ", peer.uid, " (pid ", peer.pid,
       "), which this client does not trust: it expects ", expected,
-      ", or the owner of a directory only root could have made for it (as /run/tensorshm for "
-      "the packaged daemon). A daemon of another user reads and can change every tensor that "
+      ", or the packaged daemon of /run/tensorshm/tensorshm.sock in a directory only root could "
+      "have made for it. A daemon of another user reads and can change every tensor that "
       "passes through it, and another user may have taken over the socket's path. If that "
       "daemon is the one to use, name its uid: TENSORSHM_SERVER_UID=",
       peer.uid, " in the environment, or ClientOptions::server_uid = ", peer.uid,
@@ -65,10 +66,11 @@ absl::StatusOr<std::optional<uint32_t>> ServerUidOrEnvironment(std::optional<uin
 }
 
 bool InDirectoryRootMadeFor(const std::string& socket, uint32_t server) {
+  // Only the packaged daemon's path, spelled exactly: any directory root made for a user (its
+  // home, logind's /run/user/UID) would otherwise pass for a daemon's, and a client whose
+  // $XDG_RUNTIME_DIR is another user's (su, sudo -E) would trust that user.
+  if (socket != kSystemSocketPath) return false;
   const size_t slash = socket.rfind('/');
-  if (socket.empty() || socket[0] != '/' || slash == 0 || slash == std::string::npos) {
-    return false;
-  }
   struct stat st {};
   if (::lstat(socket.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
   std::string directory = socket.substr(0, slash);

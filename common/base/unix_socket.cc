@@ -16,7 +16,8 @@ absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd, absl::string_view na
   ucred credentials{};
   socklen_t length = sizeof(credentials);
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
-    return ErrnoError("getsockopt(SO_PEERCRED)", shown(), errno);
+    const int err = errno;
+    return ErrnoError("getsockopt(SO_PEERCRED)", shown(), err);
   }
   PeerCredentials peer{credentials.pid, credentials.uid, credentials.gid, nullptr};
   if (!with_groups) return peer;
@@ -25,8 +26,12 @@ absl::StatusOr<PeerCredentials> ReadPeerCredentials(int fd, absl::string_view na
   while (true) {
     length = static_cast<socklen_t>(groups->size() * sizeof(gid_t));
     if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups->data(), &length) == 0) break;
-    if (errno != ERANGE || length <= groups->size() * sizeof(gid_t)) {
-      return ErrnoError("getsockopt(SO_PEERGROUPS)", shown(), errno);
+    const int err = errno;
+    // A kernel without SO_PEERGROUPS (before Linux 4.13, some sandboxes): no supplementary
+    // groups, so admission goes by uid and primary gid alone.
+    if (err == ENOPROTOOPT || err == EOPNOTSUPP) return peer;
+    if (err != ERANGE || length <= groups->size() * sizeof(gid_t)) {
+      return ErrnoError("getsockopt(SO_PEERGROUPS)", shown(), err);
     }
     groups->resize(length / sizeof(gid_t));
   }

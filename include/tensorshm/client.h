@@ -37,9 +37,9 @@ struct ClientOptions {
   absl::Duration connect_timeout = absl::Seconds(5);
   // Who may serve the socket. The client checks the uid of the process serving every connection
   // it makes (SO_PEERCRED): by default it must be this process's effective uid, root, or the
-  // owner of a directory only root could have made for it (the socket's directory is that uid's
-  // and writable by it alone, every directory above is root's and writable by root alone, as
-  // systemd's RuntimeDirectory= makes /run/tensorshm), since a daemon of another user reads and
+  // daemon serving /run/tensorshm/tensorshm.sock from a /run/tensorshm that only root could have
+  // made for it (that uid's and writable by it alone, every directory above root's alone, as
+  // systemd's RuntimeDirectory= makes it), since a daemon of another user reads and
   // can change every tensor passed through it, and another user could have taken over the
   // socket's path. A daemon run as another user elsewhere is accepted when its uid is named here,
   // or, when unset here, in

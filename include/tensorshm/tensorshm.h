@@ -61,8 +61,8 @@ TENSORSHM_EXPORT const char* tsm_last_error(void);
 /* Connects. socket may be NULL or "" (the default: $TENSORSHM_SOCKET, else the user's own
  * daemon's socket when one is there, else the packaged daemon's /run/tensorshm/tensorshm.sock);
  * client_name may be NULL. On success *out is a client to free with tsm_client_free; on failure
- * *out is NULL. The daemon must run as this process's effective uid, root, or own a directory
- * only root could have made for it, as /run/tensorshm (TSM_PERMISSION_DENIED otherwise; see
+ * *out is NULL. The daemon must run as this process's effective uid, root, or be the packaged
+ * daemon of a /run/tensorshm only root could have made for it (TSM_PERMISSION_DENIED otherwise; see
  * tsm_connect_server_uid and $TENSORSHM_SERVER_UID).
  * TSM_UNAVAILABLE at once if there is no socket file at the path, or after 5 s if the daemon does
  * not accept the connection and open the session (a stopped daemon included).

@@ -324,8 +324,8 @@ def connect(socket: str | None = None, *, client_name: str | None = None,
     socket file there. The wait hears signals: Ctrl-C raises KeyboardInterrupt.
 
     The client checks who serves every connection it makes to the socket (SO_PEERCRED): by
-    default the daemon must run as this process's effective uid, as root, or as the owner of a
-    directory only root could have made for it (as the packaged daemon's /run/tensorshm), since a
+    default the daemon must run as this process's effective uid, as root, or be the packaged
+    daemon of /run/tensorshm/tensorshm.sock, whose directory only root could have made, since a
     daemon of another user reads and can change every tensor passed through it (and another user
     could have taken over the socket's path). ``server_uid`` (else $TENSORSHM_SERVER_UID) names
     one more uid to accept, for a daemon run as another user elsewhere. A refused server raises PermissionError naming the

@@ -94,8 +94,17 @@ def _put_numpy(client: Client, name: str, array: Any, replace: bool, timeout: fl
     return w
 
 
-# numpy kinds with no DLPack type: Python objects, bytes, str, structured (void).
-_NO_TENSOR_KINDS = {"O": "Python objects", "S": "bytes", "U": "str", "V": "structured records"}
+# numpy kinds with no DLPack type, and what to do instead.
+_ENCODE_TEXT = "encode text or bytes as uint8 first, e.g. np.frombuffer(text.encode(), np.uint8)"
+_NO_TENSOR_KINDS = {
+    "O": ("Python objects", _ENCODE_TEXT),
+    "S": ("bytes", _ENCODE_TEXT),
+    "U": ("str", _ENCODE_TEXT),
+    "T": ("str", _ENCODE_TEXT),
+    "V": ("structured records", "pass each field as an array of its own"),
+    "M": ("datetimes", "pass array.view(np.int64), the counts of its unit"),
+    "m": ("time spans", "pass array.view(np.int64), the counts of its unit"),
+}
 
 
 def _refuse_what_no_tensor_holds(name: str, obj: Any) -> None:
@@ -106,19 +115,24 @@ def _refuse_what_no_tensor_holds(name: str, obj: Any) -> None:
         raise TypeError(
             f"put({name!r}, ...): a {kind} is not a tensor: pass np.asarray(value) (or "
             "torch.tensor(value), or any other DLPack producer)")
-    if not _is_numpy_array(obj):
+    np = sys.modules.get("numpy")
+    if np is None or not isinstance(obj, np.ndarray):
         return
+    masked = sys.modules.get("numpy.ma")  # not imported: no masked array exists
+    if masked is not None and isinstance(obj, masked.MaskedArray):
+        raise InvalidArgumentError(
+            f"put({name!r}, ...): a masked array: a tensor has no mask, and the masked values "
+            "would be shared as they are; pass array.filled(value) (and the mask as an array of "
+            "its own, if it matters)")
     dtype = obj.dtype
     # ml_dtypes' types (bfloat16, float8_*) are of kind 'V' too, each with a scalar type of its
     # own: only numpy's void (raw bytes, structured records) is refused.
-    import numpy as np
-
     if dtype.kind in _NO_TENSOR_KINDS and (dtype.kind != "V" or dtype.type is np.void):
+        holds, instead = _NO_TENSOR_KINDS[dtype.kind]
         raise InvalidArgumentError(
-            f"put({name!r}, ...): dtype = {dtype.str!r} (numpy kind {dtype.kind!r}, "
-            f"{_NO_TENSOR_KINDS[dtype.kind]}): a tensor holds numbers (bool, int, uint, float, "
-            "complex, and ml_dtypes' bfloat16 and float8 types); encode text or bytes as uint8 "
-            "first, e.g. np.frombuffer(text.encode(), np.uint8)")
+            f"put({name!r}, ...): dtype = {dtype.str!r} (numpy kind {dtype.kind!r}, {holds}): a "
+            "tensor holds numbers (bool, int, uint, float, complex, and ml_dtypes' bfloat16 and "
+            f"float8 types); {instead}")
     if dtype.byteorder == ">":
         raise InvalidArgumentError(
             f"put({name!r}, ...): dtype = {dtype.str!r} is big-endian, and a tensor's bytes are "

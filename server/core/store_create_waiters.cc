@@ -13,6 +13,7 @@
 #include "common/tensor/layout.h"
 #include "common/tensor/wire.h"
 #include "server/core/store.h"
+#include "server/memory/pool_refusal.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
@@ -126,6 +127,20 @@ absl::Status Store::CheckCreateQuotas(tensorshm::Session& session, const DLDataT
   const uint64_t nbytes = static_cast<uint64_t>(layout->nbytes);
   if (nbytes > std::numeric_limits<uint64_t>::max() - unit) return absl::OkStatus();
   const uint64_t length = (nbytes + unit - 1) / unit * unit;
+  // Larger than the whole pool: refused at once, never queued behind other waiting creates (no
+  // memory that could come free would ever be enough).
+  const CudaPool* cuda =
+      device.device_type == kDLCUDA ? catalog_->cuda_pool(device.device_id) : nullptr;
+  const uint64_t capacity = device.device_type == kDLCUDA
+                                ? (cuda == nullptr ? 0 : cuda->capacity_bytes())
+                                : catalog_->host_pool().capacity_bytes();
+  if ((device.device_type != kDLCUDA || cuda != nullptr) && length > capacity) {
+    metrics_.CountAllocationFailure(AllocationFailure::kPool);
+    return NeverFitsError(absl::StrCat(
+        device.device_type == kDLCUDA ? absl::StrCat("cuda:", device.device_id) : "host",
+        " pool: cannot allocate ", nbytes, " bytes: larger than the whole pool (", capacity,
+        device.device_type == kDLCUDA ? " bytes, --cuda-pool)" : " bytes, --host-pool)"));
+  }
   if (session_quota_bytes_ > 0 && (length > session_quota_bytes_ ||
                                    session.unpublished_bytes > session_quota_bytes_ - length)) {
     metrics_.CountAllocationFailure(AllocationFailure::kQuota);

@@ -20,20 +20,37 @@ def test_a_python_sequence_or_number_is_told_to_use_an_array(client):
         assert "np.asarray(value)" in message
 
 
-@pytest.mark.parametrize("array,shown,kind", [
-    (np.array([1, "a"], dtype=object), "'|O'", "Python objects"),
-    (np.array(["ab", "c"]), "'<U2'", "str"),
-    (np.array([b"x", b"yz"]), "'|S2'", "bytes"),
-    (np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")]), "'|V8'", "structured records"),
+@pytest.mark.parametrize("array,shown,kind,instead", [
+    (np.array([1, "a"], dtype=object), "'|O'", "Python objects", "np.frombuffer("),
+    (np.array(["ab", "c"]), "'<U2'", "str", "np.frombuffer("),
+    (np.array([b"x", b"yz"]), "'|S2'", "bytes", "np.frombuffer("),
+    (np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")]), "'|V8'", "structured records",
+     "each field as an array of its own"),
+    (np.array(["2026-11-28"], dtype="datetime64[D]"), "'<M8[D]'", "datetimes",
+     "array.view(np.int64)"),
+    (np.array([5], dtype="timedelta64[s]"), "'<m8[s]'", "time spans", "array.view(np.int64)"),
+    (np.arange(3).view(np.recarray), "'<i8'", None, None),  # a subclass of plain numbers: goes in
 ])
-def test_arrays_of_no_number_type_are_refused_naming_the_dtype(client, array, shown, kind):
+def test_arrays_of_no_number_type_are_refused_naming_the_dtype(client, array, shown, kind,
+                                                                  instead):
+    if kind is None:
+        client.put("refused/kind", array, replace=True)
+        assert np.from_dlpack(client.get("refused/kind")).tolist() == [0, 1, 2]
+        client.delete("refused/kind")
+        return
     with pytest.raises(tensorshm.InvalidArgumentError) as info:
         client.put("refused/kind", array)
     message = str(info.value)
     assert f"dtype = {shown} (numpy kind '{array.dtype.kind}', {kind})" in message, message
-    assert "a tensor holds numbers" in message and "np.frombuffer(" in message
+    assert "a tensor holds numbers" in message and instead in message
     with pytest.raises(tensorshm.NotFoundError):
         client.get("refused/kind")
+
+
+def test_a_masked_array_is_refused_rather_than_shared_without_its_mask(client):
+    masked = np.ma.masked_array([1, 2, 3], mask=[False, True, False])
+    with pytest.raises(tensorshm.InvalidArgumentError, match=r"a masked array.*array\.filled"):
+        client.put("refused/masked", masked)
 
 
 def test_a_big_endian_array_is_told_how_to_convert(client):

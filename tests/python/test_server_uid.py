@@ -1,15 +1,17 @@
 """connect(server_uid=...): a client refuses a socket served by a uid it does not expect.
 
 A real tensorshmd runs as uid 65534 (setpriv) and admits root; the root client refuses it by
-default and uses it once its uid is named, or where its socket's directory is one only root could
-have made for it (under /run, as the packaged daemon's /run/tensorshm).
+default and uses it once its uid is named, or where it serves /run/tensorshm/tensorshm.sock from a
+/run/tensorshm only root could have made for it (as systemd makes the packaged daemon's).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -30,8 +32,11 @@ pytestmark = pytest.mark.skipif(
     reason="needs root and setpriv to start a daemon as uid 65534")
 
 
-def _nobody_daemon(base: str):
-    top = tempfile.mkdtemp(prefix="tsm-py-serveruid-", dir=base)
+@pytest.fixture
+def nobody_daemon():
+    """Its socket in /tmp/tsm-py-serveruid-*/run: not the packaged daemon's path, so nothing
+    vouches for the directory's owner."""
+    top = tempfile.mkdtemp(prefix="tsm-py-serveruid-")
     os.chmod(top, 0o755)
     run = os.path.join(top, "run")
     os.mkdir(run, 0o700)
@@ -56,19 +61,6 @@ def _nobody_daemon(base: str):
     log.close()
     shutil.rmtree(top)
 
-
-@pytest.fixture
-def nobody_daemon():
-    """Its socket in /tmp/tsm-py-serveruid-*/run: /tmp is writable by everyone, so nothing vouches
-    for the directory's owner."""
-    yield from _nobody_daemon("/tmp")
-
-
-@pytest.fixture
-def vouched_nobody_daemon():
-    """Its socket in /run/tsm-py-serveruid-*/run, uid 65534's, below directories only root can
-    write: as systemd makes /run/tensorshm for the packaged daemon."""
-    yield from _nobody_daemon("/run")
 
 
 def test_refuses_another_uids_daemon_by_default(nobody_daemon):
@@ -119,16 +111,61 @@ def test_server_uid_from_the_environment(nobody_daemon, monkeypatch):
         tensorshm.connect(socket, client_name="root-env")
 
 
-def test_trusts_the_daemon_of_a_directory_root_made_for_it(vouched_nobody_daemon):
-    """No server_uid, no variable: the socket's directory is uid 65534's and every directory
-    above it root's alone, so root made it for that uid."""
-    socket, _ = vouched_nobody_daemon
-    with tensorshm.connect(socket, client_name="vouched") as client:
-        client.put("vouched", np.arange(8, dtype=np.int32))
-        np.testing.assert_array_equal(np.from_dlpack(client.get("vouched")), np.arange(8))
-    health = subprocess.run([_tensorshmctl(), "--socket", socket, "--timeout", "5s", "health"],
-                            capture_output=True, text=True)
-    assert health.returncode == 0 and health.stdout.strip() == "SERVING", health
+# In a mount namespace of its own, over a private /run (mode 0755, root's): /run/tensorshm made
+# by root for uid 65534 as systemd's RuntimeDirectory= makes it, and /run/other made the same way.
+# A uid-65534 daemon serves each; a root client with no settings at all finds and trusts the one at
+# /run/tensorshm/tensorshm.sock, and refuses the other (the rule holds for that path only).
+PACKAGED = r"""
+set -eu
+mount -t tmpfs -o mode=0755 tmpfs /run
+for dir in tensorshm other; do
+  mkdir -m 0711 /run/$dir && chown 65534:65534 /run/$dir
+  setpriv --reuid 65534 --regid 65534 --clear-groups "$TENSORSHMD" \
+    --socket /run/$dir/tensorshm.sock --shm-prefix "$PREFIX-$dir" --host-pool 64Mi \
+    --segment-size 16Mi --log-level warning --allow-uid 0 >"$LOGS/$dir.log" 2>&1 &
+done
+for _ in $(seq 200); do
+  [ -S /run/tensorshm/tensorshm.sock ] && [ -S /run/other/tensorshm.sock ] && break
+  sleep 0.05
+done
+"$PYTHON" -c '
+import numpy as np, tensorshm
+with tensorshm.connect(client_name="packaged") as c:
+    c.put("packaged", np.arange(8, dtype=np.int32))
+    print("default:", c.socket, np.from_dlpack(c.get("packaged")).tolist())
+try:
+    tensorshm.connect("/run/other/tensorshm.sock")
+    print("other: trusted")
+except tensorshm.PermissionError as e:
+    print("other: refused:", e)
+'
+echo "tensorshmctl health: $("$TENSORSHMCTL" --timeout 5s health)"
+kill -TERM $(jobs -p)
+wait
+"""
+
+
+def test_trusts_the_packaged_daemon_of_run_tensorshm_only(tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) for a /run of its own")
+    own = tmp_path / "xdg"  # no daemon of this user's: the client goes on to the system's
+    own.mkdir(mode=0o700)
+    prefix = f"tsmpy-packaged-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TENSORSHM_SOCKET", "TENSORSHM_SERVER_UID")}
+    env.update(XDG_RUNTIME_DIR=str(own), TENSORSHMD=_tensorshmd(), TENSORSHMCTL=_tensorshmctl(),
+               PYTHON=sys.executable, PREFIX=prefix, LOGS=str(tmp_path))
+    try:
+        done = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c",
+                               PACKAGED], capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        for path in glob.glob(f"/dev/shm/{prefix}-*"):
+            os.unlink(path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "default: /run/tensorshm/tensorshm.sock [0, 1, 2, 3, 4, 5, 6, 7]" in out, out
+    assert "other: refused:" in out and f"served by uid {NOBODY}" in out, out
+    assert "tensorshmctl health: SERVING" in out, out
 
 
 def test_tensorshmctl_takes_the_server_uid_from_the_environment(nobody_daemon):

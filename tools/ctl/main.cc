@@ -236,8 +236,8 @@ int Main(int argc, char** argv) {
   CLI::Option* server_uid_option = app.add_option(
       "--server-uid", server_uid,
       "Also trust a daemon run by this uid (default: $TENSORSHM_SERVER_UID; trusted anyway: this "
-      "process's uid, root, and the owner of a directory only root could have made for it, as "
-      "the packaged daemon's /run/tensorshm)");
+      "process's uid, root, and the packaged daemon of /run/tensorshm/tensorshm.sock in a "
+      "directory only root could have made for it)");
   std::string output = "text";
   app.add_option("-o,--output", output, "Output format")
       ->check(CLI::IsMember({"text", "json"}))
