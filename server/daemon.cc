@@ -127,6 +127,7 @@ AcceptPolicy MakeAcceptPolicy(const AccessPolicy& policy, uint64_t uid_connectio
   }
   AcceptPolicy accept;
   accept.admit = [&policy](const PeerCredentials& peer) { return policy.Admit(peer); };
+  accept.needs_groups = policy.admits_groups();
   accept.limits.owner = policy.owner();
   accept.limits.per_uid = uid_connections;
   accept.limits.total = DaemonConnectionLimit(open_files, &accept.limits.owner_reserve);

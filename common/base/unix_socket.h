@@ -23,7 +23,7 @@ struct PeerCredentials {
   gid_t gid = 0;
   // Its supplementary groups when connect() was called (SO_PEERGROUPS), when they were asked
   // for; null otherwise. Shared: credentials are copied per call.
-  std::shared_ptr<const std::vector<gid_t>> groups;
+  std::shared_ptr<const std::vector<gid_t>> groups = nullptr;
 };
 
 // Reads the credentials of the peer of connected Unix socket `fd` (borrowed), with its

@@ -31,6 +31,8 @@ class AccessPolicy {
   absl::Status Admit(const PeerCredentials& peer) const;
   // Whether anyone but the owner is admitted (the socket and segments must then be shared).
   bool shared() const { return !uids_.empty() || !gids_.empty(); }
+  // Whether Admit looks at supplementary groups (PeerCredentials::groups): only with --allow-gid.
+  bool admits_groups() const { return !gids_.empty(); }
   uid_t owner() const { return owner_; }
 
  private:

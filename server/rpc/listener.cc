@@ -193,7 +193,7 @@ void UnixListener::Run(const Handoff& on_grpc, const Handoff& on_channel,
         break;  // EAGAIN: all taken
       }
       const int fd = conn.get();
-      absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(fd, {}, /*with_groups=*/true);
+      absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(fd, {}, policy.needs_groups);
       if (!peer.ok()) {
         refusals.Refused(kNoUid, std::string(peer.status().message()), now);
         continue;

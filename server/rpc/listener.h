@@ -27,6 +27,8 @@ namespace tensorshm {
 struct AcceptPolicy {
   // OK if the peer may use the daemon at all (AccessPolicy::Admit); empty: everyone may.
   std::function<absl::Status(const PeerCredentials&)> admit;
+  // Whether `admit` needs the peer's supplementary groups (SO_PEERGROUPS at each accept).
+  bool needs_groups = false;
   ConnectionLimits limits;  // zeros: none
   // Counts refused connections (CountConnectionRefused) and the connections open
   // (SetConnections); may be null. Must outlive the listener's thread.
