@@ -145,11 +145,14 @@ def test_get_waits_in_the_calling_thread_woken_by_the_publish(daemon, client):
     def tasks() -> int:
         return len(os.listdir("/proc/self/task"))
 
-    seen, stop = [], threading.Event()
+    seen, waiting, stop = [], threading.Event(), threading.Event()
 
     def sample() -> None:
+        # Only samples taken while get() waits count: a thread another part of the process
+        # (gRPC's pools) ends just before the wait is not one the wait started.
         while not stop.is_set():
-            seen.append(tasks())
+            if waiting.is_set():
+                seen.append(tasks())
             time.sleep(0.005)
 
     assert threading.current_thread() is threading.main_thread()
@@ -160,13 +163,14 @@ def test_get_waits_in_the_calling_thread_woken_by_the_publish(daemon, client):
         sampler.start()
         time.sleep(0.05)
         before = tasks()
+        waiting.set()
         t = client.get("warm/late", timeout=None)
         stop.set()
         sampler.join()
         assert np.array_equal(np.from_dlpack(t), np.arange(1024, dtype=np.int32))
         t.release()
         assert len(seen) > 20, "the sampler did not run during the wait"
-        assert max(seen) == before, f"threads during the wait: {sorted(set(seen))}, before {before}"
+        assert max(seen) <= before, f"threads during the wait: {sorted(set(seen))}, before {before}"
     finally:
         producer.kill()
         producer.wait()
