@@ -198,7 +198,8 @@ absl::StatusOr<ServerStats> Client::Stat() {
   stats.stocked_tensors = response.stocked_tensors();
   for (const v1::PoolStats& pool : response.pools()) {
     stats.pools.push_back(PoolStats{FromWire(pool.device()), pool.capacity_bytes(),
-                                    pool.used_bytes(), pool.segments(), pool.stock_bytes()});
+                                    pool.used_bytes(), pool.segments(), pool.stock_bytes(),
+                                    pool.largest_free_bytes()});
   }
   return stats;
 }

@@ -71,7 +71,11 @@ struct SegmentRecord {
   // HostPool::ObjectName). Records written before this field existed held zeros here, so no
   // layout version change.
   uint64_t name_suffix;
-  uint8_t reserved[16];
+  // The bytes at the start of the object that the pool holds; the rest (its free end, given back
+  // for another segment: HostPool::TrimTail) is punched out. 0: all `size` bytes (records
+  // written before this field existed held zeros here, so no layout version change).
+  uint64_t held;
+  uint8_t reserved[8];
 };
 
 struct TensorRecord {
@@ -121,6 +125,7 @@ static_assert(offsetof(SegmentRecord, segment_id) == 16);
 static_assert(offsetof(SegmentRecord, size) == 24);
 static_assert(offsetof(SegmentRecord, instance) == 32);
 static_assert(offsetof(SegmentRecord, name_suffix) == 40);
+static_assert(offsetof(SegmentRecord, held) == 48);
 
 static_assert(std::is_standard_layout_v<TensorRecord>);
 static_assert(sizeof(TensorRecord) == 1024);

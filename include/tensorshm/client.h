@@ -84,6 +84,9 @@ struct PoolStats {
   // What stocked buffers hold: buffers the daemon made ahead of a producer's need, counted as
   // stock until published (a client takes one to fill without telling the daemon). 0 on CUDA.
   int64_t stock_bytes = 0;
+  // The largest tensor the pool could take now (uids' fair shares aside): see
+  // PoolStats.largest_free_bytes in tensorshm.proto.
+  int64_t largest_free_bytes = 0;
 };
 
 struct ServerStats {

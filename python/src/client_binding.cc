@@ -190,6 +190,7 @@ nb::dict StatDict(PyClient& self) {
     pool["used_bytes"] = p.used_bytes;
     pool["stock_bytes"] = p.stock_bytes;
     pool["segments"] = p.segments;
+    pool["largest_free_bytes"] = p.largest_free_bytes;
     pools.append(pool);
   }
   out["pools"] = pools;

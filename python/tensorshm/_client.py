@@ -286,10 +286,12 @@ class Client:
     def stat(self) -> dict[str, Any]:
         """``{"tensors", "leases", "sessions", "names", "evicted_tensors", "evicted_bytes",
         "creates_waiting", "stocked_tensors", "pools": [{"device", "capacity_bytes",
-        "used_bytes", "stock_bytes", "segments"}]}``. ``used_bytes`` is what tensors (published
-        or not) hold; ``stock_bytes`` what stocked buffers hold (buffers the daemon made ahead of
-        a producer's need, counted as stock until published); ``stocked_tensors`` how many of
-        ``tensors`` are stocked buffers."""
+        "used_bytes", "stock_bytes", "largest_free_bytes", "segments"}]}``. ``used_bytes`` is
+        what tensors (published or not) hold; ``stock_bytes`` what stocked buffers hold (buffers
+        the daemon made ahead of a producer's need, counted as stock until published);
+        ``largest_free_bytes`` the largest tensor the pool could take now (its uids' fair shares
+        aside; less than the free bytes when frees left them in smaller blocks);
+        ``stocked_tensors`` how many of ``tensors`` are stocked buffers."""
         return self._native.stat()
 
     def sessions(self) -> builtins.list[dict[str, Any]]:

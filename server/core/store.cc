@@ -314,12 +314,14 @@ void Store::StatLocked(v1::StatResponse* response) {
   stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()));
   stats->set_stock_bytes(static_cast<int64_t>(catalog_->stock_bytes()));
   stats->set_segments(static_cast<int64_t>(pool.live_segment_count()));
+  stats->set_largest_free_bytes(static_cast<int64_t>(pool.largest_free_bytes()));
   for (const CudaPool* cuda : catalog_->cuda_pools()) {
     v1::PoolStats* device = response->add_pools();
     ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());
     device->set_capacity_bytes(static_cast<int64_t>(cuda->capacity_bytes()));
     device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
     device->set_segments(static_cast<int64_t>(cuda->segment_count()));
+    device->set_largest_free_bytes(static_cast<int64_t>(cuda->largest_free_bytes()));
   }
   // Eviction (--evict lru) adds its figures here; metrics.cc exports them.
 }

@@ -1,5 +1,7 @@
 #include "server/memory/allocator.h"
 
+#include <iterator>
+
 #include "common/base/check.h"
 
 namespace tensorshm {
@@ -72,6 +74,20 @@ bool BestFitAllocator::Reserve(uint64_t offset, uint64_t size) {
   if (block_offset < offset) Insert(block_offset, offset - block_offset);
   if (offset + size < block_end) Insert(offset + size, block_end - offset - size);
   return true;
+}
+
+uint64_t BestFitAllocator::free_tail() const {
+  if (by_offset_.empty()) return 0;
+  const auto last = std::prev(by_offset_.end());
+  return last->first + last->second == capacity_ ? last->second : 0;
+}
+
+uint64_t BestFitAllocator::TrimTail() {
+  const uint64_t tail = free_tail();
+  if (tail == 0) return 0;
+  Erase(std::prev(by_offset_.end()));
+  capacity_ -= tail;
+  return tail;
 }
 
 uint64_t BestFitAllocator::largest_free_block() const {

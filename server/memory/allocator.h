@@ -32,6 +32,12 @@ class BestFitAllocator {
   // changes nothing) if any of the range is not free.
   bool Reserve(uint64_t offset, uint64_t size);
 
+  // The free block that ends the range: its size, 0 if the range's last byte is in use.
+  uint64_t free_tail() const;
+  // Gives up the free block that ends the range: the range (capacity()) ends where that block
+  // began. Returns the bytes given up (free_tail()).
+  uint64_t TrimTail();
+
   uint64_t capacity() const { return capacity_; }
   uint64_t free_bytes() const { return free_bytes_; }
   uint64_t largest_free_block() const;

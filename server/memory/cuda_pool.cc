@@ -167,6 +167,12 @@ uint64_t CudaPool::SegmentSize(uint64_t segment_id) const {
   return segments_[segment_id - 1].size;
 }
 
+uint64_t CudaPool::largest_free_bytes() const {
+  uint64_t largest = options_.capacity_bytes - reserved_bytes_;
+  for (const Segment& s : segments_) largest = std::max(largest, s.allocator.largest_free_block());
+  return largest;
+}
+
 uint64_t CudaPool::used_bytes() const {
   uint64_t used = 0;
   for (const Segment& s : segments_) used += s.allocator.capacity() - s.allocator.free_bytes();

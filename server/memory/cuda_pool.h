@@ -64,6 +64,8 @@ class CudaPool {
   uint64_t SegmentSize(uint64_t segment_id) const;
   uint64_t capacity_bytes() const { return options_.capacity_bytes; }
   uint64_t used_bytes() const;
+  // The largest free block of a segment, or the capacity no segment holds (room for a new one).
+  uint64_t largest_free_bytes() const;
   size_t segment_count() const { return segments_.size(); }
 
  private:

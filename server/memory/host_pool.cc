@@ -80,10 +80,16 @@ absl::StatusOr<HostPool> HostPool::Recover(const HostPoolOptions& options,
       return fail(absl::DataLossError(
           absl::StrCat(name, ": ", shm->size(), " bytes, the catalog recorded ", record.size)));
     }
+    // Its free end given back before the restart stays given back (the pages are gone).
+    const uint64_t held = record.held == 0 ? record.size : record.held;
+    if (held > record.size || held % PageSize() != 0) {
+      shm->Keep();
+      return fail(absl::DataLossError(
+          absl::StrCat("segment record ", index, ": held ", held, " of ", record.size, " bytes")));
+    }
     // The same object as before: clients keep the instance that created it as its key.
-    pool.segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(record.size),
-                                         record.owner_uid, record.instance, record.size,
-                                         record.name_suffix});
+    pool.segments_.push_back(PoolSegment{*std::move(shm), BestFitAllocator(held), record.owner_uid,
+                                         record.instance, record.size, record.name_suffix});
   }
   pool.RemoveUnrecordedObjects();
   if (pool.segments_.empty()) {
@@ -149,8 +155,8 @@ int HostPool::RepairSegmentRecords() const {
     if (found.state.load(std::memory_order_relaxed) == static_cast<uint32_t>(state) &&
         found.device_type == kDLCPU && found.device_id == 0 &&
         found.owner_uid == segment.owner_uid && found.segment_id == index + 1 &&
-        found.size == segment.size && found.instance == segment.instance &&
-        found.name_suffix == segment.name_suffix) {
+        found.size == segment.size && found.held == Held(segment) &&
+        found.instance == segment.instance && found.name_suffix == segment.name_suffix) {
       continue;
     }
     // The state last, as AddSegment writes it (never unused in between: a recovery would stop
@@ -160,6 +166,7 @@ int HostPool::RepairSegmentRecords() const {
     record.owner_uid = segment.owner_uid;
     record.segment_id = index + 1;
     record.size = segment.size;
+    record.held = Held(segment);
     record.instance = segment.instance;
     record.name_suffix = segment.name_suffix;
     record.state.store(static_cast<uint32_t>(state), std::memory_order_release);
@@ -281,6 +288,7 @@ void HostPool::InstallSegment(const GrowthRequest& request, ShmSegment shm) {
   record.owner_uid = request.uid;
   record.segment_id = id;
   record.size = request.size;
+  record.held = request.size;
   record.instance = instance;
   record.name_suffix = suffix;
   record.state.store(
@@ -393,8 +401,19 @@ uint64_t HostPool::used_bytes() const {
 
 uint64_t HostPool::reserved_bytes() const {
   uint64_t reserved = 0;
-  for (const PoolSegment& s : segments_) reserved += s.shm ? s.shm->size() : 0;
+  for (const PoolSegment& s : segments_) reserved += Held(s);
   return reserved;
+}
+
+uint64_t HostPool::largest_free_bytes() const {
+  uint64_t largest = 0;
+  uint64_t room = options_.capacity_bytes - reserved_bytes();
+  for (const PoolSegment& s : segments_) {
+    if (!s.shm) continue;
+    largest = std::max(largest, s.allocator.largest_free_block());
+    room += IsEmpty(s) ? Held(s) : s.allocator.free_tail();
+  }
+  return std::max(largest, room);
 }
 
 }  // namespace tensorshm

@@ -192,7 +192,11 @@ class HostPool {
   SegmentBacking backing() const { return options_.backing; }
   uint32_t owner_uid() const { return options_.owner_uid; }
   uint64_t used_bytes() const;
-  uint64_t reserved_bytes() const;  // bytes of all segments created so far
+  uint64_t reserved_bytes() const;  // bytes the segments hold (Held), free ends given back aside
+  // The largest tensor the pool could take now were its fair shares not counted: the largest
+  // free block of a segment, or the room for a new segment (what no segment holds, the empty
+  // segments and the free ends of segments in use, which are given back for it).
+  uint64_t largest_free_bytes() const;
   // Segment ids run from 1 to segment_count(); a restart's holes among them are not HasSegment.
   size_t segment_count() const { return segments_.size(); }
   // The segments that exist now (Stat's figure): holes not counted.
@@ -212,6 +216,16 @@ class HostPool {
     uint64_t size;             // as recorded: the object's size (a lost memfd's as its record said)
     uint64_t name_suffix = 0;  // see ObjectName; 0 for a memfd
   };
+  // The bytes of `segment` the pool holds (what counts against the capacity): its allocator's
+  // range, the object's size less a free end given back (TrimTail); 0 for a hole.
+  static uint64_t Held(const PoolSegment& segment) {
+    return segment.shm.has_value() ? segment.allocator.capacity() : 0;
+  }
+  // Gives the free end of segment `index` (in use, so not given back whole) back to the pool:
+  // its allocator's range ends where the free end began, the record says so (SegmentRecord::held)
+  // and the end's pages are punched out. Clients that map the segment keep their mappings (the
+  // end reads as zeros); no buffer is placed there again.
+  void TrimTail(size_t index);
   HostPool(HostPoolOptions options, ControlSegment* control)
       : options_(std::move(options)), control_(control) {}
   // The next segment for an allocation of `length` bytes for `uid`, if its fair share, the

@@ -40,7 +40,7 @@ uint64_t HostPool::FairShare(uint32_t uid) const {
 uint64_t HostPool::ReservedBy(uint32_t uid) const {
   uint64_t reserved = 0;
   for (const PoolSegment& s : segments_) {
-    if (s.shm && s.owner_uid == uid) reserved += s.size;
+    if (s.owner_uid == uid) reserved += Held(s);
   }
   return reserved;
 }
@@ -61,8 +61,9 @@ void HostPool::GiveBack(size_t index, std::optional<uint32_t> for_uid) {
   SegmentRecord& record = control_->segment(static_cast<uint32_t>(index));
   record.state.store(static_cast<uint32_t>(SegmentState::kEphemeral), std::memory_order_release);
   record.size = 0;
+  record.held = 0;
   record.name_suffix = 0;
-  TSM_LOG(kInfo) << "host pool: segment " << id << " (" << segment.size << " bytes) of uid "
+  TSM_LOG(kInfo) << "host pool: segment " << id << " (" << Held(segment) << " bytes) of uid "
                  << segment.owner_uid << " is empty; given back to the pool "
                  << (for_uid.has_value()
                          ? absl::StrCat("for uid ", *for_uid)
@@ -109,6 +110,7 @@ absl::StatusOr<GrowthRequest> HostPool::PlanSegment(uint64_t nbytes, uint64_t le
   const uint64_t share = FairShare(uid);
   const uint64_t mine = ReservedBy(uid);
   uint64_t mine_empty = 0;    // bytes of `uid`'s empty segments (each too small for `length`)
+  uint64_t mine_ends = 0;     // bytes of the free ends of `uid`'s segments in use (TrimTail)
   uint64_t others_empty = 0;  // bytes of other uids' empty segments
   uint64_t largest = 0;       // largest free block in `uid`'s segments
   uint64_t free_in_mine = 0;
@@ -117,18 +119,26 @@ absl::StatusOr<GrowthRequest> HostPool::PlanSegment(uint64_t nbytes, uint64_t le
     if (s.owner_uid == uid) {
       largest = std::max(largest, s.allocator.largest_free_block());
       free_in_mine += s.allocator.free_bytes();
-      if (IsEmpty(s)) mine_empty += s.size;
+      if (IsEmpty(s)) {
+        mine_empty += Held(s);
+      } else {
+        mine_ends += s.allocator.free_tail();
+      }
     } else if (IsEmpty(s)) {
-      others_empty += s.size;
+      others_empty += Held(s);
     }
   }
   const uint64_t remaining = capacity - reserved_bytes();
-  // The most `uid` may hold once its own empty segments are given back, and the room the pool
-  // can make: what no segment holds, and what empty segments give back.
-  const uint64_t share_left = share > mine - mine_empty ? share - (mine - mine_empty) : 0;
-  const uint64_t room = remaining + others_empty + mine_empty;
+  // The most `uid` may hold once its own empty segments and free ends are given back, and the
+  // room the pool can make: what no segment holds, what empty segments give back, and the free
+  // ends of `uid`'s segments (a pool of segments made one after another would otherwise keep
+  // the end of each, too small for the next buffer, and hold less than its size).
+  const uint64_t kept = mine - mine_empty - mine_ends;
+  const uint64_t share_left = share > kept ? share - kept : 0;
+  const uint64_t room = remaining + others_empty + mine_empty + mine_ends;
   if (share_left < length || room < length) {
-    const uint64_t free_for_uid = std::min(share_left, room) + free_in_mine - mine_empty;
+    const uint64_t free_for_uid =
+        std::min(share_left, room) + free_in_mine - mine_empty - mine_ends;
     return absl::ResourceExhaustedError(absl::StrCat(
         "host pool: cannot allocate ", nbytes, " bytes (", length, " rounded to pages) for uid ",
         uid, ": ", free_for_uid, " of ", capacity, " bytes free to it, largest free block ",
@@ -145,8 +155,10 @@ absl::StatusOr<GrowthRequest> HostPool::PlanSegment(uint64_t nbytes, uint64_t le
   // just the buffer, once its own empty segments are given back.
   const bool within_share = mine <= share && length <= share - mine;
   uint64_t size = within_share ? std::max(length, std::min(Step(uid), share - mine)) : length;
-  // Empty segments that must go to make the room go when the growth begins (MakeRoom), not now:
-  // a caller may not go on with this plan (stock never grows a pool).
+  // Free ends go only when nothing else makes the room: they may still take smaller buffers.
+  size = std::min(size, std::max(length, remaining + others_empty + mine_empty));
+  // Empty segments and free ends that must go to make the room go when the growth begins
+  // (MakeRoom), not now: a caller may not go on with this plan (stock never grows a pool).
   size = std::min(size, room);
   TSM_CHECK(size >= length);
   GrowthRequest request;
@@ -159,10 +171,27 @@ absl::StatusOr<GrowthRequest> HostPool::PlanSegment(uint64_t nbytes, uint64_t le
 
 void HostPool::MakeRoom(const GrowthRequest& request) {
   const uint32_t uid = request.uid;
+  // The segment of `uid`'s in use with the largest free end; -1 if none has one.
+  auto largest_end = [this, uid] {
+    int pick = -1;
+    for (size_t i = 0; i < segments_.size(); ++i) {
+      const PoolSegment& s = segments_[i];
+      if (!s.shm || s.owner_uid != uid || IsEmpty(s) || s.allocator.free_tail() == 0) continue;
+      if (pick < 0 || s.allocator.free_tail() > segments_[pick].allocator.free_tail()) {
+        pick = static_cast<int>(i);
+      }
+    }
+    return pick;
+  };
   if (ReservedBy(uid) + request.size > FairShare(uid)) {
-    // Past its share only with its own empty segments (each too small for the buffer): they go.
+    // Past its share only with its own empty segments (each too small for the buffer): they go,
+    // then the free ends of its segments, as many as it takes.
     for (size_t i = 0; i < segments_.size(); ++i) {
       if (IsEmpty(segments_[i]) && segments_[i].owner_uid == uid) GiveBack(i, uid);
+    }
+    for (int end = largest_end(); end >= 0 && ReservedBy(uid) + request.size > FairShare(uid);
+         end = largest_end()) {
+      TrimTail(static_cast<size_t>(end));
     }
   }
   // Then other uids' empty segments (largest first), then its own, as many as the segment needs.
@@ -178,10 +207,40 @@ void HostPool::MakeRoom(const GrowthRequest& request) {
       GiveBack(static_cast<size_t>(pick), uid);
     }
   }
+  // Last, the free ends of its segments in use (largest first).
+  for (int end = largest_end();
+       end >= 0 && options_.capacity_bytes - reserved_bytes() < request.size; end = largest_end()) {
+    TrimTail(static_cast<size_t>(end));
+  }
   // PlanSegment saw the room, and nothing changed since (the caller's lock is held throughout).
   TSM_CHECK(options_.capacity_bytes - reserved_bytes() >= request.size);
   TSM_CHECK(request.segment_id >= 1 && request.segment_id <= segments_.size() + 1 &&
             (request.segment_id > segments_.size() || !segments_[request.segment_id - 1].shm));
+}
+
+void HostPool::TrimTail(size_t index) {
+  PoolSegment& segment = segments_[index];
+  TSM_CHECK(segment.shm.has_value() && !IsEmpty(segment));
+  const uint64_t end = segment.allocator.free_tail();
+  TSM_CHECK(end > 0);
+  const uint64_t held = segment.allocator.capacity() - end;
+  // The record first: a daemon killed from here on recovers the segment without its end (its
+  // pages wasted until the segment is given back, never counted twice).
+  control_->segment(static_cast<uint32_t>(index)).held = held;
+  segment.allocator.TrimTail();
+  const uint64_t id = index + 1;
+  for (auto& [key, hot] : recently_freed_) {
+    hot.erase(std::remove_if(
+                  hot.begin(), hot.end(),
+                  [id, held](const Buffer& b) { return b.segment_id == id && b.offset >= held; }),
+              hot.end());
+  }
+  TSM_LOG(kInfo) << "host pool: the free end of segment " << id << " of uid " << segment.owner_uid
+                 << " (" << end << " bytes after its first " << held
+                 << ") given back for a new segment";
+  if (absl::Status s = segment.shm->Discard(held, end); !s.ok()) {
+    TSM_LOG(kWarning) << "host pool: emptying the end of segment " << id << ": " << s;
+  }
 }
 
 std::optional<GrowthRequest> HostPool::PlanAhead(uint32_t uid) const {

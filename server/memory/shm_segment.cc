@@ -232,9 +232,9 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
 
 ShmSegment::~ShmSegment() { Reset(); }
 
-absl::Status ShmSegment::Discard() {
-  if (fallocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
-                static_cast<off_t>(size_)) != 0) {
+absl::Status ShmSegment::Discard(uint64_t offset, uint64_t length) {
+  if (fallocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                static_cast<off_t>(length)) != 0) {
     return ErrnoError("fallocate(PUNCH_HOLE)", name_, errno);
   }
   return absl::OkStatus();

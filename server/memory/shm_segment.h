@@ -73,7 +73,9 @@ class ShmSegment {
   // Frees every page of the object (punches it out; the size stays), whoever maps it: a segment
   // given back to the pool keeps no memory for clients that still map it. Errors name the call
   // and the object.
-  absl::Status Discard();
+  absl::Status Discard() { return Discard(0, size_); }
+  // Frees the pages of [offset, offset + length) alone, the same way.
+  absl::Status Discard(uint64_t offset, uint64_t length);
 
   // A new descriptor of the object for a client (close-on-exec; the memory channel sends it):
   // read-only, or read-write. A read-only one cannot be mapped writable nor reopened writable by

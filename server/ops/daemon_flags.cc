@@ -14,7 +14,12 @@ const std::vector<FlagSpec>& DaemonFlags() {
                     "$XDG_RUNTIME_DIR/tensorshm.sock, else\n"
                     "/tmp/tensorshm-$UID/tensorshm.sock; now ",
                     DefaultSocketPath(), ")")},
-      {"host-pool", FlagKind::kValue, "SIZE", "most host memory the pool may hold (default 1Gi)"},
+      {"host-pool", FlagKind::kValue, "SIZE",
+       "most host memory the pool may hold (default 1Gi). Tensors\n"
+       "adding up to 98% of it fit into an empty pool, whatever their\n"
+       "sizes; after frees, free memory can be split into blocks\n"
+       "smaller than the next tensor (fragmentation): `tensorshmctl\n"
+       "status` shows the largest free block"},
       {"segment-size", FlagKind::kValue, "SIZE",
        "size of each shm segment the pool grows by (default 256Mi);\n"
        "a larger tensor gets a segment of its own size"},

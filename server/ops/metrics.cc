@@ -232,6 +232,13 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
     out.Sample("tensorshm_pool_stock_bytes", {{"device", DeviceName(FromWire(pool.device()))}},
                pool.stock_bytes());
   }
+  out.Family("tensorshm_pool_largest_free_bytes", "gauge",
+             "The largest tensor the pool of a device could take now (uids' fair shares aside): "
+             "its largest free block, or the room for a new segment.");
+  for (const v1::PoolStats& pool : stat.pools()) {
+    out.Sample("tensorshm_pool_largest_free_bytes",
+               {{"device", DeviceName(FromWire(pool.device()))}}, pool.largest_free_bytes());
+  }
   out.Family("tensorshm_pool_segments", "gauge",
              "Segments (shm objects, memfds or cuMemAlloc blocks) the pool of a device is made "
              "of.");

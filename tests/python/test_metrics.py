@@ -132,6 +132,7 @@ def test_families_have_help_and_type_and_the_prefix(daemon):
         "tensorshm_creates_waiting": "gauge", "tensorshm_evicted_tensors": "counter",
         "tensorshm_evicted_bytes": "counter", "tensorshm_pool_stock_bytes": "gauge",
         "tensorshm_stocked_tensors": "gauge", "tensorshm_fast_path_acquires": "counter",
+        "tensorshm_pool_largest_free_bytes": "gauge",
     }
     for name, kind in expected.items():
         assert m.types.get(name) == kind, (name, m.types.get(name))
@@ -178,6 +179,9 @@ def test_gauges_equal_stat_at_the_same_moment(daemon, client):
         assert m("tensorshm_pool_stock_bytes", device=pool["device"]) == pool["stock_bytes"]
         assert m("tensorshm_pool_segments", device=pool["device"]) == pool["segments"]
         assert m("tensorshm_pool_segments", device=pool["device"]) >= 1
+        assert (m("tensorshm_pool_largest_free_bytes", device=pool["device"])
+                == pool["largest_free_bytes"])
+        assert 0 < pool["largest_free_bytes"] <= pool["capacity_bytes"] - pool["used_bytes"]
     assert m("tensorshm_pool_capacity_bytes", device="cpu") == POOL
     assert m("tensorshm_pool_used_bytes", device="cpu") > 0
     del held, unpublished

@@ -20,6 +20,26 @@ TEST(BestFitAllocatorTest, AllocatesFromTheStartAndExhausts) {
   EXPECT_EQ(a.Allocate(kPage), std::nullopt);
 }
 
+TEST(BestFitAllocatorTest, TrimTailGivesUpOnlyTheFreeEnd) {
+  BestFitAllocator a(8 * kPage);
+  const uint64_t first = *a.Allocate(2 * kPage);  // [0,2)
+  const uint64_t second = *a.Allocate(kPage);     // [2,3); free [3,8)
+  a.Free(first, 2 * kPage);                       // free [0,2) and [3,8)
+  EXPECT_EQ(a.free_tail(), 5 * kPage);
+  EXPECT_EQ(a.TrimTail(), 5 * kPage);
+  EXPECT_EQ(a.capacity(), 3 * kPage);
+  EXPECT_EQ(a.free_bytes(), 2 * kPage);
+  EXPECT_EQ(a.free_tail(), 0u);  // the last byte is in use
+  EXPECT_EQ(a.TrimTail(), 0u);
+  EXPECT_EQ(a.Allocate(3 * kPage), std::nullopt);  // nothing is placed past the end
+  // A buffer freed at the new end merges into a free end that can be trimmed again.
+  a.Free(second, kPage);
+  EXPECT_EQ(a.free_tail(), 3 * kPage);
+  EXPECT_EQ(a.TrimTail(), 3 * kPage);
+  EXPECT_EQ(a.capacity(), 0u);
+  EXPECT_EQ(a.free_bytes(), 0u);
+}
+
 TEST(BestFitAllocatorTest, ChoosesTheSmallestBlockThatFits) {
   BestFitAllocator a(10 * kPage);
   const uint64_t a0 = *a.Allocate(3 * kPage);  // [0,3)

@@ -189,6 +189,37 @@ TEST_F(CatalogTest, RecoveryGracePeriodKeepsWhatReconnectingClientsHold) {
   ASSERT_TRUE(catalog_->Publish(7, draft_id, "c", false).ok());
 }
 
+// The free ends given back (HostPool::TrimTail) stay given back across a restart: the recovered
+// pool holds what the old one held, not the objects' full sizes, and takes the rest.
+TEST_F(CatalogTest, RecoveryKeepsTheFreeEndsGivenBack) {
+  constexpr uint32_t kUid = 1000;  // the daemon's uid here: its segments are named, recoverable
+  const CatalogOptions options{prefix_, 16 << 20, 4 << 20, 8, SegmentBacking::kNamed, kUid, 1};
+  catalog_.reset();
+  absl::StatusOr<std::unique_ptr<Catalog>> created = Catalog::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  catalog_ = *std::move(created);
+  for (int i = 0; i < 5; ++i) {  // 3 MiB each: the last fits only in the ends given back
+    absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {3 << 18}, {}, kCpu, false, kUid);
+    ASSERT_TRUE(t.ok()) << "tensor " << i << ": " << t.status();
+    ASSERT_TRUE(catalog_->Publish(1, (*t)->id, absl::StrCat("t", i), false).ok());
+  }
+  const uint64_t reserved = catalog_->host_pool().reserved_bytes();
+  EXPECT_LE(reserved, uint64_t{16} << 20);
+  EXPECT_LT(reserved, catalog_->host_pool().segment_count() * (uint64_t{4} << 20));
+
+  catalog_->KeepSegments();
+  catalog_.reset();
+  absl::StatusOr<std::unique_ptr<Catalog>> recovered = Catalog::Recover(options);
+  ASSERT_TRUE(recovered.ok()) << recovered.status();
+  catalog_ = *std::move(recovered);
+  EXPECT_EQ(catalog_->tensor_count(), 5);
+  EXPECT_EQ(catalog_->host_pool().reserved_bytes(), reserved);
+  EXPECT_EQ(catalog_->host_pool().used_bytes(), uint64_t{15} << 20);
+  EXPECT_EQ(catalog_->host_pool().largest_free_bytes(), uint64_t{1} << 20);
+  absl::StatusOr<const Tensor*> last = catalog_->Create(1, kF32, {1 << 18}, {}, kCpu, false, kUid);
+  EXPECT_TRUE(last.ok()) << last.status();
+}
+
 // Another uid's buffers live in a segment of its own, a sealed memfd (its writable descriptor
 // cannot resize what others map). A restart loses it: its tensors are dropped, its id stays a
 // hole, and the rest of the pool is recovered as usual.

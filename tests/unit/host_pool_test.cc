@@ -109,6 +109,39 @@ class SharedHostPoolTest : public ::testing::Test {
   std::optional<HostPool> pool_;
 };
 
+// Five buffers of 3 MiB fill 15 of the 16 MiB: each 4 MiB segment keeps one and a free end of
+// 1 MiB too small for the next, so the last comes from the ends given back (their pages punched
+// out, their records saying so).
+TEST_F(SharedHostPoolTest, TheFreeEndsOfSegmentsGoBackSoThePoolHoldsItsSize) {
+  const uint32_t uid = getuid();
+  std::vector<Buffer> buffers;
+  for (int i = 0; i < 5; ++i) {
+    absl::StatusOr<Buffer> buffer = pool_->Allocate(3 * kMiB, uid);
+    ASSERT_TRUE(buffer.ok()) << "buffer " << i << ": " << buffer.status();
+    buffers.push_back(*buffer);
+  }
+  EXPECT_EQ(pool_->used_bytes(), 15 * kMiB);
+  EXPECT_LE(pool_->reserved_bytes(), 16 * kMiB);
+  EXPECT_EQ(pool_->largest_free_bytes(), kMiB);
+  uint64_t held = 0;
+  int trimmed = 0;
+  for (uint32_t index = 0; index < pool_->segment_count(); ++index) {
+    const SegmentRecord& record = control_->segment(index);
+    EXPECT_EQ(record.held % HostPool::PageSize(), 0u);
+    EXPECT_LE(record.held, record.size);
+    trimmed += record.held < record.size ? 1 : 0;
+    held += record.held;
+  }
+  EXPECT_GE(trimmed, 3);
+  EXPECT_EQ(held, pool_->reserved_bytes());
+  // A trimmed end is never handed out: the pool is full but for the 1 MiB no segment holds.
+  absl::StatusOr<Buffer> more = pool_->Allocate(2 * kMiB, uid);
+  EXPECT_TRUE(absl::IsResourceExhausted(more.status())) << more.status();
+  for (const Buffer& buffer : buffers) {
+    EXPECT_LE(buffer.offset + buffer.length, pool_->SegmentSize(buffer.segment_id));
+  }
+}
+
 TEST_F(SharedHostPoolTest, AUidNeverGrowsPastItsFairShareWhileAnotherHoldsBuffers) {
   const uint32_t owner = getuid();
   ASSERT_TRUE(pool_->Allocate(kMiB, kOther).ok());

@@ -97,7 +97,8 @@ json StatusReport(const ServerStats& stats) {
                      {"capacity_bytes", pool.capacity_bytes},
                      {"used_bytes", pool.used_bytes},
                      {"stock_bytes", pool.stock_bytes},
-                     {"segments", pool.segments}});
+                     {"segments", pool.segments},
+                     {"largest_free_bytes", pool.largest_free_bytes}});
   }
   return {{"sessions", stats.sessions},
           {"tensors", stats.tensors},
@@ -178,13 +179,15 @@ std::string StatusText(const json& report) {
                            {"names", report["names"].dump()},
                            {"leases", report["leases"].dump()}});
   std::vector<std::vector<std::string>> rows = {
-      {"DEVICE", "CAPACITY", "USED", "USE%", "STOCK", "SEGMENTS"}};
+      {"DEVICE", "CAPACITY", "USED", "USE%", "STOCK", "LARGEST FREE", "SEGMENTS"}};
   for (const json& pool : report["pools"]) {
     const int64_t capacity = pool["capacity_bytes"].get<int64_t>();
     const int64_t used = pool["used_bytes"].get<int64_t>();
     rows.push_back({pool["device"].get<std::string>(), FormatBytes(capacity), FormatBytes(used),
                     capacity > 0 ? absl::StrFormat("%.1f%%", 100.0 * used / capacity) : "-",
-                    FormatBytes(pool["stock_bytes"].get<int64_t>()), pool["segments"].dump()});
+                    FormatBytes(pool["stock_bytes"].get<int64_t>()),
+                    FormatBytes(pool["largest_free_bytes"].get<int64_t>()),
+                    pool["segments"].dump()});
   }
   return absl::StrCat(out, "\n", Table(rows));
 }
