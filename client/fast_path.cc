@@ -12,6 +12,7 @@
 #include <ctime>
 
 #include "absl/strings/str_cat.h"
+#include "client/sealed_ranges.h"
 #include "common/base/sys_error.h"
 #include "common/shm/tensor_record.h"
 
@@ -111,6 +112,8 @@ absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
     return absl::FailedPreconditionError(absl::StrCat("fast path: the daemon's monotonic clock is ",
                                                       skew, " ns off this process's"));
   }
+  sealed_ranges::AddCatalog(fast->records_.data(), fast->records_.size());
+  fast->catalog_kept_ = true;
   fast->bucket_count_ = buckets;
   fast->record_count_ = record_count;
   fast->buckets_ = reinterpret_cast<const IndexBucket*>(fast->index_.data() + IndexBucketsOffset());
@@ -124,7 +127,10 @@ absl::StatusOr<std::shared_ptr<FastPath>> FastPath::Open(MemoryChannel& channel,
   return fast;
 }
 
-FastPath::~FastPath() = default;  // the mappings go with it
+FastPath::~FastPath() {
+  // Out of sealed_ranges before the mappings go with it.
+  if (catalog_kept_) sealed_ranges::RemoveCatalog(records_.data());
+}
 
 void FastPath::HeldTensorIds(std::vector<uint64_t>* ids) const {
   const char* first = records_.data() + RecordsOffset();

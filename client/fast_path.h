@@ -112,9 +112,10 @@ class FastPath {
   bool Describe(uint32_t record_slot, uint64_t tensor_id, std::string_view name,
                 Leased* leased) const;
 
-  Mapping index_;    // read-only
-  Mapping records_;  // read-only: the control segment
-  Mapping page_;     // read-write
+  Mapping index_;              // read-only
+  Mapping records_;            // read-only: the control segment
+  bool catalog_kept_ = false;  // records_ is in sealed_ranges (to name a tensor a write hits)
+  Mapping page_;               // read-write
   const IndexBucket* buckets_ = nullptr;
   const IndexEntry* entries_ = nullptr;
   uint32_t bucket_count_ = 0;

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/sealed_ranges.h"
 #include "common/base/sys_error.h"
 
 namespace tensorshm {
@@ -26,6 +27,17 @@ std::string SegmentLabel(const SegmentKey& key) {
   return absl::StrFormat("segment %d (instance %016x)", key.second, key.first);
 }
 
+SegmentMapping::SegmentMapping(Mapping mapping, SegmentKey key, std::string shm_name)
+    : mapping_(std::move(mapping)), key_(key), shm_name_(std::move(shm_name)) {
+  if (mapping_.valid()) {
+    sealed_ranges::AddSegment(mapping_.data(), mapping_.size(), key_.first, key_.second);
+  }
+}
+
+SegmentMapping::~SegmentMapping() {
+  if (mapping_.valid()) sealed_ranges::RemoveSegment(mapping_.data());
+}
+
 void SegmentMapping::Populate() const {
   madvise(mapping_.data(), mapping_.size(), MADV_POPULATE_READ);
 }
@@ -39,6 +51,11 @@ WritableSegment::WritableSegment(Mapping mapping, SegmentKey key, std::string sh
       shm_name_(std::move(shm_name)) {
   MutexLock lock(&mu_);
   populated_.assign((size_ + PageBytes() - 1) / PageBytes(), false);
+  if (mapping_.valid()) sealed_ranges::AddSegment(address_, size_, key_.first, key_.second);
+}
+
+WritableSegment::~WritableSegment() {
+  if (mapping_.valid()) sealed_ranges::RemoveSegment(address_);
 }
 
 uint64_t WritableSegment::populated_pages() const {

@@ -26,8 +26,9 @@ using SegmentKey = std::pair<uint64_t, uint64_t>;
 // an acquired tensor) lets it go.
 class SegmentMapping {
  public:
-  SegmentMapping(Mapping mapping, SegmentKey key, std::string shm_name)
-      : mapping_(std::move(mapping)), key_(key), shm_name_(std::move(shm_name)) {}
+  // Kept in sealed_ranges while it lives: a write to it says which tensor it hit.
+  SegmentMapping(Mapping mapping, SegmentKey key, std::string shm_name);
+  ~SegmentMapping();
   SegmentMapping(const SegmentMapping&) = delete;
   SegmentMapping& operator=(const SegmentMapping&) = delete;
   const char* address() const { return mapping_.data(); }
@@ -56,7 +57,9 @@ class SegmentMapping {
 // publish make it read-only with Seal, until the buffer is handed out again.
 class WritableSegment {
  public:
+  // Kept in sealed_ranges while it lives: a write to a sealed buffer says which tensor it hit.
   WritableSegment(Mapping mapping, SegmentKey key, std::string shm_name);
+  ~WritableSegment();
   WritableSegment(const WritableSegment&) = delete;
   WritableSegment& operator=(const WritableSegment&) = delete;
   char* address() const { return address_; }
