@@ -5,6 +5,9 @@ show as the package's own, and the package's namespace holds only its own names.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -74,6 +77,38 @@ def test_larger_than_the_whole_pool_fails_at_once_even_with_a_timeout(daemon, cl
     assert "larger than the whole pool" in str(info.value), info.value
     assert "waited" not in str(info.value), info.value
     assert client.stat()["creates_waiting"] == 0
+
+
+def test_larger_than_the_whole_pool_does_not_queue_behind_waiting_creates(small_daemon):
+    """With the pool full and another create waiting for memory, a create larger than the whole
+    pool still fails at once (timeout=None: had it queued, it would wait forever)."""
+    holder = tensorshm.connect(small_daemon.socket, client_name="holder")
+    waiter = tensorshm.connect(small_daemon.socket, client_name="waiter")
+    asker = tensorshm.connect(small_daemon.socket, client_name="asker")
+    holder.put("refused/full", np.zeros(4 << 20, dtype=np.uint8)).release()
+    outcome: list[object] = []
+
+    def wait_for_memory() -> None:
+        try:
+            waiter.put("refused/later", np.zeros(1 << 20, dtype=np.uint8), timeout=None).release()
+            outcome.append("put")
+        except tensorshm.Error as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=wait_for_memory)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while asker.stat()["creates_waiting"] < 1:
+        assert time.monotonic() < deadline, "the waiting create never showed in Stat"
+        time.sleep(0.01)
+    with pytest.raises(tensorshm.ResourceExhaustedError, match="larger than the whole pool"):
+        asker.put("refused/huge", np.zeros(8 << 20, dtype=np.uint8), timeout=None)
+    assert asker.stat()["creates_waiting"] == 1  # the other still waits, untouched
+    holder.delete("refused/full")
+    thread.join(timeout=30)
+    assert outcome == ["put"], outcome
+    for c in (holder, waiter, asker):
+        c.close()
 
 
 def test_errors_show_as_the_package_s_and_the_namespace_is_its_own():
