@@ -22,13 +22,21 @@ class CatalogTest : public ::testing::Test {
  protected:
   void SetUp() override {
     prefix_ = absl::StrCat("tsmtest-catalog-", getpid());
-    for (const char* suffix : {".ctl", ".cpu.1", ".cpu.2", ".cpu.3"}) {
+    for (const char* suffix : {".ctl", ".cpu.1", ".cpu.2", ".cpu.3", ".cpu.4", ".cpu.5"}) {
       boost::interprocess::shared_memory_object::remove((prefix_ + suffix).c_str());
     }
     absl::StatusOr<std::unique_ptr<Catalog>> catalog =
         Catalog::Create(CatalogOptions{prefix_, 16 << 20, 4 << 20, 8});
     ASSERT_TRUE(catalog.ok()) << catalog.status();
     catalog_ = *std::move(catalog);
+  }
+
+  // The catalog made anew with `options`.
+  void Recreate(const CatalogOptions& options) {
+    catalog_.reset();
+    absl::StatusOr<std::unique_ptr<Catalog>> created = Catalog::Create(options);
+    ASSERT_TRUE(created.ok()) << created.status();
+    catalog_ = *std::move(created);
   }
 
   RecordState State(const Tensor* t) {
@@ -135,10 +143,7 @@ TEST_F(CatalogTest, EmptyTensorsTakeNoBuffer) {
 TEST_F(CatalogTest, RecoveryGracePeriodKeepsWhatReconnectingClientsHold) {
   constexpr uint32_t kUid = 1000;  // the daemon's uid here: its segments are named, recoverable
   const CatalogOptions options{prefix_, 16 << 20, 4 << 20, 8, SegmentBacking::kNamed, kUid, 1};
-  catalog_.reset();
-  absl::StatusOr<std::unique_ptr<Catalog>> created = Catalog::Create(options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  catalog_ = *std::move(created);
+  ASSERT_NO_FATAL_FAILURE(Recreate(options));
   absl::StatusOr<const Tensor*> published = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
   absl::StatusOr<const Tensor*> draft = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
   absl::StatusOr<const Tensor*> leased = catalog_->Create(1, kF32, {8}, {}, kCpu, false, kUid);
@@ -194,10 +199,7 @@ TEST_F(CatalogTest, RecoveryGracePeriodKeepsWhatReconnectingClientsHold) {
 TEST_F(CatalogTest, RecoveryKeepsTheFreeEndsGivenBack) {
   constexpr uint32_t kUid = 1000;  // the daemon's uid here: its segments are named, recoverable
   const CatalogOptions options{prefix_, 16 << 20, 4 << 20, 8, SegmentBacking::kNamed, kUid, 1};
-  catalog_.reset();
-  absl::StatusOr<std::unique_ptr<Catalog>> created = Catalog::Create(options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  catalog_ = *std::move(created);
+  ASSERT_NO_FATAL_FAILURE(Recreate(options));
   for (int i = 0; i < 5; ++i) {  // 3 MiB each: the last fits only in the ends given back
     absl::StatusOr<const Tensor*> t = catalog_->Create(1, kF32, {3 << 18}, {}, kCpu, false, kUid);
     ASSERT_TRUE(t.ok()) << "tensor " << i << ": " << t.status();
