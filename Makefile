@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel wheels test-wheels bench-wheels deb test-packages install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs docs architecture test-docs test-docs-wheel ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel wheels test-wheels bench-wheels deb test-packages install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -66,6 +66,35 @@ test-python: build python
 	$(PYTEST) tests/deploy --junitxml=$(RESULTS)/deploy.xml
 	$(CHECK_SKIPS) --label test-python $(RESULTS)/python.xml $(RESULTS)/gpu.xml \
 	  $(RESULTS)/deploy.xml
+
+# The documentation site in $(BUILD_DIR)/docs/html (scripts/build-docs.sh says how): the guides
+# in docs/ and the API reference, Python from the installed package's docstrings, C and C++ from
+# the public headers through Doxygen and Breathe. Every warning, unresolved reference and broken
+# internal link fails it. scripts/requirements-docs.txt goes into .venv (pip installs only what
+# differs from its pins); Doxygen is installed when missing.
+docs: python
+	@$(VENV_PY) -m pip install -q --disable-pip-version-check -r scripts/requirements-docs.txt
+	JOBS=$(JOBS) bash scripts/build-docs.sh $(BUILD_DIR)/docs
+
+# Every code block of README.md and the guides in docs/, run as written (tests/doc_examples):
+# Python against a daemon of its own, C and C++ built with what tensorshm.pc says, TOML as the
+# daemon's --config; a block that cannot run here says where it runs instead. Pages whose blocks
+# need torch or pyarrow run where make test-ecosystem installed them (CI: after it), and are
+# skipped naming the package elsewhere. test-docs-wheel runs the README's quick start and the
+# wheel install as a newcomer would (make wheel, a venv in a fresh HOME, numpy from PyPI).
+test-docs: build python
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/docs.xml
+	$(PYTEST) tests/doc_examples --junitxml=$(RESULTS)/docs.xml
+	$(CHECK_SKIPS) --label test-docs $(RESULTS)/docs.xml
+
+# The architecture picture from its source (Graphviz).
+architecture: setup
+	dot -Tsvg docs/images/architecture.dot -o docs/images/architecture.svg
+
+test-docs-wheel: build python
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/docs-wheel.xml
+	$(VENV_PY) -m pytest -q -rs tests/doc_examples/wheel_blocks.py --junitxml=$(RESULTS)/docs-wheel.xml
+	$(CHECK_SKIPS) --label test-docs-wheel $(RESULTS)/docs-wheel.xml
 
 # The tests that need an optional package (torch, JAX, pyarrow, nanoarrow, ONNX Runtime: the
 # pytest marker `ecosystem`, given by tests/python/conftest.py to every test that uses one) and

@@ -6,7 +6,7 @@
 // an object others map (or that a restarted daemon checks); the price is that its tensors do not
 // survive the daemon.
 //
-// Sharing between uids (README "How a pool is shared between uids"): the uids sharing the pool
+// Sharing between uids (docs/daemon.md, "How a pool is shared between uids"): the uids sharing the pool
 // are those with an open session that has created host tensors, those whose segments hold live
 // buffers, and the uid asking. A uid's segments never grow past its fair share, the capacity
 // divided by that count; its segments grow in steps (the first min(segment size, max(capacity/4,

@@ -245,7 +245,7 @@ def test_sidecar(image, build_image, work, manifest):
             step(f"consume sidecar/own-tensor after a restart as uid {uid}: exit {rc}, sum {out}")
             check(rc == 0 and out, "the own-uid tensor outlived the restart")
             # The app's tensor (admitted by --allow-uid) was in a memfd segment reserved to that
-            # uid: by design it does not outlive the daemon (README, Access), and the first
+            # uid: by design it does not outlive the daemon (docs/security.md, Access), and the first
             # restarted daemon said so in its log.
             rc, out = view.run(app, [CONSUMER, "consume", socket, "sidecar/app-tensor", str(uid)])
             step(f"consume sidecar/app-tensor after the restarts as uid {app_user[0]}: "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fails when a source file includes a header of a room it may not depend on.
 
-The rooms, and what each may include besides itself (the house's floors; README "Layout"):
+The rooms, and what each may include besides itself (the house's floors; docs/development.md, "Layout"):
 
     server (main.cc, daemon.cc): every server room
     server/rpc      gRPC service, session reactor, memory-channel service, listener

@@ -199,9 +199,10 @@ def test_connect_without_a_daemon_names_the_path_its_source_and_the_two_ways(tmp
 
 
 def test_readme_first_try_runs():
-    """README's first Python example (a Daemon of the program's own), as written."""
+    """README's first Python example (a Daemon of the program's own, in its quick start), as
+    written."""
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    example = readme.split("\n## Python\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    example = readme.split("\n## Quick start\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert "tensorshm.Daemon(" in example, example
     done = run_python(example)
     assert done.returncode == 0, done.stderr

@@ -408,11 +408,10 @@ def test_restricted_shared_memory_api_takes_the_access_token(daemon, tmp_path):
 
 
 def test_readme_example_runs(daemon, triton):
-    """README's "Feeding Triton" example, as written (only Triton's address changed), in its own
-    process: x from a producer process, y checked by a consumer process."""
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("\n## Feeding Triton\n", 1)[1]
-    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    """docs/triton.md's example, as written (only Triton's address changed), in its own process:
+    x from a producer process, y checked by a consumer process."""
+    guide = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "triton.md").read_text()
+    example = guide.split("```python\n", 1)[1].split("```", 1)[0]
     assert "localhost:8000" in example and "feed.input" in example, example
     produce(daemon, "x", seed=11)
     done = subprocess.run([sys.executable, "-c", example.replace("localhost:8000", triton.http_url)],
