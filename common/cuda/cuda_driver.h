@@ -16,33 +16,45 @@
 namespace tensorshm {
 
 // Every driver entry point tensorshm calls, by its versioned symbol name.
-#define TSM_CUDA_FUNCTIONS(X)     \
-  X(cuInit)                       \
-  X(cuGetErrorName)               \
-  X(cuGetErrorString)             \
-  X(cuDeviceGetCount)             \
-  X(cuDeviceGet)                  \
-  X(cuDeviceGetUuid_v2)           \
-  X(cuDevicePrimaryCtxRetain)     \
-  X(cuDevicePrimaryCtxRelease_v2) \
-  X(cuCtxPushCurrent_v2)          \
-  X(cuCtxPopCurrent_v2)           \
-  X(cuMemAlloc_v2)                \
-  X(cuMemFree_v2)                 \
-  X(cuMemcpyHtoD_v2)              \
-  X(cuMemcpyDtoH_v2)              \
-  X(cuMemcpyDtoDAsync_v2)         \
-  X(cuIpcGetMemHandle)            \
-  X(cuIpcOpenMemHandle_v2)        \
-  X(cuIpcCloseMemHandle)          \
-  X(cuEventCreate)                \
-  X(cuEventRecord)                \
-  X(cuEventSynchronize)           \
-  X(cuEventDestroy_v2)            \
-  X(cuIpcGetEventHandle)          \
-  X(cuIpcOpenEventHandle)         \
-  X(cuStreamWaitEvent)            \
-  X(cuStreamSynchronize)
+#define TSM_CUDA_FUNCTIONS(X)       \
+  X(cuInit)                         \
+  X(cuGetErrorName)                 \
+  X(cuGetErrorString)               \
+  X(cuDeviceGetCount)               \
+  X(cuDeviceGet)                    \
+  X(cuDeviceGetUuid_v2)             \
+  X(cuDevicePrimaryCtxRetain)       \
+  X(cuDevicePrimaryCtxRelease_v2)   \
+  X(cuCtxPushCurrent_v2)            \
+  X(cuCtxPopCurrent_v2)             \
+  X(cuMemAlloc_v2)                  \
+  X(cuMemFree_v2)                   \
+  X(cuMemcpyHtoD_v2)                \
+  X(cuMemcpyDtoH_v2)                \
+  X(cuMemcpyDtoDAsync_v2)           \
+  X(cuIpcGetMemHandle)              \
+  X(cuIpcOpenMemHandle_v2)          \
+  X(cuIpcCloseMemHandle)            \
+  X(cuEventCreate)                  \
+  X(cuEventRecord)                  \
+  X(cuEventSynchronize)             \
+  X(cuEventDestroy_v2)              \
+  X(cuIpcGetEventHandle)            \
+  X(cuIpcOpenEventHandle)           \
+  X(cuStreamWaitEvent)              \
+  X(cuStreamSynchronize)            \
+  X(cuMemsetD8_v2)                  \
+  X(cuDeviceGetAttribute)           \
+  X(cuMemGetAllocationGranularity)  \
+  X(cuMemCreate)                    \
+  X(cuMemRelease)                   \
+  X(cuMemExportToShareableHandle)   \
+  X(cuMemImportFromShareableHandle) \
+  X(cuMemAddressReserve)            \
+  X(cuMemAddressFree)               \
+  X(cuMemMap)                       \
+  X(cuMemUnmap)                     \
+  X(cuMemSetAccess)
 
 // A device UUID, as CUDA reports it and descriptors carry it.
 using DeviceUuid = std::array<unsigned char, 16>;

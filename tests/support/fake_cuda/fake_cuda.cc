@@ -3,7 +3,8 @@
 // CUDA is: calls need a current context, a handle does not open in the process that allocated
 // it nor in a context of another device, a handle opened twice in one context is reference
 // counted, interprocess events must disable timing. Device pointers are host addresses of the
-// mapping, so tests can look at "device" bytes directly.
+// mapping, so tests can look at "device" bytes directly. Virtual memory management (cuMemCreate,
+// file descriptors, reserve / map / access) is in vmm.cc; the state both share in state.h.
 #include "tests/support/fake_cuda/fake_cuda.h"
 
 #include <cuda.h>
@@ -22,17 +23,53 @@
 #include <string>
 #include <vector>
 
-struct CUctx_st {
-  int physical = 0;
-  int retained = 0;
-};
+#include "tests/support/fake_cuda/state.h"
 
-struct CUevent_st {
-  unsigned int flags = 0;
-  std::string shm_name;  // interprocess events: their shared page
-  bool owner = true;     // created here (not opened from a handle)
-  std::atomic<int64_t>* records = nullptr;
-};
+namespace tsm_fake_cuda {
+namespace {
+
+thread_local std::vector<CUctx_st*> context_stack;
+
+}  // namespace
+
+State& state() {
+  static State* s = new State();
+  return *s;
+}
+
+CUctx_st* Current() { return context_stack.empty() ? nullptr : context_stack.back(); }
+
+bool IsDeviceRange(State& s, CUdeviceptr ptr, size_t n, bool write) {
+  auto inside = [&](uintptr_t base, size_t size) { return ptr >= base && ptr + n <= base + size; };
+  auto a = s.allocations.upper_bound(ptr);
+  if (a != s.allocations.begin() && inside(std::prev(a)->first, std::prev(a)->second.size)) {
+    return true;
+  }
+  auto o = s.opened.upper_bound(ptr);
+  if (o != s.opened.begin() && inside(std::prev(o)->first, std::prev(o)->second.second.size)) {
+    return true;
+  }
+  // VMM mappings: one range may span mappings that lie next to each other, each with the access.
+  const int needed = write ? PROT_READ | PROT_WRITE : PROT_READ;
+  uintptr_t at = ptr;
+  const uintptr_t end = ptr + n;
+  while (at < end) {
+    auto m = s.mappings.upper_bound(at);
+    if (m == s.mappings.begin()) return false;
+    --m;
+    if (at >= m->first + m->second.size || (m->second.access & needed) != needed) return false;
+    at = m->first + m->second.size;
+  }
+  return n > 0;
+}
+
+}  // namespace tsm_fake_cuda
+
+using tsm_fake_cuda::Current;
+using tsm_fake_cuda::IsDeviceRange;
+using tsm_fake_cuda::Opened;
+using tsm_fake_cuda::State;
+using tsm_fake_cuda::state;
 
 namespace {
 
@@ -48,41 +85,6 @@ struct IpcHandle {
   char name[40];
 };
 static_assert(sizeof(IpcHandle) == CU_IPC_HANDLE_SIZE);
-
-struct Allocation {
-  std::string name;
-  size_t size;
-  int physical;
-};
-
-struct Opened {
-  std::string name;
-  size_t size;
-  int references;
-};
-
-struct State {
-  std::mutex mu;
-  bool initialized = false;
-  std::vector<int> visible;  // ordinal -> physical device
-  std::vector<CUctx_st> contexts;
-  std::map<uintptr_t, Allocation> allocations;  // by base address
-  // Opened handles, per context: (context, name) -> base, and base -> record.
-  std::map<std::pair<CUctx_st*, std::string>, uintptr_t> opened_by_name;
-  std::map<uintptr_t, std::pair<CUctx_st*, Opened>> opened;
-  int next_name = 0;
-  int64_t live_events = 0;  // created here and not destroyed
-  TsmFakeCudaCounters counters{};
-};
-
-State& state() {
-  static State* s = new State();
-  return *s;
-}
-
-thread_local std::vector<CUctx_st*> context_stack;
-
-CUctx_st* Current() { return context_stack.empty() ? nullptr : context_stack.back(); }
 
 std::string NewName(State& s, const char* kind) {
   return "/tsmfakecu." + std::to_string(getpid()) + "." + kind + std::to_string(++s.next_name);
@@ -101,17 +103,6 @@ void* MapShm(const std::string& name, size_t size, bool create) {
   return addr == MAP_FAILED ? nullptr : addr;
 }
 
-// True if [ptr, ptr + n) lies in one allocation or opened mapping of this process.
-bool IsDeviceRange(State& s, CUdeviceptr ptr, size_t n) {
-  auto inside = [&](uintptr_t base, size_t size) { return ptr >= base && ptr + n <= base + size; };
-  auto a = s.allocations.upper_bound(ptr);
-  if (a != s.allocations.begin() && inside(std::prev(a)->first, std::prev(a)->second.size)) {
-    return true;
-  }
-  auto o = s.opened.upper_bound(ptr);
-  return o != s.opened.begin() && inside(std::prev(o)->first, std::prev(o)->second.second.size);
-}
-
 // The errors this driver returns, with CUDA's names and texts.
 struct ErrorText {
   CUresult code;
@@ -128,6 +119,7 @@ constexpr ErrorText kErrors[] = {
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
 };
 
 const ErrorText* FindError(CUresult code) {
@@ -138,12 +130,6 @@ const ErrorText* FindError(CUresult code) {
 }
 
 bool ProcessAlive(pid_t pid) { return kill(pid, 0) == 0 || errno == EPERM; }
-
-#define REQUIRE_INIT(s) \
-  if (!(s).initialized) return CUDA_ERROR_NOT_INITIALIZED
-#define REQUIRE_CONTEXT(s) \
-  REQUIRE_INIT(s);         \
-  if (Current() == nullptr) return CUDA_ERROR_INVALID_CONTEXT
 
 }  // namespace
 
@@ -263,7 +249,7 @@ CUresult cuCtxPushCurrent_v2(CUcontext context) {
   std::lock_guard<std::mutex> lock(s.mu);
   REQUIRE_INIT(s);
   if (context == nullptr || context->retained == 0) return CUDA_ERROR_INVALID_CONTEXT;
-  context_stack.push_back(context);
+  tsm_fake_cuda::context_stack.push_back(context);
   return CUDA_SUCCESS;
 }
 
@@ -271,8 +257,8 @@ CUresult cuCtxPopCurrent_v2(CUcontext* context) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   REQUIRE_CONTEXT(s);
-  if (context != nullptr) *context = context_stack.back();
-  context_stack.pop_back();
+  if (context != nullptr) *context = Current();
+  tsm_fake_cuda::context_stack.pop_back();
   return CUDA_SUCCESS;
 }
 
@@ -285,7 +271,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* ptr, size_t size) {
   void* addr = MapShm(name, size, /*create=*/true);
   if (addr == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
   *ptr = reinterpret_cast<CUdeviceptr>(addr);
-  s.allocations[*ptr] = Allocation{name, size, Current()->physical};
+  s.allocations[*ptr] = tsm_fake_cuda::Allocation{name, size, Current()->physical};
   ++s.counters.mem_alloc;
   return CUDA_SUCCESS;
 }
@@ -307,7 +293,7 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   REQUIRE_CONTEXT(s);
-  if (!IsDeviceRange(s, dst, n)) return CUDA_ERROR_INVALID_VALUE;
+  if (!IsDeviceRange(s, dst, n, /*write=*/true)) return CUDA_ERROR_INVALID_VALUE;
   std::memcpy(reinterpret_cast<void*>(dst), src, n);
   ++s.counters.memcpy_htod;
   return CUDA_SUCCESS;
@@ -327,7 +313,9 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   REQUIRE_CONTEXT(s);
-  if (!IsDeviceRange(s, dst, n) || !IsDeviceRange(s, src, n)) return CUDA_ERROR_INVALID_VALUE;
+  if (!IsDeviceRange(s, dst, n, /*write=*/true) || !IsDeviceRange(s, src, n)) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   // Streams run in order; this one finishes at once.
   std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
   ++s.counters.memcpy_dtod;

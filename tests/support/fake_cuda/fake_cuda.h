@@ -6,6 +6,8 @@
 //   TSM_FAKE_CUDA_VISIBLE=2,0    which physical devices this process sees, in ordinal order (as
 //                                CUDA_VISIBLE_DEVICES permutes them); default all, in order
 //   TSM_FAKE_CUDA_INIT_ERROR=1   cuInit fails (CUDA_ERROR_NO_DEVICE)
+//   TSM_FAKE_CUDA_NO_VMM=1       devices report no virtual memory management and no POSIX file
+//                                descriptor handles; cuMemCreate is CUDA_ERROR_NOT_SUPPORTED
 #ifndef TENSORSHM_TESTS_SUPPORT_FAKE_CUDA_FAKE_CUDA_H_
 #define TENSORSHM_TESTS_SUPPORT_FAKE_CUDA_FAKE_CUDA_H_
 
@@ -41,6 +43,9 @@ const TsmFakeCudaCounters* tsm_fake_cuda_counters();
 int64_t tsm_fake_cuda_open_mappings();
 // Events this process created (cuEventCreate) and has not destroyed.
 int64_t tsm_fake_cuda_live_events();
+// VMM allocations (cuMemCreate, cuMemImportFromShareableHandle) not yet freed: not released, or
+// released and still mapped.
+int64_t tsm_fake_cuda_vmm_allocations();
 
 }  // extern "C"
 
