@@ -172,3 +172,34 @@ def test_no_block_of_an_unknown_language():
     known = {"python", "c", "cpp", "sh", "bash", "toml", "yaml"}
     unknown = [f"{b.label} ({b.language})" for b in RUN_HERE if b.language not in known]
     assert not unknown, f"blocks this test cannot run (mark them text, or teach it): {unknown}"
+
+
+def test_make_run_serves_on_its_defaults(tmp_path):
+    """The README's `make run` (its other line, `make test`, is what CI runs): tensorshmd in the
+    foreground on its defaults, here on this test's own default socket (a private
+    $XDG_RUNTIME_DIR); Ctrl-C (SIGINT to the group, as a terminal sends it) stops it, and it
+    removes its socket and says so."""
+    import time
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORSHM", "MAKE"))}
+    env["XDG_RUNTIME_DIR"] = str(runtime)
+    socket = runtime / "tensorshm.sock"
+    make = subprocess.Popen(["make", "--no-print-directory", "run"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600  # make run builds what is missing first
+        while not socket.exists():
+            assert make.poll() is None, make.stdout.read() if make.stdout else ""
+            assert time.monotonic() < deadline, "make run did not serve"
+            time.sleep(0.05)
+        with tensorshm.connect(str(socket)) as client:
+            assert client.stat()["pools"][0]["capacity_bytes"] == 1 << 30  # the default pool
+    finally:
+        os.killpg(make.pid, signal.SIGINT)
+        output, _ = make.communicate(timeout=60)
+    assert "serving on unix:" + str(socket) in output, output
+    assert "stopped; socket removed, shm segments removed" in output, output
+    assert not socket.exists()
