@@ -6,8 +6,8 @@
 // an object others map (or that a restarted daemon checks); the price is that its tensors do not
 // survive the daemon.
 //
-// Sharing between uids (docs/daemon.md, "How a pool is shared between uids"): the uids sharing the pool
-// are those with an open session that has created host tensors, those whose segments hold live
+// Sharing between uids (docs/daemon.md, "How a pool is shared between uids"): the uids sharing the
+// pool are those with an open session that has created host tensors, those whose segments hold live
 // buffers, and the uid asking. A uid's segments never grow past its fair share, the capacity
 // divided by that count; its segments grow in steps (the first min(segment size, max(capacity/4,
 // 4 MiB)), then twice its largest segment, at most the segment size), each cut to what its share
@@ -235,7 +235,8 @@ class HostPool {
   absl::StatusOr<GrowthRequest> PlanSegment(uint64_t nbytes, uint64_t length, uint32_t uid) const;
   // Gives back the empty segments whose room `request` (from PlanSegment or PlanAhead, with
   // nothing changed since) needs: first `uid`'s own if it would pass its share, then other
-  // uids' (largest first), then its own.
+  // uids' (largest first), then its own; last, the free ends of `uid`'s segments in use
+  // (TrimTail, largest first).
   void MakeRoom(const GrowthRequest& request);
   // The first segment: Step(owner uid) bytes for the owner uid.
   GrowthRequest FirstSegment() const;

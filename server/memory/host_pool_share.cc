@@ -227,14 +227,10 @@ void HostPool::TrimTail(size_t index) {
   // The record first: a daemon killed from here on recovers the segment without its end (its
   // pages wasted until the segment is given back, never counted twice).
   control_->segment(static_cast<uint32_t>(index)).held = held;
+  // Buffers of the end still in recently_freed_ are never taken: TakeRecentlyFreed reserves each
+  // in its allocator first, which now refuses the end.
   segment.allocator.TrimTail();
   const uint64_t id = index + 1;
-  for (auto& [key, hot] : recently_freed_) {
-    hot.erase(std::remove_if(
-                  hot.begin(), hot.end(),
-                  [id, held](const Buffer& b) { return b.segment_id == id && b.offset >= held; }),
-              hot.end());
-  }
   TSM_LOG(kInfo) << "host pool: the free end of segment " << id << " of uid " << segment.owner_uid
                  << " (" << end << " bytes after its first " << held
                  << ") given back for a new segment";

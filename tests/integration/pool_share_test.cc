@@ -1,7 +1,7 @@
-// How a host pool is shared between uids (issue 21; docs/daemon.md, "How a pool is shared between uids"),
-// on a real daemon with real client processes run as other uids (setpriv): each uid creating
-// tensors gets its fair share of the pool, whichever fills first, and the empty segments of one
-// uid go back to another that needs the room. Every tensor's bytes are checked at the end.
+// How a host pool is shared between uids (issue 21; docs/daemon.md, "How a pool is shared between
+// uids"), on a real daemon with real client processes run as other uids (setpriv): each uid
+// creating tensors gets its fair share of the pool, whichever fills first, and the empty segments
+// of one uid go back to another that needs the room. Every tensor's bytes are checked at the end.
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
