@@ -51,8 +51,12 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
       if (outcome == FastPath::Outcome::kLeased) {
         absl::StatusOr<std::unique_ptr<Lease>> lease = MakePageLease(core, fast, leased);
         // A segment that cannot be mapped as the record says: the daemon answers instead.
-        if (lease.ok()) return lease;
-        break;
+        if (!lease.ok()) break;
+        if (absl::Status s = WaitLeaseReady(**lease, sync); !s.ok()) {
+          core->ReleasePageLease(*fast, (*lease)->page_slot);
+          return s;
+        }
+        return lease;
       }
       if (outcome == FastPath::Outcome::kFallback) break;
       if (timeout == absl::ZeroDuration()) {

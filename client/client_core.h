@@ -149,6 +149,10 @@ class ClientCore {
                                                                        uint64_t size,
                                                                        uint64_t offset,
                                                                        uint64_t length);
+  // The base address, in this process's device `ordinal`, of the VMM CUDA segment `location`
+  // names: mapped read-only on first use from a descriptor the memory channel brings
+  // (CudaState::MapVmmSegment), and kept while the client lives.
+  absl::StatusOr<CUdeviceptr> MapCudaSegment(int ordinal, const v1::Location& location);
   // `location`'s buffer (this session's own) in the writable mapping of its segment, made on
   // first use and kept: readied for writing (WritableSegment::Prepare). `segment` keeps the
   // mapping alive.

@@ -141,6 +141,19 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
     decoded->device.device_id = buffer->ordinal;
     data = buffer->data;
     tensor.cuda_place = PlaceFrom(location, buffer->data);
+    if (location.cuda().vmm() && location.length() > 0) {
+      // Mapped read-only like every VMM segment: this buffer's pieces are writable here until
+      // its publish.
+      if (absl::Status s = core->cuda().MakeWritable(
+              buffer->ordinal, SegmentKey{location.segment_instance(), location.segment_id()},
+              location.offset(), location.length());
+          !s.ok()) {
+        return s;
+      }
+      tensor.cuda_writable = true;
+      tensor.cuda_ordinal = buffer->ordinal;
+      tensor.cuda_length = location.length();
+    }
   } else if (location.length() > 0) {
     absl::StatusOr<ClientCore::HostBuffer> mapped = core->MapHostBuffer(location);
     if (!mapped.ok()) return mapped.status();

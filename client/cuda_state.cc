@@ -10,13 +10,28 @@ namespace tensorshm {
 CudaState::~CudaState() {
   MutexLock lock(&mu_);
   if (driver_ == nullptr) return;
-  for (const auto& [key, base] : segments_) {
+  for (const auto& [key, segment] : segments_) {
     ScopedContext scope(driver_, contexts_.at(key.first));
-    driver_->cuIpcCloseMemHandle(base);
+    driver_->cuIpcCloseMemHandle(segment.base);
+  }
+  for (const auto& [key, segment] : vmm_segments_) {
+    ScopedContext scope(driver_, contexts_.at(key.first));
+    for (uint64_t at = 0; at < segment.size; at += segment.piece) {
+      driver_->cuMemUnmap(segment.base + at, std::min(segment.piece, segment.size - at));
+    }
+    driver_->cuMemAddressFree(segment.base, segment.size);
   }
   for (const auto& [handle, ready] : events_) {
     ScopedContext scope(driver_, contexts_.at(ready.ordinal));
     driver_->cuEventDestroy_v2(ready.event);
+  }
+  for (const auto& [key, event] : free_events_) {
+    ScopedContext scope(driver_, contexts_.at(key.first));
+    driver_->cuEventDestroy_v2(event);
+  }
+  for (const auto& [handle, opened] : opened_events_) {
+    ScopedContext scope(driver_, contexts_.at(opened.ordinal));
+    driver_->cuEventDestroy_v2(opened.event);
   }
   for (const auto& [ordinal, context] : contexts_) {
     CUdevice device;
@@ -96,7 +111,7 @@ absl::StatusOr<std::string> CudaState::UuidOf(int ordinal) {
 }
 
 absl::StatusOr<CUdeviceptr> CudaState::OpenSegment(int ordinal, const SegmentKey& key,
-                                                   const std::string& handle) {
+                                                   uint64_t size, const std::string& handle) {
   CUipcMemHandle ipc;
   if (handle.size() != sizeof(ipc.reserved)) {
     return absl::InvalidArgumentError(absl::StrCat("ipc_handle: ", handle.size(), " bytes; a ",
@@ -106,22 +121,211 @@ absl::StatusOr<CUdeviceptr> CudaState::OpenSegment(int ordinal, const SegmentKey
   return InContext(ordinal,
                    [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<CUdeviceptr> {
                      if (auto it = segments_.find({ordinal, key}); it != segments_.end())
-                       return it->second;
+                       return it->second.base;
                      CUdeviceptr base;
                      if (absl::Status s = TSM_CU(driver_, ordinal, cuIpcOpenMemHandle_v2, &base,
                                                  ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
                          !s.ok()) {
                        return s;
                      }
-                     segments_.emplace(std::make_pair(ordinal, key), base);
+                     segments_.emplace(std::make_pair(ordinal, key), Mapped{base, size, handle});
                      return base;
                    });
+}
+
+bool CudaState::FindMapped(int ordinal, const SegmentKey& key, Mapped* mapped) {
+  MutexLock lock(&mu_);
+  if (auto it = vmm_segments_.find({ordinal, key}); it != vmm_segments_.end()) {
+    mapped->base = it->second.base;
+    mapped->size = it->second.size;
+    mapped->ipc_handle.clear();
+    return true;
+  }
+  if (auto it = segments_.find({ordinal, key}); it != segments_.end()) {
+    *mapped = it->second;
+    return true;
+  }
+  return false;
+}
+
+CUdeviceptr CudaState::FindVmmSegment(int ordinal, const SegmentKey& key) {
+  MutexLock lock(&mu_);
+  auto it = vmm_segments_.find({ordinal, key});
+  return it == vmm_segments_.end() ? 0 : it->second.base;
+}
+
+absl::StatusOr<CUdeviceptr> CudaState::MapVmmSegment(int ordinal, const SegmentKey& key,
+                                                     UniqueFd fd, uint64_t size,
+                                                     uint64_t granularity) {
+  return InContext(
+      ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<CUdeviceptr> {
+        SealCompleted();
+        if (auto it = vmm_segments_.find({ordinal, key}); it != vmm_segments_.end()) {
+          return it->second.base;
+        }
+        const std::string label = absl::StrCat("cuda segment ", key.second, " (instance ",
+                                               key.first, ") of ", size, " bytes: ");
+        auto named = [&](absl::Status s) {
+          return absl::Status(s.code(), absl::StrCat(label, s.message()));
+        };
+        if (granularity == 0 || size == 0 || size % granularity != 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(label, "not a multiple of the granularity (", granularity, " bytes)"));
+        }
+        CUmemGenericAllocationHandle handle;
+        if (absl::Status s = TSM_CU(driver_, ordinal, cuMemImportFromShareableHandle, &handle,
+                                    reinterpret_cast<void*>(static_cast<intptr_t>(fd.get())),
+                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+            !s.ok()) {
+          return named(s);
+        }
+        fd.reset();  // the imported handle holds the memory
+        VmmSegment segment;
+        segment.size = size;
+        const uint64_t granules = size / granularity;
+        segment.piece = granularity * ((granules + kMaxVmmPieces - 1) / kMaxVmmPieces);
+        segment.writers.assign((size + segment.piece - 1) / segment.piece, 0);
+        absl::Status status =
+            TSM_CU(driver_, ordinal, cuMemAddressReserve, &segment.base, size, granularity, 0, 0);
+        uint64_t mapped = 0;
+        while (status.ok() && mapped < size) {
+          const uint64_t length = std::min(segment.piece, size - mapped);
+          status =
+              TSM_CU(driver_, ordinal, cuMemMap, segment.base + mapped, length, mapped, handle, 0);
+          if (status.ok()) mapped += length;
+        }
+        // The mappings hold the memory from here on: the handle goes now.
+        driver_->cuMemRelease(handle);
+        if (status.ok()) {
+          status =
+              SetPieceAccess(ordinal, segment, 0, segment.writers.size() - 1, /*writable=*/false);
+        }
+        if (!status.ok()) {
+          for (uint64_t at = 0; at < mapped; at += segment.piece) {
+            driver_->cuMemUnmap(segment.base + at, std::min(segment.piece, mapped - at));
+          }
+          if (segment.base != 0) driver_->cuMemAddressFree(segment.base, size);
+          return named(status);
+        }
+        const CUdeviceptr base = segment.base;
+        vmm_segments_.emplace(std::make_pair(ordinal, key), std::move(segment));
+        return base;
+      });
+}
+
+absl::Status CudaState::SetPieceAccess(int ordinal, const VmmSegment& segment, uint64_t first,
+                                       uint64_t last, bool writable) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = ordinal;
+  access.flags = writable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_READ;
+  const uint64_t begin = first * segment.piece;
+  const uint64_t end = std::min((last + 1) * segment.piece, segment.size);
+  return TSM_CU(driver_, ordinal, cuMemSetAccess, segment.base + begin, end - begin, &access, 1);
+}
+
+absl::Status CudaState::MakeWritable(int ordinal, const SegmentKey& key, uint64_t offset,
+                                     uint64_t length) {
+  return InContext(ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    SealCompleted();
+    auto it = vmm_segments_.find({ordinal, key});
+    if (it == vmm_segments_.end() || length == 0 || offset + length > it->second.size) {
+      return absl::InternalError(absl::StrCat("cuda segment ", key.second, ": [", offset, ", +",
+                                              length, ") is not in a mapped segment"));
+    }
+    VmmSegment& segment = it->second;
+    const uint64_t first = offset / segment.piece;
+    const uint64_t last = (offset + length - 1) / segment.piece;
+    for (uint64_t piece = first; piece <= last; ++piece) {
+      if (segment.writers[piece] == 0) {
+        if (absl::Status s = SetPieceAccess(ordinal, segment, piece, piece, /*writable=*/true);
+            !s.ok()) {
+          // Undo the pieces made writable for this buffer.
+          if (piece > first) {
+            SealNow(ordinal, key, first * segment.piece, (piece - first) * segment.piece)
+                .IgnoreError();
+          }
+          return s;
+        }
+      }
+      ++segment.writers[piece];
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaState::SealNow(int ordinal, const SegmentKey& key, uint64_t offset,
+                                uint64_t length) {
+  auto it = vmm_segments_.find({ordinal, key});
+  if (it == vmm_segments_.end()) return absl::OkStatus();
+  VmmSegment& segment = it->second;
+  absl::Status status;
+  for (uint64_t piece = offset / segment.piece; piece <= (offset + length - 1) / segment.piece;
+       ++piece) {
+    if (segment.writers[piece] == 0) continue;
+    if (--segment.writers[piece] == 0) {
+      absl::Status s = SetPieceAccess(ordinal, segment, piece, piece, /*writable=*/false);
+      if (status.ok()) status = s;
+    }
+  }
+  return status;
+}
+
+absl::Status CudaState::Seal(int ordinal, const SegmentKey& key, uint64_t offset, uint64_t length,
+                             const std::string& ready_event) {
+  return InContext(ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    if (!ready_event.empty()) {
+      if (auto event = events_.find(ready_event); event != events_.end()) {
+        ++event->second.waits;  // no sweep destroys it while the seal waits for it
+        pending_seals_.push_back(PendingSeal{ordinal, key, offset, length, ready_event});
+        SealCompleted();
+        return absl::OkStatus();
+      }
+    }
+    return SealNow(ordinal, key, offset, length);
+  });
+}
+
+void CudaState::SealCompleted() {
+  for (auto pending = pending_seals_.begin(); pending != pending_seals_.end();) {
+    auto event = events_.find(pending->ready_event);
+    ScopedContext scope(driver_, contexts_.at(pending->ordinal));
+    if (event != events_.end() &&
+        driver_->cuEventQuery(event->second.event) == CUDA_ERROR_NOT_READY) {
+      ++pending;
+      continue;
+    }
+    // Completed (or failed: the stream's work is over either way).
+    if (event != events_.end()) --event->second.waits;
+    SealNow(pending->ordinal, pending->key, pending->offset, pending->length).IgnoreError();
+    pending = pending_seals_.erase(pending);
+  }
+}
+
+size_t CudaState::pending_seal_count() const {
+  MutexLock lock(&mu_);
+  return pending_seals_.size();
 }
 
 absl::StatusOr<std::string> CudaState::RecordReadyEvent(int ordinal, CUstream stream,
                                                         uint64_t tensor_id) {
   return InContext(
       ordinal, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<std::string> {
+        SealCompleted();
+        // An event of a freed tensor is recorded again: its handle, and the events other
+        // processes opened from it, stay valid.
+        for (auto free = free_events_.rbegin(); free != free_events_.rend(); ++free) {
+          if (free->first.first != ordinal) continue;
+          const CUevent event = free->second;
+          std::string handle = free->first.second;
+          free_events_.erase(std::next(free).base());
+          if (absl::Status s = TSM_CU(driver_, ordinal, cuEventRecord, event, stream); !s.ok()) {
+            driver_->cuEventDestroy_v2(event);
+            return s;
+          }
+          events_[handle] = ReadyEvent{ordinal, event, tensor_id, next_event_serial_++, 0};
+          return handle;
+        }
         CUevent event;
         if (absl::Status s = TSM_CU(driver_, ordinal, cuEventCreate, &event,
                                     CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
@@ -171,8 +375,12 @@ int CudaState::SweepReadyEvents(
       ++it;
       continue;
     }
-    ScopedContext scope(driver_, contexts_.at(ready.ordinal));
-    driver_->cuEventDestroy_v2(ready.event);
+    if (free_events_.size() < kMaxFreeEvents) {
+      free_events_.push_back({{ready.ordinal, it->first}, ready.event});
+    } else {
+      ScopedContext scope(driver_, contexts_.at(ready.ordinal));
+      driver_->cuEventDestroy_v2(ready.event);
+    }
     it = events_.erase(it);
     ++destroyed;
   }
@@ -182,51 +390,30 @@ int CudaState::SweepReadyEvents(
 
 absl::Status CudaState::WaitReady(int ordinal, const std::string& handle, bool host_wait,
                                   CUstream stream) {
-  const CudaDriver* driver;
-  CUcontext context;
-  CUevent own = nullptr;
+  bool own = false;
+  absl::StatusOr<CUevent> event = OpenEvent(ordinal, handle, &own);
+  if (absl::IsNotFound(event.status())) return absl::OkStatus();  // its producer has ended
+  if (!event.ok()) return event.status();
+  absl::Status status;
   {
-    MutexLock lock(&mu_);
-    if (absl::Status s = Load(); !s.ok()) return s;
-    absl::StatusOr<CUcontext> retained = Context(ordinal);
-    if (!retained.ok()) return retained.status();
-    driver = driver_;
-    context = *retained;
-    if (auto it = events_.find(handle); it != events_.end()) {
-      own = it->second.event;
-      ++it->second.waits;  // a sweep leaves it alone until the wait is done
-    }
-  }
-  if (own != nullptr) {
-    // Recorded by this process: waited on as it is.
-    absl::Status status;
+    const CudaDriver* driver;
+    CUcontext context;
     {
-      ScopedContext scope(driver, context);
-      status = !scope.status().ok()
-                   ? scope.status()
-                   : (host_wait ? TSM_CU(driver, ordinal, cuEventSynchronize, own)
-                                : TSM_CU(driver, ordinal, cuStreamWaitEvent, stream, own, 0));
+      MutexLock lock(&mu_);
+      driver = driver_;
+      context = contexts_.at(ordinal);
     }
-    MutexLock lock(&mu_);
-    if (auto it = events_.find(handle); it != events_.end()) --it->second.waits;
-    return status;
+    // Outside the lock: a host wait may take as long as the producer's kernels.
+    ScopedContext scope(driver, context);
+    const CUresult done = driver->cuEventQuery(*event);
+    if (!scope.status().ok()) {
+      status = scope.status();
+    } else if (done != CUDA_SUCCESS) {
+      status = host_wait ? TSM_CU(driver, ordinal, cuEventSynchronize, *event)
+                         : TSM_CU(driver, ordinal, cuStreamWaitEvent, stream, *event, 0);
+    }
   }
-  CUipcEventHandle ipc;
-  if (handle.size() != sizeof(ipc.reserved)) {
-    return absl::InvalidArgumentError(absl::StrCat("ready_event: ", handle.size(), " bytes; a ",
-                                                   "CUipcEventHandle has ", sizeof(ipc.reserved)));
-  }
-  std::memcpy(ipc.reserved, handle.data(), sizeof(ipc.reserved));
-  // Opened for this one wait: the destroy is deferred by CUDA until the wait is done.
-  ScopedContext scope(driver, context);
-  if (!scope.status().ok()) return scope.status();
-  CUevent event;
-  if (absl::Status s = TSM_CU(driver, ordinal, cuIpcOpenEventHandle, &event, ipc); !s.ok()) {
-    return s;
-  }
-  absl::Status status = host_wait ? TSM_CU(driver, ordinal, cuEventSynchronize, event)
-                                  : TSM_CU(driver, ordinal, cuStreamWaitEvent, stream, event, 0);
-  driver->cuEventDestroy_v2(event);
+  CloseEvent(ordinal, handle, *event, own);
   return status;
 }
 
@@ -239,6 +426,12 @@ absl::StatusOr<CUevent> CudaState::OpenEvent(int ordinal, const std::string& han
       *own = true;
       return it->second.event;
     }
+    *own = false;
+    if (auto it = opened_events_.find({ordinal, handle}); it != opened_events_.end()) {
+      ++it->second.users;
+      it->second.last_use = next_use_++;
+      return it->second.event;
+    }
     CUipcEventHandle ipc;
     if (handle.size() != sizeof(ipc.reserved)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -247,11 +440,30 @@ absl::StatusOr<CUevent> CudaState::OpenEvent(int ordinal, const std::string& han
     std::memcpy(ipc.reserved, handle.data(), sizeof(ipc.reserved));
     CUevent event;
     if (absl::Status s = TSM_CU(driver_, ordinal, cuIpcOpenEventHandle, &event, ipc); !s.ok()) {
-      return s;
+      // The process that recorded it has ended (its events went with it), and its device work
+      // with it: there is nothing left to wait for.
+      return absl::NotFoundError(absl::StrCat("ready_event: the producer's event is gone (",
+                                              s.message(), "); its process has ended"));
     }
-    *own = false;
+    opened_events_[{ordinal, handle}] = OpenedEvent{ordinal, event, 1, next_use_++};
+    if (opened_events_.size() > kMaxOpenedEvents) TrimOpenedEvents();
     return event;
   });
+}
+
+void CudaState::TrimOpenedEvents() {
+  std::vector<std::pair<uint64_t, std::pair<int, std::string>>> idle;
+  for (const auto& [key, opened] : opened_events_) {
+    if (opened.users == 0) idle.emplace_back(opened.last_use, key);
+  }
+  std::sort(idle.begin(), idle.end());
+  const size_t keep = kMaxOpenedEvents * 3 / 4;
+  for (size_t i = 0; i < idle.size() && opened_events_.size() > keep; ++i) {
+    auto it = opened_events_.find(idle[i].second);
+    ScopedContext scope(driver_, contexts_.at(it->second.ordinal));
+    driver_->cuEventDestroy_v2(it->second.event);
+    opened_events_.erase(it);
+  }
 }
 
 void CudaState::CloseEvent(int ordinal, const std::string& handle, CUevent event, bool own) {
@@ -260,11 +472,16 @@ void CudaState::CloseEvent(int ordinal, const std::string& handle, CUevent event
     if (auto it = events_.find(handle); it != events_.end()) --it->second.waits;
     return;
   }
-  if (driver_ == nullptr) return;
-  if (auto context = contexts_.find(ordinal); context != contexts_.end()) {
-    ScopedContext scope(driver_, context->second);
-    driver_->cuEventDestroy_v2(event);
+  // Kept open for the next acquire of a tensor its producer recorded it for.
+  if (auto it = opened_events_.find({ordinal, handle});
+      it != opened_events_.end() && it->second.event == event) {
+    --it->second.users;
   }
+}
+
+size_t CudaState::opened_event_count() const {
+  MutexLock lock(&mu_);
+  return opened_events_.size();
 }
 
 absl::Status CudaState::StreamWaitEvent(int ordinal, CUstream stream, CUevent event) {

@@ -222,20 +222,34 @@ bool FastPath::Describe(uint32_t record_slot, uint64_t tensor_id, std::string_vi
   TensorRecord record;
   CopyRecord(shared, record);
   // The record is stable from here while the slot holds the tensor, unless another process
-  // writes it: every field is checked on the copy. A hash shared by two names, or a CUDA tensor
-  // (its IPC handle and ready event are the daemon's to describe), goes to the daemon.
+  // writes it: every field is checked on the copy. A hash shared by two names goes to the daemon.
   const auto state = static_cast<RecordState>(record.state.load(std::memory_order_relaxed));
+  const bool cuda = record.device_type == kDLCUDA;
   if ((state != RecordState::kPublished && state != RecordState::kUnbound) ||
       record.tensor_id != tensor_id || name.size() > sizeof(record.name) ||
       record.name_length != name.size() ||
-      std::memcmp(record.name, name.data(), name.size()) != 0 || record.device_type != kDLCPU ||
-      record.device_id != 0) {
+      std::memcmp(record.name, name.data(), name.size()) != 0 ||
+      (!cuda && (record.device_type != kDLCPU || record.device_id != 0))) {
     return false;
   }
   absl::StatusOr<RecordLayout> layout = DecodeRecordLayout(record);
   if (!layout.ok()) return false;
   uint64_t end = 0;
-  if (record.length > 0) {
+  if (cuda) {
+    // A CUDA segment is not in the control segment's table: the caller checks the range against
+    // its own mapping of it. An empty CUDA tensor, or one without its ready event, is the
+    // daemon's to describe.
+    static constexpr uint8_t kZeros[sizeof(record.ready_event)] = {};
+    if (record.length == 0 || __builtin_add_overflow(record.offset, record.length, &end) ||
+        std::memcmp(record.ready_event, kZeros, sizeof(record.ready_event)) == 0) {
+      return false;
+    }
+    leased->segment_instance = instance_id();
+    leased->device_uuid.assign(reinterpret_cast<const char*>(record.device_uuid),
+                               sizeof(record.device_uuid));
+    leased->ready_event.assign(reinterpret_cast<const char*>(record.ready_event),
+                               sizeof(record.ready_event));
+  } else if (record.length > 0) {
     if (record.segment_id < 1 || record.segment_id > kMaxSegments ||
         __builtin_add_overflow(record.offset, record.length, &end)) {
       return false;

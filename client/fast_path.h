@@ -40,11 +40,11 @@ class FastPath {
   enum class Outcome {
     kLeased,    // `Leased` describes the tensor; its id is in a slot of the lease page
     kNotFound,  // no tensor is bound to the name now
-    kFallback,  // the fast path cannot answer (daemon gone or stopping, page full, a CUDA tensor,
-                // a busy index): ask the daemon over RPC
+    kFallback,  // the fast path cannot answer (daemon gone or stopping, page full, a busy
+                // index, an empty CUDA tensor): ask the daemon over RPC
   };
-  // A host tensor as its record described it, copied out of shared memory once and checked:
-  // nothing in it is read from the control segment again.
+  // A tensor as its record described it, copied out of shared memory once and checked: nothing
+  // in it is read from the control segment again.
   struct Leased {
     uint32_t page_slot = 0;
     uint64_t tensor_id = 0;
@@ -53,6 +53,11 @@ class FastPath {
     uint64_t offset = 0;
     uint64_t length = 0;            // 0: an empty tensor without a buffer
     uint64_t segment_instance = 0;  // of the buffer's segment (length > 0)
+    // CUDA tensors (device_uuid not empty): the device's 16-byte UUID and the producer's 64-byte
+    // CUipcEventHandle; the segment is one of the device's pool (this daemon instance's), which
+    // the caller must map already and check the range against.
+    std::string device_uuid;
+    std::string ready_event;
   };
   // Looks `name` up in the index and, if bound, takes a lease slot on it. Never a system call.
   // The control segment may hold anything (another process of the daemon's uid can write it):
@@ -108,7 +113,7 @@ class FastPath {
   LeasePage& page() const { return *reinterpret_cast<LeasePage*>(page_.data()); }
   // Fills `leased` (but its page slot and id) from a checked copy of record `record_slot`, which
   // the index says is `name`'s tensor `tensor_id`; false if the copy does not describe that
-  // host tensor consistently. REQUIRES: record_slot < record_count_.
+  // tensor consistently. REQUIRES: record_slot < record_count_.
   bool Describe(uint32_t record_slot, uint64_t tensor_id, std::string_view name,
                 Leased* leased) const;
 

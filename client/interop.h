@@ -18,10 +18,12 @@ namespace tensorshm {
 
 // For bindings that hand the ready event on (the Arrow C Device Data Interface's sync_event): a
 // pointer to a CUevent, opened in this process on first call and valid as long as `tensor`'s
-// lease is held (destroyed, or given back to this process's producer side, when it ends); a
-// consumer waits on it (cuStreamWaitEvent) before using the tensor. nullptr for host tensors and
-// CUDA tensors published without an event. INVALID_ARGUMENT for a tensor that did not come from a
-// tensorshm Client; errors of the driver opening the event. Thread-safe.
+// lease is held (kept open for this process's later acquires, or given back to this process's
+// producer side, when it ends); a consumer waits on it (cuStreamWaitEvent) before using the
+// tensor. nullptr for host tensors, CUDA tensors published without an event, and those whose
+// producer process has ended (its event went with it, and its device work). INVALID_ARGUMENT for a
+// tensor that did not come from a tensorshm Client; errors of the driver opening the event.
+// Thread-safe.
 absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor);
 
 // Where a tensor's buffer lies in the daemon's memory, for bindings that register the segment

@@ -81,9 +81,11 @@ absl::StatusOr<CudaBuffer> OpenCudaLocation(ClientCore& core, const v1::Location
   if (!ordinal.ok()) return ordinal.status();
   CudaBuffer buffer{*ordinal, nullptr};
   if (location.length() > 0) {
-    absl::StatusOr<CUdeviceptr> base = core.cuda().OpenSegment(
-        *ordinal, SegmentKey{location.segment_instance(), location.segment_id()},
-        cuda.ipc_handle());
+    absl::StatusOr<CUdeviceptr> base =
+        cuda.vmm() ? core.MapCudaSegment(*ordinal, location)
+                   : core.cuda().OpenSegment(
+                         *ordinal, SegmentKey{location.segment_instance(), location.segment_id()},
+                         location.segment_size(), cuda.ipc_handle());
     if (!base.ok()) return base.status();
     buffer.data = reinterpret_cast<char*>(*base + location.offset());
   }
@@ -164,7 +166,32 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
   lease->page_slot = leased.page_slot;
   core->PageLeaseTaken();
   const char* data = kEmptyData;
-  if (leased.length > 0) {
+  DLDevice device{kDLCPU, 0};
+  if (!leased.device_uuid.empty()) {
+    // A CUDA tensor in a segment this process maps already; one it does not is the daemon's to
+    // describe (the caller asks it, and the segment is mapped for the next time).
+    const SegmentKey key{leased.segment_instance, leased.segment_id};
+    const uint64_t end = leased.offset + leased.length;  // no overflow: TryAcquire checked
+    absl::StatusOr<int> ordinal = core->cuda().OrdinalOf(leased.device_uuid);
+    CudaState::Mapped mapped;
+    if (!ordinal.ok() || !core->cuda().FindMapped(*ordinal, key, &mapped) || mapped.size < end) {
+      core->ReleasePageLease(*lease->fast, lease->page_slot);
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda segment ", key.second, ": not mapped here yet"));
+    }
+    data = reinterpret_cast<const char*>(mapped.base + leased.offset);
+    device = DLDevice{kDLCUDA, *ordinal};
+    lease->cuda_ordinal = *ordinal;
+    lease->ready_event = std::move(leased.ready_event);
+    SegmentPlace& place = lease->cuda_place;
+    place.segment_instance = key.first;
+    place.segment_id = key.second;
+    place.segment_size = mapped.size;
+    place.offset = leased.offset;
+    place.length = mapped.size - leased.offset;
+    place.address = data;
+    place.cuda_ipc_handle = std::move(mapped.ipc_handle);
+  } else if (leased.length > 0) {
     // The mapping covers what the daemon says the segment holds; the record's byte range must
     // lie inside it (MapHostSegment refuses a segment smaller than `end`).
     const uint64_t end = leased.offset + leased.length;  // no overflow: TryAcquire checked
@@ -183,7 +210,7 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
   RecordLayout& layout = leased.layout;
   lease->shape = std::move(layout.shape);
   lease->strides = std::move(layout.layout.strides);
-  FillTensor(*lease, data, DLDevice{kDLCPU, 0}, layout.dtype, layout.layout.byte_offset,
+  FillTensor(*lease, data, device, layout.dtype, layout.layout.byte_offset,
              layout.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
   return lease;
 }
@@ -229,6 +256,7 @@ absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor) {
     bool own = false;
     absl::StatusOr<CUevent> event =
         lease.core->cuda().OpenEvent(lease.cuda_ordinal, lease.ready_event, &own);
+    if (absl::IsNotFound(event.status())) return nullptr;  // its producer has ended
     if (!event.ok()) return event.status();
     lease.opened_event = *event;
     lease.own_event = own;

@@ -224,4 +224,34 @@ absl::StatusOr<UniqueFd> MemoryChannel::RequestSegment(const std::string& sessio
   return fd;
 }
 
+absl::StatusOr<UniqueFd> MemoryChannel::RequestCudaSegment(const std::string& session_token,
+                                                           int device_ordinal,
+                                                           uint64_t segment_instance,
+                                                           uint64_t segment_id, uint64_t* size,
+                                                           uint64_t* granularity) {
+  v1::ChannelRequest request;
+  v1::SegmentRequest* want = request.mutable_segment();
+  want->set_segment_id(segment_id);
+  want->set_segment_instance(segment_instance);
+  want->set_cuda(true);
+  want->set_device_ordinal(device_ordinal);
+  UniqueFd fd;
+  absl::StatusOr<v1::ChannelResponse> response = Exchange(session_token, request, &fd);
+  if (!response.ok()) {
+    return absl::Status(response.status().code(), absl::StrCat("cuda segment ", segment_id, ": ",
+                                                               response.status().message()));
+  }
+  const v1::SegmentGrant& grant = response->segment();
+  if (!fd.valid() || !response->has_segment() || grant.segment_id() != segment_id ||
+      grant.segment_instance() != segment_instance || grant.granularity() == 0 ||
+      grant.size() == 0 || grant.size() % grant.granularity() != 0) {
+    return absl::InternalError(
+        absl::StrCat("memory channel: the daemon granted something else than cuda segment ",
+                     segment_id, " (", response->ShortDebugString(), ")"));
+  }
+  *size = grant.size();
+  *granularity = grant.granularity();
+  return fd;
+}
+
 }  // namespace tensorshm

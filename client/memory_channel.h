@@ -62,6 +62,12 @@ class MemoryChannel {
                                           uint64_t segment_instance, uint64_t segment_id,
                                           bool writable, uint64_t* size, std::string* shm_name)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The descriptor of VMM segment (segment_instance, segment_id) of the daemon's CUDA device
+  // `device_ordinal`; its size and allocation granularity as the daemon granted it.
+  absl::StatusOr<UniqueFd> RequestCudaSegment(const std::string& session_token, int device_ordinal,
+                                              uint64_t segment_instance, uint64_t segment_id,
+                                              uint64_t* size, uint64_t* granularity)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // Connects and binds to `session_token`. REQUIRES: not connected.

@@ -54,7 +54,7 @@ absl::Status PublishTensor(ClientCore& core, WritableTensor& writable, std::stri
     absl::StatusOr<std::string> event = core.cuda().RecordReadyEvent(
         tensor.tensor.device.device_id, static_cast<CUstream>(ready_stream), tensor.tensor_id);
     if (!event.ok()) return event.status();
-    request.set_ready_event(*std::move(event));
+    request.set_ready_event(*event);
   }
   v1::PublishResponse response;
   // Sent once: a publish whose session ended meanwhile has an unknown fate (CallAcrossRestart).
@@ -74,6 +74,16 @@ absl::Status PublishTensor(ClientCore& core, WritableTensor& writable, std::stri
   core.AddStock(response.stocked());
   tensor.tensor.data = nullptr;  // sealed: no writable pointer from here on
   tensor.published = true;
+  if (tensor.cuda_writable) {
+    // The producer's writable mapping ends with the publish, once the stream's writes are done.
+    // A failure leaves the pieces writable in this process only; the publish stands.
+    tensor.cuda_writable = false;
+    core.cuda()
+        .Seal(tensor.cuda_ordinal,
+              SegmentKey{tensor.cuda_place.segment_instance, tensor.cuda_place.segment_id},
+              tensor.cuda_place.offset, tensor.cuda_length, request.ready_event())
+        .IgnoreError();
+  }
   core.Published(tensor.key);
   if (tensor.tensor.device.device_type == kDLCUDA) core.SweepReadyEvents();
   if (acquired != nullptr) *acquired = std::move(*response.mutable_acquired());

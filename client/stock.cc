@@ -109,6 +109,22 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
   return mapping;
 }
 
+absl::StatusOr<CUdeviceptr> ClientCore::MapCudaSegment(int ordinal, const v1::Location& location) {
+  const SegmentKey key{location.segment_instance(), location.segment_id()};
+  if (CUdeviceptr base = cuda_.FindVmmSegment(ordinal, key); base != 0) return base;
+  uint64_t size = 0;
+  uint64_t granularity = 0;
+  absl::StatusOr<UniqueFd> fd = memory_.RequestCudaSegment(
+      session_id(), location.cuda().device_ordinal(), key.first, key.second, &size, &granularity);
+  if (!fd.ok()) return fd.status();
+  if (size < location.segment_size()) {
+    return absl::InternalError(absl::StrCat("tensorshmd granted cuda segment ", key.second, " as ",
+                                            size, " bytes; its location said ",
+                                            location.segment_size()));
+  }
+  return cuda_.MapVmmSegment(ordinal, key, *std::move(fd), size, granularity);
+}
+
 absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Location& location,
                                                                  bool populate) {
   const SegmentKey key{location.segment_instance(), location.segment_id()};

@@ -19,6 +19,14 @@ void Drop(std::unique_ptr<WritableTensorState> state) {
   if (state == nullptr) return;
   state->tensor.data = nullptr;
   state->segment_mapping.reset();
+  if (state->cuda_writable && state->core != nullptr && !state->core->forked()) {
+    // Given up unpublished: the buffer goes back to the pool, read-only here again.
+    state->core->cuda()
+        .Seal(state->cuda_ordinal,
+              SegmentKey{state->cuda_place.segment_instance, state->cuda_place.segment_id},
+              state->cuda_place.offset, state->cuda_length, /*ready_event=*/"")
+        .IgnoreError();
+  }
   if (state->core != nullptr && state->core->forked()) {
     // The parent's tensor: the child drops its own mapping and nothing else.
     KeepForever(std::move(state->core));

@@ -58,6 +58,11 @@ class WritableTensorState {
   uint64_t buffer_offset = 0;
   // CUDA tensors: where the buffer lies (PlaceOf; host buffers: from segment_mapping).
   SegmentPlace cuda_place;
+  // A VMM buffer this process made writable (CudaState::MakeWritable): sealed at publish, or
+  // when the tensor is given up.
+  bool cuda_writable = false;
+  int cuda_ordinal = 0;
+  uint64_t cuda_length = 0;  // the buffer's length (from cuda_place.offset)
 };
 
 }  // namespace tensorshm

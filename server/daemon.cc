@@ -220,12 +220,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     const uint64_t segment = options.cuda_segment_bytes != 0
                                  ? options.cuda_segment_bytes
                                  : std::min<uint64_t>(spec.bytes, uint64_t{1} << 30);
+    const CudaPoolKind kind = options.cuda_pool_kind == "vmm"   ? CudaPoolKind::kVmm
+                              : options.cuda_pool_kind == "ipc" ? CudaPoolKind::kIpc
+                                                                : CudaPoolKind::kAuto;
     absl::StatusOr<std::unique_ptr<CudaPool>> pool =
-        CudaPool::Create(*driver, CudaPoolOptions{spec.ordinal, spec.bytes, segment});
+        CudaPool::Create(*driver, CudaPoolOptions{spec.ordinal, kind, spec.bytes, segment});
     if (!pool.ok()) return StartError(flag, pool.status());
     TSM_LOG(kInfo) << "cuda:" << spec.ordinal << " (" << FormatUuid((*pool)->uuid())
-                   << "): pool of " << FormatBytes(spec.bytes) << " through "
-                   << (*driver)->library();
+                   << "): " << CudaPoolKindName((*pool)->kind()) << " pool of "
+                   << FormatBytes((*pool)->capacity_bytes()) << " through " << (*driver)->library();
     cuda_pools.push_back(*std::move(pool));
   }
   // The segments of a daemon that was killed (or kept them) are taken back, not replaced. Any

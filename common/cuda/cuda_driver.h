@@ -38,11 +38,16 @@ namespace tensorshm {
   X(cuEventCreate)                  \
   X(cuEventRecord)                  \
   X(cuEventSynchronize)             \
+  X(cuEventQuery)                   \
   X(cuEventDestroy_v2)              \
   X(cuIpcGetEventHandle)            \
   X(cuIpcOpenEventHandle)           \
   X(cuStreamWaitEvent)              \
   X(cuStreamSynchronize)            \
+  X(cuStreamCreate)                 \
+  X(cuStreamDestroy_v2)             \
+  X(cuStreamQuery)                  \
+  X(cuMemsetD8Async)                \
   X(cuMemsetD8_v2)                  \
   X(cuDeviceGetAttribute)           \
   X(cuMemGetAllocationGranularity)  \

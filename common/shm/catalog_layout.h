@@ -104,7 +104,13 @@ struct TensorRecord {
   // word commits the publish. 0: unknown (records written before this field existed held zeros
   // here, so no layout version change). Informational only: recovery takes it as it is, bounded.
   int64_t published_unix_ms;
-  uint8_t reserved[152];
+  // CUDA tensors (zeros otherwise, as records written before these fields held, so no layout
+  // version change): the 16-byte UUID of the device, written with the record, and the
+  // producer's 64-byte CUipcEventHandle, written before the state word commits the publish. What
+  // a client acquiring on the fast path needs besides the segment it maps already.
+  uint8_t device_uuid[16];
+  uint8_t ready_event[64];
+  uint8_t reserved[72];
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -138,6 +144,8 @@ static_assert(offsetof(TensorRecord, device_type) == 48);
 static_assert(offsetof(TensorRecord, dtype_code) == 56);
 static_assert(offsetof(TensorRecord, ndim) == 60);
 static_assert(offsetof(TensorRecord, byte_offset) == 64);
+static_assert(offsetof(TensorRecord, device_uuid) == 872);
+static_assert(offsetof(TensorRecord, ready_event) == 888);
 static_assert(offsetof(TensorRecord, nbytes) == 72);
 static_assert(offsetof(TensorRecord, shape) == 80);
 static_assert(offsetof(TensorRecord, strides) == 336);
@@ -145,7 +153,7 @@ static_assert(offsetof(TensorRecord, name) == 592);
 static_assert(offsetof(TensorRecord, dlpack_flags) == 848);
 static_assert(offsetof(TensorRecord, owner_uid) == 856);
 static_assert(offsetof(TensorRecord, published_unix_ms) == 864);
-static_assert(offsetof(TensorRecord, reserved) == 872);
+static_assert(offsetof(TensorRecord, reserved) == 952);
 
 // Byte offset of the first TensorRecord, and the whole segment's size, for `record_count`.
 constexpr uint64_t RecordsOffset() {

@@ -269,7 +269,10 @@ class TENSORSHM_EXPORT Client {
   // Allocates a writable tensor. INVALID_ARGUMENT for a bad dtype, shape, strides or device,
   // RESOURCE_EXHAUSTED if the pool is full, FAILED_PRECONDITION for a device without a pool.
   // A CUDA tensor (device {kDLCUDA, N}, N in this process's numbering) gets a writable device
-  // pointer into the daemon's pool for that device.
+  // pointer into the daemon's pool for that device. On a VMM pool (the default) it is writable
+  // until Publish: then it turns read-only in this process too, once the ready event has
+  // completed (pieces of whole granules shared with another unpublished buffer of this process
+  // stay writable until that one's publish; see docs/gpu.md).
   //
   // What a new buffer holds before the producer writes it is unspecified, within this promise:
   // zeros (memory never used since its segment was made) or bytes left over from earlier tensors
@@ -311,11 +314,13 @@ class TENSORSHM_EXPORT Client {
   // long for a publish (DEADLINE_EXCEEDED after); zero: NOT_FOUND at once if unbound;
   // absl::InfiniteDuration(): waits until published. The result is read-only
   // (DLPACK_FLAG_BITMASK_READ_ONLY); its deleter gives the lease back. Host tensors are mapped
-  // read-only; for CUDA tensors the flag is advisory: CUDA IPC opens the whole segment writable,
-  // so the device memory (this tensor's and its segment neighbours') can be written through it.
-  // CUDA tensors come as kDLCUDA with this process's device ordinal (found by the device's
-  // UUID), their memory opened once per segment and cached; `sync` says who waits for the
-  // producer's ready event.
+  // read-only, and so are CUDA tensors of a VMM pool (the default): a write through the pointer
+  // is refused by the GPU. On a legacy pool (--cuda-pool-kind ipc) the flag is advisory: CUDA IPC
+  // opens the whole segment writable. CUDA tensors come as kDLCUDA with this process's device
+  // ordinal (found by the device's UUID), their segment mapped once and cached; once it is, an
+  // acquire is answered from shared memory as for host tensors (no call to the daemon). `sync`
+  // says who waits for the producer's ready event (opened once per process; nothing waits once
+  // it has completed).
   // Caller owns the result and calls its deleter exactly once.
   absl::StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name,
                                                     absl::Duration timeout = absl::ZeroDuration(),

@@ -106,9 +106,10 @@ void DefineTensors(nb::module_& m) {
   nb::class_<RawStorage>(m, "_RawStorage", nb::type_slots(RawStorageBufferSlots()));
 
   nb::class_<PyTensor> tensor(m, "Tensor", nb::type_slots(TensorBufferSlots()),
-                              "A tensor in tensorshm shared memory (read-only once published; "
-                              "for CUDA tensors the read-only flag is advisory, as CUDA IPC maps "
-                              "device memory writable).");
+                              "A tensor in tensorshm shared memory (read-only once published, "
+                              "host and VMM CUDA tensors by their mapping; on a legacy CUDA pool, "
+                              "--cuda-pool-kind ipc, the read-only flag is advisory, as CUDA IPC "
+                              "maps device memory writable).");
   tensor
       .def(
           "__dlpack__",

@@ -141,8 +141,10 @@ class Client:
     def get(self, name: str, timeout: float | None = 0) -> Tensor:
         """Acquire the tensor published as ``name``, zero-copy and read-only.
 
-        Read-only is enforced for host tensors (a read-only mapping) and advisory for CUDA tensors:
-        CUDA IPC opens the device memory writable, so nothing stops a write through the pointer.
+        Read-only is enforced by the mapping for host tensors and for CUDA tensors of a VMM pool
+        (the default: a write through the pointer is refused by the GPU); on a legacy CUDA pool
+        (``tensorshmd --cuda-pool-kind ipc``) it is advisory, as CUDA IPC opens device memory
+        writable.
 
         ``timeout``: 0 raises NotFoundError at once if the name is not published; seconds waits
         that long for a publish (then TimeoutError); None waits until it is published. A wait

@@ -11,7 +11,7 @@ class _RawStorage:
 
 class Tensor:
     """
-    A tensor in tensorshm shared memory (read-only once published; for CUDA tensors the read-only flag is advisory, as CUDA IPC maps device memory writable).
+    A tensor in tensorshm shared memory (read-only once published, host and VMM CUDA tensors by their mapping; on a legacy CUDA pool, --cuda-pool-kind ipc, the read-only flag is advisory, as CUDA IPC maps device memory writable).
     """
 
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None, dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:

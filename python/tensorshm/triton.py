@@ -149,6 +149,10 @@ class TritonFeeder:
     in one segment. Thread-safe: a second thread's inference waits for the first's to end.
     ``close()`` (the end of its ``with`` block) unregisters what a refused unregister left;
     FailedPreconditionError if Triton still refuses.
+
+    CUDA tensors need a legacy CUDA pool (``tensorshmd --cuda-pool-kind ipc``): Triton's CUDA
+    shared memory registers a ``cudaIpcMemHandle``, which the default VMM pools do not have
+    (their tensors are refused with FailedPreconditionError naming the flag).
     """
 
     def __init__(
@@ -306,6 +310,13 @@ class TritonFeeder:
                 "opens shared memory by name. tensorshmd makes named segments only for its own "
                 "uid's buffers, and none with --segments memfd: publish (and create outputs) as "
                 "the daemon's uid, with tensorshmd on --segments shm"
+            )
+        if place["device"] == "cuda" and not place["ipc_handle"]:
+            raise FailedPreconditionError(
+                f"{what}: its segment {place['segment_id']} is a VMM allocation (the default CUDA "
+                "pool kind), and Triton's CUDA shared memory takes a cudaIpcMemHandle, which only "
+                "legacy pools have: start tensorshmd with --cuda-pool-kind ipc for a "
+                "TritonFeeder that sends CUDA tensors"
             )
         return _Span(what, place)
 

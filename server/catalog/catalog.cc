@@ -249,6 +249,9 @@ absl::Status Catalog::Publish(uint64_t session, uint64_t tensor_id, const std::s
   tensor.owner_session = 0;
   tensor.name = name;
   tensor.ready_event = std::move(ready_event);
+  if (tensor.ready_event.size() == sizeof(record.ready_event)) {
+    std::memcpy(record.ready_event, tensor.ready_event.data(), sizeof(record.ready_event));
+  }
   Touch(tensor);
   tensor.acquired = false;
   // Commit point: from here a restarted daemon serves the new tensor under `name` (the highest

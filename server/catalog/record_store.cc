@@ -52,6 +52,10 @@ void Catalog::WriteNewRecord(Tensor& tensor) {
   record.device_type = tensor.device.device_type;
   record.device_id = tensor.device.device_id;
   record.owner_uid = tensor.owner_uid;
+  if (tensor.device.device_type == kDLCUDA) {
+    const DeviceUuid& uuid = cuda_pools_.at(tensor.device.device_id)->uuid();
+    std::memcpy(record.device_uuid, uuid.data(), sizeof(record.device_uuid));
+  }
   WriteRecordLayout(tensor, record);
   tensor.publish_seq = 0;
   tensor.record_name.clear();
@@ -105,6 +109,19 @@ std::string Catalog::RecordMismatch(const Tensor& tensor) const {
       found.device_id != tensor.device.device_id) {
     return differs("device", absl::StrCat(found.device_type, ":", found.device_id),
                    DeviceName(tensor.device));
+  }
+  if (tensor.device.device_type == kDLCUDA) {
+    const DeviceUuid& uuid = cuda_pools_.at(tensor.device.device_id)->uuid();
+    if (std::memcmp(found.device_uuid, uuid.data(), sizeof(found.device_uuid)) != 0) {
+      return absl::StrCat("device_uuid (the daemon wrote ", FormatUuid(uuid), ")");
+    }
+    char event[sizeof(found.ready_event)] = {};
+    if (tensor.ready_event.size() == sizeof(event)) {
+      std::memcpy(event, tensor.ready_event.data(), sizeof(event));
+    }
+    if (std::memcmp(found.ready_event, event, sizeof(event)) != 0) {
+      return "ready_event (not the handle the producer published)";
+    }
   }
   if (found.dtype_code != tensor.dtype.code || found.dtype_bits != tensor.dtype.bits ||
       found.dtype_lanes != tensor.dtype.lanes) {

@@ -157,9 +157,13 @@ void Store::Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* l
     cuda->set_device_ordinal(pool->ordinal());
     cuda->set_device_uuid(pool->uuid().data(), pool->uuid().size());
     if (tensor.buffer.length > 0) {
-      const CUipcMemHandle& handle = pool->SegmentHandle(tensor.buffer.segment_id);
       location->set_segment_size(pool->SegmentSize(tensor.buffer.segment_id));
-      cuda->set_ipc_handle(handle.reserved, sizeof(handle.reserved));
+      if (pool->kind() == CudaPoolKind::kVmm) {
+        cuda->set_vmm(true);  // its descriptor comes over the memory channel
+      } else {
+        const CUipcMemHandle& handle = pool->SegmentHandle(tensor.buffer.segment_id);
+        cuda->set_ipc_handle(handle.reserved, sizeof(handle.reserved));
+      }
     }
     if (tensor.sealed) cuda->set_ready_event(tensor.ready_event);
   } else if (tensor.buffer.length > 0) {

@@ -322,9 +322,13 @@ class Store {
                                          const v1::FastPathRequest& request,
                                          v1::FastPathGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The descriptor of host segment `request.segment_id` for `session`, as the channel grants it.
+  // The descriptor of host segment `request.segment_id` for `session`, as the channel grants it,
+  // or of a VMM CUDA segment (request.cuda).
   absl::StatusOr<UniqueFd> GrantSegment(const tensorshm::Session& session,
                                         const v1::SegmentRequest& request, v1::SegmentGrant* grant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<UniqueFd> GrantCudaSegment(const v1::SegmentRequest& request,
+                                            v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- Creates that wait for memory (store_create_waiters.cc) ----

@@ -126,6 +126,7 @@ absl::StatusOr<UniqueFd> Store::GrantFastPath(const tensorshm::Session& session,
 absl::StatusOr<UniqueFd> Store::GrantSegment(const tensorshm::Session& session,
                                              const v1::SegmentRequest& request,
                                              v1::SegmentGrant* grant) {
+  if (request.cuda()) return GrantCudaSegment(request, grant);
   const HostPool& pool = catalog_->host_pool();
   const uint64_t id = request.segment_id();
   if (!pool.HasSegment(id)) {
@@ -151,6 +152,31 @@ absl::StatusOr<UniqueFd> Store::GrantSegment(const tensorshm::Session& session,
   grant->set_writable(request.writable());
   const ShmSegment& segment = pool.Segment(id);
   grant->set_shm_name(segment.backing() == SegmentBacking::kNamed ? segment.name() : "");
+  return fd;
+}
+
+absl::StatusOr<UniqueFd> Store::GrantCudaSegment(const v1::SegmentRequest& request,
+                                                 v1::SegmentGrant* grant) {
+  // Every admitted session may read every published tensor (as host segments are granted
+  // read-only to all), so a CUDA segment is granted to any bound session; clients map it
+  // read-only. The descriptor itself carries no access mode (see docs/security.md).
+  const CudaPool* pool = catalog_->cuda_pool(request.device_ordinal());
+  if (pool == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("segment.device_ordinal = ", request.device_ordinal(),
+                     ": this tensorshmd has no pool on cuda:", request.device_ordinal()));
+  }
+  if (request.segment_instance() != catalog_->instance_id()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "segment.segment_instance = ", request.segment_instance(), ": CUDA segments are instance ",
+        catalog_->instance_id(), "'s; the daemon restarted since that location was issued"));
+  }
+  absl::StatusOr<UniqueFd> fd = pool->SegmentDescriptor(request.segment_id());
+  if (!fd.ok()) return fd.status();
+  grant->set_segment_id(request.segment_id());
+  grant->set_segment_instance(catalog_->instance_id());
+  grant->set_size(pool->SegmentSize(request.segment_id()));
+  grant->set_granularity(pool->granularity());
   return fd;
 }
 

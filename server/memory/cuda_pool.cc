@@ -1,14 +1,93 @@
 #include "server/memory/cuda_pool.h"
 
+#include <fcntl.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/base/sys_error.h"
 #include "server/memory/pool_refusal.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
+
+const char* CudaPoolKindName(CudaPoolKind kind) {
+  switch (kind) {
+    case CudaPoolKind::kAuto:
+      return "auto";
+    case CudaPoolKind::kVmm:
+      return "vmm";
+    case CudaPoolKind::kIpc:
+      return "ipc";
+  }
+  return "?";
+}
+
+namespace {
+
+uint64_t RoundUp(uint64_t n, uint64_t unit) { return (n + unit - 1) / unit * unit; }
+
+// What cuMemCreate is given: device memory of `ordinal`, exportable as a POSIX descriptor.
+CUmemAllocationProp VmmProperties(int ordinal) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = ordinal;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+}  // namespace
+
+absl::Status CudaPool::ChooseKind() {
+  const int ordinal = options_.ordinal;
+  int vmm = 0;
+  int posix_fd = 0;
+  if (absl::Status s = TSM_CU(driver_, ordinal, cuDeviceGetAttribute, &vmm,
+                              CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device_);
+      !s.ok()) {
+    return s;
+  }
+  if (vmm != 0) {
+    if (absl::Status s =
+            TSM_CU(driver_, ordinal, cuDeviceGetAttribute, &posix_fd,
+                   CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device_);
+        !s.ok()) {
+      return s;
+    }
+  }
+  const bool supported = vmm != 0 && posix_fd != 0;
+  if (options_.kind == CudaPoolKind::kVmm && !supported) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda:", ordinal, ": --cuda-pool-kind vmm, but the driver (", driver_->library(),
+        ") reports ", vmm != 0 ? "VMM without POSIX file descriptor handles" : "no VMM support",
+        " for the device; use --cuda-pool-kind ipc"));
+  }
+  if (options_.kind == CudaPoolKind::kAuto) {
+    options_.kind = supported ? CudaPoolKind::kVmm : CudaPoolKind::kIpc;
+    TSM_LOG(kInfo) << "cuda:" << ordinal << ": "
+                   << (supported ? "VMM pool (POSIX file descriptors; consumers map read-only)"
+                                 : "legacy IPC pool: the driver reports no VMM with POSIX file "
+                                   "descriptor handles for the device");
+  }
+  if (options_.kind == CudaPoolKind::kIpc) return absl::OkStatus();
+  const CUmemAllocationProp prop = VmmProperties(ordinal);
+  size_t granularity = 0;
+  if (absl::Status s = TSM_CU(driver_, ordinal, cuMemGetAllocationGranularity, &granularity, &prop,
+                              CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+      !s.ok()) {
+    return s;
+  }
+  if (granularity == 0 || granularity % kCudaAlignment != 0) {
+    return absl::InternalError(absl::StrCat(
+        "cuda:", ordinal, ": the driver reports a granularity of ", granularity, " bytes"));
+  }
+  granularity_ = granularity;
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Create(const CudaDriver* driver,
                                                            const CudaPoolOptions& options) {
@@ -42,6 +121,18 @@ absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Create(const CudaDriver* dri
       !s.ok()) {
     return s;
   }
+  if (absl::Status s = pool->ChooseKind(); !s.ok()) return s;
+  if (pool->options_.kind == CudaPoolKind::kVmm) {
+    const uint64_t unit = pool->granularity_;
+    pool->options_.capacity_bytes = pool->options_.capacity_bytes / unit * unit;
+    if (pool->options_.capacity_bytes == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda:", ordinal, " pool size = ", options.capacity_bytes,
+                       ": smaller than the device's VMM granularity (", unit, " bytes)"));
+    }
+    pool->options_.segment_bytes =
+        std::min(RoundUp(pool->options_.segment_bytes, unit), pool->options_.capacity_bytes);
+  }
   if (absl::Status s = pool->AddSegment(pool->options_.segment_bytes); !s.ok()) return s;
   return pool;
 }
@@ -50,13 +141,22 @@ CudaPool::~CudaPool() {
   if (context_ == nullptr) return;
   {
     ScopedContext scope(driver_, context_);
-    for (const Segment& segment : segments_) {
-      if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemFree_v2, segment.base); !s.ok()) {
-        TSM_LOG(kWarning) << s.message();
-      }
-    }
+    for (const Segment& segment : segments_) FreeMemory(segment.memory);
   }
   driver_->cuDevicePrimaryCtxRelease_v2(device_);
+}
+
+void CudaPool::FreeMemory(const DeviceMemory& memory) const {
+  if (options_.kind == CudaPoolKind::kVmm) {
+    UniqueFd fd(memory.fd);  // closed on return
+    if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemRelease, memory.vmm); !s.ok()) {
+      TSM_LOG(kWarning) << s.message();
+    }
+    return;
+  }
+  if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemFree_v2, memory.base); !s.ok()) {
+    TSM_LOG(kWarning) << s.message();
+  }
 }
 
 absl::StatusOr<CudaPool::DeviceMemory> CudaPool::MakeSegment(const GrowthRequest& request) const {
@@ -64,6 +164,25 @@ absl::StatusOr<CudaPool::DeviceMemory> CudaPool::MakeSegment(const GrowthRequest
   if (!scope.status().ok()) return scope.status();
   DeviceMemory memory;
   memory.size = request.size;
+  if (options_.kind == CudaPoolKind::kVmm) {
+    // Rounded up to whole granules; the capacity, and so what remains of it, is whole granules.
+    memory.size = RoundUp(request.size, granularity_);
+    const CUmemAllocationProp prop = VmmProperties(options_.ordinal);
+    if (absl::Status s =
+            TSM_CU(driver_, options_.ordinal, cuMemCreate, &memory.vmm, memory.size, &prop, 0);
+        !s.ok()) {
+      return s;
+    }
+    int fd = -1;
+    if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemExportToShareableHandle, &fd,
+                                memory.vmm, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        !s.ok()) {
+      driver_->cuMemRelease(memory.vmm);
+      return s;
+    }
+    memory.fd = fd;
+    return memory;
+  }
   if (absl::Status s = TSM_CU(driver_, options_.ordinal, cuMemAlloc_v2, &memory.base, memory.size);
       !s.ok()) {
     return s;
@@ -97,8 +216,7 @@ absl::Status CudaPool::AddSegment(uint64_t size) {
 }
 
 void CudaPool::InstallSegment(const DeviceMemory& memory) {
-  segments_.push_back(
-      Segment{memory.base, memory.size, memory.handle, BestFitAllocator(memory.size)});
+  segments_.push_back(Segment{memory, BestFitAllocator(memory.size)});
   reserved_bytes_ += memory.size;
   TSM_LOG(kInfo) << "cuda:" << options_.ordinal << " (" << FormatUuid(uuid_) << "): segment "
                  << segments_.size() << " of " << memory.size << " bytes";
@@ -131,7 +249,8 @@ absl::StatusOr<Buffer> CudaPool::Allocate(uint64_t nbytes, GrowthRequest* growth
                        " bytes: ", options_.capacity_bytes - used_bytes(), " of ",
                        options_.capacity_bytes, " bytes free (--cuda-pool)"));
     }
-    const uint64_t size = std::min(std::max(options_.segment_bytes, length), remaining);
+    const uint64_t size =
+        std::min(RoundUp(std::max(options_.segment_bytes, length), granularity_), remaining);
     if (growth != nullptr) {
       if (growing_) {
         growth->busy = true;
@@ -159,12 +278,32 @@ void CudaPool::Free(const Buffer& buffer) {
 
 const CUipcMemHandle& CudaPool::SegmentHandle(uint64_t segment_id) const {
   TSM_CHECK(segment_id >= 1 && segment_id <= segments_.size());
-  return segments_[segment_id - 1].handle;
+  return segments_[segment_id - 1].memory.handle;
+}
+
+absl::StatusOr<UniqueFd> CudaPool::SegmentDescriptor(uint64_t segment_id) const {
+  if (options_.kind != CudaPoolKind::kVmm) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("segment.cuda: cuda:", options_.ordinal,
+                     " is a legacy IPC pool (--cuda-pool-kind ipc); its segments are opened by "
+                     "their IPC handle"));
+  }
+  if (!HasSegment(segment_id)) {
+    return absl::NotFoundError(absl::StrCat("segment.segment_id = ", segment_id,
+                                            ": no such segment in the cuda:", options_.ordinal,
+                                            " pool (", segments_.size(), " segments)"));
+  }
+  const int fd = fcntl(segments_[segment_id - 1].memory.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) {
+    return ErrnoError("fcntl(F_DUPFD_CLOEXEC)",
+                      absl::StrCat("cuda:", options_.ordinal, " segment ", segment_id), errno);
+  }
+  return UniqueFd(fd);
 }
 
 uint64_t CudaPool::SegmentSize(uint64_t segment_id) const {
   TSM_CHECK(segment_id >= 1 && segment_id <= segments_.size());
-  return segments_[segment_id - 1].size;
+  return segments_[segment_id - 1].memory.size;
 }
 
 uint64_t CudaPool::largest_free_bytes() const {

@@ -89,8 +89,17 @@ const std::vector<FlagSpec>& DaemonFlags() {
        "(repeatable, one per device); needs the CUDA driver\n"
        "(libcuda.so.1, or $TENSORSHM_LIBCUDA)"},
       {"cuda-segment-size", FlagKind::kValue, "SIZE",
-       "size of each cuMemAlloc segment a CUDA pool grows by\n"
+       "size of each segment a CUDA pool grows by, rounded up to\n"
+       "the device's VMM granularity in a VMM pool\n"
        "(default: the pool's size, at most 1Gi)"},
+      {"cuda-pool-kind", FlagKind::kValue, "KIND",
+       "how CUDA pools allocate and share device memory: vmm\n"
+       "(cuMemCreate, passed to clients as file descriptors over\n"
+       "the memory channel, mapped read-only by consumers), ipc\n"
+       "(cuMemAlloc with cudaIpcMemHandle, writable by every holder;\n"
+       "what Triton's CUDA shared memory needs), or auto: vmm where\n"
+       "the driver reports VMM with POSIX file descriptor handles,\n"
+       "else ipc, logged at start (default: auto)"},
       {"metrics", FlagKind::kValue, "HOST:PORT",
        "serve Prometheus figures at http://HOST:PORT/metrics, e.g.\n"
        "127.0.0.1:9464 or [::1]:9464; port 0 takes a free port (logged)\n"

@@ -189,6 +189,12 @@ absl::Status ApplyFlag(absl::string_view flag, absl::string_view value, DaemonOp
     if (!size.ok()) return size.status();
     if (*size == 0) return absl::InvalidArgumentError("--cuda-segment-size = 0: must be positive");
     options.cuda_segment_bytes = *size;
+  } else if (arg == "--cuda-pool-kind") {
+    if (value != "auto" && value != "vmm" && value != "ipc") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cuda-pool-kind = \"", value, "\": expected auto, vmm or ipc"));
+    }
+    options.cuda_pool_kind = std::string(value);
   } else if (arg == "--recovery-grace") {
     if (!absl::SimpleAtoi(value, &options.recovery_grace_seconds) ||
         options.recovery_grace_seconds < 0) {

@@ -46,6 +46,7 @@ struct DaemonOptions {
   std::set<gid_t> allow_gids;             // --allow-gid, repeatable
   std::vector<CudaPoolSpec> cuda_pools;   // --cuda-pool, repeatable
   uint64_t cuda_segment_bytes = 0;        // --cuda-segment-size; 0: min(pool, 1Gi)
+  std::string cuda_pool_kind = "auto";    // --cuda-pool-kind: auto, vmm or ipc
   LogLevel log_level = LogLevel::kInfo;
   std::string metrics;                     // --metrics HOST:PORT (ParseMetricsAddress); empty: off
   EvictPolicy evict = EvictPolicy::kNone;  // --evict none|lru

@@ -19,6 +19,9 @@
 //   tsm_peer cuda-produce SOCKET NAME --device N --shape S [--seed N]   fill through the driver
 //   tsm_peer cuda-consume SOCKET NAME [--stream]   acquire twice, copy to host, release; prints
 //                                                  the emulated driver's counters as it goes
+//   tsm_peer cuda-write SOCKET NAME [--how memset|store]   acquire, then write 16 bytes through
+//                                     the device pointer (cuMemsetD8, or a store of this
+//                                     process); prints "wrote" or "refused <CUDA error name>"
 //   tsm_peer replace-loop SOCKET NAME --count N --bytes B [--max-bytes M] [--seed S]
 //                                     N times: create a uint32 tensor of B bytes (with M: a
 //                                     multiple of 4 in [B, M] picked by a hash of the version,
@@ -129,6 +132,7 @@ absl::Status DeviceCopy(int ordinal, void* host, CUdeviceptr device, size_t byte
 struct FakeCuda {
   decltype(&tsm_fake_cuda_counters) counters = nullptr;
   decltype(&tsm_fake_cuda_open_mappings) open_mappings = nullptr;
+  decltype(&tsm_fake_cuda_vmm_allocations) vmm_allocations = nullptr;
 };
 
 FakeCuda FindFakeCuda() {
@@ -138,12 +142,15 @@ FakeCuda FindFakeCuda() {
   return {
       reinterpret_cast<decltype(&tsm_fake_cuda_counters)>(dlsym(handle, "tsm_fake_cuda_counters")),
       reinterpret_cast<decltype(&tsm_fake_cuda_open_mappings)>(
-          dlsym(handle, "tsm_fake_cuda_open_mappings"))};
+          dlsym(handle, "tsm_fake_cuda_open_mappings")),
+      reinterpret_cast<decltype(&tsm_fake_cuda_vmm_allocations)>(
+          dlsym(handle, "tsm_fake_cuda_vmm_allocations"))};
 }
 
 void PrintCounters(const char* label) {
   const FakeCuda fake = FindFakeCuda();
-  if (fake.counters == nullptr || fake.open_mappings == nullptr) {
+  if (fake.counters == nullptr || fake.open_mappings == nullptr ||
+      fake.vmm_allocations == nullptr) {
     std::cout << label << " no-counters" << std::endl;
     return;
   }
@@ -155,6 +162,7 @@ void PrintCounters(const char* label) {
             << " stream_wait_event=" << c->stream_wait_event
             << " event_synchronize=" << c->event_synchronize
             << " waits_on_recorded=" << c->waits_on_recorded << " event_record=" << c->event_record
+            << " vmm_import=" << c->vmm_import << " vmm_now=" << fake.vmm_allocations()
             << std::endl;
 }
 
@@ -221,6 +229,7 @@ int Main(int argc, char** argv) {
   bool replace = false, hang = false, legacy = false, on_stream = false;
   int64_t count = 0, bytes_min = 0, bytes_max = 0;  // replace-loop
   int64_t until_version = 0, keep = 1;              // verify-loop
+  std::string how = "memset";                       // cuda-write
   bool forever = false;                             // verify-loop
   for (int i = 3; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -261,6 +270,8 @@ int Main(int argc, char** argv) {
       keep = std::stoll(value());
     else if (arg == "--forever")
       forever = true;
+    else if (arg == "--how")
+      how = value();
     else
       names.push_back(arg);
   }
@@ -354,10 +365,46 @@ int Main(int argc, char** argv) {
     client->reset();
     // The client's core goes with its sender thread; give it a moment to close the handles.
     const FakeCuda fake = FindFakeCuda();
-    for (int i = 0; i < 200 && fake.open_mappings != nullptr && fake.open_mappings() > 0; ++i) {
+    for (int i = 0; i < 200 && fake.open_mappings != nullptr &&
+                    (fake.open_mappings() > 0 || fake.vmm_allocations() > 0);
+         ++i) {
       usleep(10000);
     }
     PrintCounters("closed");
+    return 0;
+  }
+  if (mode == "cuda-write") {
+    absl::StatusOr<DLManagedTensorVersioned*> t =
+        (*client)->Acquire(names.at(0), absl::Milliseconds(wait_ms), tensorshm::ReadySync::Host());
+    if (!t.ok()) return Fail(t.status());
+    const DLTensor& dl = (*t)->dl_tensor;
+    const CUdeviceptr data = reinterpret_cast<CUdeviceptr>(dl.data) + dl.byte_offset;
+    std::cout << "acquired" << std::endl;
+    if (how == "store") {
+      // The emulated device's memory is this process's: a store through the device pointer.
+      *reinterpret_cast<volatile unsigned char*>(data) = 0x5A;
+      std::cout << "wrote" << std::endl;
+    } else {
+      absl::StatusOr<const tensorshm::CudaDriver*> driver = tensorshm::CudaDriver::Get();
+      if (!driver.ok()) return Fail(driver.status());
+      CUdevice dev;
+      CUcontext context;
+      if ((*driver)->cuDeviceGet(&dev, dl.device.device_id) != CUDA_SUCCESS ||
+          (*driver)->cuDevicePrimaryCtxRetain(&context, dev) != CUDA_SUCCESS) {
+        return Fail(absl::InternalError("no context"));
+      }
+      CUresult result;
+      {
+        tensorshm::ScopedContext scope(*driver, context);
+        result = (*driver)->cuMemsetD8_v2(data, 0x5A, 16);
+      }
+      (*driver)->cuDevicePrimaryCtxRelease_v2(dev);
+      const char* name = "?";
+      (*driver)->cuGetErrorName(result, &name);
+      std::cout << (result == CUDA_SUCCESS ? "wrote" : "refused ")
+                << (result == CUDA_SUCCESS ? "" : name) << std::endl;
+    }
+    (*t)->deleter(*t);
     return 0;
   }
   if (mode == "consume") {

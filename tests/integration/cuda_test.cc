@@ -1,12 +1,12 @@
 // CUDA device pools end to end against the emulated driver (tests/support/fake_cuda): a real daemon
-// with device pools, producer and consumer processes that see the devices in different orders, IPC
-// handles opened once per segment and closed after the last tensor, ready events waited on.
+// with device pools of each kind (VMM, legacy IPC), producer and consumer processes that see the
+// devices in different orders, segments mapped once and unmapped after the last tensor, ready
+// events waited on, consumers' mappings read-only.
 #include <dlfcn.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/cuda/cuda_driver.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
 #include "tests/support/fake_cuda/fake_cuda.h"
@@ -43,15 +44,18 @@ std::map<std::string, int64_t> Counters(const std::string& output, const std::st
   return counters;
 }
 
-class CudaTest : public ::testing::Test {
+// The parameter: --cuda-pool-kind.
+class CudaTest : public ::testing::TestWithParam<std::string> {
  protected:
+  bool vmm() const { return GetParam() == "vmm"; }
+
   void SetUp() override {
     const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    absl::StatusOr<TestDaemon> daemon =
-        TestDaemon::Start(name.substr(0, 20),
-                          {"--host-pool", "64Mi", "--cuda-pool", "cuda:1=64Mi", "--cuda-pool",
-                           "cuda:2=16Mi", "--cuda-segment-size", "4Mi", "--log-level", "info"},
-                          DriverEnv("0,1,2"));
+    absl::StatusOr<TestDaemon> daemon = TestDaemon::Start(
+        absl::StrCat(name.substr(0, 16), "-", GetParam()),
+        {"--host-pool", "64Mi", "--cuda-pool", "cuda:1=64Mi", "--cuda-pool", "cuda:2=16Mi",
+         "--cuda-segment-size", "4Mi", "--cuda-pool-kind", GetParam(), "--log-level", "info"},
+        DriverEnv("0,1,2"));
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
     // This process is a client too, seeing the devices reversed.
@@ -67,21 +71,18 @@ class CudaTest : public ::testing::Test {
   void TearDown() override {
     client_.reset();
     daemon_.reset();
-    // Killed producers leave their emulated events' pages behind.
-    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
-      const std::string file = entry.path().filename().string();
-      if (!absl::StartsWith(file, "tsmfakecu.")) continue;
-      const pid_t pid = std::atoi(file.c_str() + strlen("tsmfakecu."));
-      if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) std::filesystem::remove(entry.path());
-    }
+    RemoveDeadProcessesFakeCudaPages();  // killed producers leave their events' pages
   }
 
+  // `busy`: the peer's emulated GPU reports each recorded event unfinished to the first queries
+  // (TSM_FAKE_CUDA_BUSY_QUERIES), so that it waits as asked instead of finding it done.
   ChildProcess Peer(const std::vector<std::string>& args, const std::string& visible,
-                    const std::string& log) {
+                    const std::string& log, bool busy = false) {
     std::vector<std::string> argv = {PeerPath(), args.at(0), daemon_->socket()};
     argv.insert(argv.end(), args.begin() + 1, args.end());
-    absl::StatusOr<ChildProcess> child =
-        ChildProcess::Start(argv, daemon_->dir() + "/" + log, DriverEnv(visible));
+    std::vector<std::string> env = DriverEnv(visible);
+    if (busy) env.push_back("TSM_FAKE_CUDA_BUSY_QUERIES=1000000");
+    absl::StatusOr<ChildProcess> child = ChildProcess::Start(argv, daemon_->dir() + "/" + log, env);
     EXPECT_TRUE(child.ok());
     return *std::move(child);
   }
@@ -109,7 +110,7 @@ class CudaTest : public ::testing::Test {
 // A producer that numbers the devices 2,1,0 publishes on its cuda:0 (physical 2); a consumer that
 // sees only 1,2 gets it as its cuda:1, byte-identical, opening the segment once for two acquires
 // and closing it after its last tensor and its client are gone.
-TEST_F(CudaTest, CrossProcessRoundTripUnderPermutedOrdinals) {
+TEST_P(CudaTest, CrossProcessRoundTripUnderPermutedOrdinals) {
   EXPECT_EQ(Pool(kDLCUDA, 2).used_bytes, 0);
   ChildProcess producer = Peer({"cuda-produce", "gpu/x", "--device", "0", "--dtype", "float32",
                                 "--shape", "64,1000", "--seed", "7"},
@@ -125,7 +126,7 @@ TEST_F(CudaTest, CrossProcessRoundTripUnderPermutedOrdinals) {
     SCOPED_TRACE(on_stream ? "stream wait" : "host wait");
     std::vector<std::string> args = {"cuda-consume", "gpu/x"};
     if (on_stream) args.push_back("--stream");
-    ChildProcess consumer = Peer(args, "1,2", on_stream ? "stream.log" : "host.log");
+    ChildProcess consumer = Peer(args, "1,2", on_stream ? "stream.log" : "host.log", true);
     const std::string output = Run(consumer);
     EXPECT_EQ(Line(output, "checksum"), Line(producer.Output(), "checksum")) << output;
     EXPECT_TRUE(absl::StrContains(output, "device cuda:1 flags 1")) << output;
@@ -133,19 +134,30 @@ TEST_F(CudaTest, CrossProcessRoundTripUnderPermutedOrdinals) {
     const auto second = Counters(output, "second");
     const auto closed = Counters(output, "closed");
     ASSERT_FALSE(first.empty() || second.empty() || closed.empty()) << output;
-    EXPECT_EQ(first.at("ipc_open_mappings"), 1);
-    // The second acquire from the same segment opens no handle.
-    EXPECT_EQ(second.at("ipc_open_calls"), 1);
-    EXPECT_EQ(second.at("ipc_open_mappings"), 1);
-    // Each acquire waited on the producer's recorded event, the way it was asked to.
-    EXPECT_EQ(second.at("ipc_open_event"), 2);
+    if (vmm()) {
+      // The segment's descriptor came over the memory channel, imported once for both acquires.
+      EXPECT_EQ(first.at("vmm_import"), 1);
+      EXPECT_EQ(second.at("vmm_import"), 1);
+      EXPECT_EQ(second.at("ipc_open_calls"), 0);
+    } else {
+      EXPECT_EQ(first.at("ipc_open_mappings"), 1);
+      // The second acquire from the same segment opens no handle.
+      EXPECT_EQ(second.at("ipc_open_calls"), 1);
+      EXPECT_EQ(second.at("ipc_open_mappings"), 1);
+    }
+    // Each acquire waited on the producer's recorded event, the way it was asked to, opened
+    // once for both.
+    EXPECT_EQ(second.at("ipc_open_event"), 1);
     EXPECT_EQ(second.at("waits_on_recorded"), 2);
     EXPECT_EQ(second.at(on_stream ? "stream_wait_event" : "event_synchronize"), 2);
     EXPECT_EQ(second.at(on_stream ? "event_synchronize" : "stream_wait_event"), 0);
-    // Handles stay open while tensors or the client live, and are closed after.
-    EXPECT_EQ(Counters(output, "released").at("open_now"), 1);
+    // Mappings stay while tensors or the client live, and go after.
+    EXPECT_EQ(Counters(output, "released").at(vmm() ? "vmm_now" : "open_now"), 1);
     EXPECT_EQ(closed.at("open_now"), 0);
-    EXPECT_EQ(closed.at("ipc_unmappings"), 1);
+    EXPECT_EQ(closed.at("vmm_now"), 0);
+    if (!vmm()) {
+      EXPECT_EQ(closed.at("ipc_unmappings"), 1);
+    }
   }
   // Leases released; deleting frees the device buffer.
   absl::StatusOr<ServerStats> stats = client_->Stat();
@@ -159,7 +171,7 @@ TEST_F(CudaTest, CrossProcessRoundTripUnderPermutedOrdinals) {
 // In this process (devices seen as 2,1,0): create on each pooled device by this process's
 // ordinal, publish, acquire back as kDLCUDA with the same ordinal; a device without a pool is
 // refused naming its UUID.
-TEST_F(CudaTest, CreatePublishAcquireInProcessByUuid) {
+TEST_P(CudaTest, CreatePublishAcquireInProcessByUuid) {
   // Physical 1 is ordinal 1 here, physical 2 is ordinal 0; physical 0 (ordinal 2) has no pool.
   for (const int ordinal : {0, 1}) {
     absl::StatusOr<WritableTensor> w =
@@ -195,6 +207,110 @@ TEST_F(CudaTest, CreatePublishAcquireInProcessByUuid) {
   ASSERT_FALSE(huge.ok());
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(huge.status().message(), "33554432 bytes")) << huge.status();
+}
+
+// A consumer process's mapping of a published tensor is read-only: a driver write through it is
+// refused, a direct store kills the process with SIGSEGV (VMM pools); the bytes stay the
+// producer's. Legacy IPC mappings are writable by every holder, as CUDA opens them.
+TEST_P(CudaTest, ConsumersCannotWriteAPublishedTensor) {
+  ChildProcess producer = Peer({"cuda-produce", "gpu/w", "--device", "0", "--dtype", "uint8",
+                                "--shape", "4096", "--seed", "3"},
+                               "2,1,0", "producer.log");
+  ASSERT_TRUE(producer.WaitForOutput("published", absl::Seconds(30))) << producer.Output();
+  for (const std::string how : {"memset", "store"}) {
+    SCOPED_TRACE(how);
+    ChildProcess writer = Peer({"cuda-write", "gpu/w", "--how", how}, "1,2", how + ".log");
+    absl::StatusOr<int> status = writer.Wait(absl::Seconds(60));
+    ASSERT_TRUE(status.ok());
+    if (!vmm()) {
+      EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << writer.Output();
+      EXPECT_TRUE(absl::StrContains(writer.Output(), "wrote")) << writer.Output();
+      break;  // the bytes are changed now: nothing more to check
+    }
+    if (how == "memset") {
+      EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << writer.Output();
+      EXPECT_TRUE(absl::StrContains(writer.Output(), "refused CUDA_ERROR_INVALID_VALUE"))
+          << writer.Output();
+    } else {
+      EXPECT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGSEGV) << writer.Output();
+    }
+    ChildProcess consumer = Peer({"cuda-consume", "gpu/w"}, "1,2", how + "-after.log");
+    const std::string output = Run(consumer);
+    EXPECT_EQ(Line(output, "checksum"), Line(producer.Output(), "checksum")) << output;
+  }
+  producer.Kill(SIGTERM);
+}
+
+// A producer's buffer is writable until its publish, and read-only in its own process after.
+TEST_P(CudaTest, TheProducersMappingIsSealedAtPublish) {
+  absl::StatusOr<const CudaDriver*> driver = CudaDriver::Get();
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  absl::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {1000}, {}, {kDLCUDA, 0}});
+  ASSERT_TRUE(w.ok()) << w.status();
+  const CUdeviceptr data = reinterpret_cast<CUdeviceptr>(w->dl_tensor().data);
+  CUdevice device;
+  CUcontext context;
+  ASSERT_EQ((*driver)->cuDeviceGet(&device, 0), CUDA_SUCCESS);
+  ASSERT_EQ((*driver)->cuDevicePrimaryCtxRetain(&context, device), CUDA_SUCCESS);
+  {
+    ScopedContext scope(*driver, context);
+    EXPECT_EQ((*driver)->cuMemsetD8_v2(data, 7, 1000), CUDA_SUCCESS);
+    ASSERT_TRUE(client_->Publish(*w, "gpu/sealed").ok());
+    EXPECT_EQ((*driver)->cuMemsetD8_v2(data, 8, 1000),
+              vmm() ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS);
+    std::vector<unsigned char> bytes(1000);
+    EXPECT_EQ((*driver)->cuMemcpyDtoH_v2(bytes.data(), data, bytes.size()), CUDA_SUCCESS);
+    EXPECT_EQ(bytes, std::vector<unsigned char>(1000, vmm() ? 7 : 8));
+  }
+  (*driver)->cuDevicePrimaryCtxRelease_v2(device);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, CudaTest, ::testing::Values("vmm", "ipc"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+// The pool kind: auto takes VMM where the driver has it, legacy IPC where it does not (logged);
+// vmm on a driver without it stops the daemon at start naming the flag; an unknown kind is refused.
+TEST(CudaStartTest, PoolKindFollowsTheDriver) {
+  const std::string dir = ::testing::TempDir();
+  struct Case {
+    std::vector<std::string> env;
+    std::string kind;
+    int exit_code;
+    std::string expected;
+  };
+  std::vector<std::string> no_vmm = DriverEnv("0,1");
+  no_vmm.push_back("TSM_FAKE_CUDA_NO_VMM=1");
+  const std::vector<Case> cases = {
+      {DriverEnv("0,1"), "auto", -1, "vmm pool of 4 MiB"},
+      {no_vmm, "auto", -1, "legacy IPC pool: the driver reports no VMM"},
+      {no_vmm, "vmm", 1, "--cuda-pool-kind vmm, but the driver"},
+      {DriverEnv("0,1"), "cuda", 2, "--cuda-pool-kind = \"cuda\": expected auto, vmm or ipc"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].expected);
+    const std::string socket = absl::StrCat(dir, "/kind-", getpid(), "-", i, ".sock");
+    absl::StatusOr<ChildProcess> daemon = ChildProcess::Start(
+        {TensorShmdPath(), "--socket", socket, "--host-pool", "4Mi", "--cuda-pool", "cuda:0=4Mi",
+         "--cuda-pool-kind", cases[i].kind, "--log-level", "info"},
+        absl::StrCat(dir, "/kind-", getpid(), "-", i, ".log"), cases[i].env);
+    ASSERT_TRUE(daemon.ok());
+    if (cases[i].exit_code < 0) {
+      EXPECT_TRUE(daemon->WaitForOutput(cases[i].expected, absl::Seconds(20))) << daemon->Output();
+      EXPECT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(20))) << daemon->Output();
+      daemon->Kill(SIGTERM);  // a clean stop: its shared memory goes with it
+      absl::StatusOr<int> status = daemon->Wait(absl::Seconds(30));
+      EXPECT_TRUE(status.ok() && WIFEXITED(*status) && WEXITSTATUS(*status) == 0)
+          << daemon->Output();
+      continue;
+    }
+    absl::StatusOr<int> status = daemon->Wait(absl::Seconds(20));
+    ASSERT_TRUE(status.ok());
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == cases[i].exit_code)
+        << daemon->Output();
+    EXPECT_TRUE(absl::StrContains(daemon->Output(), cases[i].expected)) << daemon->Output();
+  }
 }
 
 // A daemon whose CUDA pool cannot be made stops at start, saying why; without a driver the

@@ -15,7 +15,8 @@ COUNTERS = ["mem_alloc", "mem_free", "ipc_get_mem_handle", "ipc_open_calls", "ip
             "ipc_close_calls", "ipc_unmappings", "event_create", "event_record",
             "ipc_get_event_handle", "ipc_open_event_handle", "stream_wait_event",
             "waits_on_recorded", "event_synchronize", "memcpy_htod", "memcpy_dtoh", "memcpy_dtod",
-            "primary_ctx_retain", "primary_ctx_release"]
+            "primary_ctx_retain", "primary_ctx_release", "vmm_import", "vmm_map",
+            "vmm_set_access", "event_query"]
 
 
 def use_emulated_driver() -> str:
@@ -50,12 +51,16 @@ class Driver:
         return {name: getattr(c, name) for name in COUNTERS}
 
     def _copy(self, ordinal: int, fn, *args) -> None:
+        assert self._call(ordinal, fn, *args) == 0
+
+    def _call(self, ordinal: int, fn, *args) -> int:
+        """fn(*args) in device `ordinal`'s primary context; its CUresult."""
         device, context = ctypes.c_int(), ctypes.c_void_p()
         assert self.lib.cuDeviceGet(ctypes.byref(device), ordinal) == 0
         assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
         assert self.lib.cuCtxPushCurrent_v2(context) == 0
         try:
-            assert fn(*args) == 0
+            return fn(*args)
         finally:
             assert self.lib.cuCtxPopCurrent_v2(ctypes.byref(context)) == 0
             assert self.lib.cuDevicePrimaryCtxRelease_v2(device) == 0
@@ -65,6 +70,13 @@ class Driver:
         fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
         self._copy(ordinal, fn, pointer, data.ctypes.data, data.nbytes)
 
+    def memset(self, ordinal: int, pointer: int, value: int, nbytes: int) -> int:
+        """cuMemsetD8 through `pointer`: its CUresult (1, CUDA_ERROR_INVALID_VALUE, where this
+        process may not write)."""
+        fn = self.lib.cuMemsetD8_v2
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
+        return self._call(ordinal, fn, pointer, value, nbytes)
+
     def from_device(self, ordinal: int, pointer: int, nbytes: int) -> bytes:
         out = ctypes.create_string_buffer(nbytes)
         fn = self.lib.cuMemcpyDtoH_v2
@@ -73,13 +85,15 @@ class Driver:
         return out.raw
 
 
-def two_device_daemon(name: str, fake_lib: str):
+def two_device_daemon(name: str, fake_lib: str, kind: str = "auto"):
     """A tensorshmd (conftest.Daemon) on the emulated driver's 2 devices, seen in order, with a
-    16 MiB pool on each: the daemon of the CUDA test modules."""
+    16 MiB pool on each (`kind`: --cuda-pool-kind, auto making VMM pools): the daemon of the CUDA
+    test modules."""
     from conftest import Daemon
 
     return Daemon(name, host_pool="16Mi",
-                  extra_args=("--cuda-pool", "cuda:0=16Mi", "--cuda-pool", "cuda:1=16Mi"),
+                  extra_args=("--cuda-pool", "cuda:0=16Mi", "--cuda-pool", "cuda:1=16Mi",
+                              "--cuda-pool-kind", kind),
                   env={"TENSORSHM_LIBCUDA": fake_lib, "TSM_FAKE_CUDA_DEVICES": "2",
                        "TSM_FAKE_CUDA_VISIBLE": "0,1"})
 

@@ -34,6 +34,14 @@ def driver() -> Driver:
     return Driver()
 
 
+@pytest.fixture(autouse=True)
+def busy_gpu(monkeypatch):
+    """The emulated GPU reports every recorded event unfinished (its producer's kernels still
+    running), so that acquirers wait on it as asked instead of finding it done; tests of what a
+    finished event allows set TSM_FAKE_CUDA_BUSY_QUERIES=0."""
+    monkeypatch.setenv("TSM_FAKE_CUDA_BUSY_QUERIES", "1000000")
+
+
 PRODUCER = """
 import sys, ctypes, numpy as np, tensorshm
 sys.path.insert(0, sys.argv[2])
@@ -71,11 +79,14 @@ def test_cuda_tensor_from_another_process(daemon, driver):
         after = driver.counters()
         assert after["stream_wait_event"] == before["stream_wait_event"] + 1
         assert after["waits_on_recorded"] == before["waits_on_recorded"] + 1
-        assert after["ipc_open_mappings"] == before["ipc_open_mappings"] + 1
+        # The VMM segment's descriptor came over the memory channel and was imported once.
+        assert after["vmm_import"] == before["vmm_import"] + 1
+        assert after["ipc_open_calls"] == before["ipc_open_calls"]
         del capsule
-        # A second get from the same segment opens no handle.
+        # A second get from the same segment imports and maps nothing.
         t2 = client.get("gpu/a")
-        assert driver.counters()["ipc_open_calls"] == after["ipc_open_calls"]
+        assert driver.counters()["vmm_import"] == after["vmm_import"]
+        assert driver.counters()["vmm_map"] == after["vmm_map"]
         # A host copy through DLPack: numpy asks for dl_device=(1, 0) with copy=True.
         host = np.from_dlpack(t2, device="cpu", copy=True)
         np.testing.assert_array_equal(host, expected)
@@ -199,3 +210,131 @@ def test_cpp_and_python_processes_exchange_cuda_tensors(daemon, client, driver):
     assert "device cuda:1 flags 1" in consumer.stdout, consumer.stdout
     checksums = [l.split()[1] for l in consumer.stdout.splitlines() if l.startswith("checksum")]
     assert checksums == [str(_fnv1a(data.tobytes()))] * 2, consumer.stdout
+
+
+WRITER = """
+import ctypes, sys, tensorshm
+client = tensorshm.connect(sys.argv[1])
+t = client.get("gpu/sealed")
+print("got", flush=True)
+ctypes.memset(t._data_ptr, 0x5A, 16)   # the emulated device's memory is this process's
+print("wrote", flush=True)
+"""
+
+
+def test_consumers_map_published_cuda_tensors_read_only(daemon, client, driver, monkeypatch):
+    """A consumer's mapping of a VMM segment is read-only: a driver write through it is refused
+    (the context stays usable) and a direct store kills the writing process with SIGSEGV, as a
+    real GPU refuses the write; the bytes stay the producer's."""
+    monkeypatch.setenv("TSM_FAKE_CUDA_BUSY_QUERIES", "0")
+    data = np.arange(256, dtype=np.int32)
+    w = client.create((256,), "int32", device="cuda:0")
+    driver.to_device(0, w._data_ptr, data)
+    w.publish("gpu/sealed", replace=True)
+    t = client.get("gpu/sealed")
+    assert t.read_only
+    assert driver.memset(0, t._data_ptr, 0xFF, data.nbytes) == 1  # CUDA_ERROR_INVALID_VALUE
+    assert driver.from_device(0, t._data_ptr, data.nbytes) == data.tobytes()
+    writer = subprocess.run([sys.executable, "-c", WRITER, daemon.socket], capture_output=True,
+                            text=True, timeout=60, env={**os.environ,
+                                                        "TENSORSHM_SEGV_REPORT": "0"})
+    assert writer.stdout.split() == ["got"], writer.stdout + writer.stderr
+    assert writer.returncode == -11, writer.stderr  # SIGSEGV
+    assert driver.from_device(0, t._data_ptr, data.nbytes) == data.tobytes()
+    del t
+
+
+def test_the_producers_writable_mapping_ends_at_publish(client, driver, monkeypatch):
+    """A producer writes its CUDA buffer until the publish; then the same pointer is read-only,
+    the bytes stay readable. A buffer's pieces (whole granules) stay writable while another
+    unpublished buffer of this process lies in them, and are sealed with the last."""
+    monkeypatch.setenv("TSM_FAKE_CUDA_BUSY_QUERIES", "0")
+    a = client.create((64,), "uint8", device="cuda:0")
+    b = client.create((64,), "uint8", device="cuda:0")
+    pa, pb = a._data_ptr, b._data_ptr
+    assert driver.memset(0, pa, 1, 64) == 0 and driver.memset(0, pb, 2, 64) == 0
+    a.publish("gpu/sealed-a", replace=True)
+    # b, unpublished, shares a's granule: both are still writable here.
+    assert driver.memset(0, pb, 3, 64) == 0
+    b.publish("gpu/sealed-b", replace=True)
+    assert driver.memset(0, pa, 9, 64) == 1
+    assert driver.memset(0, pb, 9, 64) == 1
+    assert driver.from_device(0, pa, 64) == bytes([1]) * 64
+    assert driver.from_device(0, pb, 64) == bytes([3]) * 64
+    # A buffer given up unpublished is sealed too, and a new one in the same place is writable.
+    c = client.create((64,), "uint8", device="cuda:0")
+    pc = c._data_ptr
+    assert driver.memset(0, pc, 4, 64) == 0
+    del c
+    client.flush()
+    assert driver.memset(0, pc, 5, 64) == 1
+    d = client.create((64,), "uint8", device="cuda:0")
+    assert driver.memset(0, d._data_ptr, 6, 64) == 0
+    del d
+
+
+def test_the_seal_waits_for_the_producers_kernels(client, driver, monkeypatch):
+    """Kernels still writing a buffer at its publish are not cut off: the seal waits for the
+    ready event and is done by a later CUDA call of the client once the event has completed."""
+    w = client.create((64,), "uint8", device="cuda:0")
+    p = w._data_ptr
+    w.publish("gpu/seal-later", replace=True)  # the GPU is busy (busy_gpu): the seal waits
+    assert driver.memset(0, p, 1, 64) == 0     # the "kernel" may still write
+    client.create((8,), "uint8", device="cuda:0")  # a CUDA call: still unfinished
+    assert driver.memset(0, p, 2, 64) == 0
+    monkeypatch.setenv("TSM_FAKE_CUDA_BUSY_QUERIES", "0")  # the kernels are done
+    client.create((8,), "uint8", device="cuda:0")  # the next call seals
+    assert driver.memset(0, p, 3, 64) == 1
+    assert driver.from_device(0, p, 64) == bytes([2]) * 64
+
+
+FAST_PRODUCER = """
+import sys, numpy as np, tensorshm
+sys.path.insert(0, sys.argv[2])
+from fake_cuda import Driver
+client = tensorshm.connect(sys.argv[1])
+w = client.create((1024,), "uint8", device="cuda:0")
+Driver().to_device(0, w._data_ptr, np.full(1024, 9, np.uint8))
+w.publish("gpu/fast", replace=True)
+print("published", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_warm_cuda_gets_are_answered_from_shared_memory(daemon, driver, monkeypatch):
+    """After the first get of a CUDA tensor (which maps its segment), later gets take a lease
+    slot in shared memory, as host gets do: no RPC, no new mapping, the producer's ready event
+    opened once and, once finished, not waited on again."""
+    producer = subprocess.Popen(
+        [sys.executable, "-c", FAST_PRODUCER, daemon.socket, str(pathlib.Path(__file__).parent)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TSM_FAKE_CUDA_VISIBLE": "0,1", "TSM_FAKE_CUDA_BUSY_QUERIES": "0"})
+    try:
+        assert producer.stdout.readline().strip() == "published", producer.stdout.read()
+        monkeypatch.setenv("TSM_FAKE_CUDA_BUSY_QUERIES", "0")
+        with tensorshm.connect(daemon.socket, client_name="warm-cuda") as client:
+            first = client.get("gpu/fast")
+            assert first.device == "cuda:1"  # the producer's cuda:0, seen swapped here
+            assert driver.from_device(1, first._data_ptr, 1024) == bytes([9]) * 1024
+            before = driver.counters()
+            held = [client.get("gpu/fast") for _ in range(10)]
+            for t in held:
+                assert t._data_ptr == first._data_ptr and t.device == "cuda:1" and t.read_only
+                t.__dlpack__(max_version=(1, 3))  # waits on the ready event as asked
+            after = driver.counters()
+            own = [s for s in client.sessions() if s["own"]]
+            assert own[0]["page_leases"] == 10 and own[0]["rpc_leases"] == 1, own
+            assert after["vmm_import"] == before["vmm_import"]
+            assert after["vmm_map"] == before["vmm_map"]
+            assert after["ipc_open_event_handle"] - before["ipc_open_event_handle"] <= 1
+            assert after["event_query"] - before["event_query"] == 10
+            assert after["stream_wait_event"] == before["stream_wait_event"]  # it had finished
+            for t in held:
+                t.release()
+            first.release()
+            client.flush()
+            own = [s for s in client.sessions() if s["own"]]
+            assert own[0]["page_leases"] == 0 and own[0]["rpc_leases"] == 0, own
+    finally:
+        producer.stdin.close()
+        producer.wait(timeout=30)

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -30,7 +31,11 @@ extern char** environ;
 
 namespace tensorshm::testing {
 
-std::string TensorShmdPath() { return TENSORSHMD_PATH; }
+std::string TensorShmdPath() {
+  // $TENSORSHMD where set (a bundle's daemon), else the build's.
+  const char* path = std::getenv("TENSORSHMD");
+  return path != nullptr && *path != '\0' ? path : TENSORSHMD_PATH;
+}
 bool WaitUntilStopped(pid_t pid, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   const std::string tasks = absl::StrCat("/proc/", pid, "/task");
@@ -116,6 +121,17 @@ std::string RunToEnd(const std::vector<std::string>& argv, const std::string& lo
 std::string PeerPath() { return TSM_PEER_PATH; }
 std::string CConsumerPath() { return TSM_C_CONSUMER_PATH; }
 std::string FakeCudaPath() { return TSM_FAKE_CUDA_PATH; }
+
+void RemoveDeadProcessesFakeCudaPages() {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", error)) {
+    const std::string file = entry.path().filename().string();
+    if (!absl::StartsWith(file, "tsmfakecu.")) continue;
+    const pid_t pid = std::atoi(file.c_str() + strlen("tsmfakecu."));
+    if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
+      std::filesystem::remove(entry.path(), error);
+  }
+}
 
 absl::StatusOr<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv,
                                                  const std::string& log_path,

@@ -137,6 +137,9 @@ std::string PeerPath();
 std::string CConsumerPath();
 // The emulated CUDA driver library (tests/support/fake_cuda), for TENSORSHM_LIBCUDA.
 std::string FakeCudaPath();
+// Removes the emulated driver's pages (/dev/shm/tsmfakecu.<pid>.*: device memory and events) of
+// processes that have ended: a producer killed at a test's end leaves its events' pages behind.
+void RemoveDeadProcessesFakeCudaPages();
 
 }  // namespace tensorshm::testing
 

@@ -89,7 +89,8 @@ def shm_parameters(tensor) -> tuple[str, int, int]:
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = two_device_daemon("triton-cuda", FAKE)
+    # Triton's CUDA shared memory registers a cudaIpcMemHandle: legacy pools.
+    d = two_device_daemon("triton-cuda", FAKE, kind="ipc")
     yield d
     assert d.stop() == 0
 
@@ -160,3 +161,23 @@ def test_a_host_and_a_cuda_segment_of_the_same_numbers_are_two_regions(daemon):
             assert [call[0] for call in triton.calls] == [
                 "register_system", "register", "infer", "unregister_system", "unregister"]
             assert triton.calls[0][1] != triton.calls[1][1]
+
+
+def test_a_vmm_pool_tensor_is_refused_naming_the_pool_kind_triton_needs():
+    """VMM segments (the default) have no cudaIpcMemHandle to register: the feeder says which
+    flag makes a pool Triton can use, before anything reaches Triton."""
+    d = two_device_daemon("triton-vmm", FAKE)
+    try:
+        with tensorshm.connect(d.socket) as client:
+            w = client.create((16,), "float32", device="cuda:1")
+            Driver().to_device(1, w._data_ptr, np.ones(16, np.float32))
+            w.publish("v", replace=True)
+            triton = RecordingTriton()
+            with client.get("v") as x, TritonFeeder(triton, client) as feed:
+                assert x._segment_place()["ipc_handle"] == b""
+                with pytest.raises(tensorshm.FailedPreconditionError,
+                                   match="--cuda-pool-kind ipc"):
+                    feed.infer("m", [feed.input("x", x)])
+                assert triton.calls == []
+    finally:
+        assert d.stop() == 0

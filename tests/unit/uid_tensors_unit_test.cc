@@ -199,7 +199,7 @@ TEST_F(UidTensorsCatalogTest, AFullCudaPoolEvictsFromTheUidPastItsShareOfBytes) 
   ASSERT_TRUE(driver.ok()) << driver.status();
   constexpr int64_t kMiB = 1 << 20;
   absl::StatusOr<std::unique_ptr<CudaPool>> pool =
-      CudaPool::Create(*driver, CudaPoolOptions{0, 4 * kMiB, 4 * kMiB});
+      CudaPool::Create(*driver, CudaPoolOptions{0, CudaPoolKind::kAuto, 4 * kMiB, 4 * kMiB});
   ASSERT_TRUE(pool.ok()) << pool.status();
   catalog_->AddCudaPool(*std::move(pool));
   const DLDevice cuda{kDLCUDA, 0};

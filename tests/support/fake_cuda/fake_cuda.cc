@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -428,6 +429,32 @@ CUresult cuEventSynchronize(CUevent event) {
   return CUDA_SUCCESS;
 }
 
+// Work is done when issued here, so a recorded event has always completed, unless
+// TSM_FAKE_CUDA_BUSY_QUERIES=N (read at each call) makes the first N queries after each record
+// (seen by this process) report it unfinished, as a GPU still running the producer's kernels; a
+// lower N later cuts what is left short (0: everything has finished).
+CUresult cuEventQuery(CUevent event) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  REQUIRE_INIT(s);
+  if (event == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  ++s.counters.event_query;
+  const char* busy_env = getenv("TSM_FAKE_CUDA_BUSY_QUERIES");
+  const int64_t busy = busy_env != nullptr ? atoll(busy_env) : 0;
+  const int64_t records = event->records->load();
+  if (records != event->queried_records) {
+    event->queried_records = records;
+    event->busy_queries = busy;
+  }
+  // Lowered meanwhile (to 0: the GPU is done with everything).
+  event->busy_queries = std::min(event->busy_queries, busy);
+  if (event->busy_queries > 0) {
+    --event->busy_queries;
+    return CUDA_ERROR_NOT_READY;
+  }
+  return CUDA_SUCCESS;
+}
+
 CUresult cuEventDestroy_v2(CUevent event) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
@@ -494,6 +521,32 @@ CUresult cuStreamWaitEvent(CUstream, CUevent event, unsigned int flags) {
 }
 
 CUresult cuStreamSynchronize(CUstream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  REQUIRE_CONTEXT(s);
+  return CUDA_SUCCESS;
+}
+
+// Streams: work runs when issued, so a stream is only a handle, always idle.
+CUresult cuStreamCreate(CUstream* stream, unsigned int flags) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  REQUIRE_CONTEXT(s);
+  if (stream == nullptr || (flags & ~CU_STREAM_NON_BLOCKING) != 0) return CUDA_ERROR_INVALID_VALUE;
+  *stream = reinterpret_cast<CUstream>(new char(0));
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamDestroy_v2(CUstream stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  REQUIRE_INIT(s);
+  if (stream == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  delete reinterpret_cast<char*>(stream);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamQuery(CUstream) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   REQUIRE_CONTEXT(s);

@@ -6,6 +6,8 @@
 //   TSM_FAKE_CUDA_VISIBLE=2,0    which physical devices this process sees, in ordinal order (as
 //                                CUDA_VISIBLE_DEVICES permutes them); default all, in order
 //   TSM_FAKE_CUDA_INIT_ERROR=1   cuInit fails (CUDA_ERROR_NO_DEVICE)
+//   TSM_FAKE_CUDA_BUSY_QUERIES=N the first N cuEventQuery calls on an event after each record
+//                                report CUDA_ERROR_NOT_READY (read at each call)
 //   TSM_FAKE_CUDA_NO_VMM=1       devices report no virtual memory management and no POSIX file
 //                                descriptor handles; cuMemCreate is CUDA_ERROR_NOT_SUPPORTED
 #ifndef TENSORSHM_TESTS_SUPPORT_FAKE_CUDA_FAKE_CUDA_H_
@@ -35,6 +37,10 @@ struct TsmFakeCudaCounters {
   int64_t memcpy_dtod;
   int64_t primary_ctx_retain;
   int64_t primary_ctx_release;
+  int64_t vmm_import;      // cuMemImportFromShareableHandle calls that succeeded
+  int64_t vmm_map;         // cuMemMap calls that succeeded
+  int64_t vmm_set_access;  // cuMemSetAccess calls that succeeded
+  int64_t event_query;     // cuEventQuery calls
 };
 
 // This process's counters.

@@ -27,6 +27,10 @@ struct CUevent_st {
   std::string shm_name;  // interprocess events: their shared page
   bool owner = true;     // created here (not opened from a handle)
   std::atomic<int64_t>* records = nullptr;
+  // TSM_FAKE_CUDA_BUSY_QUERIES: the records count the last cuEventQuery saw, and how many more
+  // queries report the work behind that record unfinished.
+  int64_t queried_records = -1;
+  int64_t busy_queries = 0;
 };
 
 namespace tsm_fake_cuda {

@@ -214,6 +214,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle, vo
   *handle = ++s.next_handle;
   s.vmm_allocations[*handle] =
       VmmAllocation{fd, static_cast<size_t>(st.st_size), physical, true, false, 0};
+  ++s.counters.vmm_import;
   return CUDA_SUCCESS;
 }
 
@@ -273,6 +274,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
   if (mapped == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   ++it->second.mappings;
   s.mappings[ptr] = VmmMapping{size, handle, it->second.physical, PROT_NONE};
+  ++s.counters.vmm_map;
   return CUDA_SUCCESS;
 }
 
@@ -306,17 +308,15 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* des
   std::lock_guard<std::mutex> lock(s.mu);
   REQUIRE_INIT(s);
   if (desc == nullptr || count == 0 || size == 0) return CUDA_ERROR_INVALID_VALUE;
-  // Every byte of the range mapped.
-  for (uintptr_t at = ptr; at < ptr + size;) {
-    auto m = s.mappings.upper_bound(at);
-    if (m == s.mappings.begin()) return CUDA_ERROR_INVALID_VALUE;
-    --m;
-    if (at >= m->first + m->second.size) return CUDA_ERROR_INVALID_VALUE;
-    at = m->first + m->second.size;
+  // A range of whole mappings, one after another ("a fully mapped address range containing all
+  // allocations": the access of part of a mapping cannot be changed).
+  uintptr_t at = ptr;
+  for (auto m = s.mappings.find(ptr); at < ptr + size; m = s.mappings.find(at)) {
+    if (m == s.mappings.end() || at + m->second.size > ptr + size) return CUDA_ERROR_INVALID_VALUE;
+    at += m->second.size;
   }
   // The access of the device the memory is on (one device per process stands for all).
-  for (auto m = std::prev(s.mappings.upper_bound(ptr));
-       m != s.mappings.end() && m->first < ptr + size; ++m) {
+  for (auto m = s.mappings.find(ptr); m != s.mappings.end() && m->first < ptr + size; ++m) {
     int access = -1;
     for (size_t i = 0; i < count; ++i) {
       if (PhysicalOf(s, desc[i].location) < 0) return CUDA_ERROR_INVALID_DEVICE;
@@ -341,7 +341,12 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* des
     }
     m->second.access = access;
   }
+  ++s.counters.vmm_set_access;
   return CUDA_SUCCESS;
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, CUstream) {
+  return cuMemsetD8_v2(dst, value, n);  // done when issued, as all work here
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
