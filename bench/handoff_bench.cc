@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -52,6 +53,12 @@ extern char** environ;
 
 namespace handoff {
 namespace {
+
+// The daemon: $TENSORSHMD, else the build's (a bundle sets TENSORSHMD).
+std::string Tensorshmd() {
+  const char* path = std::getenv("TENSORSHMD");
+  return path != nullptr && *path != '\0' ? path : TENSORSHMD_PATH;
+}
 
 uint64_t ParseSize(const std::string& text) {
   size_t end = 0;
@@ -241,7 +248,7 @@ void CudaRow(const std::string& self, const std::string& dir, uint64_t size, int
   }
   const std::string socket = dir + "/cuda.sock";
   Child daemon =
-      Child::Spawn({TENSORSHMD_PATH, "--socket", socket, "--host-pool", "64Mi", "--cuda-pool",
+      Child::Spawn({Tensorshmd(), "--socket", socket, "--host-pool", "64Mi", "--cuda-pool",
                     absl::StrFormat("cuda:0=%dB", size + (64 << 20)), "--log-level", "warning"});
   WaitForSocket(socket);
   const std::string size_arg = std::to_string(size);
@@ -279,7 +286,7 @@ int Driver(const std::string& self, const std::vector<uint64_t>& sizes, int max_
   const uint64_t largest = *std::max_element(sizes.begin(), sizes.end());
   const uint64_t pool = largest + (512ull << 20);
   std::vector<std::string> argv = {
-      TENSORSHMD_PATH,  "--socket", socket,        "--host-pool", std::to_string(pool) + "B",
+      Tensorshmd(),     "--socket", socket,        "--host-pool", std::to_string(pool) + "B",
       "--segment-size", "256Mi",    "--log-level", "warning"};
   Child daemon = Child::Spawn(argv);
   WaitForSocket(socket);
