@@ -102,12 +102,12 @@ int Produce(const std::string& socket, const std::string& name, int seed, bool e
   }
   const CUresult query = cu->cuStreamQuery(stream);
   std::cout << "published in_flight=" << (query == CUDA_ERROR_NOT_READY ? 1 : 0) << std::endl;
-  if (exit_at_once) return 0;
-  std::string line;
-  while (std::getline(std::cin, line)) {
+  if (!exit_at_once) {
+    std::string line;
+    while (std::getline(std::cin, line)) {
+    }
   }
-  cu->cuStreamSynchronize(stream);
-  cu->cuStreamDestroy_v2(stream);
+  cu->cuStreamDestroy_v2(stream);  // its work goes on to the end
   return 0;
 }
 
