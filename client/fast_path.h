@@ -1,6 +1,6 @@
-// The client's fast path (DESIGN.md, "Fast path"): acquire and release through shared memory,
-// without a system call. It maps the daemon's catalog index and control segment read-only and
-// the session's lease page read-write, all three from descriptors the memory channel brings.
+// The client's fast path (docs/design.md, "The fast path"): acquire and release through shared
+// memory, without a system call. It maps the daemon's catalog index and control segment read-only
+// and the session's lease page read-write, all three from descriptors the memory channel brings.
 #ifndef TENSORSHM_CLIENT_FAST_PATH_H_
 #define TENSORSHM_CLIENT_FAST_PATH_H_
 

@@ -1,6 +1,6 @@
-// The fast path's shared memory (see DESIGN.md, "Fast path"): the catalog index, which the
-// daemon alone writes and clients map read-only, and the lease pages, one per session, the only
-// shared memory a client writes. Both come to clients as descriptors over the memory channel.
+// The fast path's shared memory (see docs/design.md, "The fast path"): the catalog index, which
+// the daemon alone writes and clients map read-only, and the lease pages, one per session, the
+// only shared memory a client writes. Both come to clients as descriptors over the memory channel.
 //
 // Index layout (a memfd made at every daemon start):
 //   [0, kIndexHeaderBytes)                          IndexHeader
