@@ -40,9 +40,10 @@ CHECK_SKIPS = $(VENV_PY) tests/check_skips.py
 # the XML: a GTEST_SKIP's reason is in it.
 CTEST_RESULTS = --output-junit $(RESULTS)/ctest.xml --test-output-size-passed 65536
 test-cpp: build
-	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/ctest.xml
+	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/ctest.xml && touch $(RESULTS)/ctest.start
 	cd $(BUILD_DIR) && ctest -j$(JOBS) --output-on-failure --no-tests=error $(CTEST_RESULTS)
 	$(CHECK_SKIPS) --label test-cpp $(RESULTS)/ctest.xml
+	$(VENV_PY) tests/check_shm_leftovers.py --label test-cpp --since $(RESULTS)/ctest.start
 
 # The Python package, built by scikit-build-core into .venv (incrementally, in build-python/).
 python: setup
