@@ -1,4 +1,4 @@
-// Tensor._segment_place(): where a tensor's bytes lie in the daemon's memory, for modules that
+// Tensor.segment_place(): where a tensor's bytes lie in the daemon's memory, for modules that
 // register segments with a server that maps them itself (tensorshm.triton).
 #ifndef TENSORSHM_PYTHON_SEGMENT_PLACE_H_
 #define TENSORSHM_PYTHON_SEGMENT_PLACE_H_

@@ -242,7 +242,7 @@ class Service:
             raise
         hold = Hold(tensor, {}, time.monotonic() + seconds, peer=caller)
         try:
-            hold.place = tensor._segment_place()
+            hold.place = tensor.segment_place()
             source = self._endpoint(hold, req.nixl)
             transfer_id = self.table.add(hold)
         except BaseException:
@@ -270,7 +270,7 @@ class Service:
                                         strides=list(layout.strides) or None, timeout=0)
             hold = Hold(tensor, {}, time.monotonic() + seconds, prepared=True, name=req.name,
                         replace=req.replace, peer=caller, nbytes=layout.nbytes)
-            hold.place = tensor._segment_place()
+            hold.place = tensor.segment_place()
             if hold.place["nbytes"] != layout.nbytes:
                 raise _errors.InvalidArgumentError(
                     f"layout.nbytes = {layout.nbytes}: {layout.dtype}{list(layout.shape)} with "

@@ -108,7 +108,7 @@ class Registration:
 
 
 def _where(place: dict[str, Any]) -> tuple[str, int]:
-    """NIXL's memory kind and device of a _segment_place() dict."""
+    """NIXL's memory kind and device of a segment_place() dict."""
     if place["device"] == "cuda":
         return "VRAM", int(place["device_id"])
     return "DRAM", 0
@@ -174,7 +174,7 @@ class Agent:
         self._no_path: set[str] = set()
 
     def register(self, place: dict[str, Any]) -> Registration:
-        """Registers the span of a tensor's bytes (a _segment_place() dict) for one transfer;
+        """Registers the span of a tensor's bytes (a segment_place() dict) for one transfer;
         deregister it once the transfer is over. UnimplementedError, naming the device, where
         NIXL cannot register device memory (its UCX built without CUDA support, or no GPU
         driver)."""

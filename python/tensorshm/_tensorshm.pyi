@@ -59,9 +59,9 @@ class Tensor:
     @property
     def _data_ptr(self) -> int: ...
 
-    def _segment_place(self) -> dict[str, Any]:
+    def segment_place(self) -> dict[str, Any]:
         """
-        Where the tensor's bytes lie in tensorshmd's memory (for tensorshm.triton and tensorshm.transfer): a dict of device, device_id, segment_instance, segment_id, segment_size, offset and nbytes (of the bytes the tensor spans), address (of the first in this process), shm_name (host; empty for a memfd segment) and ipc_handle (CUDA).
+        Where the tensor's bytes lie in tensorshmd's memory, for code that hands them to a server or engine mapping that memory itself (tensorshm.triton, tensorshm.transfer): a dict of device, device_id, segment_instance, segment_id, segment_size, offset and nbytes (of the bytes the tensor spans), address (of the first in this process), shm_name (host; empty for a memfd segment) and ipc_handle (CUDA: the segment's cudaIpcMemHandle on a legacy pool, empty on a VMM pool). An acquired CUDA tensor's place is given once its producer's ready event has completed. Valid while the tensor's lease is held.
         """
 
     def _raw_storage(self) -> tuple[_RawStorage, int]: ...

@@ -272,7 +272,7 @@ class Mover:
                                         device or layout.device or "cpu",
                                         strides=list(layout.strides) or None,
                                         timeout=max(deadline - time.monotonic(), 0))
-            place = tensor._segment_place()
+            place = tensor.segment_place()
             self._span(offer.source, place, peer, "Offer")
             if not self._by_nixl("READ", place, offer.source, offer.transfer_id, peer, deadline):
                 self._calls.stream("READ", place, offer.transfer_id, peer, deadline)
@@ -298,7 +298,7 @@ class Mover:
         `as_name` (default: the same name); returns the name published."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self.client.get(name, timeout=0) as tensor:
-            place = tensor._segment_place()
+            place = tensor.segment_place()
             layout = self._m["TensorLayout"](dtype=tensor.dtype, shape=list(tensor.shape),
                                              strides=list(tensor.strides), device=tensor.device,
                                              nbytes=place["nbytes"])

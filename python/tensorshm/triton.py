@@ -113,7 +113,7 @@ class _Span:
     """Where an input's or output's bytes are: its segment and (offset, nbytes) in it."""
 
     what: str  # "input 'x' (tensor 'x')", for errors
-    place: dict[str, Any]  # the tensor's _segment_place()
+    place: dict[str, Any]  # the tensor's segment_place()
 
     @property
     def segment(self) -> tuple[str, int, int, int]:
@@ -302,7 +302,7 @@ class TritonFeeder:
     # -- registration --
 
     def _span(self, tensor: Tensor, what: str) -> _Span:
-        place = tensor._segment_place()  # raises for a tensor from before a daemon restart
+        place = tensor.segment_place()  # raises for a tensor from before a daemon restart
         what = f"{what} ({_describe(tensor)})"
         if place["device"] == "cpu" and not place["shm_name"]:
             raise FailedPreconditionError(

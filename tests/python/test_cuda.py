@@ -131,11 +131,11 @@ def test_segment_place_of_an_acquired_cuda_tensor_waits_for_its_producer(client,
     w = client.create((16,), "float32", device="cuda:0")
     driver.to_device(0, w._data_ptr, np.ones(16, np.float32))
     before = driver.counters()["event_synchronize"]
-    assert w._segment_place()["device"] == "cuda"
+    assert w.segment_place()["device"] == "cuda"
     assert driver.counters()["event_synchronize"] == before
     w.publish("gpu/place", replace=True)
     with client.get("gpu/place") as t:
-        place = t._segment_place()
+        place = t.segment_place()
         assert driver.counters()["event_synchronize"] == before + 1
         assert place["address"] == t._data_ptr  # the device pointer of the first byte
 

@@ -127,7 +127,7 @@ def test_producer_to_triton_to_consumer_every_byte(daemon, triton_client):
         # One region for the segment x and y share, for that inference: mapped by the segment's
         # POSIX name from offset 0 to the end of the later of the two, no further.
         with client.get("x") as x, client.get("y") as y:
-            px, py = x._segment_place(), y._segment_place()
+            px, py = x.segment_place(), y.segment_place()
         assert (px["segment_instance"], px["segment_id"]) == (py["segment_instance"],
                                                               py["segment_id"])
         end = max(p["offset"] + p["nbytes"] for p in (px, py))
@@ -148,7 +148,7 @@ def test_two_inputs_in_one_segment_at_different_offsets(daemon, triton_client):
         client.put("b", b, replace=True)
         seen = watch_registrations(triton_client)
         with client.get("a") as ta, client.get("b") as tb:
-            pa, pb = ta._segment_place(), tb._segment_place()
+            pa, pb = ta.segment_place(), tb.segment_place()
             assert (pa["segment_instance"], pa["segment_id"]) == (
                 pb["segment_instance"], pb["segment_id"])
             assert pa["offset"] != pb["offset"] and min(pa["offset"], pb["offset"]) > 0
@@ -329,7 +329,7 @@ def test_a_segment_triton_cannot_open_is_refused_with_the_fix(daemon, triton_cli
     with tensorshm.connect(daemon.socket) as client, TritonFeeder(triton_client, client) as feed:
         client.put("gone", np.ones(16, np.float32), replace=True)
         with client.get("gone") as x:
-            place = x._segment_place()
+            place = x.segment_place()
             hidden = f"/dev/shm{place['shm_name']}.moved"
             os.rename(f"/dev/shm{place['shm_name']}", hidden)
             try:
@@ -350,7 +350,7 @@ def test_a_segment_another_client_holds_a_region_of_is_refused_with_the_reason(d
         client.put("x", np.ones(16, np.float32), replace=True)
         with client.get("x") as x:
             triton_client.register_system_shared_memory(
-                "another.client", x._segment_place()["shm_name"], 64)
+                "another.client", x.segment_place()["shm_name"], 64)
             try:
                 with pytest.raises(tensorshm.FailedPreconditionError,
                                    match=r"one region of .* at a time.*one feeder per"):

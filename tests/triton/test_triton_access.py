@@ -47,7 +47,7 @@ def test_shm_group_lets_triton_of_another_uid_map_the_segments(other_uid_triton)
                 httpclient.InferenceServerClient(other_uid_triton.http_url) as triton, \
                 TritonFeeder(triton, client) as feed:
             with client.get("x") as x:
-                mode = os.stat(f"/dev/shm{x._segment_place()['shm_name']}")
+                mode = os.stat(f"/dev/shm{x.segment_place()['shm_name']}")
                 assert (stat.S_IMODE(mode.st_mode), mode.st_gid) == (0o660, GROUP)
                 y = client.create(x.shape, x.dtype)
                 feed.infer("affine", [feed.input("x", x)], [feed.output("y", y)])

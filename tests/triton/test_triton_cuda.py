@@ -103,7 +103,7 @@ def test_cuda_input_registers_the_segment_handle_for_the_inference_and_reaches_t
         w.publish("g", replace=True)
         triton = RecordingTriton()
         with client.get("g") as x, TritonFeeder(triton, client, cuda_device_ids={1: 0}) as feed:
-            place = x._segment_place()
+            place = x.segment_place()
             assert place["device"] == "cuda" and place["device_id"] == 1
             assert len(place["ipc_handle"]) == 64
             end = place["offset"] + data.nbytes
@@ -135,7 +135,7 @@ def test_cuda_output_is_a_region_of_the_writable_buffers_segment(daemon):
         triton = RecordingTriton()
         with TritonFeeder(triton, client) as feed:
             requested = feed.output("y", y)
-            place = y._segment_place()
+            place = y.segment_place()
             with feed.registered([], [requested]) as regions:
                 assert triton.calls == [("register", regions[0], base64.b64encode(
                     place["ipc_handle"]), 0, place["offset"] + 64 * 4 * 4)]  # ordinal unmapped
@@ -154,7 +154,7 @@ def test_a_host_and_a_cuda_segment_of_the_same_numbers_are_two_regions(daemon):
         w = client.create((16,), "float32", device="cuda:1")
         triton = RecordingTriton()
         with client.get("h") as h, TritonFeeder(triton, client) as feed:
-            hp, wp = h._segment_place(), w._segment_place()
+            hp, wp = h.segment_place(), w.segment_place()
             assert (hp["segment_instance"], hp["segment_id"]) == (
                 wp["segment_instance"], wp["segment_id"])  # the case this test is about
             feed.infer("m", [feed.input("h", h)], [feed.output("w", w)])
@@ -174,7 +174,7 @@ def test_a_vmm_pool_tensor_is_refused_naming_the_pool_kind_triton_needs():
             w.publish("v", replace=True)
             triton = RecordingTriton()
             with client.get("v") as x, TritonFeeder(triton, client) as feed:
-                assert x._segment_place()["ipc_handle"] == b""
+                assert x.segment_place()["ipc_handle"] == b""
                 with pytest.raises(tensorshm.FailedPreconditionError,
                                    match="--cuda-pool-kind ipc"):
                     feed.infer("m", [feed.input("x", x)])

@@ -51,12 +51,12 @@ class RecordingTriton(httpclient.InferenceServerClient):
 
 
 def tensor_at(segment: int, offset: int, nbytes: int = 64, instance: int = 1) -> SimpleNamespace:
-    """What the feeder reads of a host tensor: its layout and _segment_place()."""
+    """What the feeder reads of a host tensor: its layout and segment_place()."""
     place = {"device": "cpu", "device_id": 0, "segment_instance": instance,
              "segment_id": segment, "segment_size": 1 << 20, "offset": offset, "nbytes": nbytes,
              "shm_name": f"/p.cpu.{segment}", "ipc_handle": b""}
     return SimpleNamespace(shape=(nbytes // 4,), strides=(1,), dtype="float32", name="x",
-                           _segment_place=lambda: place)
+                           segment_place=lambda: place)
 
 
 def feeder(triton: RecordingTriton, **kwargs) -> TritonFeeder:
