@@ -302,11 +302,6 @@ void CudaState::SealCompleted() {
   }
 }
 
-size_t CudaState::pending_seal_count() const {
-  MutexLock lock(&mu_);
-  return pending_seals_.size();
-}
-
 absl::StatusOr<std::string> CudaState::RecordReadyEvent(int ordinal, CUstream stream,
                                                         uint64_t tensor_id) {
   return InContext(
@@ -477,11 +472,6 @@ void CudaState::CloseEvent(int ordinal, const std::string& handle, CUevent event
       it != opened_events_.end() && it->second.event == event) {
     --it->second.users;
   }
-}
-
-size_t CudaState::opened_event_count() const {
-  MutexLock lock(&mu_);
-  return opened_events_.size();
 }
 
 absl::Status CudaState::StreamWaitEvent(int ordinal, CUstream stream, CUevent event) {

@@ -85,8 +85,6 @@ class CudaState {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Seal(int ordinal, const SegmentKey& key, uint64_t offset, uint64_t length,
                     const std::string& ready_event) ABSL_LOCKS_EXCLUDED(mu_);
-  // Seals waiting for their event, for tests.
-  size_t pending_seal_count() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Records a new interprocess event on `stream` of device `ordinal` for tensor `tensor_id` and
   // returns its 64-byte CUipcEventHandle. The event lives until a sweep finds the tensor gone
@@ -122,8 +120,6 @@ class CudaState {
   // Lets go of an event OpenEvent returned. Safe on any thread.
   void CloseEvent(int ordinal, const std::string& handle, CUevent event, bool own)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Other processes' events opened and cached now, for tests.
-  size_t opened_event_count() const ABSL_LOCKS_EXCLUDED(mu_);
   // `stream` of device `ordinal` waits for `event` (cuStreamWaitEvent).
   absl::Status StreamWaitEvent(int ordinal, CUstream stream, CUevent event)
       ABSL_LOCKS_EXCLUDED(mu_);
