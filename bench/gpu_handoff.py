@@ -30,7 +30,7 @@ every method, so that the consumer is waiting.
 
 Needs torch with a CUDA device; prints why and exits 0 without one (CI has no GPU). The daemon
 is $TENSORSHMD, else build/tensorshmd, started with a CUDA pool of the given device (its pool
-kind: $TSM_CUDA_POOL_KIND, default auto).
+kind: $TSM_CUDA_POOL_KIND, default auto), as a tensorshm.Daemon.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from py_handoff import fmt_ns, fmt_size, parse_size, start_daemon
+from py_handoff import fmt_ns, fmt_size, parse_size
 
 
 def tsm_producer(socket, device, size, iterations, go, report):
@@ -194,11 +194,14 @@ def strace_counts(argv) -> tuple[int, int]:
 
 
 def warm_gets(device: int, gets: int) -> None:
-    import tensorshm  # noqa: F401 - the consumer's interpreter must import it
+    import tensorshm
 
-    daemon, socket, daemon_dir = start_daemon(
-        64 << 20, extra=("--cuda-pool", f"cuda:{device}=64Mi", "--cuda-pool-kind",
-                         os.environ.get("TSM_CUDA_POOL_KIND", "auto")))
+    with tensorshm.Daemon("64Mi", cuda_pool=f"cuda:{device}=64Mi",
+                          cuda_pool_kind=os.environ.get("TSM_CUDA_POOL_KIND", "auto")) as daemon:
+        warm_gets_on(daemon.socket, device, gets)
+
+
+def warm_gets_on(socket: str, device: int, gets: int) -> None:
     producer = subprocess.Popen([sys.executable, "-c", WARM_PRODUCER, socket, str(device)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -229,9 +232,6 @@ def warm_gets(device: int, gets: int) -> None:
     finally:
         producer.stdin.close()
         producer.wait()
-        daemon.terminate()
-        daemon.wait()
-        shutil.rmtree(daemon_dir, ignore_errors=True)
 
 
 def main() -> int:
@@ -259,8 +259,11 @@ def main() -> int:
     ctx = tmp.get_context("spawn")
     pool = 3 * max(sizes) + (64 << 20)
     kind = os.environ.get("TSM_CUDA_POOL_KIND", "auto")
-    daemon, socket, daemon_dir = start_daemon(
-        64 << 20, extra=("--cuda-pool", f"cuda:{args.device}={pool}B", "--cuda-pool-kind", kind))
+    import tensorshm
+
+    daemon = tensorshm.Daemon("64Mi", cuda_pool=f"cuda:{args.device}={pool}B",
+                              cuda_pool_kind=kind)
+    socket = daemon.socket
     print(f"gpu_handoff: {torch.cuda.get_device_name(args.device)}, torch {torch.__version__}, "
           f"--cuda-pool-kind {kind}; medians of {args.iterations - 1} handoffs after a cold one "
           "(producer starts -> consumer holds, stream synchronized)")
@@ -277,9 +280,7 @@ def main() -> int:
                                       ctx.Queue(), size, iterations)
             rows.append(row)
     finally:
-        daemon.terminate()
-        daemon.wait()
-        shutil.rmtree(daemon_dir, ignore_errors=True)
+        daemon.stop()
     print(f"{'size':>8} {'tensorshm':>12} {'put':>12} {'torch.mp':>12} {'tsm/torch':>10} "
           f"{'put/torch':>10}")
     for row in rows:

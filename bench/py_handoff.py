@@ -235,15 +235,14 @@ def median_after_first(values):
     return statistics.median(values[1:] if len(values) > 1 else values)
 
 
-def start_daemon(pool: int, extra=()):
-    """A tensorshmd ($TENSORSHMD, else build/tensorshmd) with a host pool of `pool` bytes (and
-    the flags in `extra`) on a socket of its own: (process, socket path, its directory), once the
-    socket is there."""
+def start_daemon(pool: int):
+    """A tensorshmd ($TENSORSHMD, else build/tensorshmd) with a host pool of `pool` bytes on a
+    socket of its own: (process, socket path, its directory), once the socket is there."""
     daemon_dir = tempfile.mkdtemp(prefix="tsm-pybench-")
     socket = os.path.join(daemon_dir, "tensorshm.sock")
     tensorshmd = os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd"))
     daemon = subprocess.Popen([tensorshmd, "--socket", socket, "--host-pool", f"{pool}B",
-                               "--log-level", "warning", *extra], stdout=subprocess.DEVNULL)
+                               "--log-level", "warning"], stdout=subprocess.DEVNULL)
     while not os.path.exists(socket):
         if daemon.poll() is not None:
             shutil.rmtree(daemon_dir, ignore_errors=True)
