@@ -148,12 +148,6 @@ bool CudaState::FindMapped(int ordinal, const SegmentKey& key, Mapped* mapped) {
   return false;
 }
 
-CUdeviceptr CudaState::FindVmmSegment(int ordinal, const SegmentKey& key) {
-  MutexLock lock(&mu_);
-  auto it = vmm_segments_.find({ordinal, key});
-  return it == vmm_segments_.end() ? 0 : it->second.base;
-}
-
 absl::StatusOr<CUdeviceptr> CudaState::MapVmmSegment(int ordinal, const SegmentKey& key,
                                                      UniqueFd fd, uint64_t size,
                                                      uint64_t granularity) {

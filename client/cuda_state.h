@@ -64,13 +64,11 @@ class CudaState {
   };
   bool FindMapped(int ordinal, const SegmentKey& key, Mapped* mapped) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // VMM segments (CudaLocation.vmm). The base address of segment `key` in device `ordinal`, or 0
-  // if this process has not mapped it.
-  CUdeviceptr FindVmmSegment(int ordinal, const SegmentKey& key) ABSL_LOCKS_EXCLUDED(mu_);
-  // Maps the VMM allocation `fd` (`size` bytes, a multiple of `granularity`) as segment `key` of
-  // device `ordinal`, read-only for the device (cuMemSetAccess PROT_READ), and returns its base
-  // address; the mapping already made if another thread was first. The descriptor is closed
-  // here. Errors name the segment and the driver call.
+  // VMM segments (CudaLocation.vmm; FindMapped finds one mapped already). Maps the VMM allocation
+  // `fd` (`size` bytes, a multiple of `granularity`) as segment `key` of device `ordinal`,
+  // read-only for the device (cuMemSetAccess PROT_READ), and returns its base address; the mapping
+  // already made if another thread was first. The descriptor is closed here. Errors name the
+  // segment and the driver call.
   absl::StatusOr<CUdeviceptr> MapVmmSegment(int ordinal, const SegmentKey& key, UniqueFd fd,
                                             uint64_t size, uint64_t granularity)
       ABSL_LOCKS_EXCLUDED(mu_);

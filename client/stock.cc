@@ -111,7 +111,7 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
 
 absl::StatusOr<CUdeviceptr> ClientCore::MapCudaSegment(int ordinal, const v1::Location& location) {
   const SegmentKey key{location.segment_instance(), location.segment_id()};
-  if (CUdeviceptr base = cuda_.FindVmmSegment(ordinal, key); base != 0) return base;
+  if (CudaState::Mapped mapped; cuda_.FindMapped(ordinal, key, &mapped)) return mapped.base;
   uint64_t size = 0;
   uint64_t granularity = 0;
   absl::StatusOr<UniqueFd> fd = memory_.RequestCudaSegment(

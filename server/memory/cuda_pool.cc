@@ -68,10 +68,12 @@ absl::Status CudaPool::ChooseKind() {
   }
   if (options_.kind == CudaPoolKind::kAuto) {
     options_.kind = supported ? CudaPoolKind::kVmm : CudaPoolKind::kIpc;
-    TSM_LOG(kInfo) << "cuda:" << ordinal << ": "
-                   << (supported ? "VMM pool (POSIX file descriptors; consumers map read-only)"
-                                 : "legacy IPC pool: the driver reports no VMM with POSIX file "
-                                   "descriptor handles for the device");
+    // The daemon logs the kind with the pool; this says why auto fell back.
+    if (!supported) {
+      TSM_LOG(kInfo) << "cuda:" << ordinal
+                     << ": legacy IPC pool: the driver reports no VMM with POSIX file descriptor "
+                        "handles for the device";
+    }
   }
   if (options_.kind == CudaPoolKind::kIpc) return absl::OkStatus();
   const CUmemAllocationProp prop = VmmProperties(ordinal);
