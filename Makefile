@@ -36,14 +36,19 @@ test: test-cpp test-python
 RESULTS = $(CURDIR)/$(BUILD_DIR)/test-results
 CHECK_SKIPS = $(VENV_PY) tests/check_skips.py
 
+# Each suite ends by listing what its daemons (and the emulated CUDA driver) left in /dev/shm
+# since its start, and fails on anything there (tests/check_shm_leftovers.py; removed once listed).
+SHM_START = @mkdir -p $(RESULTS) && touch $(RESULTS)/$@.start
+SHM_CHECK = $(VENV_PY) tests/check_shm_leftovers.py --label $@ --since $(RESULTS)/$@.start
+
 # --no-tests=error: a run that found no test fails. The passed tests' output is kept whole in
 # the XML: a GTEST_SKIP's reason is in it.
 CTEST_RESULTS = --output-junit $(RESULTS)/ctest.xml --test-output-size-passed 65536
 test-cpp: build
-	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/ctest.xml && touch $(RESULTS)/ctest.start
+	$(SHM_START) && rm -f $(RESULTS)/ctest.xml
 	cd $(BUILD_DIR) && ctest -j$(JOBS) --output-on-failure --no-tests=error $(CTEST_RESULTS)
 	$(CHECK_SKIPS) --label test-cpp $(RESULTS)/ctest.xml
-	$(VENV_PY) tests/check_shm_leftovers.py --label test-cpp --since $(RESULTS)/ctest.start
+	$(SHM_CHECK)
 
 # The Python package, built by scikit-build-core into .venv (incrementally, in build-python/).
 python: setup
@@ -61,12 +66,13 @@ PYTEST = TENSORSHMD=$(CURDIR)/$(BUILD_DIR)/tensorshmd \
 # on its own (with the real driver, not the emulated one tests/python loads); here it skips
 # unless torch is installed (test-gpu installs it) and a GPU is there.
 test-python: build python
-	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/python.xml $(RESULTS)/gpu.xml $(RESULTS)/deploy.xml
+	$(SHM_START) && rm -f $(RESULTS)/python.xml $(RESULTS)/gpu.xml $(RESULTS)/deploy.xml
 	$(PYTEST) tests/python --junitxml=$(RESULTS)/python.xml
 	$(PYTEST) tests/gpu --junitxml=$(RESULTS)/gpu.xml
 	$(PYTEST) tests/deploy --junitxml=$(RESULTS)/deploy.xml
 	$(CHECK_SKIPS) --label test-python $(RESULTS)/python.xml $(RESULTS)/gpu.xml \
 	  $(RESULTS)/deploy.xml
+	$(SHM_CHECK)
 
 # The documentation site in $(BUILD_DIR)/docs/html (scripts/build-docs.sh says how): the guides
 # in docs/ and the API reference, Python from the installed package's docstrings, C and C++ from
@@ -84,18 +90,20 @@ docs: python
 # skipped naming the package elsewhere. test-docs-wheel runs the README's quick start and the
 # wheel install as a newcomer would (make wheel, a venv in a fresh HOME, numpy from PyPI).
 test-docs: build python
-	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/docs.xml
+	$(SHM_START) && rm -f $(RESULTS)/docs.xml
 	$(PYTEST) tests/doc_examples --junitxml=$(RESULTS)/docs.xml
 	$(CHECK_SKIPS) --label test-docs $(RESULTS)/docs.xml
+	$(SHM_CHECK)
 
 # The architecture picture from its source (Graphviz).
 architecture: setup
 	dot -Tsvg docs/images/architecture.dot -o docs/images/architecture.svg
 
 test-docs-wheel: build python
-	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/docs-wheel.xml
+	$(SHM_START) && rm -f $(RESULTS)/docs-wheel.xml
 	$(VENV_PY) -m pytest -q -rs tests/doc_examples/wheel_blocks.py --junitxml=$(RESULTS)/docs-wheel.xml
 	$(CHECK_SKIPS) --label test-docs-wheel $(RESULTS)/docs-wheel.xml
+	$(SHM_CHECK)
 
 # The tests that need an optional package (torch, JAX, pyarrow, nanoarrow, ONNX Runtime: the
 # pytest marker `ecosystem`, given by tests/python/conftest.py to every test that uses one) and
@@ -109,8 +117,10 @@ ecosystem-packages: python
 	  $(VENV_PY) -m pip install -q -r scripts/requirements-ecosystem.txt; }
 
 test-ecosystem: build python ecosystem-packages
+	$(SHM_START)
 	TSM_REQUIRE_ECOSYSTEM=1 $(PYTEST) -m ecosystem tests/python
 	$(VENV_PY) -m mypy --strict examples python/tensorshm
+	$(SHM_CHECK)
 
 # The same as test-ecosystem (torch's tests are ecosystem tests); kept for old habits.
 test-torch: test-ecosystem
@@ -130,16 +140,18 @@ triton-packages: python
 	  .venv-triton/bin/pip install -q -r scripts/requirements-triton-server.txt; }
 
 test-triton: build python triton-packages
-	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/triton.xml
+	$(SHM_START) && rm -f $(RESULTS)/triton.xml
 	TSM_TRITON_VENV=$(CURDIR)/.venv-triton $(PYTEST) tests/triton --junitxml=$(RESULTS)/triton.xml
 	$(CHECK_SKIPS) --label test-triton $(RESULTS)/triton.xml
+	$(SHM_CHECK)
 
 # The real-GPU test (torch on CUDA, with the real driver), after the ecosystem packages (torch)
 # are in: CI runs it after test-ecosystem. It may skip only where the machine has no GPU.
 test-gpu: build python ecosystem-packages
-	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/gpu.xml
+	$(SHM_START) && rm -f $(RESULTS)/gpu.xml
 	$(PYTEST) -s tests/gpu --junitxml=$(RESULTS)/gpu.xml
 	$(CHECK_SKIPS) --label test-gpu $(RESULTS)/gpu.xml
+	$(SHM_CHECK)
 
 # A tarball that checks tensorshm on a GPU machine's real driver with nothing built there
 # (scripts/gpu-bundle.sh): the daemon, tests/gpu's real_gpu_tests and handoff_bench with their
@@ -165,9 +177,10 @@ multinode-packages: python
 	  $(VENV_PY) -m pip install -q --no-deps $(NIXL_PACKAGES); }
 
 test-multinode: build python multinode-packages
-	@mkdir -p $(RESULTS) && rm -f $(RESULTS)/multinode.xml
+	$(SHM_START) && rm -f $(RESULTS)/multinode.xml
 	UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN $(PYTEST) tests/multinode --junitxml=$(RESULTS)/multinode.xml
 	$(CHECK_SKIPS) --label test-multinode $(RESULTS)/multinode.xml
+	$(SHM_CHECK)
 
 # The C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer (CI runs this too).
 test-asan: setup

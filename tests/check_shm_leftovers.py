@@ -4,8 +4,8 @@
     python3 tests/check_shm_leftovers.py --label test-cpp --since MARKER
 
 MARKER: a file touched when the suite began. Counted: every /dev/shm entry made since then
-(its ctime) whose name is a test daemon's (tsmtest-*, the default tsm-*) or the emulated CUDA
-driver's (tsmfakecu.*) of a process that has ended. A daemon still running, of the tests or
+(its ctime) whose name is a test daemon's (PREFIXES below) or the emulated CUDA driver's
+(tsmfakecu.*) of a process that has ended. A daemon still running, of the tests or
 not, is not counted (it holds its prefix's lock file); a daemon of your own started during the
 run, with the default prefix, would be. The entries are removed once listed, so that a rerun
 starts clean.
@@ -19,7 +19,9 @@ import os
 import pathlib
 import sys
 
-PREFIXES = ("tsmtest-", "tsm-", "tsmfakecu.")
+# The C++ tests' daemons (tsmtest-), tests/python's (tsmpy-), tensorshm.Daemon's (tsmd-), the doc
+# examples' (tsmdoc-), the default prefix and the deploy tests' (tsm-), the emulated driver's.
+PREFIXES = ("tsmtest-", "tsmpy-", "tsmd-", "tsmdoc-", "tsm-", "tsmfakecu.")
 
 
 def alive(pid: int) -> bool:

@@ -333,8 +333,16 @@ TEST_F(IntegrationTest, DeleteWhileLeasedKeepsBytesUntilLastRelease) {
 
 TEST_F(IntegrationTest, AcquireWaitsForPublish) {
   ChildProcess consumer = StartPeer({"consume", "later", "--wait-ms", "30000"});
-  // The consumer is waiting before the producer exists.
-  absl::SleepFor(absl::Milliseconds(200));
+  // The consumer is waiting before the producer exists: asleep on the fast path's futex, or in
+  // the daemon (a consumer whose fast path was not set up yet).
+  bool waiting = false;
+  for (int i = 0; i < 3000 && !waiting; ++i) {
+    waiting = WaitUntilSleepingOnSharedFutex(consumer.pid(), absl::Milliseconds(10));
+    absl::StatusOr<std::vector<SessionInfo>> sessions = client_->Sessions();
+    ASSERT_OK(sessions);
+    for (const SessionInfo& session : *sessions) waiting |= session.waiting_acquires > 0;
+  }
+  ASSERT_TRUE(waiting) << consumer.Output();
   EXPECT_FALSE(consumer.Wait(absl::ZeroDuration()).ok());
   PeerRun produced = RunPeer({"produce", "later", "--dtype", "uint8", "--shape", "100"});
   ASSERT_TRUE(produced.exited_ok()) << produced.output;
@@ -431,8 +439,9 @@ TEST_F(IntegrationTest, SigtermRemovesSocketAndSegmentsAndExitsZero) {
 }
 
 TEST_F(IntegrationTest, SigtermWithConnectedClientsStillExitsZero) {
-  ChildProcess holder = StartPeer({"hold"});
-  absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_TRUE(RunPeer({"produce", "t", "--dtype", "uint8", "--shape", "10"}).exited_ok());
+  ChildProcess holder = StartPeer({"hold", "t"});
+  ASSERT_TRUE(holder.WaitForOutput("held\n", absl::Seconds(30))) << holder.Output();
   daemon_->process().Kill(SIGINT);
   absl::StatusOr<int> status = daemon_->process().Wait(absl::Seconds(15));
   ASSERT_TRUE(status.ok());

@@ -134,14 +134,16 @@ TEST_F(RestartCallsTest, PublishInFlightAtTheKillSaysItsFateIsUnknown) {
   // Stopped, the daemon cannot answer: the publish is sent and waits for its reply.
   daemon->Kill(SIGSTOP);
   ASSERT_TRUE(WaitUntilStopped(daemon->pid(), absl::Seconds(10)));
-  std::atomic<bool> calling{false};
+  const int64_t unread = UnreadSocketBytes();
   absl::Status published;
-  std::thread publisher([&] {
-    calling = true;
-    published = (*client)->Publish(*w, "fate/x");
-  });
-  while (!calling.load()) absl::SleepFor(absl::Milliseconds(1));
-  absl::SleepFor(absl::Milliseconds(500));
+  std::thread publisher([&] { published = (*client)->Publish(*w, "fate/x"); });
+  // The request is sent: it lies unread in the stopped daemon's socket.
+  bool sent = false;
+  for (int i = 0; i < 10000 && !sent; ++i) {
+    sent = UnreadSocketBytes() > unread;
+    if (!sent) absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_TRUE(sent) << "no request reached the daemon's socket";
   Restart(daemon, SIGKILL);
   publisher.join();
   EXPECT_EQ(published.code(), absl::StatusCode::kUnavailable) << published;

@@ -18,6 +18,7 @@ import types
 import pytest
 
 import tensorshm
+from waits import sleeping_on_shared_futex
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -162,6 +163,16 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def waiting(client, pid: int) -> bool:
+    """Whether process `pid` (a client of `client`'s daemon) is in a wait: a get asleep on the
+    fast path's futex, or a get or create the daemon holds waiting."""
+    if sleeping_on_shared_futex(pid):
+        return True
+    stats = client.stat()
+    return stats["creates_waiting"] > 0 or any(
+        s["waiting_acquires"] > 0 for s in client.sessions() if s["pid"] == pid)
 
 
 def sigstop(pid: int) -> None:

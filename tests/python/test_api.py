@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import os
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import tensorshm
-from conftest import Daemon
+from conftest import Daemon, wait_for, waiting
 
 
 def test_errors_subclass_the_builtins_a_user_catches(client):
@@ -54,7 +55,7 @@ def test_full_pool_is_a_memory_error():
 
 def test_get_waits_for_a_publish(client):
     def later():
-        time.sleep(0.3)
+        assert wait_for(lambda: waiting(client, os.getpid()), timeout=30)
         client.put("api/later", np.ones(3))
 
     thread = threading.Thread(target=later)

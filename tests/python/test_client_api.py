@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tensorshm
-from conftest import own_leases, run_python, wait_for
+from conftest import own_leases, run_python, wait_for, waiting
 
 # Generous bound for "promptly": the waits cancelled below would otherwise last far longer.
 PROMPT = 10.0
@@ -433,7 +433,8 @@ def test_cancelling_aget_many_releases_what_it_got(client):
 
     async def main() -> None:
         task = asyncio.create_task(client.aget_many(["async/a", "async/never"], timeout=None))
-        await asyncio.sleep(0.2)
+        while not waiting(client, os.getpid()):
+            await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -468,7 +469,7 @@ def wait():
     except tensorshm.CancelledError as e:
         print("cancelled:", e, flush=True)
 threading.Thread(target=wait, daemon=True).start()
-started.wait(); time.sleep(0.2)
+started.wait(); wait_until_waiting()
 """,
     "thread": """
 def wait():
@@ -478,7 +479,7 @@ def wait():
     except tensorshm.CancelledError as e:
         print("cancelled:", e, flush=True)
 threading.Thread(target=wait).start()
-started.wait(); time.sleep(0.2)
+started.wait(); wait_until_waiting()
 """,
     "frozen_daemon_thread": """
 def hold():
@@ -492,15 +493,29 @@ started.wait()
     "pending_aget": """
 async def main():
     asyncio.get_running_loop().create_task(client.aget("exit/never", timeout=None))
-    await asyncio.sleep(0.2)
+    while not is_waiting():
+        await asyncio.sleep(0.005)
 asyncio.run(main())
 """,
 }
 
-EXIT_PRELUDE = """
-import asyncio, sys, threading, time, numpy as np, tensorshm
+EXIT_PRELUDE = f"""
+import asyncio, os, sys, threading, time, numpy as np, tensorshm
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from waits import sleeping_on_shared_futex
 client = tensorshm.connect(sys.argv[1])
 started = threading.Event()
+
+def is_waiting():
+    # A get is asleep: on the fast path's futex, or in the daemon.
+    return sleeping_on_shared_futex(os.getpid()) or any(
+        s["own"] and s["waiting_acquires"] for s in client.sessions())
+
+def wait_until_waiting():
+    deadline = time.monotonic() + 30
+    while not is_waiting():
+        assert time.monotonic() < deadline, "the get never began to wait"
+        time.sleep(0.005)
 """
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tensorshm
-from conftest import Daemon, wait_for
+from conftest import Daemon, wait_for, waiting
 
 CHILD = r"""
 import sys, tensorshm
@@ -63,9 +63,8 @@ def test_sigint_interrupts_a_wait_and_leaves_nothing(interrupt_daemon, what):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "waiting"
-        # The wait has begun (it is the child's own business when; a signal before it would be
-        # heard just the same).
-        time.sleep(0.5)
+        # The wait has begun (a signal before it would be heard just the same).
+        assert wait_for(lambda: waiting(parent, child.pid), timeout=30)
         assert child.poll() is None
         sent = time.monotonic()
         child.send_signal(signal.SIGINT)

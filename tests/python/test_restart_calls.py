@@ -15,6 +15,7 @@ import pytest
 
 import tensorshm
 from conftest import Daemon, sigstop, wait_for
+from waits import listen_backlog, unread_socket_bytes
 
 
 # Tensors outlive the daemon: recovered after a SIGKILL, kept after a clean stop.
@@ -87,10 +88,9 @@ def test_publish_in_flight_at_the_kill_says_its_fate_is_unknown():
         np.from_dlpack(w)[:] = 1.0
         sigstop(daemon.process.pid)  # the publish is sent and waits for a reply
         box: dict = {}
-        calling = threading.Event()
+        unread = unread_socket_bytes()
 
         def publish() -> None:
-            calling.set()
             try:
                 w.publish("fate/x")
             except BaseException as e:  # noqa: BLE001 - checked below
@@ -98,8 +98,8 @@ def test_publish_in_flight_at_the_kill_says_its_fate_is_unknown():
 
         thread = threading.Thread(target=publish, daemon=True)
         thread.start()
-        calling.wait()
-        time.sleep(0.5)
+        # The request is sent: it lies unread in the stopped daemon's socket.
+        assert wait_for(lambda: unread_socket_bytes() > unread, timeout=10)
         daemon = restart(daemon, signal.SIGKILL)
         thread.join(timeout=30)
         assert not thread.is_alive()
@@ -160,7 +160,8 @@ def test_ctrl_c_interrupts_a_connect():
         child = subprocess.Popen([sys.executable, "-c", CONNECT_STOPPED, daemon.socket],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "connecting"
-        time.sleep(0.5)  # in the wait for the session to open
+        # In the wait for the session to open: its connection queued in the stopped daemon.
+        assert wait_for(lambda: listen_backlog(daemon.socket) > 0, timeout=10)
         sent = time.monotonic()
         child.send_signal(signal.SIGINT)
         out, err = child.communicate(timeout=20)

@@ -113,8 +113,9 @@ TEST(LeasePageAttackTest, FullPagesOfDistinctIdsLeaveStatAndListFast) {
   constexpr int kSessions = 1024;
   ChildProcess attacker = StartAttacker(*daemon, kSessions, "distinct", uint64_t{1} << 40);
   ASSERT_TRUE(attacker.WaitForOutput("filled\n", absl::Seconds(240))) << attacker.Output();
-  // A few housekeeping rounds take the pages in.
-  absl::SleepFor(absl::Seconds(1));
+  // The daemon takes the pages in: Sessions reads every session's page.
+  absl::StatusOr<std::vector<SessionInfo>> read = owner->Sessions();
+  ASSERT_OK(read);
 
   // Three rounds, 100 ms apart, and the best round's median: a scan of every slot would cost
   // every round alike; a build or another suite beside the test slows some rounds, not all.
@@ -166,7 +167,13 @@ TEST(LeasePageAttackTest, PageOfIdsItCouldNotAcquirePinsNothingAndCountsWithinUi
   // Two pages holding ids 1..504 before any of them is handed out.
   ChildProcess attacker = StartAttacker(*daemon, 2, "range", 1);
   ASSERT_TRUE(attacker.WaitForOutput("filled\n", absl::Seconds(60))) << attacker.Output();
-  absl::SleepFor(absl::Milliseconds(100));  // housekeeping reads the pages
+  // The daemon reads the pages before the ids are handed out (Sessions reads every session's).
+  absl::StatusOr<std::vector<SessionInfo>> sessions = owner->Sessions();
+  ASSERT_OK(sessions);
+  int64_t attacker_slots = 0;
+  for (const SessionInfo& session : *sessions)
+    if (session.uid == 65534) attacker_slots += session.page_leases;
+  EXPECT_EQ(attacker_slots, 0) << "slots naming ids not handed out yet count nothing";
 
   constexpr int64_t kBytes = int64_t{32} << 20;
   for (int i = 0; i < 8; ++i)

@@ -94,9 +94,22 @@ TEST(ScribbleTest, DaemonKeepsServingWhileAnotherProcessScribblesItsControlSegme
     ASSERT_TRUE(worker.ok()) << worker.status();
     workers.push_back(*std::move(worker));
   }
-  // The workers are under way (published names exist) before the scribbling starts, and go on
-  // after it stops.
-  absl::SleepFor(absl::Seconds(1));
+  // The workers are under way (each has published a name) before the scribbling starts, and go
+  // on after it stops.
+  {
+    absl::StatusOr<std::shared_ptr<tensorshm::Client>> watcher =
+        tensorshm::Client::Connect({daemon.socket(), "scribble-watcher"});
+    ASSERT_TRUE(watcher.ok()) << watcher.status();
+    std::set<std::string> publishing;
+    for (int i = 0; i < 3000 && publishing.size() < static_cast<size_t>(kWorkers); ++i) {
+      absl::StatusOr<std::vector<tensorshm::TensorInfo>> listed = (*watcher)->List("w");
+      ASSERT_TRUE(listed.ok()) << listed.status();
+      for (const tensorshm::TensorInfo& info : *listed)
+        publishing.insert(info.name.substr(0, info.name.find('/')));
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_EQ(publishing.size(), static_cast<size_t>(kWorkers)) << "workers publishing";
+  }
   absl::StatusOr<ChildProcess> scribbler =
       ChildProcess::Start({ScribblePeerPath(), "scribble", control, "--seconds",
                            std::to_string(kScribbleSeconds), "--seed", std::to_string(kSeed)},

@@ -2,11 +2,15 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/futex.h>
+#include <linux/sockios.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -56,6 +60,41 @@ bool WaitUntilStopped(pid_t pid, absl::Duration timeout) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   return false;
+}
+
+bool WaitUntilSleepingOnSharedFutex(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+  do {
+    std::error_code error;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, error)) {
+      // "NR ARG0 ARG1 ...", the arguments in hex; "running" or "-1 ..." when not in a call.
+      std::ifstream syscall_file(task.path() / "syscall");
+      long number = -1;
+      std::string address;
+      std::string op;
+      if (!(syscall_file >> number >> address >> op) || number != SYS_futex) continue;
+      const unsigned long value = std::strtoul(op.c_str(), nullptr, 16);
+      if ((value & FUTEX_PRIVATE_FLAG) == 0 &&
+          ((value & FUTEX_CMD_MASK) == FUTEX_WAIT || (value & FUTEX_CMD_MASK) == FUTEX_WAIT_BITSET))
+        return true;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  } while (absl::Now() < deadline);
+  return false;
+}
+
+int64_t UnreadSocketBytes() {
+  int64_t total = 0;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", error)) {
+    const int fd = std::atoi(entry.path().filename().c_str());
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    int queued = 0;
+    if (ioctl(fd, SIOCOUTQ, &queued) == 0) total += queued;
+  }
+  return total;
 }
 
 std::string ThreadStacks(pid_t pid) {

@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -126,6 +127,17 @@ std::string Line(const std::string& output, const std::string& key);
 // /proc/PID/task/*/stat); kill() returns before that, and a thread still running may answer one
 // more request. False if not within `timeout`.
 bool WaitUntilStopped(pid_t pid, absl::Duration timeout);
+
+// Waits until a thread of process `pid` sleeps in a shared (not process-private) FUTEX_WAIT, as
+// the client's fast path does waiting for a publish (the daemon wakes it from its own mapping;
+// gRPC's and the C++ runtime's waits are all private): read from /proc/PID/task/*/syscall.
+// False if not within `timeout`.
+bool WaitUntilSleepingOnSharedFutex(pid_t pid, absl::Duration timeout);
+
+// Bytes this process has written into its Unix sockets that their peers have not read yet
+// (SIOCOUTQ, summed over every socket in /proc/self/fd): grows when a request is sent to a
+// stopped daemon.
+int64_t UnreadSocketBytes();
 
 // What each thread of process `pid` is doing, for a failure message about a process that hangs:
 // gdb's backtraces when gdb is installed, else each thread's wait channel and kernel stack.
