@@ -352,7 +352,10 @@ class TENSORSHM_EXPORT Client {
   // PERMISSION_DENIED if the daemon does not admit this uid.
   absl::StatusOr<std::vector<SessionInfo>> Sessions();
 
-  // Blocks until every release queued before the call has been applied by the daemon. Returns
+  // Blocks until every release queued before the call has been applied by the daemon, and the
+  // client's background work for mappings made before it is done (the rest of a newly mapped
+  // segment, and stocked buffers, populated on its sender thread: after it, reads of mapped
+  // tensors and fills of reused buffers fault in no thread of the process). Returns
   // the first refusal the daemon reported for those releases, DATA_LOSS if since the last Flush
   // a restarted daemon did not take back leases or unpublished tensors of this client (naming
   // their tensor ids), or UNAVAILABLE if the session ended (the client then reconnects on its

@@ -111,7 +111,8 @@ TENSORSHM_EXPORT int tsm_acquire(tsm_client* client, const char* name, int64_t t
                                  DLManagedTensorVersioned** out);
 TENSORSHM_EXPORT int tsm_delete(tsm_client* client, const char* name);
 TENSORSHM_EXPORT int tsm_stat(tsm_client* client, tsm_stats* out);
-/* Waits until releases queued so far are applied by the daemon. */
+/* Waits until releases queued so far are applied by the daemon, and the background populate of
+ * mappings made so far is done. */
 TENSORSHM_EXPORT int tsm_flush(tsm_client* client);
 
 #ifdef __cplusplus

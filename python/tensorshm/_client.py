@@ -307,6 +307,10 @@ class Client:
     def flush(self) -> None:
         """Wait until every lease released so far has been given back to the daemon.
 
+        It also waits for what the client does in the background for mappings made so far:
+        populating the rest of a newly mapped segment, and stocked buffers. After it, reads of
+        mapped tensors and fills of reused buffers fault in no thread of the process.
+
         Raises DataLossError, once, if since the last flush a restarted daemon did not take back
         leases or unpublished tensors of this client (the message names their tensor ids), and
         ConnectionError if the session ended (the client reconnects on its own).

@@ -16,7 +16,9 @@ from conftest import run_python
 
 
 def _minflt() -> int:
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt  # not the client's background populate
+    # Every thread of the process, the client's own threads included: a mapping the client made
+    # is populated on its sender thread, and flush() returns once what was queued before is done.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def test_reused_buffer_fills_without_page_faults(client):
@@ -25,6 +27,7 @@ def test_reused_buffer_fills_without_page_faults(client):
     for i in range(12):
         w = client.create((size,), "uint8")
         view = np.from_dlpack(w)
+        client.flush()  # what the create's answer queued for the sender thread (stock) is done
         before = _minflt()
         view.fill(i)  # the producer's writes: into pages populated when the buffer was handed out
         faults.append(_minflt() - before)
@@ -36,6 +39,24 @@ def test_reused_buffer_fills_without_page_faults(client):
     # Every buffer was populated when handed out: no write faulted. (The first round is left
     # out: the interpreter's own first run of this loop may fault in its own memory.)
     assert faults[1:] == [0] * (len(faults) - 1), faults
+
+
+def test_steady_state_put_faults_in_no_thread(client):
+    """A put of a size seen before reuses a buffer its writable mapping has populated, and the
+    lease put() returns reads it through the read-only mapping of the segment, which the client
+    populated in the background once (flush() waits for that): no page fault in any thread."""
+    array = np.full(1 << 20, 7, np.uint8)
+    for _ in range(50):
+        client.put("warm/steady", array, replace=True).release()
+    client.flush()
+    rounds = []
+    for _ in range(3):
+        before = _minflt()
+        for _ in range(200):
+            client.put("warm/steady", array, replace=True).release()
+        rounds.append(_minflt() - before)
+    assert rounds == [0, 0, 0], f"page faults per 200 puts of 1 MiB, in all threads: {rounds}"
+    client.delete("warm/steady")
 
 
 def test_new_buffer_holds_zeros_or_this_uids_leftovers(small_daemon):
