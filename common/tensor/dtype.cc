@@ -1,6 +1,8 @@
 #include "common/tensor/dtype.h"
 
 #include <array>
+#include <optional>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
@@ -11,48 +13,54 @@
 namespace tensorshm {
 namespace {
 
-// Every scalar type tensorshm stores, by DLPack code and bit width, with its numpy or
-// ml_dtypes name. A code/bits pair absent from this table is refused.
+// Every scalar type tensorshm stores, by DLPack code and bit width: its numpy or ml_dtypes name,
+// its PEP 3118 buffer format (Python's buffer protocol; native byte order), its Arrow C data
+// interface format, and its Triton (KServe v2) datatype; nullptr where that side has none. A
+// code/bits pair absent from this table is refused. The one dtype table: the daemon, the clients,
+// the buffer protocol, Arrow and tensorshm.triton all read it.
 struct ScalarType {
   uint8_t code;
   uint8_t bits;
   const char* name;
+  const char* buffer_format;
+  const char* arrow_format;
+  const char* triton_datatype;
 };
 
 constexpr std::array<ScalarType, 33> kScalarTypes = {{
-    {kDLInt, 4, "int4"},
-    {kDLInt, 8, "int8"},
-    {kDLInt, 16, "int16"},
-    {kDLInt, 32, "int32"},
-    {kDLInt, 64, "int64"},
-    {kDLUInt, 4, "uint4"},
-    {kDLUInt, 8, "uint8"},
-    {kDLUInt, 16, "uint16"},
-    {kDLUInt, 32, "uint32"},
-    {kDLUInt, 64, "uint64"},
-    {kDLFloat, 16, "float16"},
-    {kDLFloat, 32, "float32"},
-    {kDLFloat, 64, "float64"},
-    {kDLBfloat, 16, "bfloat16"},
-    {kDLComplex, 32, "complex32"},
-    {kDLComplex, 64, "complex64"},
-    {kDLComplex, 128, "complex128"},
-    {kDLBool, 8, "bool"},
-    {kDLFloat8_e3m4, 8, "float8_e3m4"},
-    {kDLFloat8_e4m3, 8, "float8_e4m3"},
-    {kDLFloat8_e4m3b11fnuz, 8, "float8_e4m3b11fnuz"},
-    {kDLFloat8_e4m3fn, 8, "float8_e4m3fn"},
-    {kDLFloat8_e4m3fnuz, 8, "float8_e4m3fnuz"},
-    {kDLFloat8_e5m2, 8, "float8_e5m2"},
-    {kDLFloat8_e5m2fnuz, 8, "float8_e5m2fnuz"},
-    {kDLFloat8_e8m0fnu, 8, "float8_e8m0fnu"},
-    {kDLFloat6_e2m3fn, 6, "float6_e2m3fn"},
-    {kDLFloat6_e3m2fn, 6, "float6_e3m2fn"},
-    {kDLFloat4_e2m1fn, 4, "float4_e2m1fn"},
-    {kDLInt, 1, "int1"},
-    {kDLUInt, 1, "uint1"},
-    {kDLInt, 2, "int2"},
-    {kDLUInt, 2, "uint2"},
+    {kDLInt, 4, "int4", nullptr, nullptr, nullptr},
+    {kDLInt, 8, "int8", "b", "c", "INT8"},
+    {kDLInt, 16, "int16", "h", "s", "INT16"},
+    {kDLInt, 32, "int32", "i", "i", "INT32"},
+    {kDLInt, 64, "int64", "q", "l", "INT64"},
+    {kDLUInt, 4, "uint4", nullptr, nullptr, nullptr},
+    {kDLUInt, 8, "uint8", "B", "C", "UINT8"},
+    {kDLUInt, 16, "uint16", "H", "S", "UINT16"},
+    {kDLUInt, 32, "uint32", "I", "I", "UINT32"},
+    {kDLUInt, 64, "uint64", "Q", "L", "UINT64"},
+    {kDLFloat, 16, "float16", "e", "e", "FP16"},
+    {kDLFloat, 32, "float32", "f", "f", "FP32"},
+    {kDLFloat, 64, "float64", "d", "g", "FP64"},
+    {kDLBfloat, 16, "bfloat16", nullptr, nullptr, "BF16"},
+    {kDLComplex, 32, "complex32", nullptr, nullptr, nullptr},
+    {kDLComplex, 64, "complex64", "Zf", nullptr, nullptr},
+    {kDLComplex, 128, "complex128", "Zd", nullptr, nullptr},
+    {kDLBool, 8, "bool", "?", nullptr, "BOOL"},
+    {kDLFloat8_e3m4, 8, "float8_e3m4", nullptr, nullptr, nullptr},
+    {kDLFloat8_e4m3, 8, "float8_e4m3", nullptr, nullptr, nullptr},
+    {kDLFloat8_e4m3b11fnuz, 8, "float8_e4m3b11fnuz", nullptr, nullptr, nullptr},
+    {kDLFloat8_e4m3fn, 8, "float8_e4m3fn", nullptr, nullptr, nullptr},
+    {kDLFloat8_e4m3fnuz, 8, "float8_e4m3fnuz", nullptr, nullptr, nullptr},
+    {kDLFloat8_e5m2, 8, "float8_e5m2", nullptr, nullptr, nullptr},
+    {kDLFloat8_e5m2fnuz, 8, "float8_e5m2fnuz", nullptr, nullptr, nullptr},
+    {kDLFloat8_e8m0fnu, 8, "float8_e8m0fnu", nullptr, nullptr, nullptr},
+    {kDLFloat6_e2m3fn, 6, "float6_e2m3fn", nullptr, nullptr, nullptr},
+    {kDLFloat6_e3m2fn, 6, "float6_e3m2fn", nullptr, nullptr, nullptr},
+    {kDLFloat4_e2m1fn, 4, "float4_e2m1fn", nullptr, nullptr, nullptr},
+    {kDLInt, 1, "int1", nullptr, nullptr, nullptr},
+    {kDLUInt, 1, "uint1", nullptr, nullptr, nullptr},
+    {kDLInt, 2, "int2", nullptr, nullptr, nullptr},
+    {kDLUInt, 2, "uint2", nullptr, nullptr, nullptr},
 }};
 
 constexpr uint32_t kMaxCode = kDLFloat4_e2m1fn;
@@ -156,6 +164,36 @@ absl::StatusOr<DLDataType> ParseDataType(absl::string_view name, absl::string_vi
   }
   return absl::InvalidArgumentError(
       absl::StrCat(field, " = \"", absl::CHexEscape(name), "\": unknown dtype name"));
+}
+
+const char* BufferFormat(const DLDataType& dtype) {
+  const ScalarType* t = FindScalar(dtype.code, dtype.bits);
+  return t != nullptr && dtype.lanes == 1 ? t->buffer_format : nullptr;
+}
+
+const char* ArrowFormat(const DLDataType& dtype) {
+  const ScalarType* t = FindScalar(dtype.code, dtype.bits);
+  return t != nullptr && dtype.lanes == 1 ? t->arrow_format : nullptr;
+}
+
+std::optional<DLDataType> DataTypeOfArrowFormat(absl::string_view format) {
+  for (const ScalarType& t : kScalarTypes) {
+    if (t.arrow_format != nullptr && format == t.arrow_format) return DLDataType{t.code, t.bits, 1};
+  }
+  return std::nullopt;
+}
+
+const char* TritonDatatype(const DLDataType& dtype) {
+  const ScalarType* t = FindScalar(dtype.code, dtype.bits);
+  return t != nullptr && dtype.lanes == 1 ? t->triton_datatype : nullptr;
+}
+
+std::vector<DataTypeNames> AllDataTypeNames() {
+  std::vector<DataTypeNames> all;
+  for (const ScalarType& t : kScalarTypes) {
+    all.push_back({t.name, t.buffer_format, t.arrow_format, t.triton_datatype});
+  }
+  return all;
 }
 
 }  // namespace tensorshm

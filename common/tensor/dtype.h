@@ -6,8 +6,10 @@
 #include <dlpack/dlpack.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -37,6 +39,27 @@ std::string DataTypeName(const DLDataType& dtype);
 // Parses a name produced by DataTypeName (and "bool_" / "half" / "float" / "double" aliases).
 // INVALID_ARGUMENT naming `field` if the name is unknown.
 absl::StatusOr<DLDataType> ParseDataType(absl::string_view name, absl::string_view field = "dtype");
+
+// The names a scalar dtype (lanes 1) has elsewhere, from the table in dtype.cc; nullptr where
+// that side has none (vectors have none anywhere).
+// PEP 3118 buffer format, native byte order: "f" for float32, "Zd" for complex128, "?" for bool.
+const char* BufferFormat(const DLDataType& dtype);
+// Arrow C data interface format: "f" for float32, "l" for int64 (no bool: Arrow's is bit-packed).
+const char* ArrowFormat(const DLDataType& dtype);
+// The dtype of an Arrow format ArrowFormat gives; nullopt for any other format.
+std::optional<DLDataType> DataTypeOfArrowFormat(absl::string_view format);
+// Triton's (KServe v2) datatype: "FP32", "BF16", "BOOL".
+const char* TritonDatatype(const DLDataType& dtype);
+
+// One row of the table: a dtype's name and its names elsewhere (nullptr: none there).
+struct DataTypeNames {
+  const char* name;
+  const char* buffer_format;
+  const char* arrow_format;
+  const char* triton_datatype;
+};
+// Every scalar dtype tensorshm stores, in the table's order (for bindings that publish it).
+std::vector<DataTypeNames> AllDataTypeNames();
 
 }  // namespace tensorshm
 

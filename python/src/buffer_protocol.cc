@@ -14,57 +14,6 @@ namespace nb = nanobind;
 namespace tensorshm::python {
 namespace {
 
-const char* BufferFormat(const DLDataType& dtype) {
-  if (dtype.lanes != 1) return nullptr;
-  switch (dtype.code) {
-    case kDLInt:
-      switch (dtype.bits) {
-        case 8:
-          return "b";
-        case 16:
-          return "h";
-        case 32:
-          return "i";
-        case 64:
-          return "q";
-      }
-      return nullptr;
-    case kDLUInt:
-      switch (dtype.bits) {
-        case 8:
-          return "B";
-        case 16:
-          return "H";
-        case 32:
-          return "I";
-        case 64:
-          return "Q";
-      }
-      return nullptr;
-    case kDLFloat:
-      switch (dtype.bits) {
-        case 16:
-          return "e";
-        case 32:
-          return "f";
-        case 64:
-          return "d";
-      }
-      return nullptr;
-    case kDLComplex:
-      switch (dtype.bits) {
-        case 64:
-          return "Zf";
-        case 128:
-          return "Zd";
-      }
-      return nullptr;
-    case kDLBool:
-      return "?";
-  }
-  return nullptr;
-}
-
 // What a Py_buffer's `internal` holds: its shape and strides, and the storage it views, so that
 // the view stays valid when its tensor is released while the view lives.
 struct BufferInternal {

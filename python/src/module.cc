@@ -35,4 +35,5 @@ NB_MODULE(_tensorshm, m) {
   m.def("_exchange_api_calls", &ExchangeApiCallsByName);
   m.def("_dtype_fields", &DtypeFields);
   m.def("_dtype_name", &DtypeName);
+  m.def("_triton_datatypes", &TritonDatatypes);
 }

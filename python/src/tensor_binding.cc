@@ -102,6 +102,14 @@ std::string DtypeName(int code, int bits, int lanes) {
   return DataTypeName(Check(MakeDataType(code, bits, lanes)));
 }
 
+std::map<std::string, std::string> TritonDatatypes() {
+  std::map<std::string, std::string> names;
+  for (const DataTypeNames& type : AllDataTypeNames()) {
+    if (type.triton_datatype != nullptr) names.emplace(type.name, type.triton_datatype);
+  }
+  return names;
+}
+
 void DefineTensors(nb::module_& m) {
   nb::class_<RawStorage>(m, "_RawStorage", nb::type_slots(RawStorageBufferSlots()));
 

@@ -5,6 +5,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <map>
 #include <string>
 #include <tuple>
 
@@ -19,6 +20,9 @@ std::tuple<int, int, int> DtypeFields(const std::string& name);
 // _dtype_name(code, bits, lanes): the dtype's name; raises InvalidArgumentError if tensorshm has
 // no such dtype.
 std::string DtypeName(int code, int bits, int lanes);
+// _triton_datatypes(): tensorshm dtype name -> Triton (KServe v2) datatype, for every dtype
+// Triton has (common/tensor/dtype.cc's table).
+std::map<std::string, std::string> TritonDatatypes();
 
 }  // namespace tensorshm::python
 

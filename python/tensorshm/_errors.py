@@ -4,6 +4,7 @@ catch for the same condition."""
 from __future__ import annotations
 
 import builtins
+from typing import Any
 
 
 class Error(Exception):
@@ -114,6 +115,19 @@ _BY_CODE: dict[int, type[Error]] = {
 }
 
 
+def from_code(code: int, message: str) -> Error:
+    """The exception for a non-OK status `code` (gRPC's numbering, as the daemon, the movers and
+    the native layer use it): the class of that code, else Error. The one mapping from codes to
+    exceptions; every other place calls this."""
+    return _BY_CODE.get(code, Error)(message, code)
+
+
+def grpc_code(grpc: Any, error: Error) -> Any:
+    """`error`'s code as `grpc`.StatusCode (the module passed in: grpcio is optional), UNKNOWN
+    for a code gRPC does not have."""
+    return next((c for c in grpc.StatusCode if c.value[0] == error.code), grpc.StatusCode.UNKNOWN)
+
+
 def _raise_status(code: int, message: str) -> None:
     """Called by the native layer: raises the exception for a non-OK status."""
-    raise _BY_CODE.get(code, Error)(message, code)
+    raise from_code(code, message)

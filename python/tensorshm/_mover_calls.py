@@ -35,9 +35,7 @@ def options() -> list[tuple[str, int]]:
 
 def _rpc_error(e: Any, method: str, peer: Any) -> _errors.Error:
     """A gRPC error of a call at `peer` as tensorshm's, by its status code."""
-    code = e.code().value[0]
-    return _errors._BY_CODE.get(code, _errors.Error)(
-        f"{method} at mover {peer}: {e.details()}", code)
+    return _errors.from_code(e.code().value[0], f"{method} at mover {peer}: {e.details()}")
 
 
 class Calls:

@@ -137,9 +137,7 @@ class Service:
         from ._mover_auth import PROOF_KEY
 
         def abort(context: Any, e: _errors.Error) -> None:
-            code = next((c for c in grpc.StatusCode if c.value[0] == e.code),
-                        grpc.StatusCode.UNKNOWN)
-            context.abort(code, str(e))
+            context.abort(_errors.grpc_code(grpc, e), str(e))
 
         def caller(context: Any) -> str:
             """The caller's transport identity: its certificate's names under mTLS, else its

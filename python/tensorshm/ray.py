@@ -90,8 +90,7 @@ class _ActorPeer:
             raise _errors.ConnectionError(
                 f"{method} at mover {self.label}: its actor is gone ({type(e).__name__})") from None
         if code:
-            raise _errors._BY_CODE.get(code, _errors.Error)(
-                f"{method} at mover {self.label}: {message}", code)
+            raise _errors.from_code(code, f"{method} at mover {self.label}: {message}")
         return reply, reply_proof
 
 
@@ -122,7 +121,7 @@ class MoverActor:
                                 token_file=token_file, insecure=insecure,
                                 advertise=[actor_name(node)])
         except _errors.Error as e:
-            self._start_error = type(e)(f"the mover of node \"{node}\": {e}", e.code)
+            self._start_error = _errors.from_code(e.code, f"the mover of node \"{node}\": {e}")
 
     def info(self) -> dict[str, Any]:
         """Where this mover runs: its node name, Ray node id, the resources Ray assigned it,

@@ -57,26 +57,13 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from ._client import Client
 from ._errors import FailedPreconditionError, InvalidArgumentError
-from ._tensorshm import Tensor, WritableTensor
+from ._tensorshm import Tensor, WritableTensor, _triton_datatypes
 
 __all__ = ["TritonFeeder", "triton_dtype"]
 
-# tensorshm dtype name -> Triton (KServe v2) datatype.
-_TRITON_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "UINT8",
-    "uint16": "UINT16",
-    "uint32": "UINT32",
-    "uint64": "UINT64",
-    "int8": "INT8",
-    "int16": "INT16",
-    "int32": "INT32",
-    "int64": "INT64",
-    "float16": "FP16",
-    "float32": "FP32",
-    "float64": "FP64",
-    "bfloat16": "BF16",
-}
+# tensorshm dtype name -> Triton (KServe v2) datatype, from the one dtype table
+# (common/tensor/dtype.cc).
+_TRITON_DTYPES: dict[str, str] = _triton_datatypes()
 
 # How long an unregister retries while Triton says the region is in use: over gRPC, Triton 2.51
 # answers an inference a few milliseconds before it lets go of the request's regions.

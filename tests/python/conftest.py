@@ -18,7 +18,11 @@ import types
 import pytest
 
 import tensorshm
-from waits import sleeping_on_shared_futex
+
+# waits.py lies beside this file, which tests/triton and tests/multinode load by its path.
+if str(pathlib.Path(__file__).parent) not in sys.path:
+    sys.path.append(str(pathlib.Path(__file__).parent))
+from waits import sleeping_on_shared_futex  # noqa: E402 - after sys.path
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,9 @@
 #include "common/tensor/dtype.h"
 
+#include <optional>
+#include <set>
+#include <string>
+
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 
@@ -85,6 +89,44 @@ TEST(DataTypeTest, SubByteAndElementBits) {
   EXPECT_TRUE(IsSubByte(*MakeDataType(kDLFloat6_e3m2fn, 6, 1)));
   EXPECT_FALSE(IsSubByte(*MakeDataType(kDLFloat, 16, 1)));
   EXPECT_EQ(ElementBits(*MakeDataType(kDLFloat, 32, 4)), 128);
+}
+
+TEST(DataTypeTest, NamesElsewhereComeFromTheOneTable) {
+  const DLDataType f32{kDLFloat, 32, 1};
+  EXPECT_STREQ(BufferFormat(f32), "f");
+  EXPECT_STREQ(ArrowFormat(f32), "f");
+  EXPECT_STREQ(TritonDatatype(f32), "FP32");
+  EXPECT_STREQ(BufferFormat({kDLFloat, 64, 1}), "d");
+  EXPECT_STREQ(ArrowFormat({kDLFloat, 64, 1}), "g");
+  EXPECT_STREQ(ArrowFormat({kDLInt, 64, 1}), "l");
+  EXPECT_STREQ(BufferFormat({kDLInt, 64, 1}), "q");
+  EXPECT_STREQ(BufferFormat({kDLComplex, 128, 1}), "Zd");
+  EXPECT_STREQ(BufferFormat({kDLBool, 8, 1}), "?");
+  EXPECT_EQ(ArrowFormat({kDLBool, 8, 1}), nullptr) << "Arrow's booleans are bit-packed";
+  EXPECT_STREQ(TritonDatatype({kDLBfloat, 16, 1}), "BF16");
+  EXPECT_EQ(BufferFormat({kDLBfloat, 16, 1}), nullptr);
+  EXPECT_EQ(TritonDatatype({kDLFloat8_e4m3fn, 8, 1}), nullptr);
+  // Vectors have no name elsewhere.
+  EXPECT_EQ(BufferFormat({kDLFloat, 32, 4}), nullptr);
+  EXPECT_EQ(ArrowFormat({kDLFloat, 32, 4}), nullptr);
+  EXPECT_EQ(TritonDatatype({kDLFloat, 32, 4}), nullptr);
+  // Every row: its name parses back to it, and its Arrow format too.
+  std::set<std::string> buffer_formats;
+  for (const DataTypeNames& type : AllDataTypeNames()) {
+    absl::StatusOr<DLDataType> dtype = ParseDataType(type.name);
+    ASSERT_TRUE(dtype.ok()) << type.name << ": " << dtype.status();
+    EXPECT_EQ(BufferFormat(*dtype), type.buffer_format) << type.name;
+    if (type.buffer_format != nullptr) {
+      EXPECT_TRUE(buffer_formats.insert(type.buffer_format).second) << type.buffer_format;
+    }
+    if (type.arrow_format != nullptr) {
+      std::optional<DLDataType> back = DataTypeOfArrowFormat(type.arrow_format);
+      ASSERT_TRUE(back.has_value()) << type.arrow_format;
+      EXPECT_EQ(DataTypeName(*back), type.name);
+    }
+  }
+  EXPECT_EQ(AllDataTypeNames().size(), 33u);
+  EXPECT_FALSE(DataTypeOfArrowFormat("u").has_value()) << "Arrow's utf8 is no tensor type";
 }
 
 }  // namespace

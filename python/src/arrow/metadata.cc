@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <exception>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/tensor/dtype.h"
@@ -9,58 +10,8 @@
 
 namespace tensorshm::python {
 
-const char* ArrowFormat(const DLDataType& dtype) {
-  if (dtype.lanes != 1) return nullptr;
-  switch (dtype.code) {
-    case kDLInt:
-      switch (dtype.bits) {
-        case 8:
-          return "c";
-        case 16:
-          return "s";
-        case 32:
-          return "i";
-        case 64:
-          return "l";
-      }
-      return nullptr;
-    case kDLUInt:
-      switch (dtype.bits) {
-        case 8:
-          return "C";
-        case 16:
-          return "S";
-        case 32:
-          return "I";
-        case 64:
-          return "L";
-      }
-      return nullptr;
-    case kDLFloat:
-      switch (dtype.bits) {
-        case 16:
-          return "e";
-        case 32:
-          return "f";
-        case 64:
-          return "g";
-      }
-      return nullptr;
-  }
-  return nullptr;
-}
-
 absl::StatusOr<DLDataType> DataTypeOfFormat(absl::string_view format) {
-  static constexpr struct {
-    const char* format;
-    uint8_t code;
-    uint8_t bits;
-  } kTypes[] = {{"c", kDLInt, 8},    {"s", kDLInt, 16},   {"i", kDLInt, 32},  {"l", kDLInt, 64},
-                {"C", kDLUInt, 8},   {"S", kDLUInt, 16},  {"I", kDLUInt, 32}, {"L", kDLUInt, 64},
-                {"e", kDLFloat, 16}, {"f", kDLFloat, 32}, {"g", kDLFloat, 64}};
-  for (const auto& type : kTypes) {
-    if (format == type.format) return DLDataType{type.code, type.bits, 1};
-  }
+  if (std::optional<DLDataType> dtype = DataTypeOfArrowFormat(format)) return *dtype;
   return absl::InvalidArgumentError(
       absl::StrCat("the tensor's value type has Arrow format \"", format,
                    "\": put() takes int8..int64, uint8..uint64 and float16/32/64 values"));

@@ -24,9 +24,7 @@ inline constexpr char kExtensionName[] = "arrow.fixed_shape_tensor";
 inline constexpr char kNameKey[] = "ARROW:extension:name";
 inline constexpr char kMetadataKey[] = "ARROW:extension:metadata";
 
-// The Arrow format string of a tensorshm element type, or nullptr when Arrow has no primitive
-// with the same bytes.
-const char* ArrowFormat(const DLDataType& dtype);
+// An element type's Arrow format string is tensorshm::ArrowFormat (common/tensor/dtype.h).
 
 // The tensorshm element type of an Arrow primitive format string; INVALID_ARGUMENT naming the
 // format and the types put() takes otherwise.
