@@ -36,11 +36,8 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pathlib
 import resource
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -194,18 +191,6 @@ def consume(loader, receive, args) -> tuple[float, list[int], list[int]]:
     return args.batches / elapsed, worker_faults, main_faults
 
 
-def start_daemon(directory: str) -> tuple[subprocess.Popen, str]:
-    socket = os.path.join(directory, "tensorshm.sock")
-    tensorshmd = os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd"))
-    daemon = subprocess.Popen([tensorshmd, "--socket", socket, "--host-pool", "1Gi",
-                               "--log-level", "warning"], stdout=subprocess.DEVNULL)
-    while not os.path.exists(socket):
-        if daemon.poll() is not None:
-            raise RuntimeError(f"{tensorshmd} did not start (exit {daemon.returncode})")
-        time.sleep(0.01)
-    return daemon, socket
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=40, help="timed batches per loader")
@@ -214,10 +199,11 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
 
-    directory = tempfile.mkdtemp(prefix="tsm-dlbench-")
-    daemon = None
+    daemon = tensorshm.Daemon("1Gi", tensorshmd=os.environ.get("TENSORSHMD",
+                                                               str(ROOT / "build" / "tensorshmd")),
+                              log_level="warning")
+    socket = daemon.socket
     try:
-        daemon, socket = start_daemon(directory)
         batch_bytes = args.batch_size * int(np.prod(SAMPLE_SHAPE))
         print(__doc__.split("\n\n")[0])
         print(f"batch {args.batch_size}x{'x'.join(map(str, SAMPLE_SHAPE))} uint8 "
@@ -235,10 +221,7 @@ def main() -> int:
                   f"{statistics.median(main_faults):>12.0f}", flush=True)
         print(f"tensorshm / default collate: {rows[1] / rows[0]:.2f}x batches/s")
     finally:
-        if daemon is not None:
-            daemon.terminate()
-            daemon.wait()
-        shutil.rmtree(directory, ignore_errors=True)
+        daemon.stop()
     return 0
 
 

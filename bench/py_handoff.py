@@ -45,11 +45,8 @@ import os
 # ~9% of the CPU while every method ran; on a 2-core machine that skews every row. One thread,
 # for every row alike (children inherit it).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 from py_handoff_ray import ROOT, minor_faults, ray_python, run_ray, touch  # noqa: E402 - after the env
@@ -236,19 +233,14 @@ def median_after_first(values):
 
 
 def start_daemon(pool: int):
-    """A tensorshmd ($TENSORSHMD, else build/tensorshmd) with a host pool of `pool` bytes on a
-    socket of its own: (process, socket path, its directory), once the socket is there."""
-    daemon_dir = tempfile.mkdtemp(prefix="tsm-pybench-")
-    socket = os.path.join(daemon_dir, "tensorshm.sock")
-    tensorshmd = os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd"))
-    daemon = subprocess.Popen([tensorshmd, "--socket", socket, "--host-pool", f"{pool}B",
-                               "--log-level", "warning"], stdout=subprocess.DEVNULL)
-    while not os.path.exists(socket):
-        if daemon.poll() is not None:
-            shutil.rmtree(daemon_dir, ignore_errors=True)
-            raise RuntimeError(f"{tensorshmd} did not start")
-        time.sleep(0.01)
-    return daemon, socket, daemon_dir
+    """A private tensorshmd ($TENSORSHMD, else build/tensorshmd) with a host pool of `pool` bytes:
+    a tensorshm.Daemon (its own socket and shm prefix), serving once this returns."""
+    import tensorshm
+
+    return tensorshm.Daemon(f"{pool}B",
+                            tensorshmd=os.environ.get("TENSORSHMD",
+                                                      str(ROOT / "build" / "tensorshmd")),
+                            log_level="warning")
 
 
 def drive(sizes, max_iterations, ray_interpreter) -> int:
@@ -266,11 +258,14 @@ def drive(sizes, max_iterations, ray_interpreter) -> int:
     ray_skipped = ray_results.get("skipped")
 
     pool = 2 * max(sizes) + (256 << 20)
+    import tensorshm
+
     try:
-        daemon, socket, daemon_dir = start_daemon(pool)
-    except RuntimeError as e:
+        daemon = start_daemon(pool)
+    except tensorshm.Error as e:
         print(e, file=sys.stderr)
         return 1
+    socket = daemon.socket
 
     methods = [("tensorshm", tsm_producer, tsm_consumer, (socket,), None),
                ("shared_memory", shm_producer, shm_consumer, (), "pipe"),
@@ -321,9 +316,7 @@ def drive(sizes, max_iterations, ray_interpreter) -> int:
         print()
         micro(socket)
     finally:
-        daemon.terminate()
-        daemon.wait()
-        shutil.rmtree(daemon_dir, ignore_errors=True)
+        daemon.stop()
     return 0
 
 

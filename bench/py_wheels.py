@@ -43,16 +43,15 @@ def child() -> int:
     import tensorshm
 
     ctx = mp.get_context("spawn")
-    daemon, socket, daemon_dir = h.start_daemon(256 << 20)
+    daemon = h.start_daemon(256 << 20)
+    socket = daemon.socket
     try:
         times, _, _ = h.handoff(ctx, h.tsm_producer, h.tsm_consumer, (socket,), None, 4096,
                                 HANDOFFS + 1)
         with tensorshm.connect(socket) as client:
             get_ns = h.warm_get_ns(client, GETS)
     finally:
-        daemon.terminate()
-        daemon.wait()
-        h.shutil.rmtree(daemon_dir, ignore_errors=True)
+        daemon.stop()
     print(json.dumps({"handoff_ns": h.median_after_first(times), "get_ns": get_ns,
                       "python": "%d.%d.%d" % sys.version_info[:3],
                       "extension": pathlib.Path(tensorshm._tensorshm.__file__).name}))
@@ -80,7 +79,8 @@ def instructions_per_get(venv: pathlib.Path, env: dict[str, str]) -> float:
     import py_handoff as h
 
     os.environ["TENSORSHMD"] = env["TENSORSHMD"]
-    daemon, socket, daemon_dir = h.start_daemon(64 << 20)
+    daemon = h.start_daemon(64 << 20)
+    socket = daemon.socket
     counts = []
     try:
         for gets in (2000, 12000):
@@ -90,9 +90,7 @@ def instructions_per_get(venv: pathlib.Path, env: dict[str, str]) -> float:
                                  env=env, capture_output=True, text=True, check=True, cwd=HERE)
             counts.append(int(re.search(r"Collected : (\d+)", run.stderr).group(1)))
     finally:
-        daemon.terminate()
-        daemon.wait()
-        h.shutil.rmtree(daemon_dir, ignore_errors=True)
+        daemon.stop()
     return (counts[1] - counts[0]) / 10000
 
 

@@ -59,7 +59,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import secrets  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -99,28 +98,11 @@ def fmt_size(size: int) -> str:
     return f"{size} B"
 
 
-class Daemon:
-    """A tensorshmd standing for one node: its own socket, shm prefix and POOL-sized host pool."""
-
-    def __init__(self, binary: str, node: str, work: pathlib.Path) -> None:
-        self.socket = str(work / f"{node}.sock")
-        self.prefix = f"tsmship-{node}-{os.getpid()}"
-        self.log = open(work / f"{node}.log", "w+")
-        self.process = subprocess.Popen(
-            [binary, "--socket", self.socket, "--shm-prefix", self.prefix, "--host-pool",
-             f"{POOL >> 20}Mi", "--log-level", "warning"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while not os.path.exists(self.socket):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.log.seek(0)
-                raise RuntimeError(f"tensorshmd ({node}) did not start: {self.log.read()}")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-        self.log.close()
+def start_daemon(binary: str) -> tensorshm.Daemon:
+    """A private tensorshmd standing for one node (its own socket and shm prefix), with a
+    POOL-sized host pool."""
+    return tensorshm.Daemon(f"{POOL >> 20}Mi", tensorshmd=binary, timeout=20.0,
+                            log_level="warning")
 
 
 class Node:
@@ -168,7 +150,7 @@ def digest(client: tensorshm.Client, name: str) -> tuple[str, str, tuple[int, ..
                 tensor.dtype, tuple(tensor.shape))
 
 
-def start(method: str, daemons: tuple[Daemon, Daemon], store_bytes: int) -> tuple[list, Node, str]:
+def start(method: str, daemons: tuple[tensorshm.Daemon, tensorshm.Daemon], store_bytes: int) -> tuple[list, Node, str]:
     """The method's processes, the one that ships into B, and the address it ships from."""
     env = METHODS[method][0]
     if method == "ray":
@@ -258,13 +240,13 @@ def main() -> int:
     token.touch(mode=0o600)
     token.write_text(secrets.token_urlsafe(32))
     os.environ["TSM_MOVER_TOKEN"] = str(token)
-    started: list[Daemon] = []
+    started: list[tensorshm.Daemon] = []
     clients: list[tensorshm.Client] = []
     results: dict[str, dict[int, list[float]]] = {}
     notes: list[str] = []
     try:
         for node in ("node-a", "node-b"):
-            started.append(Daemon(args.tensorshmd, node, work))
+            started.append(start_daemon(args.tensorshmd))
             clients.append(tensorshm.connect(started[-1].socket))
         daemons = (started[0], started[1])
         sources = {}

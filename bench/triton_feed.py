@@ -22,7 +22,6 @@ import argparse
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -129,17 +128,13 @@ def main() -> None:
         import tritonclient.grpc as protocol  # type: ignore[no-redef]
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="tsm-triton-bench-"))
-    socket = str(work / "tensorshm.sock")
     pool = max(sizes) * MIB * 8
-    daemon = subprocess.Popen([args.tensorshmd, "--socket", socket, "--shm-prefix",
-                               f"tsmbench-{os.getpid()}", "--host-pool", f"{pool // MIB}Mi",
-                               "--log-level", "warning"])
+    daemon = tensorshm.Daemon(f"{pool // MIB}Mi", tensorshmd=args.tensorshmd, log_level="warning")
+    socket = daemon.socket
     # The Python backend's own region, sized for the largest request at once (default: grows
     # 1 MiB at a time), the same for every row.
     backend_shm = f"--backend-config=python,shm-default-byte-size={4 * max(sizes) * MIB}"
     try:
-        while not os.path.exists(socket):
-            time.sleep(0.01)
         with TritonServer(pathlib.Path(args.triton_venv), write_models(work / "models"), work,
                           backend_shm) as server:
             url = server.http_url if args.protocol == "http" else server.grpc_url
@@ -167,8 +162,7 @@ def main() -> None:
             client.close()
             triton.close()
     finally:
-        daemon.terminate()
-        daemon.wait()
+        daemon.stop()
 
 
 if __name__ == "__main__":

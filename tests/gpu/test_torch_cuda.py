@@ -11,7 +11,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -50,20 +49,15 @@ sys.stdin.read()                      # the ready event lives here: stay until t
 
 @pytest.fixture(scope="module")
 def daemon():
-    directory = tempfile.mkdtemp(prefix="tsm-gpu-")
-    socket = os.path.join(directory, "tensorshm.sock")
-    tensorshmd = os.environ.get("TENSORSHMD", str(ROOT / "build" / "tensorshmd"))
-    process = subprocess.Popen(
-        [tensorshmd, "--socket", socket, "--host-pool", "64Mi", "--cuda-pool",
-         f"cuda:0={SIZE + (256 << 20)}B", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(socket):
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
-        time.sleep(0.05)
-    yield socket
-    process.terminate()
-    assert process.wait(timeout=30) == 0
+    """The socket of a private tensorshmd (tensorshm.Daemon) with a CUDA pool on device 0."""
+    import tensorshm
+
+    daemon = tensorshm.Daemon("64Mi", tensorshmd=os.environ.get(
+        "TENSORSHMD", str(ROOT / "build" / "tensorshmd")), timeout=60.0,
+        cuda_pool=f"cuda:0={SIZE + (256 << 20)}B", log_level="warning")
+    yield daemon.socket
+    log = daemon.log()  # stop() removes the daemon's directory, its log with it
+    assert daemon.stop(timeout=30) == 0, log
 
 
 def test_one_gib_cuda_tensor_between_two_processes(daemon):
