@@ -13,6 +13,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -20,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
@@ -31,6 +33,7 @@
 #include "server/ops/log.h"
 #include "server/ops/metrics.h"
 #include "server/ops/socket_dir.h"
+#include "server/rpc/channel_handler.h"
 
 namespace tensorshm {
 namespace {
@@ -143,17 +146,35 @@ AcceptPolicy MakeAcceptPolicy(const AccessPolicy& policy, uint64_t uid_connectio
   return accept;
 }
 
-// Serves --metrics `flag` for `service` (started at `started`).
-absl::StatusOr<std::unique_ptr<MetricsServer>> StartMetrics(const std::string& flag,
-                                                            TensorShmService& service,
+// TENSORSHMD_TEST_CROSS_CANCEL_MS and TENSORSHMD_TEST_GROWTH_DELAY_MS, for tests that run the
+// daemon (see StoreTestHooks); each one set is logged as a warning.
+StoreTestHooks TestHooksFromEnvironment() {
+  auto milliseconds = [](const char* variable, absl::string_view what) {
+    const char* value = std::getenv(variable);
+    int64_t ms = 0;
+    if (value == nullptr || !absl::SimpleAtoi(value, &ms) || ms <= 0) return absl::ZeroDuration();
+    TSM_LOG(kWarning) << variable << " = " << ms << ": test mode (" << what
+                      << "); never in production";
+    return absl::Milliseconds(ms);
+  };
+  StoreTestHooks hooks;
+  hooks.cross_cancel_hold =
+      milliseconds("TENSORSHMD_TEST_CROSS_CANCEL_MS", "answers held back, no fast path");
+  hooks.growth_delay =
+      milliseconds("TENSORSHMD_TEST_GROWTH_DELAY_MS", "every pool growth is slowed down");
+  return hooks;
+}
+
+// Serves --metrics `flag` for `store` (started at `started`).
+absl::StatusOr<std::unique_ptr<MetricsServer>> StartMetrics(const std::string& flag, Store& store,
                                                             absl::Time started) {
   absl::StatusOr<MetricsAddress> address = ParseMetricsAddress(flag);
   if (!address.ok()) return address.status();
   const MetricsInfo info{TENSORSHM_VERSION, absl::ToDoubleSeconds(started - absl::UnixEpoch())};
   // Each request reads a snapshot of the service's figures (mu_ held only while Stat's numbers
   // are copied); the counters need no lock.
-  return MetricsServer::Start(*address, [&service, info] {
-    return RenderMetrics(service.StatSnapshot(), service.metrics(), info);
+  return MetricsServer::Start(*address, [&store, info] {
+    return RenderMetrics(store.StatSnapshot(), store.metrics(), info);
   });
 }
 
@@ -256,10 +277,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   for (gid_t gid : options.allow_gids) admitted_groups[gid] = GroupName(gid);
   daemon->policy_ =
       std::make_unique<AccessPolicy>(geteuid(), options.allow_uids, std::move(admitted_groups));
-  daemon->service_ = std::make_unique<TensorShmService>(
-      *std::move(catalog), options.session_quota_bytes, daemon->policy_.get(), &daemon->peers_,
-      options.uid_limits);
-  daemon->service_->set_evict_policy(options.evict);
+  daemon->store_ = std::make_unique<Store>(*std::move(catalog), options.session_quota_bytes,
+                                           daemon->policy_.get(), &daemon->peers_,
+                                           options.uid_limits, TestHooksFromEnvironment());
+  daemon->store_->set_evict_policy(options.evict);
+  daemon->service_ = std::make_unique<TensorShmService>(*daemon->store_);
   if (absl::Status s = daemon->StartServing(started); !s.ok()) return s;
   return daemon;
 }
@@ -269,7 +291,7 @@ absl::Status Daemon::StartServing(absl::Time started) {
   // serving yet.
   if (!options_.metrics.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsServer>> server =
-        StartMetrics(options_.metrics, *service_, started);
+        StartMetrics(options_.metrics, *store_, started);
     if (!server.ok()) return server.status();
     metrics_ = *std::move(server);
     TSM_LOG(kInfo) << "metrics: serving http://" << FormatMetricsAddress(metrics_->address())
@@ -306,8 +328,8 @@ absl::Status Daemon::StartServing(absl::Time started) {
   if (!listener.ok()) return listener.status();
   listener_ = *std::move(listener);
   absl::StatusOr<std::unique_ptr<ChannelServer>> channels = ChannelServer::Start(
-      [service = service_.get()](ChannelConnection& connection, const v1::ChannelRequest& request) {
-        return service->HandleChannel(connection, request);
+      [store = store_.get()](ChannelConnection& connection, const v1::ChannelRequest& request) {
+        return HandleChannelRequest(*store, connection, request);
       });
   if (!channels.ok()) return channels.status();
   channels_ = *std::move(channels);
@@ -333,7 +355,7 @@ absl::Status Daemon::StartServing(absl::Time started) {
                         << peer.uid;
         channels_->Add(std::move(fd), peer);
       },
-      MakeAcceptPolicy(*policy_, *options_.uid_connections, &service_->metrics()));
+      MakeAcceptPolicy(*policy_, *options_.uid_connections, &store_->metrics()));
 
   // The one line an operator (and a supervisor waiting for readiness) looks for: logged like
   // every other line, on stderr, and whatever --log-level says. The pool grows by segments of
@@ -361,34 +383,34 @@ absl::Status Daemon::StartServing(absl::Time started) {
 }
 
 void Daemon::Serve(const sigset_t& stop_signals) {
-  TensorShmService& service = *service_;
+  Store& store = *store_;
   // After the grace period, unbound and unpublished tensors nobody came back for are freed.
   absl::Notification stopping;
   std::thread grace([&] {
     if (!recovering_) return;
     if (!stopping.WaitForNotificationWithTimeout(absl::Seconds(options_.recovery_grace_seconds))) {
-      const int freed = service.ExpireUnbound();
+      const int freed = store.ExpireUnbound();
       TSM_LOG(kInfo) << "recovery grace over: freed " << freed
                      << " unbound or unpublished tensors no client took back";
     }
   });
 
-  std::thread housekeeper([&] { service.Housekeep(); });
-  std::thread waiter_timer([&] { service.ExpireWaiters(); });
-  std::thread grower([&] { service.GrowPools(); });
+  std::thread housekeeper([&] { store.Housekeep(); });
+  std::thread waiter_timer([&] { store.ExpireWaiters(); });
+  std::thread grower([&] { store.GrowPools(); });
 
   std::thread stopper([&] {
     int signal_number = 0;
     sigwait(&stop_signals, &signal_number);
     TSM_LOG(kInfo) << "received " << strsignal(signal_number) << ", stopping";
     // Before anything ends a session: with --keep-segments, what sessions hold is kept.
-    if (options_.keep_segments) service.KeepHeldOnStop();
+    if (options_.keep_segments) store.KeepHeldOnStop();
     server_->GetHealthCheckService()->SetServingStatus(false);
     listener_->Stop();
     channels_->Stop();
     if (metrics_ != nullptr) metrics_->Stop();
     stopping.Notify();
-    service.BeginShutdown();
+    store.BeginShutdown();
     // In-flight calls get a moment to finish; session streams are then cancelled.
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   });
@@ -399,7 +421,7 @@ void Daemon::Serve(const sigset_t& stop_signals) {
   waiter_timer.join();
   grower.join();
   if (options_.keep_segments) {
-    service.KeepSegments();
+    store.KeepSegments();
     if (prefix_lock_) {
       // The next daemon (and tensorshmctl leftovers) reads who kept the segments.
       char host[256] = {};

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "common/base/prefix_lock.h"
 #include "server/core/access.h"
+#include "server/core/store.h"
 #include "server/ops/metrics_http.h"
 #include "server/ops/options.h"
 #include "server/rpc/listener.h"
@@ -47,11 +48,13 @@ class Daemon {
 
   const DaemonOptions options_;
   bool recovering_ = false;  // the segments of a killed daemon were taken back
-  // Members go in reverse order: the socket and the servers first, then the service (and with
-  // it the catalog, which unlinks the segments), the prefix last.
+  // Members go in reverse order: the socket and the servers first, then the service, the store
+  // (and with it the catalog, which unlinks the segments), the prefix last.
   std::optional<PrefixLock> prefix_lock_;
   std::unique_ptr<AccessPolicy> policy_;
   PeerTable peers_;
+  // The state and rules; the gRPC service and the memory channel's handler are its transports.
+  std::unique_ptr<Store> store_;
   std::unique_ptr<TensorShmService> service_;
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<grpc::ResourceQuota> quota_;

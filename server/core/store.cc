@@ -5,12 +5,10 @@
 // store_sessions.cc (sessions) and store_channel.cc (the memory channel's requests).
 #include "server/core/store.h"
 
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/check.h"
@@ -28,8 +26,11 @@ constexpr size_t kRecordsCheckedPerRound = 256;
 }  // namespace
 
 Store::Store(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
-             const AccessPolicy* policy, const PeerTable* peers, const UidLimitsConfig& uid_limits)
+             const AccessPolicy* policy, const PeerTable* peers, const UidLimitsConfig& uid_limits,
+             const StoreTestHooks& test_hooks)
     : index_(catalog->mutable_index()),
+      cross_cancel_hold_(test_hooks.cross_cancel_hold),
+      growth_delay_(test_hooks.growth_delay),
       catalog_(std::move(catalog)),
       session_quota_bytes_(session_quota_bytes),
       policy_(policy),
@@ -46,15 +47,6 @@ Store::Store(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
 Store::~Store() {
   // uid_limits_ goes before catalog_, whose lease pages may still count slots in it.
   catalog_->CountPageLeasesIn(nullptr);
-}
-
-absl::Duration Store::CrossCancelHoldFromEnvironment() {
-  const char* value = std::getenv("TENSORSHMD_TEST_CROSS_CANCEL_MS");
-  int64_t ms = 0;
-  if (value == nullptr || !absl::SimpleAtoi(value, &ms) || ms <= 0) return absl::ZeroDuration();
-  TSM_LOG(kWarning) << "TENSORSHMD_TEST_CROSS_CANCEL_MS = " << ms
-                    << ": test mode (answers held back, no fast path); never in production";
-  return absl::Milliseconds(ms);
 }
 
 absl::Status Store::MayChange(const tensorshm::Session& session, const Tensor& tensor,

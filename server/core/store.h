@@ -32,6 +32,19 @@
 
 namespace tensorshm {
 
+// What tests make the Store do that production never does; zero: nothing. The daemon fills it
+// from the environment (TENSORSHMD_TEST_*, see daemon.cc), and tests that build a Store give it.
+struct StoreTestHooks {
+  // Non-zero: every answer granting something to a call with a request id is to be sent this much
+  // later (the transport does it), and the call's cancellation no longer gives the grant back
+  // (WaiterDone, CreateWaiterDone), as when the answer crossed the client's cancel; only the
+  // client's settle does. The fast path is not offered either, so that acquires take the RPC.
+  absl::Duration cross_cancel_hold = absl::ZeroDuration();
+  // Non-zero: every growth of a pool (GrowUnlocked) sleeps this long, with mu_ released, before
+  // it makes its segment, as a slow posix_fallocate or cuMemAlloc would.
+  absl::Duration growth_delay = absl::ZeroDuration();
+};
+
 // Thread-safe: every operation takes the Store's lock (mu_) for its part, and answers what it
 // queued (PendingCall::Answer) after releasing it. No operation waits for a pool segment to be
 // made, except GrowPools, the only thread that makes segments once the Store serves (also ahead
@@ -44,9 +57,10 @@ class Store {
   // `session_quota_bytes`: most bytes of unpublished buffers one session may hold; 0: no limit.
   // `policy` and `peers` (both outliving the Store) decide who may call; null admits all.
   // `uid_limits`: what all sessions of one uid may hold together (--uid-*); {}: no limits.
+  // `test_hooks`: {} in production.
   Store(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes = 0,
         const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr,
-        const UidLimitsConfig& uid_limits = {});
+        const UidLimitsConfig& uid_limits = {}, const StoreTestHooks& test_hooks = {});
   ~Store();
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
@@ -165,11 +179,7 @@ class Store {
   const Metrics& metrics() const { return metrics_; }
   Metrics& metrics() { return metrics_; }
 
-  // Test only (TENSORSHMD_TEST_CROSS_CANCEL_MS, read at start): non-zero, every answer granting
-  // something to a call with a request id is to be sent this much later (the transport does it),
-  // and the call's cancellation no longer gives the grant back (WaiterDone, CreateWaiterDone),
-  // as when the answer crossed the client's cancel; only the client's settle does. The fast path
-  // is not offered either, so that acquires take the RPC. Zero in production.
+  // StoreTestHooks::cross_cancel_hold: zero in production.
   absl::Duration cross_cancel_hold() const { return cross_cancel_hold_; }
 
  private:
@@ -389,13 +399,8 @@ class Store {
     bool granted = false;  // it carries a grant of a call with a request id (PendingCall::Answer)
   };
   std::vector<Finishing> finishing_ ABSL_GUARDED_BY(mu_);
-  static absl::Duration CrossCancelHoldFromEnvironment();
-  const absl::Duration cross_cancel_hold_ = CrossCancelHoldFromEnvironment();
-  // Test only (TENSORSHMD_TEST_GROWTH_DELAY_MS, read at start): non-zero, every growth of a pool
-  // (GrowUnlocked) sleeps this long, with mu_ released, before it makes its segment, as a slow
-  // posix_fallocate or cuMemAlloc would. Zero in production.
-  static absl::Duration GrowthDelayFromEnvironment();
-  const absl::Duration growth_delay_ = GrowthDelayFromEnvironment();
+  const absl::Duration cross_cancel_hold_;  // StoreTestHooks::cross_cancel_hold
+  const absl::Duration growth_delay_;       // StoreTestHooks::growth_delay
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
   // Creates waiting for memory, keyed by the memory they wait for, first come first served.
   WaitQueue<PoolKey, CreateWait> creates_waiting_ ABSL_GUARDED_BY(mu_);

@@ -1,26 +1,15 @@
 // GrowPools: the one thread that makes pool segments once the Store serves, for the creates that
 // need one (gRPC's, and the memory channel's sent to gRPC) and ahead of need; every growth runs
 // with mu_ released (GrowUnlocked), so no call and no channel waits for it.
-#include <cstdlib>
 #include <optional>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
 #include "server/core/store.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
-
-absl::Duration Store::GrowthDelayFromEnvironment() {
-  const char* value = std::getenv("TENSORSHMD_TEST_GROWTH_DELAY_MS");
-  int64_t ms = 0;
-  if (value == nullptr || !absl::SimpleAtoi(value, &ms) || ms <= 0) return absl::ZeroDuration();
-  TSM_LOG(kWarning) << "TENSORSHMD_TEST_GROWTH_DELAY_MS = " << ms
-                    << ": test mode (every pool growth is slowed down); never in production";
-  return absl::Milliseconds(ms);
-}
 
 void Store::GrowPools() {
   while (true) {

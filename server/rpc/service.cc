@@ -1,6 +1,7 @@
 // The gRPC service's frame (Unary, Admit, the session the call names) and its unary calls, each
 // a translation to the Store's operation of the same name. Session streams and the calls that
-// wait are in service_reactors.cc, the memory channel's requests in service_channel.cc.
+// wait are in service_reactors.cc; the memory channel's requests reach the Store through
+// channel_handler.cc.
 #include "server/rpc/service.h"
 
 #include <thread>
@@ -26,10 +27,7 @@ class TensorShmService::LaterAnswer final : public PendingCall {
   grpc::ServerUnaryReactor* const reactor_;
 };
 
-TensorShmService::TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
-                                   const AccessPolicy* policy, const PeerTable* peers,
-                                   const UidLimitsConfig& uid_limits)
-    : store_(std::move(catalog), session_quota_bytes, policy, peers, uid_limits) {}
+TensorShmService::TensorShmService(Store& store) : store_(store) {}
 
 TensorShmService::~TensorShmService() = default;
 

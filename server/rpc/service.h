@@ -1,5 +1,6 @@
-// The gRPC service: translation between the wire (calls, reactors, proto messages) and the
-// Store (server/core/store.h), which holds the state and the rules.
+// The gRPC service: a thin adapter between the wire (calls, reactors, proto messages) and the
+// Store (server/core/store.h), which holds the state and the rules. The Daemon owns the Store;
+// this service and the memory channel's handler (channel_handler.h) are its two transports.
 #ifndef TENSORSHM_SERVER_RPC_SERVICE_H_
 #define TENSORSHM_SERVER_RPC_SERVICE_H_
 
@@ -10,7 +11,6 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "server/core/store.h"
-#include "server/rpc/memory_channel.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
 namespace tensorshm {
@@ -23,32 +23,9 @@ namespace tensorshm {
 // are always finished with the Store's lock released (gRPC may run OnCancel and OnDone inline).
 class TensorShmService final : public v1::TensorShm::CallbackService {
  public:
-  // As Store's constructor.
-  TensorShmService(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes = 0,
-                   const AccessPolicy* policy = nullptr, const PeerTable* peers = nullptr,
-                   const UidLimitsConfig& uid_limits = {});
+  // Serves `store`, which outlives the service.
+  explicit TensorShmService(Store& store);
   ~TensorShmService();
-
-  // The state and rules every transport calls.
-  Store& store() { return store_; }
-
-  // Store's, for the daemon's main.
-  void set_evict_policy(EvictPolicy policy) { store_.set_evict_policy(policy); }
-  void KeepHeldOnStop() { store_.KeepHeldOnStop(); }
-  void BeginShutdown() { store_.BeginShutdown(); }
-  void ExpireWaiters() { store_.ExpireWaiters(); }
-  void GrowPools() { store_.GrowPools(); }
-  int ExpireUnbound() { return store_.ExpireUnbound(); }
-  void Housekeep() { store_.Housekeep(); }
-  void KeepSegments() { store_.KeepSegments(); }
-  v1::StatResponse StatSnapshot() { return store_.StatSnapshot(); }
-  const Metrics& metrics() const { return store_.metrics(); }
-  Metrics& metrics() { return store_.metrics(); }
-
-  // Answers one memory channel request (see ChannelRequest in the .proto): Store::Channel for
-  // `connection`'s peer and session, counted in metrics(). Refusals are in the response's code
-  // and message. (service_channel.cc)
-  ChannelReply HandleChannel(ChannelConnection& connection, const v1::ChannelRequest& request);
 
   grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
       grpc::CallbackServerContext* context) override;
@@ -109,7 +86,7 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // (held back by Store::cross_cancel_hold() in tests).
   void FinishGranting(grpc::ServerUnaryReactor* reactor, grpc::Status status, bool granted);
 
-  Store store_;
+  Store& store_;
 };
 
 }  // namespace tensorshm

@@ -19,6 +19,10 @@ common). client/ may include common/ and include/tensorshm/, never server/; the 
 includes client/. Public headers (include/tensorshm/) include only each other. tools/ctl uses
 the public API and common/, and of the client library only client/admin.h.
 
+The daemon's state and rules (server/rpc, server/core, server/catalog, server/memory) read no
+environment variable: what they need, test hooks included, comes through their constructors
+from the daemon (server/daemon.cc, server/ops' options).
+
     python3 tests/layering/check_layering.py [ROOT]
     python3 tests/layering/check_layering.py --self-test   (it must catch a planted violation)
 """
@@ -39,6 +43,9 @@ SERVER = ["server/rpc", "server/core", "server/catalog", "server/memory", "serve
 PUBLIC = "include/tensorshm"
 # The one client header tensorshmctl may include besides the public API.
 ADMIN = "client/admin.h"
+# Rooms that may not call getenv (see the docstring).
+NO_ENVIRONMENT = ("server/rpc", "server/core", "server/catalog", "server/memory")
+GETENV = re.compile(r"\b(?:secure_)?getenv\s*\(")
 # Generated protobuf headers are a dependency of common/tensor (wire) and up, like a library.
 GENERATED = ("tensorshm/v1/",)
 
@@ -94,6 +101,9 @@ def check(root: pathlib.Path) -> int:
             continue
         checked += 1
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if room in NO_ENVIRONMENT and GETENV.search(line.split("//")[0]):
+                problems.append(f"{relative}:{number}: {room} reads the environment (getenv): "
+                                f"pass the value through a constructor from server/daemon.cc")
             match = include_line.match(line)
             if not match:
                 continue
@@ -109,7 +119,8 @@ def check(root: pathlib.Path) -> int:
     if checked == 0:
         print(f"no source files under {root}: nothing was checked")
         return 1
-    print(f"layering: {checked} files checked, {len(problems)} includes against the rooms' order")
+    print(f"layering: {checked} files checked, {len(problems)} problems (includes against the "
+          f"rooms' order, environment reads)")
     return 1 if problems else 0
 
 
@@ -123,6 +134,7 @@ def self_test() -> int:
         "include/tensorshm/client.h": '#include "client/fork.h"\n',          # public -> private
         "common/base/check.h": '#include "common/shm/layout.h"\n',           # base -> shm
         "tools/ctl/health.cc": '#include "client/daemon_connection.h"\n',  # ctl -> private
+        "server/core/store.cc": 'const char* v = std::getenv("X");\n',      # environment
         "server/rpc/service.cc": '#include "server/memory/pool.h"\n',       # allowed
     }
     with tempfile.TemporaryDirectory() as tmp:
