@@ -18,22 +18,21 @@ std::string RandomToken() {
 
 }  // namespace
 
-absl::Status Session::CheckCaller(const PeerCredentials& caller) const {
-  constexpr char kField[] = "metadata tensorshm-session";
+absl::Status Session::CheckCaller(const PeerCredentials& caller, absl::string_view field) const {
   constexpr char kRule[] = "a session serves only the process that opened it";
   if (caller.uid != uid) {
     return absl::PermissionDeniedError(absl::StrFormat(
-        "%s: session %d was opened by uid %d; this call comes from uid %d (pid %d): %s", kField, id,
+        "%s: session %d was opened by uid %d; this call comes from uid %d (pid %d): %s", field, id,
         uid, caller.uid, caller.pid, kRule));
   }
   if (caller.gid != gid) {
     return absl::PermissionDeniedError(absl::StrFormat(
         "%s: session %d was opened with gid %d; this call comes with gid %d (uid %d, pid %d): %s",
-        kField, id, gid, caller.gid, caller.uid, caller.pid, kRule));
+        field, id, gid, caller.gid, caller.uid, caller.pid, kRule));
   }
   if (caller.pid != peer_pid) {
     return absl::PermissionDeniedError(absl::StrFormat(
-        "%s: session %d was opened by pid %d; this call comes from pid %d (uid %d): %s", kField, id,
+        "%s: session %d was opened by pid %d; this call comes from pid %d (uid %d): %s", field, id,
         peer_pid, caller.pid, caller.uid, kRule));
   }
   return absl::OkStatus();

@@ -41,8 +41,11 @@ struct Session {
   // namespace the daemon cannot see). PERMISSION_DENIED naming what differs otherwise, never
   // the token: a token seen by another process (a forked child, a leaked log, another uid) is
   // worth nothing on its own. The opener's pid and gid are named only to a caller of the same
-  // uid (as SessionsRequest shows them).
-  absl::Status CheckCaller(const PeerCredentials& caller) const;
+  // uid (as SessionsRequest shows them). `field`: what named the session, as the refusal says
+  // (the call's metadata; bind.session_id on the memory channel). The one admission check of a
+  // session's caller, for both transports.
+  absl::Status CheckCaller(const PeerCredentials& caller,
+                           absl::string_view field = "metadata tensorshm-session") const;
 
   // Calls carrying a request id (AcquireRequest.request_id, CreateRequest.request_id), for the
   // client's settles (ReleaseBatch.settled_request_ids; see docs/decisions.md, "Cancels are

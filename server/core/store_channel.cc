@@ -30,16 +30,8 @@ absl::StatusOr<UniqueFd> Store::Channel(const PeerCredentials& peer, std::string
             "bind.session_id: no open session has this id (its stream ended, or it never "
             "existed)");
       }
-      // Only the process that opened the session may bind to it: a token seen by another
-      // process (a forked child, a leaked log) is worth nothing on its own. Both pids are the
-      // kernel's; a client whose pid namespace the daemon cannot see has pid 0 on both
-      // connections, and is then known by its uid and gid alone.
-      if (session->uid != peer.uid || session->gid != peer.gid || session->peer_pid != peer.pid) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "bind.session_id: the session belongs to pid ", session->peer_pid, " (uid ",
-            session->uid, ", gid ", session->gid, "); this connection is pid ", peer.pid, " (uid ",
-            peer.uid, ", gid ", peer.gid, ")"));
-      }
+      // Only the process that opened the session may bind to it, as on every gRPC call.
+      if (absl::Status s = session->CheckCaller(peer, "bind.session_id"); !s.ok()) return s;
       *session_token = request.bind().session_id();
       response->mutable_bound()->set_instance_id(catalog_->instance_id());
       return absl::OkStatus();

@@ -186,7 +186,8 @@ TEST(ChannelTest, BindsOnlyTheSessionsOwnProcessAndGrantsDescriptorsByUid) {
   close(pipe_fds[0]);
   waitpid(child, nullptr, 0);
   EXPECT_TRUE(absl::StartsWith(report, "7 ")) << report;  // PERMISSION_DENIED
-  EXPECT_TRUE(absl::StrContains(report, absl::StrCat("belongs to pid ", getpid()))) << report;
+  EXPECT_TRUE(absl::StrContains(report, "bind.session_id: session ")) << report;
+  EXPECT_TRUE(absl::StrContains(report, absl::StrCat(" was opened by pid ", getpid()))) << report;
 
   r = channel.Call(Bind(token), &fd);
   ASSERT_OK(r);
