@@ -133,10 +133,21 @@ class ClientCore {
   absl::Status PageLeaseStatus(const FastPath& fast, uint32_t page_slot) const;
   // A memory channel request for the current session (Create, Publish); UNAVAILABLE when the
   // channel cannot be had (the caller then uses the RPC), else the daemon's answer.
+  // A create's answer may carry the writable descriptor of a segment this session had not been
+  // granted (ChannelResponse.attached_segment): it is mapped here, as MapHostBuffer would have
+  // asked for it. Any other descriptor that came with the answer is closed.
   absl::StatusOr<v1::ChannelResponse> Exchange(v1::ChannelRequest& request) {
-    UniqueFd unused;  // a descriptor that came with the answer is closed
-    return memory_.Exchange(session_id(), request, &unused);
+    UniqueFd attached;
+    absl::StatusOr<v1::ChannelResponse> answer = memory_.Exchange(session_id(), request, &attached);
+    if (answer.ok() && answer->has_attached_segment() && attached.valid()) {
+      AdoptWritableSegment(answer->attached_segment(), std::move(attached));
+    }
+    return answer;
   }
+  // Maps the writable segment `grant` names from `fd` (as MapHostBuffer does with a descriptor it
+  // asked for), unless it is mapped already. A failure is not reported: the next MapHostBuffer
+  // of the segment asks the daemon, and hears why.
+  void AdoptWritableSegment(const v1::SegmentGrant& grant, UniqueFd fd);
 
   // Tells the daemon that a publish follows once `length` bytes are filled (ChannelExpect).
   void ExpectFill(uint64_t length);

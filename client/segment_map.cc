@@ -42,8 +42,9 @@ void SegmentMapping::Populate() const {
   madvise(mapping_.data(), mapping_.size(), MADV_POPULATE_READ);
 }
 
-WritableSegment::WritableSegment(Mapping mapping, SegmentKey key, std::string shm_name)
+WritableSegment::WritableSegment(Mapping mapping, SegmentKey key, std::string shm_name, UniqueFd fd)
     : mapping_(std::move(mapping)),
+      fd_(std::move(fd)),
       address_(mapping_.data()),
       size_(mapping_.size()),
       key_(key),
@@ -52,6 +53,12 @@ WritableSegment::WritableSegment(Mapping mapping, SegmentKey key, std::string sh
   MutexLock lock(&mu_);
   populated_.assign((size_ + PageBytes() - 1) / PageBytes(), false);
   if (mapping_.valid()) sealed_ranges::AddSegment(address_, size_, key_.first, key_.second);
+}
+
+absl::StatusOr<UniqueFd> WritableSegment::DupDescriptor() const {
+  UniqueFd fd(fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", label_, errno);
+  return fd;
 }
 
 WritableSegment::~WritableSegment() {
@@ -189,10 +196,9 @@ absl::StatusOr<std::shared_ptr<WritableSegment>> SegmentMap::InsertWritable(cons
                                                                             uint64_t size,
                                                                             std::string shm_name) {
   Mapping mapped(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0), size);
-  const int err = errno;
-  fd.reset();  // the mapping keeps the object
-  if (!mapped.valid()) return ErrnoError("mmap(PROT_WRITE)", SegmentLabel(key), err);
-  auto mapping = std::make_shared<WritableSegment>(std::move(mapped), key, std::move(shm_name));
+  if (!mapped.valid()) return ErrnoError("mmap(PROT_WRITE)", SegmentLabel(key), errno);
+  auto mapping =
+      std::make_shared<WritableSegment>(std::move(mapped), key, std::move(shm_name), std::move(fd));
   MutexLock lock(&mu_);
   auto [it, inserted] = writable_.emplace(key, std::move(mapping));
   return it->second;  // ours, or the one another thread cached first (ours is unmapped)

@@ -58,7 +58,8 @@ class SegmentMapping {
 class WritableSegment {
  public:
   // Kept in sealed_ranges while it lives: a write to a sealed buffer says which tensor it hit.
-  WritableSegment(Mapping mapping, SegmentKey key, std::string shm_name);
+  // `fd`: the descriptor `mapping` was made from, kept open for read-only views (DupDescriptor).
+  WritableSegment(Mapping mapping, SegmentKey key, std::string shm_name, UniqueFd fd);
   ~WritableSegment();
   WritableSegment(const WritableSegment&) = delete;
   WritableSegment& operator=(const WritableSegment&) = delete;
@@ -67,6 +68,10 @@ class WritableSegment {
   // As SegmentMapping's.
   const SegmentKey& key() const { return key_; }
   const std::string& shm_name() const { return shm_name_; }
+  // A descriptor of the segment (close-on-exec), from which a read-only mapping of it is made
+  // without asking the daemon again: leases on this process's own tensors (a put's) read
+  // through such a mapping. Errors of fcntl name the segment.
+  absl::StatusOr<UniqueFd> DupDescriptor() const;
 
   // Readies [offset, offset + length) for a new writable buffer: writable again if a sealed
   // buffer was there (its views are gone: the buffer was freed to be handed out again), and its
@@ -91,6 +96,7 @@ class WritableSegment {
   void PopulateLocked(uint64_t offset, uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Mapping mapping_;  // munmapped when the segment goes
+  const UniqueFd fd_;      // closed when the segment goes
   char* const address_;
   const uint64_t size_;
   const SegmentKey key_;

@@ -89,8 +89,17 @@ absl::StatusOr<std::shared_ptr<const SegmentMapping>> ClientCore::MapHostSegment
   if (!found.ok() || *found != nullptr) return found;
   uint64_t size = 0;
   std::string shm_name;
-  absl::StatusOr<UniqueFd> fd = memory_.RequestSegment(session_id(), key.first, key.second,
-                                                       /*writable=*/false, &size, &shm_name);
+  absl::StatusOr<UniqueFd> fd;
+  if (std::shared_ptr<WritableSegment> own = segments_.FindWritable(key)) {
+    // A segment of this process's own buffers (a put's lease): viewed read-only through the
+    // descriptor it already holds, without asking the daemon.
+    fd = own->DupDescriptor();
+    size = own->size();
+    shm_name = own->shm_name();
+  } else {
+    fd = memory_.RequestSegment(session_id(), key.first, key.second, /*writable=*/false, &size,
+                                &shm_name);
+  }
   if (!fd.ok()) return fd.status();
   if (size < segment_size) {
     return absl::InternalError(absl::StrCat("tensorshmd granted ", SegmentLabel(key), " as ", size,
@@ -123,6 +132,12 @@ absl::StatusOr<CUdeviceptr> ClientCore::MapCudaSegment(int ordinal, const v1::Lo
                                             location.segment_size()));
   }
   return cuda_.MapVmmSegment(ordinal, key, *std::move(fd), size, granularity);
+}
+
+void ClientCore::AdoptWritableSegment(const v1::SegmentGrant& grant, UniqueFd fd) {
+  const SegmentKey key{grant.segment_instance(), grant.segment_id()};
+  if (!grant.writable() || segments_.FindWritable(key) != nullptr) return;
+  (void)segments_.InsertWritable(key, std::move(fd), grant.size(), grant.shm_name());
 }
 
 absl::StatusOr<ClientCore::HostBuffer> ClientCore::MapHostBuffer(const v1::Location& location,

@@ -8,10 +8,11 @@ apt_packages=(build-essential cmake pkg-config python3 python3-venv python3-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libboost-dev libabsl-dev libgtest-dev libgmock-dev clang libclang-rt-dev spin
   libcli11-dev libspdlog-dev libtoml11-dev libcpp-httplib-dev nlohmann-json3-dev
-  systemd openssl graphviz doxygen iproute2)  # systemd: systemd-analyze and libseccomp, for
+  systemd openssl graphviz doxygen iproute2 strace)  # systemd: systemd-analyze and libseccomp, for
   # tests/deploy's unit check; openssl: the movers' mTLS certificates in tests/multinode;
   # graphviz: the architecture picture (make architecture, its test); doxygen: make docs;
-  # iproute2: ss, for tests that wait for a connection in a stopped daemon's backlog
+  # iproute2: ss, for tests that wait for a connection in a stopped daemon's backlog; strace:
+  # tests/python/test_messages.py counts what a put sends
 
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -9,6 +9,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -59,6 +60,9 @@ struct Session {
   };
   std::map<uint64_t, RequestGrant> granted_requests;  // by request id
   std::set<uint64_t> settled_requests;                // at most kMaxSettledRequests
+  // Host segments granted writable to this session, (segment_instance, segment_id): a channel
+  // create in one of them sends no descriptor along (ChannelResponse.attached_segment).
+  std::set<std::pair<uint64_t, uint64_t>> writable_segments;
 
   // Keeps what call `request_id` (0: none, nothing kept) granted, for a settle.
   void RecordGrant(uint64_t request_id, RequestGrant grant);

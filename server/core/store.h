@@ -332,11 +332,17 @@ class Store {
                                          const v1::FastPathRequest& request,
                                          v1::FastPathGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The descriptor of host segment `request.segment_id` for `session`, as the channel grants it,
-  // or of a VMM CUDA segment (request.cuda).
-  absl::StatusOr<UniqueFd> GrantSegment(const tensorshm::Session& session,
+  // The descriptor of host segment `request.segment_id` for `session`, as the channel grants it
+  // (a writable grant is recorded in session.writable_segments), or of a VMM CUDA segment
+  // (request.cuda).
+  absl::StatusOr<UniqueFd> GrantSegment(tensorshm::Session& session,
                                         const v1::SegmentRequest& request, v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For a channel create's answer: the writable descriptor of the host segment at `location`
+  // when `session` has not been granted it yet, with its grant in response.attached_segment;
+  // none otherwise (or when the grant fails: the client then asks, and hears why).
+  UniqueFd AttachNewSegment(tensorshm::Session& session, const v1::Location& location,
+                            v1::ChannelResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<UniqueFd> GrantCudaSegment(const v1::SegmentRequest& request,
                                             v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

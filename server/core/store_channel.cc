@@ -60,6 +60,10 @@ absl::StatusOr<UniqueFd> Store::Channel(const PeerCredentials& peer, std::string
         SegmentGrowth growth;
         absl::Status created =
             CreateFor(*session, request.create(), response->mutable_created(), &growth);
+        if (created.ok()) {
+          fd = AttachNewSegment(*session, response->created().location(), response);
+          break;
+        }
         if (!growth.needed() && !growth.busy()) return created;
         // This thread serves every client's channel: it never makes a segment (posix_fallocate,
         // cuMemAlloc), nor waits for one. UNAVAILABLE sends the client to the gRPC Create, which
@@ -115,7 +119,7 @@ absl::StatusOr<UniqueFd> Store::GrantFastPath(const tensorshm::Session& session,
   return fd;
 }
 
-absl::StatusOr<UniqueFd> Store::GrantSegment(const tensorshm::Session& session,
+absl::StatusOr<UniqueFd> Store::GrantSegment(tensorshm::Session& session,
                                              const v1::SegmentRequest& request,
                                              v1::SegmentGrant* grant) {
   if (request.cuda()) return GrantCudaSegment(request, grant);
@@ -144,7 +148,27 @@ absl::StatusOr<UniqueFd> Store::GrantSegment(const tensorshm::Session& session,
   grant->set_writable(request.writable());
   const ShmSegment& segment = pool.Segment(id);
   grant->set_shm_name(segment.backing() == SegmentBacking::kNamed ? segment.name() : "");
+  if (request.writable()) session.writable_segments.emplace(grant->segment_instance(), id);
   return fd;
+}
+
+UniqueFd Store::AttachNewSegment(tensorshm::Session& session, const v1::Location& location,
+                                 v1::ChannelResponse* response) {
+  if (!location.has_host() || location.length() == 0 ||
+      session.writable_segments.count({location.segment_instance(), location.segment_id()}) > 0) {
+    return UniqueFd();
+  }
+  v1::SegmentRequest want;
+  want.set_segment_id(location.segment_id());
+  want.set_segment_instance(location.segment_instance());
+  want.set_writable(true);
+  absl::StatusOr<UniqueFd> fd = GrantSegment(session, want, response->mutable_attached_segment());
+  if (!fd.ok()) {
+    // The client asks for it as before, and hears why then.
+    response->clear_attached_segment();
+    return UniqueFd();
+  }
+  return *std::move(fd);
 }
 
 absl::StatusOr<UniqueFd> Store::GrantCudaSegment(const v1::SegmentRequest& request,
