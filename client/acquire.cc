@@ -53,7 +53,7 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
         // A segment that cannot be mapped as the record says: the daemon answers instead.
         if (!lease.ok()) break;
         if (absl::Status s = WaitLeaseReady(**lease, sync); !s.ok()) {
-          core->ReleasePageLease(*fast, (*lease)->page_slot);
+          (*lease)->GiveBack();
           return s;
         }
         return lease;
@@ -111,7 +111,7 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
   absl::StatusOr<std::unique_ptr<Lease>> lease = MakeLease(core, response);
   if (!lease.ok()) return lease.status();
   if (absl::Status s = WaitLeaseReady(**lease, sync); !s.ok()) {
-    core->QueueRelease((*lease)->key);
+    (*lease)->GiveBack();
     return s;
   }
   return lease;

@@ -17,23 +17,30 @@ void ReleaseLease(Lease* lease) noexcept {
   {
     MutexLock lock(&lease->event_mu);
     // A forked child leaves the driver alone (the event is the parent's business).
-    if (lease->opened_event != nullptr && !lease->core->forked()) {
-      lease->core->cuda().CloseEvent(lease->cuda_ordinal, lease->ready_event, lease->opened_event,
+    if (const CudaBytes* cuda = lease->cuda();
+        cuda != nullptr && lease->opened_event != nullptr && !lease->core->forked()) {
+      lease->core->cuda().CloseEvent(cuda->ordinal, cuda->ready_event, lease->opened_event,
                                      lease->own_event);
     }
   }
   if (lease->core->forked()) {
     // The lease is the parent's: the child only lets go of its own copy of the tensor.
     KeepForever(std::move(lease->core));
-  } else if (lease->fast != nullptr) {
-    lease->core->ReleasePageLease(*lease->fast, lease->page_slot);
   } else {
-    lease->core->QueueRelease(lease->key);
+    lease->GiveBack();
   }
   delete lease;
 }
 
 }  // namespace
+
+void Lease::GiveBack() noexcept {
+  if (const PageLease* page = std::get_if<PageLease>(&held)) {
+    core->ReleasePageLease(*page->fast, page->slot);
+  } else {
+    core->QueueRelease(std::get<RpcLease>(held).key);
+  }
+}
 
 void DeleteVersioned(DLManagedTensorVersioned* self) noexcept {
   if (self != nullptr) ReleaseLease(static_cast<Lease*>(self->manager_ctx));
@@ -117,9 +124,9 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
   auto lease = std::make_unique<Lease>();
   lease->core = core;
   // From here a failure must still give the lease back.
-  lease->key = core->AddLease(response.tensor_id(), response.lease_id());
+  lease->held = RpcLease{core->AddLease(response.tensor_id(), response.lease_id())};
   auto give_back = [&](absl::Status status) {
-    core->QueueRelease(lease->key);
+    lease->GiveBack();
     return status;
   };
   absl::StatusOr<DecodedTensor> decoded = DecodeDescriptor(response.desc(), response.location());
@@ -133,10 +140,9 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
     absl::StatusOr<CudaBuffer> buffer = OpenCudaLocation(*core, location);
     if (!buffer.ok()) return give_back(buffer.status());
     decoded->device.device_id = buffer->ordinal;
-    lease->cuda_ordinal = buffer->ordinal;
-    lease->ready_event = location.cuda().ready_event();
     data = buffer->data;
-    lease->cuda_place = PlaceFrom(location, data);
+    lease->bytes =
+        CudaBytes{PlaceFrom(location, data), buffer->ordinal, location.cuda().ready_event()};
   } else if (decoded->device.device_type != kDLCPU ||
              (!location.has_host() && location.length() > 0)) {
     return give_back(absl::UnimplementedError(
@@ -146,8 +152,8 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
         core->MapHostSegment(SegmentKey{location.segment_instance(), location.segment_id()},
                              location.segment_size(), location.offset(), location.length());
     if (!mapping.ok()) return give_back(mapping.status());
-    lease->mapping = *std::move(mapping);
-    data = lease->mapping->address() + location.offset();
+    data = (*mapping)->address() + location.offset();
+    lease->bytes = HostBytes{*std::move(mapping)};
   }
   lease->shape = std::move(decoded->shape);
   lease->strides = std::move(decoded->strides);
@@ -162,8 +168,7 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
                                                      FastPath::Leased& leased) {
   auto lease = std::make_unique<Lease>();
   lease->core = core;
-  lease->fast = std::move(fast);
-  lease->page_slot = leased.page_slot;
+  lease->held = PageLease{std::move(fast), leased.page_slot};
   core->PageLeaseTaken();
   const char* data = kEmptyData;
   DLDevice device{kDLCPU, 0};
@@ -175,15 +180,16 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
     absl::StatusOr<int> ordinal = core->cuda().OrdinalOf(leased.device_uuid);
     CudaState::Mapped mapped;
     if (!ordinal.ok() || !core->cuda().FindMapped(*ordinal, key, &mapped) || mapped.size < end) {
-      core->ReleasePageLease(*lease->fast, lease->page_slot);
+      lease->GiveBack();
       return absl::FailedPreconditionError(
           absl::StrCat("cuda segment ", key.second, ": not mapped here yet"));
     }
     data = reinterpret_cast<const char*>(mapped.base + leased.offset);
     device = DLDevice{kDLCUDA, *ordinal};
-    lease->cuda_ordinal = *ordinal;
-    lease->ready_event = std::move(leased.ready_event);
-    SegmentPlace& place = lease->cuda_place;
+    CudaBytes& cuda = lease->bytes.emplace<CudaBytes>();
+    cuda.ordinal = *ordinal;
+    cuda.ready_event = std::move(leased.ready_event);
+    SegmentPlace& place = cuda.place;
     place.segment_instance = key.first;
     place.segment_id = key.second;
     place.segment_size = mapped.size;
@@ -201,11 +207,11 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
       mapping = absl::FailedPreconditionError("the record's range is outside its segment");
     }
     if (!mapping.ok()) {
-      core->ReleasePageLease(*lease->fast, lease->page_slot);
+      lease->GiveBack();
       return mapping.status();
     }
-    lease->mapping = *std::move(mapping);
-    data = lease->mapping->address() + leased.offset;
+    data = (*mapping)->address() + leased.offset;
+    lease->bytes = HostBytes{*std::move(mapping)};
   }
   RecordLayout& layout = leased.layout;
   lease->shape = std::move(layout.shape);
@@ -217,8 +223,11 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
 
 // Waits for `lease`'s ready event as `sync` says.
 absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync) {
-  if (lease.ready_event.empty() || sync.mode == ReadySync::Mode::kNone) return absl::OkStatus();
-  return lease.core->cuda().WaitReady(lease.cuda_ordinal, lease.ready_event,
+  const CudaBytes* cuda = lease.cuda();
+  if (cuda == nullptr || cuda->ready_event.empty() || sync.mode == ReadySync::Mode::kNone) {
+    return absl::OkStatus();
+  }
+  return lease.core->cuda().WaitReady(cuda->ordinal, cuda->ready_event,
                                       sync.mode == ReadySync::Mode::kHost,
                                       static_cast<CUstream>(sync.stream));
 }
@@ -230,9 +239,13 @@ absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src,
     return absl::InvalidArgumentError("tensor: not a CUDA tensor acquired from a tensorshm Client");
   }
   const auto& lease = *static_cast<const Lease*>(tensor->manager_ctx);
+  const CudaBytes* cuda = lease.cuda();
+  if (cuda == nullptr) {
+    return absl::InvalidArgumentError("tensor: not a CUDA tensor acquired from a tensorshm Client");
+  }
   if (absl::Status s = WaitLeaseReady(lease, ReadySync::Host()); !s.ok()) return s;
-  return lease.core->cuda().CopyDeviceToHost(lease.cuda_ordinal, dst,
-                                             reinterpret_cast<CUdeviceptr>(src), bytes);
+  return lease.core->cuda().CopyDeviceToHost(cuda->ordinal, dst, reinterpret_cast<CUdeviceptr>(src),
+                                             bytes);
 }
 
 absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
@@ -241,8 +254,10 @@ absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
   }
   const auto& lease = *static_cast<const Lease*>(tensor->manager_ctx);
   if (absl::Status s = lease.core->CheckProcess(); !s.ok()) return s;
-  if (lease.fast != nullptr) return lease.core->PageLeaseStatus(*lease.fast, lease.page_slot);
-  return lease.core->LeaseStatus(lease.key);
+  if (const PageLease* page = std::get_if<PageLease>(&lease.held)) {
+    return lease.core->PageLeaseStatus(*page->fast, page->slot);
+  }
+  return lease.core->LeaseStatus(std::get<RpcLease>(lease.held).key);
 }
 
 absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor) {
@@ -250,12 +265,13 @@ absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor) {
     return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
   }
   auto& lease = *static_cast<Lease*>(tensor->manager_ctx);
-  if (lease.ready_event.empty()) return nullptr;
+  const CudaBytes* cuda = lease.cuda();
+  if (cuda == nullptr || cuda->ready_event.empty()) return nullptr;
   MutexLock lock(&lease.event_mu);
   if (lease.opened_event == nullptr) {
     bool own = false;
     absl::StatusOr<CUevent> event =
-        lease.core->cuda().OpenEvent(lease.cuda_ordinal, lease.ready_event, &own);
+        lease.core->cuda().OpenEvent(cuda->ordinal, cuda->ready_event, &own);
     if (absl::IsNotFound(event.status())) return nullptr;  // its producer has ended
     if (!event.ok()) return event.status();
     lease.opened_event = *event;
@@ -269,10 +285,12 @@ absl::StatusOr<SegmentPlace> PlaceOf(const DLManagedTensorVersioned* tensor) {
     return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
   }
   const Lease& lease = *static_cast<const Lease*>(tensor->manager_ctx);
-  if (lease.mapping == nullptr) return lease.cuda_place;  // CUDA, or empty (length 0)
+  if (const CudaBytes* cuda = lease.cuda()) return cuda->place;
+  const std::shared_ptr<const SegmentMapping>& mapping = std::get<HostBytes>(lease.bytes).mapping;
+  if (mapping == nullptr) return SegmentPlace{};  // empty (length 0)
   const auto* data = static_cast<const char*>(tensor->dl_tensor.data);
-  return HostPlace(*lease.core, lease.mapping->key(), lease.mapping->shm_name(),
-                   lease.mapping->address(), lease.mapping->size(), data);
+  return HostPlace(*lease.core, mapping->key(), mapping->shm_name(), mapping->address(),
+                   mapping->size(), data);
 }
 
 absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -26,20 +27,42 @@ namespace tensorshm {
 // Data pointer of empty tensors: non-null and 256-byte aligned, never read.
 alignas(256) extern const char kEmptyData[256];
 
+// How a lease is held: one the daemon keeps for the session (ClientCore's key for it)...
+struct RpcLease {
+  uint64_t key = 0;
+};
+// ... or a slot of the session's lease page, on the fast path.
+struct PageLease {
+  std::shared_ptr<FastPath> fast;  // whose page holds it
+  uint32_t slot = 0;
+};
+// Where a leased tensor's bytes lie: in a host segment's read-only mapping (none for an empty
+// tensor)...
+struct HostBytes {
+  std::shared_ptr<const SegmentMapping> mapping;
+};
+// ... or in device memory.
+struct CudaBytes {
+  SegmentPlace place;       // where the buffer lies (PlaceOf)
+  int ordinal = -1;         // this process's device ordinal
+  std::string ready_event;  // the producer's CUipcEventHandle, or empty
+};
+
 // What an acquired tensor's manager_ctx points at: the lease and storage for shape and strides.
 struct Lease {
   DLManagedTensorVersioned versioned{};
   DLManagedTensor legacy{};
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;
-  uint64_t key = 0;  // ClientCore's key for the lease (an RPC lease)
   std::shared_ptr<ClientCore> core;
-  std::shared_ptr<FastPath> fast;  // a page lease: the fast path whose page holds it
-  uint32_t page_slot = 0;
-  std::shared_ptr<const SegmentMapping> mapping;  // host tensors: the segment the data lies in
-  SegmentPlace cuda_place;  // CUDA tensors: where the buffer lies (PlaceOf; host: from `mapping`)
-  int cuda_ordinal = -1;    // CUDA tensors: this process's device ordinal
-  std::string ready_event;  // CUDA tensors: the producer's CUipcEventHandle, or empty
+  std::variant<RpcLease, PageLease> held;
+  std::variant<HostBytes, CudaBytes> bytes;
+
+  // The device memory the tensor lies in; nullptr for a host tensor.
+  const CudaBytes* cuda() const { return std::get_if<CudaBytes>(&bytes); }
+  // Gives the lease back: its page slot at once, an RPC lease in the session's next batch.
+  void GiveBack() noexcept;
+
   // ReadyEvent: the event opened from `ready_event` on first call, kept until the lease ends.
   Mutex event_mu;
   CUevent opened_event ABSL_GUARDED_BY(event_mu) = nullptr;

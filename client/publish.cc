@@ -114,8 +114,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
     core_->PageLeaseTaken();
     auto lease = std::make_unique<Lease>();
     lease->core = core_;
-    lease->fast = fast;
-    lease->page_slot = page_slot;
+    lease->held = PageLease{fast, page_slot};
     const char* data = kEmptyData;
     if (state->buffer_length > 0) {
       absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
@@ -125,8 +124,8 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
         core_->ReleasePageLease(*fast, page_slot);
         return mapping.status();
       }
-      lease->mapping = *std::move(mapping);
-      data = lease->mapping->address() + state->buffer_offset;
+      data = (*mapping)->address() + state->buffer_offset;
+      lease->bytes = HostBytes{*std::move(mapping)};
     }
     lease->shape = state->shape;
     lease->strides = state->strides;
