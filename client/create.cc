@@ -73,22 +73,10 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
         tensor->tensor_id = stocked->tensor_id;
         tensor->key = core->AddUnpublished(stocked->tensor_id);
         tensor->stocked = true;
-        tensor->segment_mapping = std::move(stocked->buffer.segment);
-        tensor->buffer_address = stocked->buffer.data;
-        tensor->buffer_length = stock_length;
-        tensor->shape = spec.shape;
-        tensor->strides = std::move(layout->strides);
-        tensor->nbytes = layout->nbytes;
-        tensor->flags = spec.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0;
-        tensor->tensor.data = stocked->buffer.data;
-        tensor->tensor.device = spec.device;
-        tensor->tensor.dtype = spec.dtype;
-        tensor->PointAtShape();
-        tensor->tensor.byte_offset = layout->byte_offset;
-        tensor->segment_instance = stocked->location.segment_instance();
-        tensor->segment_id = stocked->location.segment_id();
-        tensor->segment_size = stocked->location.segment_size();
-        tensor->buffer_offset = stocked->location.offset();
+        tensor->SetHostBuffer(stocked->buffer, stocked->location);
+        tensor->SetTensor(stocked->buffer.data, spec.device, spec.dtype, spec.shape,
+                          std::move(layout->strides), layout->byte_offset, layout->nbytes,
+                          spec.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
         // Populated in the background since it was stocked; what is left, now.
         tensor->segment_mapping->Populate(tensor->buffer_offset, stock_length);
         // The daemon was not asked for this buffer: it may be asleep when the publish comes.
@@ -157,24 +145,12 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
   } else if (location.length() > 0) {
     absl::StatusOr<ClientCore::HostBuffer> mapped = core->MapHostBuffer(location);
     if (!mapped.ok()) return mapped.status();
-    tensor.segment_mapping = std::move(mapped->segment);
-    tensor.buffer_address = mapped->data;
-    tensor.buffer_length = location.length();
-    tensor.segment_instance = location.segment_instance();
-    tensor.segment_id = location.segment_id();
-    tensor.segment_size = location.segment_size();
-    tensor.buffer_offset = location.offset();
-    data = tensor.buffer_address;
+    tensor.SetHostBuffer(*mapped, location);
+    data = mapped->data;
   }
-  tensor.shape = std::move(decoded->shape);
-  tensor.strides = std::move(decoded->strides);
-  tensor.nbytes = decoded->nbytes;
-  tensor.flags = decoded->flags;
-  tensor.tensor.data = data;
-  tensor.tensor.device = decoded->device;
-  tensor.tensor.dtype = decoded->dtype;
-  tensor.PointAtShape();
-  tensor.tensor.byte_offset = decoded->byte_offset;
+  tensor.SetTensor(data, decoded->device, decoded->dtype, std::move(decoded->shape),
+                   std::move(decoded->strides), decoded->byte_offset, decoded->nbytes,
+                   decoded->flags);
   return writable;
 }
 

@@ -9,6 +9,32 @@
 #include "client/segment_map.h"
 
 namespace tensorshm {
+
+void WritableTensorState::SetHostBuffer(const ClientCore::HostBuffer& buffer,
+                                        const v1::Location& location) {
+  segment_mapping = buffer.segment;
+  buffer_address = buffer.data;
+  buffer_length = location.length();
+  segment_instance = location.segment_instance();
+  segment_id = location.segment_id();
+  segment_size = location.segment_size();
+  buffer_offset = location.offset();
+}
+
+void WritableTensorState::SetTensor(void* data, DLDevice device, DLDataType dtype,
+                                    std::vector<int64_t> new_shape,
+                                    std::vector<int64_t> new_strides, uint64_t byte_offset,
+                                    int64_t new_nbytes, uint64_t new_flags) {
+  shape = std::move(new_shape);
+  strides = std::move(new_strides);
+  nbytes = new_nbytes;
+  flags = new_flags;
+  tensor.data = data;
+  tensor.device = device;
+  tensor.dtype = dtype;
+  tensor.byte_offset = byte_offset;
+  PointAtShape();
+}
 namespace {
 
 // What a moved-from tensor shows.

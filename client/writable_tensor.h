@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "client/client_core.h"
 #include "client/interop.h"
 #include "tensorshm/client.h"
 
@@ -28,6 +29,17 @@ class WritableTensorState {
   // `tensor`'s state; nullptr for a moved-from tensor.
   static WritableTensorState* Of(WritableTensor& tensor) { return tensor.state_.get(); }
   static const WritableTensorState* Of(const WritableTensor& tensor) { return tensor.state_.get(); }
+
+  // The one place a writable tensor's state is filled in, whichever way its buffer came (the
+  // daemon's answer to a create, or a stocked buffer):
+  // its host buffer, `buffer` in this process's writable mapping of the segment, lying where
+  // `location` says...
+  void SetHostBuffer(const ClientCore::HostBuffer& buffer, const v1::Location& location);
+  // ... and its DLPack description, the data at `data` (the buffer's address, a CUDA pointer,
+  // or kEmptyData).
+  void SetTensor(void* data, DLDevice device, DLDataType dtype, std::vector<int64_t> shape,
+                 std::vector<int64_t> strides, uint64_t byte_offset, int64_t nbytes,
+                 uint64_t flags);
 
   // Points tensor.shape and tensor.strides at shape and strides (after either moved).
   void PointAtShape() {
