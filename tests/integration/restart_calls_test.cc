@@ -173,11 +173,15 @@ TEST_F(RestartCallsTest, ConnectToAStoppedDaemonFailsByItsTimeout) {
   std::cout << "connect to a stopped daemon failed after " << took << ": " << client.status()
             << std::endl;
 
-  // A canceller ends the wait too, long before the timeout.
+  // A canceller ends the wait too, long before the timeout: once the connect is in the wait
+  // (its connection queued in the stopped daemon's backlog).
   options.connect_timeout = absl::Seconds(60);
   WaitCanceller cancel;
+  const int queued = ListenBacklog(socket_);
+  ASSERT_GE(queued, 0) << "ss -xl cannot read " << socket_;
   std::thread canceller([&] {
-    absl::SleepFor(absl::Milliseconds(300));
+    for (int i = 0; i < 10000 && ListenBacklog(socket_) <= queued; ++i)
+      absl::SleepFor(absl::Milliseconds(1));
     cancel.Cancel();
   });
   const absl::Time second = absl::Now();

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -25,6 +26,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -95,6 +97,20 @@ int64_t UnreadSocketBytes() {
     if (ioctl(fd, SIOCOUTQ, &queued) == 0) total += queued;
   }
   return total;
+}
+
+int ListenBacklog(const std::string& path) {
+  const std::string command = absl::StrCat("ss -xlnH src '", path, "' 2>/dev/null");
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char line[512] = {};
+  const bool read = fgets(line, sizeof(line), pipe) != nullptr;
+  pclose(pipe);
+  // "u_str LISTEN <Recv-Q> <Send-Q> <path> ...".
+  std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+  int queued = -1;
+  if (!read || fields.size() < 3 || !absl::SimpleAtoi(fields[2], &queued)) return -1;
+  return queued;
 }
 
 std::string ThreadStacks(pid_t pid) {

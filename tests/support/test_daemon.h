@@ -139,6 +139,10 @@ bool WaitUntilSleepingOnSharedFutex(pid_t pid, absl::Duration timeout);
 // stopped daemon.
 int64_t UnreadSocketBytes();
 
+// Connections waiting in the backlog of the Unix socket listening at `path` (a stopped daemon
+// accepts none): `ss`'s Recv-Q of a listening socket. -1 if ss cannot tell.
+int ListenBacklog(const std::string& path);
+
 // What each thread of process `pid` is doing, for a failure message about a process that hangs:
 // gdb's backtraces when gdb is installed, else each thread's wait channel and kernel stack.
 std::string ThreadStacks(pid_t pid);
