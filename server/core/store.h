@@ -138,30 +138,14 @@ class Store {
   // before the call.
   v1::StatResponse StatSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // A channel create the transport answers later (its pool must grow first): the call, and the
-  // request and response it owns until it is answered.
-  struct LaterCreate {
-    PendingCall* call;
-    const v1::CreateRequest* request;
-    v1::CreateResponse* response;
-  };
   // One memory channel request (see ChannelRequest in the .proto) from a connection with
   // `peer`'s credentials bound to `*session_token` (empty: none; a bind sets it): binds, grants
   // one host segment's descriptor or a fast path part (returned), or
-  // creates / publishes / deletes for the bound session (none returned, but a create's answer
-  // may carry its new segment's: AttachNewSegment). The answer goes into `response`; a refusal
-  // is returned. A create whose pool must grow first is queued for GrowPools, which answers the
-  // call `later` makes (`*answered_later` set; the channel's thread never makes a segment, nor
-  // waits for one). (store_channel.cc)
+  // creates / publishes / deletes for the bound session (none returned). The answer goes into
+  // `response`; a refusal is returned. (store_channel.cc)
   absl::StatusOr<UniqueFd> Channel(const PeerCredentials& peer, std::string* session_token,
-                                   const v1::ChannelRequest& request, v1::ChannelResponse* response,
-                                   absl::FunctionRef<LaterCreate()> later, bool* answered_later)
+                                   const v1::ChannelRequest& request, v1::ChannelResponse* response)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // For a channel create answered later: the writable descriptor of the host segment at
-  // `location` and its grant in `*grant`, when the session `token` names has not been granted it
-  // yet (as Channel's own answers carry one); none otherwise.
-  UniqueFd AttachNewSegmentLater(const std::string& token, const v1::Location& location,
-                                 v1::SegmentGrant* grant) ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- The daemon's life ----
 
@@ -355,10 +339,10 @@ class Store {
                                         const v1::SegmentRequest& request, v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // For a channel create's answer: the writable descriptor of the host segment at `location`
-  // when `session` has not been granted it yet, with its grant in `*grant` (cleared otherwise);
+  // when `session` has not been granted it yet, with its grant in response.attached_segment;
   // none otherwise (or when the grant fails: the client then asks, and hears why).
   UniqueFd AttachNewSegment(tensorshm::Session& session, const v1::Location& location,
-                            v1::SegmentGrant* grant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                            v1::ChannelResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<UniqueFd> GrantCudaSegment(const v1::SegmentRequest& request,
                                             v1::SegmentGrant* grant)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

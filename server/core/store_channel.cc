@@ -10,9 +10,7 @@ namespace tensorshm {
 
 absl::StatusOr<UniqueFd> Store::Channel(const PeerCredentials& peer, std::string* session_token,
                                         const v1::ChannelRequest& request,
-                                        v1::ChannelResponse* response,
-                                        absl::FunctionRef<LaterCreate()> later,
-                                        bool* answered_later) {
+                                        v1::ChannelResponse* response) {
   UniqueFd granted_fd;
   absl::Status status = [&]() -> absl::Status {
     if (policy_ != nullptr) {
@@ -63,21 +61,15 @@ absl::StatusOr<UniqueFd> Store::Channel(const PeerCredentials& peer, std::string
         absl::Status created =
             CreateFor(*session, request.create(), response->mutable_created(), &growth);
         if (created.ok()) {
-          fd = AttachNewSegment(*session, response->created().location(),
-                                response->mutable_attached_segment());
-          if (!fd->valid()) response->clear_attached_segment();
+          fd = AttachNewSegment(*session, response->created().location(), response);
           break;
         }
         if (!growth.needed() && !growth.busy()) return created;
         // This thread serves every client's channel: it never makes a segment (posix_fallocate,
-        // cuMemAlloc), nor waits for one. GrowPools answers the create once the pool has grown.
-        if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
-        const LaterCreate call = later();
-        pending_creates_.push_back(
-            PendingCreate{call.call, session->token, call.request, call.response});
-        creates_pending_.Signal();
-        *answered_later = true;
-        return absl::OkStatus();
+        // cuMemAlloc), nor waits for one. UNAVAILABLE sends the client to the gRPC Create, which
+        // GrowPools answers once the pool has grown.
+        return absl::UnavailableError(
+            "create: the pool must grow first; the gRPC Create waits for that");
       }
       case v1::ChannelRequest::kPublish:
         return PublishFor(*session, request.publish(), response->mutable_published());
@@ -161,7 +153,7 @@ absl::StatusOr<UniqueFd> Store::GrantSegment(tensorshm::Session& session,
 }
 
 UniqueFd Store::AttachNewSegment(tensorshm::Session& session, const v1::Location& location,
-                                 v1::SegmentGrant* grant) {
+                                 v1::ChannelResponse* response) {
   if (!location.has_host() || location.length() == 0 ||
       session.writable_segments.count({location.segment_instance(), location.segment_id()}) > 0) {
     return UniqueFd();
@@ -170,17 +162,13 @@ UniqueFd Store::AttachNewSegment(tensorshm::Session& session, const v1::Location
   want.set_segment_id(location.segment_id());
   want.set_segment_instance(location.segment_instance());
   want.set_writable(true);
-  absl::StatusOr<UniqueFd> fd = GrantSegment(session, want, grant);
-  // Refused: the client asks for it as before, and hears why then.
-  return fd.ok() ? *std::move(fd) : UniqueFd();
-}
-
-UniqueFd Store::AttachNewSegmentLater(const std::string& token, const v1::Location& location,
-                                      v1::SegmentGrant* grant) {
-  Lock lock(this);
-  tensorshm::Session* session = sessions_.Find(token);
-  if (session == nullptr) return UniqueFd();
-  return AttachNewSegment(*session, location, grant);
+  absl::StatusOr<UniqueFd> fd = GrantSegment(session, want, response->mutable_attached_segment());
+  if (!fd.ok()) {
+    // The client asks for it as before, and hears why then.
+    response->clear_attached_segment();
+    return UniqueFd();
+  }
+  return *std::move(fd);
 }
 
 absl::StatusOr<UniqueFd> Store::GrantCudaSegment(const v1::SegmentRequest& request,

@@ -11,9 +11,8 @@
 namespace tensorshm {
 
 // Answers one memory channel request: Store::Channel for `connection`'s peer and session, counted
-// in the store's metrics. Refusals are in the response's code and message. A create whose pool
-// must grow first comes back `deferred`: GrowPools answers it later through connection.link.
-// Thread-safe (the Store is).
+// in the store's metrics. Refusals are in the response's code and message. Thread-safe (the Store
+// is).
 ChannelReply HandleChannelRequest(Store& store, ChannelConnection& connection,
                                   const v1::ChannelRequest& request);
 

@@ -25,23 +25,6 @@ absl::StatusOr<std::unique_ptr<ChannelServer>> ChannelServer::Start(Handler hand
   return server;
 }
 
-absl::Status ChannelLink::Send(const v1::ChannelResponse& response, int fd) {
-  std::string frame(kFrameHeaderBytes, '\0');
-  response.AppendToString(&frame);
-  EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
-  MutexLock lock(&mu_);
-  if (fd_ < 0) return absl::OkStatus();
-  absl::Status sent = SendWithFd(fd_, frame, fd, /*nonblocking=*/true, who_);
-  // The serving thread hears the hang-up and closes the connection.
-  if (!sent.ok()) shutdown(fd_, SHUT_RDWR);
-  return sent;
-}
-
-void ChannelLink::Close() {
-  MutexLock lock(&mu_);
-  fd_ = -1;
-}
-
 ChannelServer::~ChannelServer() { Stop(); }
 
 void ChannelServer::Add(UniqueFd accepted, const PeerCredentials& peer) {
@@ -52,8 +35,6 @@ void ChannelServer::Add(UniqueFd accepted, const PeerCredentials& peer) {
     auto connection = std::make_unique<Connection>();
     connection->fd = std::move(accepted);
     connection->state.peer = peer;
-    connection->state.link = std::make_shared<ChannelLink>(
-        fd, absl::StrCat("of pid ", peer.pid, " (uid ", peer.uid, ")"));
     added = connection.get();
     connections_[fd] = std::move(connection);
   }
@@ -79,7 +60,6 @@ void ChannelServer::Stop() {
   loop_->Stop();
   thread_.join();
   MutexLock lock(&mu_);
-  for (auto& [fd, connection] : connections_) connection->state.link->Close();
   connections_.clear();  // closes them
 }
 
@@ -90,7 +70,6 @@ void ChannelServer::Close(int fd) {
   auto it = connections_.find(fd);
   if (it == connections_.end()) return;
   closed = std::move(it->second);
-  closed->state.link->Close();  // a deferred answer no longer writes to the descriptor
   connections_.erase(it);
 }
 
@@ -179,9 +158,11 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
       continue;  // answered by nothing
     }
     ChannelReply reply = handler_(connection.state, request);
-    if (reply.deferred) continue;  // answered later, through the link
+    std::string frame(kFrameHeaderBytes, '\0');
+    reply.response.AppendToString(&frame);
+    EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
     // The descriptor the reply brings is closed once sent (with `reply`).
-    absl::Status sent = connection.state.link->Send(reply.response, reply.fd.get());
+    absl::Status sent = SendWithFd(fd, frame, reply.fd.get(), /*nonblocking=*/true, who);
     if (!sent.ok()) {
       TSM_LOG(kWarning) << sent.message();
       return false;

