@@ -22,6 +22,7 @@
 #include "common/base/unique_fd.h"
 #include "server/catalog/catalog.h"
 #include "server/core/access.h"
+#include "server/core/channel_grants.h"
 #include "server/core/session.h"
 #include "server/core/wait_queue.h"
 #include "server/core/waiters.h"
@@ -327,25 +328,6 @@ class Store {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status DeleteFor(const tensorshm::Session& session, const v1::DeleteRequest& request)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The descriptor of fast path part `request.part()` for `session`.
-  absl::StatusOr<UniqueFd> GrantFastPath(const tensorshm::Session& session,
-                                         const v1::FastPathRequest& request,
-                                         v1::FastPathGrant* grant)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The descriptor of host segment `request.segment_id` for `session`, as the channel grants it
-  // (a writable grant is recorded in session.writable_segments), or of a VMM CUDA segment
-  // (request.cuda).
-  absl::StatusOr<UniqueFd> GrantSegment(tensorshm::Session& session,
-                                        const v1::SegmentRequest& request, v1::SegmentGrant* grant)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // For a channel create's answer: the writable descriptor of the host segment at `location`
-  // when `session` has not been granted it yet, with its grant in response.attached_segment;
-  // none otherwise (or when the grant fails: the client then asks, and hears why).
-  UniqueFd AttachNewSegment(tensorshm::Session& session, const v1::Location& location,
-                            v1::ChannelResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<UniqueFd> GrantCudaSegment(const v1::SegmentRequest& request,
-                                            v1::SegmentGrant* grant)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- Creates that wait for memory (store_create_waiters.cc) ----
 
@@ -408,6 +390,7 @@ class Store {
   const absl::Duration cross_cancel_hold_;  // StoreTestHooks::cross_cancel_hold
   const absl::Duration growth_delay_;       // StoreTestHooks::growth_delay
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
+  ChannelGrants grants_ ABSL_GUARDED_BY(mu_);  // of catalog_
   // Creates waiting for memory, keyed by the memory they wait for, first come first served.
   WaitQueue<PoolKey, CreateWait> creates_waiting_ ABSL_GUARDED_BY(mu_);
   // The catalog's release_epoch() at the last retry, and whether a waiting create left the queue

@@ -1,0 +1,47 @@
+// The descriptors the memory channel grants a bound session: a host or VMM CUDA segment's, the
+// fast path's parts (the catalog index, the control segment, the session's lease page), and the
+// segment a channel create's buffer lies in, sent along with its answer. The Store's, under its
+// lock: thread-compatible.
+#ifndef TENSORSHM_SERVER_CORE_CHANNEL_GRANTS_H_
+#define TENSORSHM_SERVER_CORE_CHANNEL_GRANTS_H_
+
+#include "absl/status/statusor.h"
+#include "common/base/unique_fd.h"
+#include "server/catalog/catalog.h"
+#include "server/core/session.h"
+#include "tensorshm/v1/tensorshm.pb.h"
+
+namespace tensorshm {
+
+class ChannelGrants {
+ public:
+  // `catalog` outlives it. `offer_fast_path` false: fast path parts are refused (the test hook
+  // StoreTestHooks::cross_cancel_hold, under which acquires must take the RPC).
+  ChannelGrants(Catalog& catalog, bool offer_fast_path)
+      : catalog_(catalog), offer_fast_path_(offer_fast_path) {}
+  ChannelGrants(const ChannelGrants&) = delete;
+  ChannelGrants& operator=(const ChannelGrants&) = delete;
+
+  // The descriptor of fast path part `request.part()` for `session`.
+  absl::StatusOr<UniqueFd> FastPath(const Session& session, const v1::FastPathRequest& request,
+                                    v1::FastPathGrant* grant);
+  // The descriptor of host segment `request.segment_id` for `session` (a writable grant is
+  // recorded in session.writable_segments), or of a VMM CUDA segment (request.cuda).
+  absl::StatusOr<UniqueFd> Segment(Session& session, const v1::SegmentRequest& request,
+                                   v1::SegmentGrant* grant);
+  // For a channel create's answer: the writable descriptor of the host segment at `location`
+  // when `session` has not been granted it yet, with its grant in response.attached_segment;
+  // none otherwise (or when the grant fails: the client then asks, and hears why).
+  UniqueFd AttachNewSegment(Session& session, const v1::Location& location,
+                            v1::ChannelResponse* response);
+
+ private:
+  absl::StatusOr<UniqueFd> CudaSegment(const v1::SegmentRequest& request, v1::SegmentGrant* grant);
+
+  Catalog& catalog_;
+  const bool offer_fast_path_;
+};
+
+}  // namespace tensorshm
+
+#endif  // TENSORSHM_SERVER_CORE_CHANNEL_GRANTS_H_
