@@ -150,7 +150,8 @@ def digest(client: tensorshm.Client, name: str) -> tuple[str, str, tuple[int, ..
                 tensor.dtype, tuple(tensor.shape))
 
 
-def start(method: str, daemons: tuple[tensorshm.Daemon, tensorshm.Daemon], store_bytes: int) -> tuple[list, Node, str]:
+def start(method: str, daemons: tuple[tensorshm.Daemon, tensorshm.Daemon],
+          store_bytes: int) -> tuple[list, Node, str]:
     """The method's processes, the one that ships into B, and the address it ships from."""
     env = METHODS[method][0]
     if method == "ray":

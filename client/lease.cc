@@ -234,18 +234,16 @@ absl::Status WaitLeaseReady(const Lease& lease, ReadySync sync) {
 
 absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src, void* dst,
                         size_t bytes) {
-  if (tensor == nullptr || tensor->deleter != DeleteVersioned ||
-      tensor->dl_tensor.device.device_type != kDLCUDA) {
-    return absl::InvalidArgumentError("tensor: not a CUDA tensor acquired from a tensorshm Client");
-  }
-  const auto& lease = *static_cast<const Lease*>(tensor->manager_ctx);
-  const CudaBytes* cuda = lease.cuda();
+  const Lease* lease = tensor != nullptr && tensor->deleter == DeleteVersioned
+                           ? static_cast<const Lease*>(tensor->manager_ctx)
+                           : nullptr;
+  const CudaBytes* cuda = lease != nullptr ? lease->cuda() : nullptr;
   if (cuda == nullptr) {
     return absl::InvalidArgumentError("tensor: not a CUDA tensor acquired from a tensorshm Client");
   }
-  if (absl::Status s = WaitLeaseReady(lease, ReadySync::Host()); !s.ok()) return s;
-  return lease.core->cuda().CopyDeviceToHost(cuda->ordinal, dst, reinterpret_cast<CUdeviceptr>(src),
-                                             bytes);
+  if (absl::Status s = WaitLeaseReady(*lease, ReadySync::Host()); !s.ok()) return s;
+  return lease->core->cuda().CopyDeviceToHost(cuda->ordinal, dst,
+                                              reinterpret_cast<CUdeviceptr>(src), bytes);
 }
 
 absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {

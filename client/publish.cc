@@ -121,7 +121,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
           core_->MapHostSegment(SegmentKey{state->segment_instance, state->segment_id},
                                 state->segment_size, state->buffer_offset, state->buffer_length);
       if (!mapping.ok()) {
-        core_->ReleasePageLease(*fast, page_slot);
+        lease->GiveBack();
         return mapping.status();
       }
       data = (*mapping)->address() + state->buffer_offset;
@@ -133,7 +133,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
                state->flags);
     if (absl::Status s = PublishTensor(*core_, tensor, name, replace, ready_stream, nullptr);
         !s.ok()) {
-      core_->ReleasePageLease(*fast, page_slot);
+      lease->GiveBack();
       return s;
     }
     return HandOut(std::move(lease));

@@ -31,7 +31,8 @@ def sleeping_on_shared_futex(pid: int) -> bool:
         if len(fields) < 3 or fields[0] != str(_SYS_FUTEX):
             continue
         op = int(fields[2], 16)
-        if not op & _FUTEX_PRIVATE_FLAG and op & _FUTEX_CMD_MASK in (_FUTEX_WAIT, _FUTEX_WAIT_BITSET):
+        waits = op & _FUTEX_CMD_MASK in (_FUTEX_WAIT, _FUTEX_WAIT_BITSET)
+        if waits and not op & _FUTEX_PRIVATE_FLAG:
             return True
     return False
 
