@@ -184,8 +184,9 @@ class MoverActor:
 
 
 def _lookup(node: str) -> Any:
-    # ConnectionError, as over gRPC where a mover that is gone cannot be reached: Ray drops a
-    # dead actor's name at once, so a mover killed or crashed is not found by its name.
+    # ConnectionError, as over gRPC where a mover that is gone cannot be reached. Ray drops a
+    # dead actor's name once the GCS sees it dead; until then the lookup finds the dying actor
+    # and the call on it fails with ConnectionError too (`_Mover._call`).
     try:
         return ray.get_actor(actor_name(node))
     except ValueError:

@@ -53,6 +53,10 @@ def movers(cluster, node_daemons):
     tensorshm.ray.stop_movers(movers)
 
 
+def named_actors() -> set[str]:
+    return {n["name"] for n in ray.util.list_named_actors(all_namespaces=True)}
+
+
 def node_ids() -> dict[str, str]:
     """Custom resource -> the id of the node that has it."""
     return {r: n["NodeID"] for n in ray.nodes() if n["Alive"] for r in NODES if r in n["Resources"]}
@@ -173,10 +177,8 @@ def test_start_movers_refuses_what_it_cannot_place_or_start(cluster, node_daemon
     # Without a token (and not insecure) a mover refuses to start; no actor stays.
     with pytest.raises(tensorshm.FailedPreconditionError, match="no credentials"):
         tensorshm.ray.start_movers({node_a: a.socket})
-    def named() -> set[str]:
-        return {n["name"] for n in ray.util.list_named_actors(all_namespaces=True)}
-
-    assert wait_for(lambda: named() == {tensorshm.ray.actor_name(n) for n in NODES}), named()
+    assert wait_for(lambda: named_actors() == {tensorshm.ray.actor_name(n) for n in NODES}), \
+        named_actors()
 
 
 def test_a_ray_caller_without_the_token_gets_nothing_from_a_mover(node_daemons, movers):
@@ -218,6 +220,9 @@ def test_a_mover_killed_fails_the_ship_and_one_started_again_serves(node_daemons
     with tensorshm.connect(a.socket) as ca:
         publish(ca, "ray/again", f"f32:{1 << 20}")
     ray.kill(movers["node_a"])
+    # ray.kill returns before the GCS drops the actor's name; a ship in between finds the dying
+    # actor and fails on the call instead (also a ConnectionError). Wait for the name to go.
+    assert wait_for(lambda: tensorshm.ray.actor_name("node_a") not in named_actors())
     with pytest.raises(tensorshm.ConnectionError, match='node = "node_a": no mover runs'):
         tensorshm.ray.ship("ray/again", "node_a", "node_b", timeout=10)
     with tensorshm.connect(a.socket) as ca, tensorshm.connect(b.socket) as cb:
