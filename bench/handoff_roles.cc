@@ -66,11 +66,6 @@ double Median(std::vector<int64_t> values) {
   return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2.0;
 }
 
-[[noreturn]] void Die(const absl::Status& status) {
-  std::cerr << "handoff_bench: " << status << "\n";
-  std::exit(1);
-}
-
 // ---- roles (child processes) ----
 
 int TsmProducer(const std::string& socket, uint64_t size, int iterations) {
@@ -82,7 +77,8 @@ int TsmProducer(const std::string& socket, uint64_t size, int iterations) {
     auto tensor = client->Create({{kDLUInt, 8, 1}, {static_cast<int64_t>(size)}});
     if (!tensor.ok()) Die(tensor.status());
     std::memset(tensor->data(), i & 0xff, size);
-    if (absl::Status s = client->Publish(*tensor, absl::StrFormat("bench/%d", i)); !s.ok()) Die(s);
+    if (tensorshm::Status s = client->Publish(*tensor, absl::StrFormat("bench/%d", i)); !s.ok())
+      Die(s);
     Say(absl::StrFormat("start %d %d", start, MinorFaults() - faults));
   }
   return 0;
@@ -95,7 +91,7 @@ int TsmConsumer(const std::string& socket, uint64_t size, int iterations) {
     const std::string name = absl::StrFormat("bench/%d", i);
     Say("ready");
     const int64_t faults = MinorFaults();
-    auto tensor = client->Acquire(name, absl::InfiniteDuration());
+    auto tensor = client->Acquire(name, tensorshm::kForever);
     if (!tensor.ok()) Die(tensor.status());
     sink += TouchPages((*tensor)->dl_tensor.data, size);
     const int64_t end = NowNs();
@@ -108,8 +104,8 @@ int TsmConsumer(const std::string& socket, uint64_t size, int iterations) {
     sink += TouchPages((*again)->dl_tensor.data, size);
     const int64_t warm = NowNs() - warm_start;
     (*again)->deleter(*again);
-    if (absl::Status s = client->Delete(name); !s.ok()) Die(s);
-    if (absl::Status s = client->Flush(); !s.ok()) Die(s);
+    if (tensorshm::Status s = client->Delete(name); !s.ok()) Die(s);
+    if (tensorshm::Status s = client->Flush(); !s.ok()) Die(s);
     Say(absl::StrFormat("end %d %d %d", end, warm, consumer_faults));
   }
   return sink == 42 ? 1 : 0;  // keeps the reads from being optimised away
@@ -172,7 +168,8 @@ int CudaProducer(const std::string& socket, uint64_t size, int iterations) {
         !s.ok()) {
       Die(s);
     }
-    if (absl::Status s = client->Publish(*tensor, absl::StrFormat("cuda/%d", i)); !s.ok()) Die(s);
+    if (tensorshm::Status s = client->Publish(*tensor, absl::StrFormat("cuda/%d", i)); !s.ok())
+      Die(s);
     Say(absl::StrFormat("start %d", start));
   }
   // The ready events live in this process: stay until the consumer is done.
@@ -190,12 +187,12 @@ int CudaConsumer(const std::string& socket, uint64_t size, int iterations) {
   for (int i = 0; i < iterations; ++i) {
     const std::string name = absl::StrFormat("cuda/%d", i);
     Say("ready");
-    auto tensor = client->Acquire(name, absl::InfiniteDuration(), tensorshm::ReadySync::Host());
+    auto tensor = client->Acquire(name, tensorshm::kForever, tensorshm::ReadySync::Host());
     if (!tensor.ok()) Die(tensor.status());
     const int64_t end = NowNs();
     (*tensor)->deleter(*tensor);
     const int64_t warm_start = NowNs();
-    auto again = client->Acquire(name, absl::ZeroDuration(), tensorshm::ReadySync::Host());
+    auto again = client->Acquire(name, tensorshm::Duration::zero(), tensorshm::ReadySync::Host());
     if (!again.ok()) Die(again.status());
     const int64_t warm = NowNs() - warm_start;
     const int64_t copy_start = NowNs();
@@ -208,8 +205,8 @@ int CudaConsumer(const std::string& socket, uint64_t size, int iterations) {
     if (absl::Status s = TSM_CU(driver, 0, cuStreamSynchronize, nullptr); !s.ok()) Die(s);
     const int64_t copy = NowNs() - copy_start;
     (*again)->deleter(*again);
-    if (absl::Status s = client->Delete(name); !s.ok()) Die(s);
-    if (absl::Status s = client->Flush(); !s.ok()) Die(s);
+    if (tensorshm::Status s = client->Delete(name); !s.ok()) Die(s);
+    if (tensorshm::Status s = client->Flush(); !s.ok()) Die(s);
     Say(absl::StrFormat("end %d %d %d", end, warm, copy));
   }
   driver->cuMemFree_v2(scratch);

@@ -4,6 +4,8 @@
 #define TENSORSHM_BENCH_HANDOFF_ROLES_H_
 
 #include <cstdint>
+#include <cstdlib>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -14,8 +16,12 @@ namespace handoff {
 
 // The median of `values` (0 for none).
 double Median(std::vector<int64_t> values);
-// Prints `status` and exits 1.
-[[noreturn]] void Die(const absl::Status& status);
+// Prints `status` (the client's tensorshm::Status, or the CUDA helpers' absl one) and exits 1.
+template <typename AnyStatus>
+[[noreturn]] void Die(const AnyStatus& status) {
+  std::cerr << "handoff_bench: " << status << "\n";
+  std::exit(1);
+}
 // The CUDA driver, or Die.
 const tensorshm::CudaDriver* DriverOrDie();
 // Why the CUDA row cannot run here, or OK.

@@ -12,6 +12,7 @@
 #include "client/client_core.h"
 #include "client/fast_path.h"
 #include "client/lease.h"
+#include "client/public_status.h"
 #include "common/tensor/grpc_status.h"
 #include "common/tensor/name.h"
 #include "tensorshm/client.h"
@@ -137,39 +138,38 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireAcrossRestart(const std::shared_pt
 
 }  // namespace
 
-absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
-                                                          absl::Duration timeout, ReadySync sync) {
+StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name, Duration timeout,
+                                                    ReadySync sync) {
   absl::StatusOr<std::unique_ptr<Lease>> lease =
-      AcquireAcrossRestart(core_, name, timeout, sync, nullptr);
-  if (!lease.ok()) return lease.status();
+      AcquireAcrossRestart(core_, name, ToAbsl(timeout), sync, nullptr);
+  if (!lease.ok()) return ToPublic(lease.status());
   return HandOut(*std::move(lease));
 }
 
-absl::StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name,
-                                                          absl::Duration timeout, ReadySync sync,
-                                                          const WaitCanceller& cancel) {
+StatusOr<DLManagedTensorVersioned*> Client::Acquire(std::string_view name, Duration timeout,
+                                                    ReadySync sync, const WaitCanceller& cancel) {
   absl::StatusOr<std::unique_ptr<Lease>> lease =
-      AcquireAcrossRestart(core_, name, timeout, sync, ClientAccess::State(cancel));
-  if (!lease.ok()) return lease.status();
+      AcquireAcrossRestart(core_, name, ToAbsl(timeout), sync, ClientAccess::State(cancel));
+  if (!lease.ok()) return ToPublic(lease.status());
   return HandOut(*std::move(lease));
 }
 
-absl::StatusOr<DLManagedTensorVersioned*> Client::TryAcquireLocal(std::string_view name,
-                                                                  absl::Duration wait) {
+StatusOr<DLManagedTensorVersioned*> Client::TryAcquireLocal(std::string_view name, Duration wait) {
   absl::StatusOr<std::unique_ptr<Lease>> lease =
-      AcquireLease(core_, name, wait, ReadySync::None(), nullptr, /*local_only=*/true);
+      AcquireLease(core_, name, ToAbsl(wait), ReadySync::None(), nullptr, /*local_only=*/true);
   if (absl::IsDeadlineExceeded(lease.status())) {
-    return absl::NotFoundError(lease.status().message());  // as the contract says: not published
+    // As the contract says: not published.
+    return Status(StatusCode::kNotFound, std::string(lease.status().message()));
   }
-  if (!lease.ok()) return lease.status();
+  if (!lease.ok()) return ToPublic(lease.status());
   return HandOut(*std::move(lease));
 }
 
-absl::StatusOr<DLManagedTensor*> Client::AcquireLegacy(std::string_view name,
-                                                       absl::Duration timeout, ReadySync sync) {
+StatusOr<DLManagedTensor*> Client::AcquireLegacy(std::string_view name, Duration timeout,
+                                                 ReadySync sync) {
   absl::StatusOr<std::unique_ptr<Lease>> lease =
-      AcquireAcrossRestart(core_, name, timeout, sync, nullptr);
-  if (!lease.ok()) return lease.status();
+      AcquireAcrossRestart(core_, name, ToAbsl(timeout), sync, nullptr);
+  if (!lease.ok()) return ToPublic(lease.status());
   return HandOutLegacy(*std::move(lease));
 }
 

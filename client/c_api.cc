@@ -49,6 +49,26 @@ int Check(const absl::Status& status) noexcept {
   return Fail(status);
 }
 
+int Fail(const tensorshm::Status& status) noexcept {
+  SetLastError(status.message());
+  return static_cast<int>(status.code());
+}
+
+int Check(const tensorshm::Status& status) noexcept {
+  if (status.ok()) {
+    last_error.clear();
+    last_error_fallback = nullptr;
+    return TSM_OK;
+  }
+  return Fail(status);
+}
+
+// A C timeout in ms: TSM_WAIT_FOREVER waits without end.
+tensorshm::Duration Timeout(int64_t timeout_ms) {
+  if (timeout_ms == TSM_WAIT_FOREVER) return tensorshm::kForever;
+  return std::chrono::milliseconds(timeout_ms);
+}
+
 int NullArgument(const char* what) noexcept {
   try {
     return Fail(absl::InvalidArgumentError(std::string(what) + ": must not be NULL"));
@@ -111,7 +131,8 @@ int tsm_connect_server_uid(const char* socket, const char* client_name, int64_t 
     if (socket != nullptr) options.socket = socket;
     if (client_name != nullptr) options.client_name = client_name;
     if (server_uid >= 0) options.server_uid = static_cast<uint32_t>(server_uid);
-    absl::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(options);
+    tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client =
+        tensorshm::Client::Connect(options);
     if (!client.ok()) return Fail(client.status());
     *out = new tsm_client{*std::move(client)};
     return Check(absl::OkStatus());
@@ -147,9 +168,8 @@ int tsm_create_wait(tsm_client* client, DLDataType dtype, int32_t ndim, const in
     spec.device = device;
     if (ndim > 0) spec.shape.assign(shape, shape + ndim);
     if (ndim > 0 && strides != nullptr) spec.strides.assign(strides, strides + ndim);
-    const absl::Duration timeout =
-        timeout_ms == TSM_WAIT_FOREVER ? absl::InfiniteDuration() : absl::Milliseconds(timeout_ms);
-    absl::StatusOr<tensorshm::WritableTensor> tensor = client->client->Create(spec, timeout);
+    const tensorshm::Duration timeout = Timeout(timeout_ms);
+    tensorshm::StatusOr<tensorshm::WritableTensor> tensor = client->client->Create(spec, timeout);
     if (!tensor.ok()) return Fail(tensor.status());
     *out = new tsm_writable{*std::move(tensor)};
     return Check(absl::OkStatus());
@@ -185,9 +205,8 @@ int tsm_acquire(tsm_client* client, const char* name, int64_t timeout_ms,
       return Fail(absl::InvalidArgumentError("timeout_ms = " + std::to_string(timeout_ms) +
                                              ": must be >= 0 or TSM_WAIT_FOREVER"));
     }
-    const absl::Duration timeout =
-        timeout_ms == TSM_WAIT_FOREVER ? absl::InfiniteDuration() : absl::Milliseconds(timeout_ms);
-    absl::StatusOr<DLManagedTensorVersioned*> tensor = client->client->Acquire(name, timeout);
+    const tensorshm::Duration timeout = Timeout(timeout_ms);
+    tensorshm::StatusOr<DLManagedTensorVersioned*> tensor = client->client->Acquire(name, timeout);
     if (!tensor.ok()) return Fail(tensor.status());
     *out = *tensor;
     return Check(absl::OkStatus());
@@ -204,7 +223,7 @@ int tsm_stat(tsm_client* client, tsm_stats* out) {
   if (client == nullptr) return NullArgument("client");
   if (out == nullptr) return NullArgument("out");
   return Guard("tsm_stat", [&] {
-    absl::StatusOr<tensorshm::ServerStats> stats = client->client->Stat();
+    tensorshm::StatusOr<tensorshm::ServerStats> stats = client->client->Stat();
     if (!stats.ok()) return Fail(stats.status());
     *out =
         tsm_stats{stats->tensors, stats->leases, stats->sessions, 0, 0, stats->stocked_tensors, 0};

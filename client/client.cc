@@ -22,6 +22,7 @@
 #include "client/daemon_connection.h"
 #include "client/fork.h"
 #include "client/interop.h"
+#include "client/public_status.h"
 #include "common/base/socket_path.h"
 #include "common/tensor/grpc_status.h"
 #include "common/tensor/name.h"
@@ -53,7 +54,7 @@ absl::StatusOr<std::shared_ptr<Client>> ConnectClient(const ClientOptions& given
   // The daemon may be starting (its socket is there but does not accept yet): connecting is
   // tried until connect_timeout, and so is opening the session. No socket file at all is no
   // daemon: said at once. A server of the wrong uid is refused at once.
-  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  const absl::Time deadline = absl::Now() + ToAbsl(options.connect_timeout);
   absl::StatusOr<std::shared_ptr<DaemonConnection>> connection;
   while (true) {
     if (cancel != nullptr && cancel->cancelled()) {
@@ -82,7 +83,7 @@ absl::StatusOr<std::shared_ptr<Client>> ConnectClient(const ClientOptions& given
   std::string name = options.client_name;
   if (name.empty()) name = absl::StrCat("pid-", getpid());
   auto core = std::make_shared<ClientCore>(socket, options.server_uid, *std::move(connection),
-                                           std::move(name), options.connect_timeout);
+                                           std::move(name), ToAbsl(options.connect_timeout));
   if (absl::Status s = core->OpenSession(deadline, cancel); !s.ok()) return s;
   core->StartSender(core);
   return ClientAccess::Make(std::move(core));
@@ -90,13 +91,13 @@ absl::StatusOr<std::shared_ptr<Client>> ConnectClient(const ClientOptions& given
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  return ConnectClient(options, nullptr);
+StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  return ToPublic(ConnectClient(options, nullptr));
 }
 
-absl::StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options,
-                                                        const WaitCanceller& cancel) {
-  return ConnectClient(options, ClientAccess::State(cancel));
+StatusOr<std::shared_ptr<Client>> Client::Connect(const ClientOptions& options,
+                                                  const WaitCanceller& cancel) {
+  return ToPublic(ConnectClient(options, ClientAccess::State(cancel)));
 }
 
 Client::Client(std::shared_ptr<ClientCore> core) : core_(std::move(core)) {}
@@ -116,38 +117,40 @@ uint64_t Client::daemon_instance() const { return core_->daemon_instance(); }
 
 const std::string& Client::socket() const { return core_->socket(); }
 
-absl::Status Client::Flush() {
-  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
-  return core_->Flush();
+namespace {
+
+absl::Status FlushSession(ClientCore& core) {
+  if (absl::Status s = core.CheckProcess(); !s.ok()) return s;
+  return core.Flush();
 }
 
-absl::Status Client::Delete(std::string_view name) {
-  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
+absl::Status DeleteName(ClientCore& core, std::string_view name) {
+  if (absl::Status s = core.CheckProcess(); !s.ok()) return s;
   if (absl::Status s = ValidateName(View(name)); !s.ok()) return s;
   v1::ChannelRequest call;
   v1::DeleteRequest& request = *call.mutable_delete_();
   request.set_name(std::string(name));
   v1::DeleteResponse response;
-  return core_->CallAcrossRestart(
+  return core.CallAcrossRestart(
       absl::StrCat("delete of name = \"", View(name), "\""),
       ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/true, nullptr, [&] {
-        return ChannelOrRpc(*core_, call, &v1::ChannelResponse::mutable_deleted,
+        return ChannelOrRpc(core, call, &v1::ChannelResponse::mutable_deleted,
                             &v1::TensorShm::Stub::Delete, request, &response);
       });
 }
 
-absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
-  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
+absl::StatusOr<std::vector<TensorInfo>> ListNames(ClientCore& core, std::string_view prefix) {
+  if (absl::Status s = core.CheckProcess(); !s.ok()) return s;
   if (absl::Status s = ValidateNamePrefix(View(prefix)); !s.ok()) return s;
   v1::ListRequest request;
   request.set_prefix(std::string(prefix));
   v1::ListResponse response;
-  if (absl::Status s = core_->CallAcrossRestart(
+  if (absl::Status s = core.CallAcrossRestart(
           "list", ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/true, nullptr,
           [&] {
             grpc::ClientContext context;
-            core_->PrepareContext(context, kCallTimeout);
-            return FromGrpcStatus(core_->stub()->List(&context, request, &response));
+            core.PrepareContext(context, kCallTimeout);
+            return FromGrpcStatus(core.stub()->List(&context, request, &response));
           });
       !s.ok()) {
     return s;
@@ -174,15 +177,15 @@ absl::StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
   return result;
 }
 
-absl::StatusOr<ServerStats> Client::Stat() {
-  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
+absl::StatusOr<ServerStats> StatOf(ClientCore& core) {
+  if (absl::Status s = core.CheckProcess(); !s.ok()) return s;
   v1::StatResponse response;
-  if (absl::Status s = core_->CallAcrossRestart(
+  if (absl::Status s = core.CallAcrossRestart(
           "stat", ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/true, nullptr,
           [&] {
             grpc::ClientContext context;
-            core_->PrepareContext(context, kCallTimeout);
-            return FromGrpcStatus(core_->stub()->Stat(&context, v1::StatRequest(), &response));
+            core.PrepareContext(context, kCallTimeout);
+            return FromGrpcStatus(core.stub()->Stat(&context, v1::StatRequest(), &response));
           });
       !s.ok()) {
     return s;
@@ -204,17 +207,17 @@ absl::StatusOr<ServerStats> Client::Stat() {
   return stats;
 }
 
-absl::StatusOr<std::vector<SessionInfo>> Client::Sessions() {
-  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
+absl::StatusOr<std::vector<SessionInfo>> SessionsOf(ClientCore& core) {
+  if (absl::Status s = core.CheckProcess(); !s.ok()) return s;
   v1::SessionsResponse response;
-  if (absl::Status s = core_->CallAcrossRestart(
-          "sessions", ClientCore::RestartDeadline(kCallTimeout), /*repeatable=*/true, nullptr,
-          [&] {
-            grpc::ClientContext context;
-            core_->PrepareContext(context, kCallTimeout);
-            return FromGrpcStatus(
-                core_->stub()->Sessions(&context, v1::SessionsRequest(), &response));
-          });
+  if (absl::Status s = core.CallAcrossRestart("sessions", ClientCore::RestartDeadline(kCallTimeout),
+                                              /*repeatable=*/true, nullptr,
+                                              [&] {
+                                                grpc::ClientContext context;
+                                                core.PrepareContext(context, kCallTimeout);
+                                                return FromGrpcStatus(core.stub()->Sessions(
+                                                    &context, v1::SessionsRequest(), &response));
+                                              });
       !s.ok()) {
     return s;
   }
@@ -238,6 +241,20 @@ absl::StatusOr<std::vector<SessionInfo>> Client::Sessions() {
   }
   return result;
 }
+
+}  // namespace
+
+Status Client::Flush() { return ToPublic(FlushSession(*core_)); }
+
+Status Client::Delete(std::string_view name) { return ToPublic(DeleteName(*core_, name)); }
+
+StatusOr<std::vector<TensorInfo>> Client::List(std::string_view prefix) {
+  return ToPublic(ListNames(*core_, prefix));
+}
+
+StatusOr<ServerStats> Client::Stat() { return ToPublic(StatOf(*core_)); }
+
+StatusOr<std::vector<SessionInfo>> Client::Sessions() { return ToPublic(SessionsOf(*core_)); }
 
 absl::Status CopyOnDevice(Client& client, int ordinal, void* dst, const void* src, size_t bytes,
                           CudaStream stream) {

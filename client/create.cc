@@ -14,6 +14,7 @@
 #include "client/client_access.h"
 #include "client/client_core.h"
 #include "client/lease.h"
+#include "client/public_status.h"
 #include "client/writable_tensor.h"
 #include "common/tensor/grpc_status.h"
 #include "common/tensor/layout.h"
@@ -174,17 +175,17 @@ absl::StatusOr<WritableTensor> CreateAcrossRestart(const std::shared_ptr<ClientC
 
 }  // namespace
 
-absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
-  return Create(spec, absl::ZeroDuration());
+StatusOr<WritableTensor> Client::Create(const TensorSpec& spec) {
+  return Create(spec, Duration::zero());
 }
 
-absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout) {
-  return CreateAcrossRestart(core_, spec, timeout, nullptr);
+StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, Duration timeout) {
+  return ToPublic(CreateAcrossRestart(core_, spec, ToAbsl(timeout), nullptr));
 }
 
-absl::StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, absl::Duration timeout,
-                                              const WaitCanceller& cancel) {
-  return CreateAcrossRestart(core_, spec, timeout, ClientAccess::State(cancel));
+StatusOr<WritableTensor> Client::Create(const TensorSpec& spec, Duration timeout,
+                                        const WaitCanceller& cancel) {
+  return ToPublic(CreateAcrossRestart(core_, spec, ToAbsl(timeout), ClientAccess::State(cancel)));
 }
 
 }  // namespace tensorshm

@@ -51,6 +51,10 @@ absl::StatusOr<SegmentPlace> PlaceOf(const DLManagedTensorVersioned* tensor);
 // moved-from tensor, and as PlaceOf above.
 absl::StatusOr<SegmentPlace> PlaceOf(const WritableTensor& tensor);
 
+// LeaseStatus and WaitReady of client.h, in the library's own status type.
+absl::Status LeaseStatusOf(const DLManagedTensorVersioned* tensor);
+absl::Status WaitReadyOf(const DLManagedTensorVersioned* tensor, ReadySync sync);
+
 // Copies `bytes` of an acquired CUDA tensor's device memory, starting at `src` (inside the
 // tensor), to host memory `dst`, after its ready event. INVALID_ARGUMENT for a tensor that is not
 // a CUDA tensor acquired from a tensorshm Client.

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/fork.h"
 #include "client/interop.h"
+#include "client/public_status.h"
 #include "common/tensor/wire.h"
 
 namespace tensorshm {
@@ -246,7 +247,7 @@ absl::Status CopyToHost(const DLManagedTensorVersioned* tensor, const void* src,
                                               reinterpret_cast<CUdeviceptr>(src), bytes);
 }
 
-absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
+absl::Status LeaseStatusOf(const DLManagedTensorVersioned* tensor) {
   if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
     return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
   }
@@ -256,6 +257,10 @@ absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
     return lease.core->PageLeaseStatus(*page->fast, page->slot);
   }
   return lease.core->LeaseStatus(std::get<RpcLease>(lease.held).key);
+}
+
+Status LeaseStatus(const DLManagedTensorVersioned* tensor) {
+  return ToPublic(LeaseStatusOf(tensor));
 }
 
 absl::StatusOr<const void*> ReadyEvent(const DLManagedTensorVersioned* tensor) {
@@ -291,11 +296,15 @@ absl::StatusOr<SegmentPlace> PlaceOf(const DLManagedTensorVersioned* tensor) {
                    mapping->size(), data);
 }
 
-absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
+absl::Status WaitReadyOf(const DLManagedTensorVersioned* tensor, ReadySync sync) {
   if (tensor == nullptr || tensor->deleter != DeleteVersioned) {
     return absl::InvalidArgumentError("tensor: not acquired from a tensorshm Client");
   }
   return WaitLeaseReady(*static_cast<const Lease*>(tensor->manager_ctx), sync);
+}
+
+Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync) {
+  return ToPublic(WaitReadyOf(tensor, sync));
 }
 
 }  // namespace tensorshm

@@ -8,6 +8,7 @@
 #include "client/client_core.h"
 #include "client/fast_path.h"
 #include "client/lease.h"
+#include "client/public_status.h"
 #include "client/writable_tensor.h"
 #include "common/tensor/name.h"
 #include "common/tensor/wire.h"
@@ -90,36 +91,29 @@ absl::Status PublishTensor(ClientCore& core, WritableTensor& writable, std::stri
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status Client::Publish(WritableTensor& tensor, std::string_view name, bool replace,
-                             CudaStream ready_stream) {
-  return PublishTensor(*core_, tensor, name, replace, ready_stream, nullptr);
-}
-
-absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTensor& tensor,
-                                                                    std::string_view name,
-                                                                    bool replace,
-                                                                    CudaStream ready_stream) {
+absl::StatusOr<DLManagedTensorVersioned*> PublishAndLease(const std::shared_ptr<ClientCore>& core,
+                                                          WritableTensor& tensor,
+                                                          std::string_view name, bool replace,
+                                                          CudaStream ready_stream) {
   // A host tensor is leased through the lease page: the slot is taken before the publish, so
   // that nothing can free the tensor between its publish and the lease, and no RPC lease is
   // needed. (A CUDA tensor, or no free slot: the daemon takes the lease in the publish.)
   // Before the slot: a fork child must not write into its parent's lease page.
-  if (absl::Status s = core_->CheckProcess(); !s.ok()) return s;
-  std::shared_ptr<FastPath> fast = core_->fast_path();
+  if (absl::Status s = core->CheckProcess(); !s.ok()) return s;
+  std::shared_ptr<FastPath> fast = core->fast_path();
   uint32_t page_slot = 0;
   const WritableTensorState* state = WritableTensorState::Of(tensor);
-  if (fast != nullptr && state != nullptr && state->core == core_ && !state->published &&
+  if (fast != nullptr && state != nullptr && state->core == core && !state->published &&
       state->tensor.device.device_type == kDLCPU && fast->Pin(state->tensor_id, &page_slot)) {
-    core_->PageLeaseTaken();
+    core->PageLeaseTaken();
     auto lease = std::make_unique<Lease>();
-    lease->core = core_;
+    lease->core = core;
     lease->held = PageLease{fast, page_slot};
     const char* data = kEmptyData;
     if (state->buffer_length > 0) {
       absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
-          core_->MapHostSegment(SegmentKey{state->segment_instance, state->segment_id},
-                                state->segment_size, state->buffer_offset, state->buffer_length);
+          core->MapHostSegment(SegmentKey{state->segment_instance, state->segment_id},
+                               state->segment_size, state->buffer_offset, state->buffer_length);
       if (!mapping.ok()) {
         lease->GiveBack();
         return mapping.status();
@@ -131,7 +125,7 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
     lease->strides = state->strides;
     FillTensor(*lease, data, state->tensor.device, state->tensor.dtype, state->tensor.byte_offset,
                state->flags);
-    if (absl::Status s = PublishTensor(*core_, tensor, name, replace, ready_stream, nullptr);
+    if (absl::Status s = PublishTensor(*core, tensor, name, replace, ready_stream, nullptr);
         !s.ok()) {
       lease->GiveBack();
       return s;
@@ -139,13 +133,26 @@ absl::StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTens
     return HandOut(std::move(lease));
   }
   v1::AcquireResponse acquired;
-  if (absl::Status s = PublishTensor(*core_, tensor, name, replace, ready_stream, &acquired);
+  if (absl::Status s = PublishTensor(*core, tensor, name, replace, ready_stream, &acquired);
       !s.ok()) {
     return s;
   }
-  absl::StatusOr<std::unique_ptr<Lease>> lease = MakeLease(core_, acquired);
+  absl::StatusOr<std::unique_ptr<Lease>> lease = MakeLease(core, acquired);
   if (!lease.ok()) return lease.status();
   return HandOut(*std::move(lease));
+}
+
+}  // namespace
+
+Status Client::Publish(WritableTensor& tensor, std::string_view name, bool replace,
+                       CudaStream ready_stream) {
+  return ToPublic(PublishTensor(*core_, tensor, name, replace, ready_stream, nullptr));
+}
+
+StatusOr<DLManagedTensorVersioned*> Client::PublishAndAcquire(WritableTensor& tensor,
+                                                              std::string_view name, bool replace,
+                                                              CudaStream ready_stream) {
+  return ToPublic(PublishAndLease(core_, tensor, name, replace, ready_stream));
 }
 
 }  // namespace tensorshm

@@ -6,6 +6,7 @@
 #include "client/client_core.h"
 #include "client/fork.h"
 #include "client/lease.h"
+#include "client/public_status.h"
 #include "client/segment_map.h"
 
 namespace tensorshm {
@@ -98,17 +99,17 @@ void* WritableTensor::buffer_address() const {
 
 bool WritableTensor::published() const { return state_ != nullptr && state_->published; }
 
-absl::Status WritableTensor::SealViews() {
+Status WritableTensor::SealViews() {
   if (state_ == nullptr || !state_->published) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("tensor ", tensor_id(), ": SealViews before Publish"));
+    return Status(StatusCode::kFailedPrecondition,
+                  absl::StrCat("tensor ", tensor_id(), ": SealViews before Publish"));
   }
   const WritableTensorState& state = *state_;
-  if (state.segment_mapping == nullptr || state.buffer_length == 0) return absl::OkStatus();
-  return state.segment_mapping->Seal(
-      static_cast<uint64_t>(static_cast<char*>(state.buffer_address) -
-                            state.segment_mapping->address()),
-      state.buffer_length);
+  if (state.segment_mapping == nullptr || state.buffer_length == 0) return Status();
+  return ToPublic(
+      state.segment_mapping->Seal(static_cast<uint64_t>(static_cast<char*>(state.buffer_address) -
+                                                        state.segment_mapping->address()),
+                                  state.buffer_length));
 }
 
 absl::StatusOr<SegmentPlace> PlaceOf(const WritableTensor& tensor) {

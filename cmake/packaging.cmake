@@ -93,12 +93,6 @@ set(CPACK_INSTALL_CMAKE_PROJECTS
 # file tells dpkg-shlibdeps of packages built against libtensorshm.so.N what they depend on.
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS ON)
-# client.h's API is made of abseil (absl::Status, StatusOr, Duration) and tensorshm.pc says
-# `Requires: absl_status absl_statusor absl_time`: without abseil's headers and .pc files,
-# `pkg-config --cflags --libs tensorshm` fails, for C programs too. A recommendation, not a
-# dependency: running the daemon or a program built elsewhere does not need them, and
-# `apt-get install ./tensorshm_*.deb` installs recommends.
-set(CPACK_DEBIAN_PACKAGE_RECOMMENDS libabsl-dev)
 set(CPACK_DEBIAN_PACKAGE_CONTROL_EXTRA ${_scripts} "${PROJECT_BINARY_DIR}/deb/conffiles"
   "${PROJECT_BINARY_DIR}/deb/triggers")
 set(CPACK_DEBIAN_PACKAGE_CONTROL_STRICT_PERMISSION ON)

@@ -57,8 +57,8 @@ breathe_projects = {
     "tensorshm": os.environ.get("TSM_DOXYGEN_XML", str(ROOT / "build/docs/doxygen/xml")),
 }
 breathe_default_project = "tensorshm"
-# tensorshm.h is the C API (Sphinx's C domain), client.h the C++ API.
-breathe_domain_by_file_pattern = {"*/tensorshm.h": "c", "*/client.h": "cpp"}
+# tensorshm.h is the C API (Sphinx's C domain), client.h and status.h the C++ API.
+breathe_domain_by_file_pattern = {"*/tensorshm.h": "c", "*/client.h": "cpp", "*/status.h": "cpp"}
 breathe_show_include = False
 
 # Types from outside this project in the C and C++ declarations: abseil's, the standard

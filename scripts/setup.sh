@@ -29,6 +29,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# Position-independent static abseil for libtensorshm.so (scripts/pic_abseil.sh says why).
+bash scripts/pic_abseil.sh
+
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"

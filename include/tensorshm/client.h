@@ -20,10 +20,8 @@
 #include <string_view>
 #include <vector>
 
-#include "absl/status/status.h"
-#include "absl/status/statusor.h"
-#include "absl/time/time.h"
 #include "tensorshm/export.h"
+#include "tensorshm/status.h"
 
 namespace tensorshm {
 
@@ -34,7 +32,7 @@ struct ClientOptions {
   std::string socket;
   std::string client_name;  // shown in the daemon's logs
   // How long Connect waits for the daemon to answer.
-  absl::Duration connect_timeout = absl::Seconds(5);
+  Duration connect_timeout = std::chrono::seconds(5);
   // Who may serve the socket. The client checks the uid of the process serving every connection
   // it makes (SO_PEERCRED): by default it must be this process's effective uid, root, or the
   // daemon serving /run/tensorshm/tensorshm.sock from a /run/tensorshm that only root could have
@@ -145,14 +143,14 @@ struct ReadySync {
 // For a tensor acquired with ReadySync::None(): waits for its ready event as `sync` says.
 // OK at once for host tensors, tensors without an event, and Mode::kNone. INVALID_ARGUMENT for a
 // tensor that did not come from a tensorshm Client.
-TENSORSHM_EXPORT absl::Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync);
+TENSORSHM_EXPORT Status WaitReady(const DLManagedTensorVersioned* tensor, ReadySync sync);
 
 // Whether an acquired tensor's lease still holds: OK while the daemon keeps the tensor's memory
 // for it. DATA_LOSS once the daemon restarted and did not take the lease back (a clean restart,
 // or a recovery whose grace period ended before this client reconnected): the tensor stays
 // mapped and readable, but its bytes are no longer guaranteed. FAILED_PRECONDITION in a forked
 // child, INVALID_ARGUMENT for a tensor that did not come from a tensorshm Client.
-TENSORSHM_EXPORT absl::Status LeaseStatus(const DLManagedTensorVersioned* tensor);
+TENSORSHM_EXPORT Status LeaseStatus(const DLManagedTensorVersioned* tensor);
 
 // The library's own: what these classes hide (client/).
 class ClientAccess;
@@ -191,7 +189,7 @@ class TENSORSHM_EXPORT WritableTensor {
   // faults (SIGSEGV) instead of changing bytes consumers read, until the buffer is freed and
   // handed out again. The segment's mapping stays valid while this WritableTensor lives.
   // FAILED_PRECONDITION before Publish; OK for tensors with no host buffer; errors of mprotect.
-  absl::Status SealViews();
+  Status SealViews();
   // The address the buffer had while writable (nullptr for no host buffer), for such views.
   void* buffer_address() const;
   bool published() const;
@@ -207,7 +205,7 @@ class TENSORSHM_EXPORT WritableTensor {
 // and call Cancel() from any thread to wake them. Copies share one state. Thread-safe.
 //
 //   tensorshm::WaitCanceller cancel;
-//   std::thread waiter([&] { auto t = client->Acquire("x", absl::InfiniteDuration(),
+//   std::thread waiter([&] { auto t = client->Acquire("x", tensorshm::kForever,
 //                                                     tensorshm::ReadySync::Host(), cancel); });
 //   cancel.Cancel();  // the Acquire answers CANCELLED, holding no lease
 class TENSORSHM_EXPORT WaitCanceller {
@@ -256,11 +254,11 @@ class TENSORSHM_EXPORT Client {
   // on the same socket (the memory channel); the client never opens shared memory by name, and
   // keys every mapping by the daemon instance that made the segment, so a daemon restarted
   // under the same names never serves old bytes from a stale mapping.
-  static absl::StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options = {});
+  static StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options = {});
   // As Connect; `cancel`.Cancel() ends the wait for the daemon (connecting, or opening the
   // session) with CANCELLED.
-  static absl::StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options,
-                                                         const WaitCanceller& cancel);
+  static StatusOr<std::shared_ptr<Client>> Connect(const ClientOptions& options,
+                                                   const WaitCanceller& cancel);
 
   ~Client();
   Client(const Client&) = delete;
@@ -279,19 +277,19 @@ class TENSORSHM_EXPORT Client {
   // of the same uid (buffers are reused without clearing: clearing would cost a write of every
   // byte). Bytes of another uid's tensors never reach it: each uid's buffers lie in segments of
   // their own. Write every byte you publish.
-  absl::StatusOr<WritableTensor> Create(const TensorSpec& spec);
+  StatusOr<WritableTensor> Create(const TensorSpec& spec);
 
   // As Create; when the pool cannot hold the buffer, waits up to `timeout` in the daemon for
   // memory to be freed (a delete, a lease ending, a client leaving, an eviction), then
   // RESOURCE_EXHAUSTED saying how long it waited. Zero: as Create (fails at once);
-  // absl::InfiniteDuration(): waits until memory comes. Waiting creates are served in order, per
+  // kForever: waits until memory comes. Waiting creates are served in order, per
   // pool (and per uid on the host pool): while one waits, later creates for the same memory
   // queue behind it, and those without a timeout fail at once. Quotas (--session-quota,
   // --uid-quota) never wait; a waiting create counts against --uid-waiters.
-  absl::StatusOr<WritableTensor> Create(const TensorSpec& spec, absl::Duration timeout);
+  StatusOr<WritableTensor> Create(const TensorSpec& spec, Duration timeout);
   // As Create with a timeout; `cancel`.Cancel() ends the wait for memory with CANCELLED.
-  absl::StatusOr<WritableTensor> Create(const TensorSpec& spec, absl::Duration timeout,
-                                        const WaitCanceller& cancel);
+  StatusOr<WritableTensor> Create(const TensorSpec& spec, Duration timeout,
+                                  const WaitCanceller& cancel);
 
   // Seals `tensor` and binds it to `name`, dropping the writable mapping. ALREADY_EXISTS if
   // `name` is bound and !replace; with replace the old tensor lives on for its leases.
@@ -300,19 +298,19 @@ class TENSORSHM_EXPORT Client {
   // `tensor` is unchanged and may be published again.
   // CUDA tensors: an interprocess event is recorded on `ready_stream` (the stream the writes were
   // issued on) and handed to acquirers, who wait on it before reading.
-  absl::Status Publish(WritableTensor& tensor, std::string_view name, bool replace = false,
-                       CudaStream ready_stream = kLegacyDefaultStream);
+  Status Publish(WritableTensor& tensor, std::string_view name, bool replace = false,
+                 CudaStream ready_stream = kLegacyDefaultStream);
 
   // As Publish, and in the same step acquires a lease on the published tensor, so that no other
   // process can replace or delete it in between: the result is what Acquire(name) would return.
   // Caller owns the result and calls its deleter exactly once.
-  absl::StatusOr<DLManagedTensorVersioned*> PublishAndAcquire(
+  StatusOr<DLManagedTensorVersioned*> PublishAndAcquire(
       WritableTensor& tensor, std::string_view name, bool replace = false,
       CudaStream ready_stream = kLegacyDefaultStream);
 
   // Acquires a lease on the tensor published as `name`. With a positive timeout, waits up to that
   // long for a publish (DEADLINE_EXCEEDED after); zero: NOT_FOUND at once if unbound;
-  // absl::InfiniteDuration(): waits until published. The result is read-only
+  // kForever: waits until published. The result is read-only
   // (DLPACK_FLAG_BITMASK_READ_ONLY); its deleter gives the lease back. Host tensors are mapped
   // read-only, and so are CUDA tensors of a VMM pool (the default): a write through the pointer
   // is refused by the GPU. On a legacy pool (--cuda-pool-kind ipc) the flag is advisory: CUDA IPC
@@ -322,13 +320,13 @@ class TENSORSHM_EXPORT Client {
   // says who waits for the producer's ready event (opened once per process; nothing waits once
   // it has completed).
   // Caller owns the result and calls its deleter exactly once.
-  absl::StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name,
-                                                    absl::Duration timeout = absl::ZeroDuration(),
-                                                    ReadySync sync = ReadySync::Host());
+  StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name,
+                                              Duration timeout = Duration::zero(),
+                                              ReadySync sync = ReadySync::Host());
   // As Acquire; `cancel`.Cancel() ends the wait for a publish with CANCELLED (promptly: a wait
   // in the daemon is cancelled, one on the fast path woken), and no lease is left behind.
-  absl::StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name, absl::Duration timeout,
-                                                    ReadySync sync, const WaitCanceller& cancel);
+  StatusOr<DLManagedTensorVersioned*> Acquire(std::string_view name, Duration timeout,
+                                              ReadySync sync, const WaitCanceller& cancel);
   // As Acquire, answered from this process's fast path alone: no RPC (for event loops that must
   // not block; the one exchange with the daemon left is the memory channel's, for a segment this
   // process has not mapped yet). With `wait` zero it does not wait; otherwise it waits up to `wait`
@@ -337,20 +335,20 @@ class TENSORSHM_EXPORT Client {
   // where only the daemon can answer (no fast path, a CUDA tensor, the session's lease slots all
   // taken): then call Acquire, off the loop. The lease's ready event is not waited for
   // (ReadySync::None()).
-  absl::StatusOr<DLManagedTensorVersioned*> TryAcquireLocal(
-      std::string_view name, absl::Duration wait = absl::ZeroDuration());
+  StatusOr<DLManagedTensorVersioned*> TryAcquireLocal(std::string_view name,
+                                                      Duration wait = Duration::zero());
   // As Acquire, as a pre-1.0 DLManagedTensor (which cannot say it is read-only).
-  absl::StatusOr<DLManagedTensor*> AcquireLegacy(std::string_view name,
-                                                 absl::Duration timeout = absl::ZeroDuration(),
-                                                 ReadySync sync = ReadySync::Host());
+  StatusOr<DLManagedTensor*> AcquireLegacy(std::string_view name,
+                                           Duration timeout = Duration::zero(),
+                                           ReadySync sync = ReadySync::Host());
 
   // Unbinds `name`; memory is freed once its last lease ends. NOT_FOUND if unbound.
-  absl::Status Delete(std::string_view name);
-  absl::StatusOr<std::vector<TensorInfo>> List(std::string_view prefix = "");
-  absl::StatusOr<ServerStats> Stat();
+  Status Delete(std::string_view name);
+  StatusOr<std::vector<TensorInfo>> List(std::string_view prefix = "");
+  StatusOr<ServerStats> Stat();
   // Every session the daemon has open, this one included (own), by session id.
   // PERMISSION_DENIED if the daemon does not admit this uid.
-  absl::StatusOr<std::vector<SessionInfo>> Sessions();
+  StatusOr<std::vector<SessionInfo>> Sessions();
 
   // Blocks until every release queued before the call has been applied by the daemon, and the
   // client's background work for mappings made before it is done (the rest of a newly mapped
@@ -360,7 +358,7 @@ class TENSORSHM_EXPORT Client {
   // a restarted daemon did not take back leases or unpublished tensors of this client (naming
   // their tensor ids), or UNAVAILABLE if the session ended (the client then reconnects on its
   // own; see Connect).
-  absl::Status Flush();
+  Status Flush();
 
   // The daemon's number for the session, in decimal: what tensorshmctl sessions, Sessions() and
   // the daemon's log call its session id (a new one after reconnecting). Never the session's

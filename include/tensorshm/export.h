@@ -6,6 +6,9 @@
 
 #if defined(_WIN32)
 #define TENSORSHM_EXPORT
+#elif defined(__cplusplus)
+// The standard attribute form, which may follow another one: class [[nodiscard]] TENSORSHM_EXPORT.
+#define TENSORSHM_EXPORT [[gnu::visibility("default")]]
 #else
 #define TENSORSHM_EXPORT __attribute__((visibility("default")))
 #endif

@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "arrow/import.h"
+#include "client/public_status.h"
 #include "common/tensor/dtype.h"
 #include "common/tensor/name.h"
 #include "common/tensor/wire.h"
@@ -65,13 +66,13 @@ PyTensor Get(PyClient& self, const std::string& name, const std::optional<double
              const std::optional<WaitCanceller>& cancel) {
   const absl::Duration wait = TimeoutFrom(timeout);
   ClientRef client = Live(*self.state);
-  absl::StatusOr<DLManagedTensorVersioned*> lease;
+  tensorshm::StatusOr<DLManagedTensorVersioned*> lease;
   // CUDA tensors: consumers' streams wait for the ready event in __dlpack__.
   if (wait == absl::ZeroDuration()) {
     ReleaseGil release;
-    lease = client->Acquire(name, wait, ReadySync::None());
+    lease = client->Acquire(name, ToChrono(wait), ReadySync::None());
   } else {
-    using Result = absl::StatusOr<DLManagedTensorVersioned*>;
+    using Result = tensorshm::StatusOr<DLManagedTensorVersioned*>;
     const absl::Time deadline =
         wait == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + wait;
     lease = RunWaiting<Result>(
@@ -80,22 +81,24 @@ PyTensor Get(PyClient& self, const std::string& name, const std::optional<double
           // The fast path waits in this thread, woken by the publish itself: no thread to wait
           // on, whose wake-up would come on top.
           const absl::Duration left = deadline - absl::Now();
-          Result local =
-              client->TryAcquireLocal(name, std::clamp(left, absl::ZeroDuration(), kSignalCheck));
-          if (absl::IsUnavailable(local.status())) return std::nullopt;  // the daemon answers
-          if (!absl::IsNotFound(local.status())) return local;
+          Result local = client->TryAcquireLocal(
+              name, ToChrono(std::clamp(left, absl::ZeroDuration(), kSignalCheck)));
+          if (local.status().code() == StatusCode::kUnavailable)
+            return std::nullopt;  // the daemon answers
+          if (local.status().code() != StatusCode::kNotFound) return local;
           if (absl::Now() < deadline) {
             *again = true;
             return std::nullopt;
           }
-          return Result(absl::DeadlineExceededError(absl::StrCat(
-              "name = \"", name, "\": not published within ", absl::FormatDuration(wait))));
+          return Result(Status(StatusCode::kDeadlineExceeded,
+                               absl::StrCat("name = \"", name, "\": not published within ",
+                                            absl::FormatDuration(wait))));
         },
         [&](const WaitCanceller& c) {
           const absl::Duration left = wait == absl::InfiniteDuration()
                                           ? wait
                                           : std::max(absl::ZeroDuration(), deadline - absl::Now());
-          return client->Acquire(name, left, ReadySync::None(), c);
+          return client->Acquire(name, ToChrono(left), ReadySync::None(), c);
         });
   }
   return PyTensor{FromLease(Check(std::move(lease))), name};
@@ -114,21 +117,21 @@ PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const
   spec.device = ParseDevice(device);
   spec.subbyte_padded = subbyte_padded;
   ClientRef client = Live(*self.state);
-  absl::StatusOr<WritableTensor> tensor;
+  tensorshm::StatusOr<WritableTensor> tensor;
   if (wait == absl::ZeroDuration()) {
     ReleaseGil release;
-    tensor = client->Create(spec, wait);
+    tensor = client->Create(spec, ToChrono(wait));
   } else {
-    using Result = absl::StatusOr<WritableTensor>;
+    using Result = tensorshm::StatusOr<WritableTensor>;
     tensor = RunWaiting<Result>(
         *self.state, cancel,
         [&](bool*) -> std::optional<Result> {
           // Memory free now: no wait.
-          Result now = client->Create(spec, absl::ZeroDuration());
-          if (absl::IsResourceExhausted(now.status())) return std::nullopt;
+          Result now = client->Create(spec);
+          if (now.status().code() == StatusCode::kResourceExhausted) return std::nullopt;
           return now;
         },
-        [&](const WaitCanceller& c) { return client->Create(spec, wait, c); });
+        [&](const WaitCanceller& c) { return client->Create(spec, ToChrono(wait), c); });
   }
   PyWritableTensor out;
   out.storage = FromWritable(Check(std::move(tensor)));
@@ -138,7 +141,7 @@ PyWritableTensor Create(PyClient& self, const std::vector<int64_t>& shape, const
 
 nb::list SessionDicts(PyClient& self) {
   ClientRef client = Live(*self.state);
-  absl::StatusOr<std::vector<SessionInfo>> sessions;
+  tensorshm::StatusOr<std::vector<SessionInfo>> sessions;
   {
     ReleaseGil release;
     sessions = client->Sessions();
@@ -167,7 +170,7 @@ nb::list SessionDicts(PyClient& self) {
 
 nb::dict StatDict(PyClient& self) {
   ClientRef client = Live(*self.state);
-  absl::StatusOr<ServerStats> stats;
+  tensorshm::StatusOr<ServerStats> stats;
   {
     ReleaseGil release;
     stats = client->Stat();
@@ -197,14 +200,14 @@ nb::dict StatDict(PyClient& self) {
   return out;
 }
 
-absl::StatusOr<std::vector<TensorInfo>> List(PyClient& self, const std::string& prefix) {
+tensorshm::StatusOr<std::vector<TensorInfo>> List(PyClient& self, const std::string& prefix) {
   ClientRef client = Live(*self.state);
   ReleaseGil release;
   return client->List(prefix);
 }
 
 nb::list ListDicts(PyClient& self, const std::string& prefix) {
-  absl::StatusOr<std::vector<TensorInfo>> listed = List(self, prefix);
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = List(self, prefix);
   nb::list out;
   for (const TensorInfo& info : Check(std::move(listed))) {
     nb::dict d;
@@ -260,12 +263,12 @@ void CloseClient(PyClient& self) {
 // kSignalCheck: a signal's handler that raises (KeyboardInterrupt) cancels the connect and
 // raises here, and interpreter exit (_cancel_waits_at_exit) cancels it too, so neither waits
 // for a daemon that does not answer.
-absl::StatusOr<std::shared_ptr<Client>> ConnectHearingSignals(const ClientOptions& options) {
+tensorshm::StatusOr<std::shared_ptr<Client>> ConnectHearingSignals(const ClientOptions& options) {
   WaitCanceller cancel;
   if (Exiting()) cancel.Cancel();
   std::list<WaitingCall>& calls = WaitingCalls();
   auto it = calls.insert(calls.end(), WaitingCall{nullptr, cancel});
-  absl::StatusOr<std::shared_ptr<Client>> result;
+  tensorshm::StatusOr<std::shared_ptr<Client>> result;
   const bool interrupted =
       RunHearingSignals(cancel, result, [&] { return Client::Connect(options, cancel); });
   calls.erase(it);
@@ -302,7 +305,7 @@ void DefineClient(nb::module_& m) {
             ClientOptions options;
             if (socket.has_value()) options.socket = *socket;
             if (name.has_value()) options.client_name = *name;
-            options.connect_timeout = absl::Seconds(timeout);
+            options.connect_timeout = ToChrono(absl::Seconds(timeout));
             if (server_uid.has_value()) {
               if (*server_uid < 0 || *server_uid >= int64_t{UINT32_MAX}) {
                 throw nb::value_error(absl::StrCat("server_uid = ", *server_uid,
@@ -311,7 +314,7 @@ void DefineClient(nb::module_& m) {
               }
               options.server_uid = static_cast<uint32_t>(*server_uid);
             }
-            absl::StatusOr<std::shared_ptr<Client>> client = ConnectHearingSignals(options);
+            tensorshm::StatusOr<std::shared_ptr<Client>> client = ConnectHearingSignals(options);
             auto state = std::make_shared<ClientState>();
             state->client = Check(std::move(client));
             state->socket = state->client->socket();
@@ -325,8 +328,9 @@ void DefineClient(nb::module_& m) {
           "try_get_local",
           [](PyClient& self, const std::string& name) -> std::optional<PyTensor> {
             ClientRef client = Live(*self.state);
-            absl::StatusOr<DLManagedTensorVersioned*> lease = client->TryAcquireLocal(name);
-            if (absl::IsUnavailable(lease.status()) || absl::IsNotFound(lease.status())) {
+            tensorshm::StatusOr<DLManagedTensorVersioned*> lease = client->TryAcquireLocal(name);
+            if (lease.status().code() == StatusCode::kUnavailable ||
+                lease.status().code() == StatusCode::kNotFound) {
               return std::nullopt;
             }
             return PyTensor{FromLease(Check(std::move(lease))), name};
@@ -343,7 +347,7 @@ void DefineClient(nb::module_& m) {
       .def("delete",
            [](PyClient& self, const std::string& name) {
              ClientRef client = Live(*self.state);
-             absl::Status status;
+             Status status;
              {
                ReleaseGil release;
                status = client->Delete(name);
@@ -364,7 +368,7 @@ void DefineClient(nb::module_& m) {
       .def("flush",
            [](PyClient& self) {
              ClientRef client = Live(*self.state);
-             absl::Status status;
+             Status status;
              {
                ReleaseGil release;
                status = client->Flush();

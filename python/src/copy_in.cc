@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/interop.h"
+#include "client/public_status.h"
 #include "common/tensor/dtype.h"
 #include "common/tensor/layout.h"
 #include "common/tensor/wire.h"
@@ -69,17 +70,17 @@ void CopyContiguous(char* out, const char* in, size_t n) {
 
 }  // namespace
 
-absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags,
-                                      CudaStream stream, absl::Duration timeout,
-                                      const WaitCanceller* cancel) {
+tensorshm::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags,
+                                           CudaStream stream, absl::Duration timeout,
+                                           const WaitCanceller* cancel) {
   const bool cuda = source.device.device_type == kDLCUDA;
   if (source.device.device_type != kDLCPU && source.device.device_type != kDLCUDAHost && !cuda) {
-    return absl::FailedPreconditionError(absl::StrCat("device = ", DeviceName(source.device),
-                                                      ": only CPU and CUDA tensors can be put"));
+    return ToPublic(absl::FailedPreconditionError(absl::StrCat(
+        "device = ", DeviceName(source.device), ": only CPU and CUDA tensors can be put")));
   }
   absl::StatusOr<DLDataType> dtype =
       MakeDataType(source.dtype.code, source.dtype.bits, source.dtype.lanes);
-  if (!dtype.ok()) return dtype.status();
+  if (!dtype.ok()) return ToPublic(dtype.status());
   const bool padded = (flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0;
   TensorSpec spec;
   spec.dtype = *dtype;
@@ -91,17 +92,18 @@ absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, ui
   // The source's layout must itself be valid (this also bounds every stride product).
   absl::StatusOr<TensorLayout> layout =
       ComputeLayout(*dtype, spec.shape, strides, spec.subbyte_padded);
-  if (!layout.ok()) return layout.status();
+  if (!layout.ok()) return ToPublic(layout.status());
   if (cuda) {
     if (strides != ContiguousStrides(spec.shape)) {
-      return absl::UnimplementedError(
+      return ToPublic(absl::UnimplementedError(
           absl::StrCat("strides = [", absl::StrJoin(strides, ","),
-                       "]: only C-contiguous CUDA tensors can be put; make it contiguous first"));
+                       "]: only C-contiguous CUDA tensors can be put; make it contiguous first")));
     }
     spec.device = source.device;
   }
-  absl::StatusOr<WritableTensor> tensor =
-      cancel != nullptr ? client.Create(spec, timeout, *cancel) : client.Create(spec, timeout);
+  tensorshm::StatusOr<WritableTensor> tensor = cancel != nullptr
+                                                   ? client.Create(spec, ToChrono(timeout), *cancel)
+                                                   : client.Create(spec, ToChrono(timeout));
   if (!tensor.ok()) return tensor.status();
   if (tensor->nbytes() == 0) return tensor;
   if (cuda) {
@@ -109,7 +111,7 @@ absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, ui
     if (absl::Status s = CopyOnDevice(client, source.device.device_id, tensor->data(), from,
                                       static_cast<size_t>(tensor->nbytes()), stream);
         !s.ok()) {
-      return s;
+      return ToPublic(s);
     }
     return tensor;
   }

@@ -17,10 +17,10 @@ namespace tensorshm::python {
 // CUDA sources (contiguous only) are copied device to device on `stream`, on the same device.
 // `timeout`: how long the create may wait for memory in a full pool (see Client::Create);
 // `cancel`, if given, ends that wait.
-absl::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags,
-                                      CudaStream stream = kLegacyDefaultStream,
-                                      absl::Duration timeout = absl::ZeroDuration(),
-                                      const WaitCanceller* cancel = nullptr);
+tensorshm::StatusOr<WritableTensor> CopyIn(Client& client, const DLTensor& source, uint64_t flags,
+                                           CudaStream stream = kLegacyDefaultStream,
+                                           absl::Duration timeout = absl::ZeroDuration(),
+                                           const WaitCanceller* cancel = nullptr);
 
 }  // namespace tensorshm::python
 

@@ -91,7 +91,7 @@ nb::object DLPack(PyTensor& self, nb::handle stream, nb::handle max_version, nb:
   // A host copy waits for the producer's ready event itself; a view orders the consumer's
   // stream after it.
   if (cuda && !want_copy && consumer_stream.has_value() && self.storage->lease) {
-    absl::Status s;
+    Status s;
     {
       ReleaseGil release;
       s = WaitReady(self.storage->versioned, ReadySync::Stream(*consumer_stream));

@@ -42,7 +42,7 @@ int Allocate(DLTensor* prototype, DLManagedTensorVersioned** out, void* error_ct
   spec.dtype = prototype->dtype;
   spec.shape.assign(prototype->shape, prototype->shape + prototype->ndim);
   spec.device = prototype->device;
-  absl::StatusOr<WritableTensor> tensor = client->Create(spec);
+  tensorshm::StatusOr<WritableTensor> tensor = client->Create(spec);
   if (!tensor.ok()) {
     set_error(error_ctx, "RuntimeError", std::string(tensor.status().message()).c_str());
     return -1;

@@ -24,9 +24,9 @@ PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor
                          CudaStream stream = kLegacyDefaultStream,
                          const std::optional<WaitCanceller>& cancel = std::nullopt) {
   ClientRef client = Live(*self.state);
-  using Result = absl::StatusOr<DLManagedTensorVersioned*>;
+  using Result = tensorshm::StatusOr<DLManagedTensorVersioned*>;
   auto run_for = [&](absl::Duration wait, const WaitCanceller* c) -> Result {
-    absl::StatusOr<WritableTensor> tensor = CopyIn(*client, source, flags, stream, wait, c);
+    tensorshm::StatusOr<WritableTensor> tensor = CopyIn(*client, source, flags, stream, wait, c);
     if (!tensor.ok()) return tensor.status();
     return client->PublishAndAcquire(*tensor, name, replace, stream);
   };
@@ -43,7 +43,7 @@ PyTensor PutFromDLTensor(PyClient& self, const std::string& name, const DLTensor
         [&](bool*) -> std::optional<Result> {
           // Memory free now: no wait (a full pool fails the copy before it starts).
           Result now = run_for(absl::ZeroDuration(), nullptr);
-          if (absl::IsResourceExhausted(now.status())) return std::nullopt;
+          if (now.status().code() == StatusCode::kResourceExhausted) return std::nullopt;
           return now;
         },
         [&](const WaitCanceller& c) { return run(&c); });

@@ -1,4 +1,5 @@
-// absl::Status to Python: the tensorshm exception class for each status code.
+// A status (the library's absl::Status, or the public tensorshm::Status) to Python: the tensorshm
+// exception class for each status code.
 #ifndef TENSORSHM_PYTHON_RAISE_STATUS_H_
 #define TENSORSHM_PYTHON_RAISE_STATUS_H_
 
@@ -10,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "tensorshm/status.h"
 
 namespace tensorshm::python {
 
@@ -29,6 +31,23 @@ T Check(absl::StatusOr<T> value) {
 }
 
 inline void Check(const absl::Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+// The same for the public types of the Client's API (tensorshm/status.h): same codes.
+[[noreturn]] inline void Raise(const Status& status) {
+  nanobind::module_::import_("tensorshm._errors")
+      .attr("_raise_status")(static_cast<int>(status.code()), status.message());
+  throw std::runtime_error("tensorshm._errors._raise_status returned");  // unreachable
+}
+
+template <typename T>
+T Check(StatusOr<T> value) {
+  if (!value.ok()) Raise(value.status());
+  return *std::move(value);
+}
+
+inline void Check(const Status& status) {
   if (!status.ok()) Raise(status);
 }
 

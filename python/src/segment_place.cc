@@ -31,7 +31,7 @@ nb::dict SegmentPlaceOf(const PyTensor& tensor) {
   // Whoever asks reads the bytes outside any CUDA stream of ours (Triton, a NIXL transfer): an
   // acquired CUDA tensor's producer must be done with them first.
   if (storage->lease && storage->tensor.device.device_type == kDLCUDA) {
-    absl::Status ready;
+    Status ready;
     {
       ReleaseGil release;
       ready = WaitReady(storage->versioned, ReadySync::Host());

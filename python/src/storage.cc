@@ -118,7 +118,7 @@ absl::StatusOr<Export*> MakeExport(const std::shared_ptr<Storage>& storage, bool
 }  // namespace
 
 absl::Status Storage::LeaseStatus() const {
-  if (lease) return tensorshm::LeaseStatus(versioned);
+  if (lease) return LeaseStatusOf(versioned);
   if (versioned != nullptr && versioned->deleter == DeleteVersioned) {
     // One of our exports, back through the exchange API: its storage holds what keeps it.
     // A private copy (no storage) is alive on its own.

@@ -66,7 +66,7 @@ void PublishWritable(PyWritableTensor& self, const std::string& name, bool repla
     Raise(absl::FailedPreconditionError(absl::StrCat(Describe(self), ": already published")));
   }
   ClientRef client = Live(*self.client);
-  absl::StatusOr<DLManagedTensorVersioned*> lease;
+  tensorshm::StatusOr<DLManagedTensorVersioned*> lease;
   {
     ReleaseGil release;
     lease = client->PublishAndAcquire(*storage.writable, name, replace);
@@ -77,7 +77,7 @@ void PublishWritable(PyWritableTensor& self, const std::string& name, bool repla
   // this tensor object and `pinned` hold the storage), the buffer stays as it is, and costs no
   // mprotect now or when it is handed out again.
   if (pinned.use_count() > 2) {
-    if (absl::Status s = storage.writable->SealViews(); !s.ok()) {
+    if (tensorshm::Status s = storage.writable->SealViews(); !s.ok()) {
       held->deleter(held);
       Raise(s);
     }

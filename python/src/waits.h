@@ -45,10 +45,12 @@ constexpr absl::Duration kSignalCheck = absl::Milliseconds(50);
 bool OnSignalThread();
 
 // What a wait got that nobody will take (a signal ended it): given back.
-inline void Discard(absl::StatusOr<DLManagedTensorVersioned*>& result) {
+inline void Discard(StatusOr<DLManagedTensorVersioned*>& result) {
   if (result.ok() && *result != nullptr) (*result)->deleter(*result);
 }
-inline void Discard(absl::StatusOr<WritableTensor>& result) { result = absl::CancelledError(""); }
+inline void Discard(StatusOr<WritableTensor>& result) {
+  result = Status(StatusCode::kCancelled, "");
+}
 
 // Runs `work()` on a thread of its own into `result` while this thread (which holds the GIL)
 // runs Python's signal handlers every kSignalCheck. A handler that raises (KeyboardInterrupt)
@@ -133,7 +135,7 @@ T RunWaiting(const ClientState& state, const std::optional<WaitCanceller>& given
     }
   }
   calls.erase(it);
-  if (!result.ok() && absl::IsCancelled(result.status())) {
+  if (result.status().code() == StatusCode::kCancelled) {
     if (state.client == nullptr) {
       SetError("ClosedError",
                absl::StrCat(result.status().message(), ", as the ", DescribeClient(state),

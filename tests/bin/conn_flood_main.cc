@@ -58,22 +58,22 @@ int Connect(const std::string& path) {
 
 // Puts a 64 KiB tensor `name` filled with `seed` and gets it back, checking every byte: a
 // create, a segment grant over the memory channel, a publish and an acquire.
-absl::Status PutAndGet(tensorshm::Client& client, const std::string& name, uint8_t seed) {
-  absl::StatusOr<tensorshm::WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {65536}});
+tensorshm::Status PutAndGet(tensorshm::Client& client, const std::string& name, uint8_t seed) {
+  tensorshm::StatusOr<tensorshm::WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {65536}});
   if (!w.ok()) return w.status();
   std::memset(w->data(), seed, 65536);
-  if (absl::Status s = client.Publish(*w, name, /*replace=*/true); !s.ok()) return s;
-  absl::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
+  if (tensorshm::Status s = client.Publish(*w, name, /*replace=*/true); !s.ok()) return s;
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
   if (!t.ok()) return t.status();
   const auto* bytes = static_cast<const uint8_t*>((*t)->dl_tensor.data);
   bool same = true;
   for (int i = 0; i < 65536; ++i) same = same && bytes[i] == seed;
   (*t)->deleter(*t);
-  if (!same) return absl::DataLossError(name + ": bytes differ");
-  if (absl::StatusOr<tensorshm::ServerStats> stats = client.Stat(); !stats.ok()) {
+  if (!same) return tensorshm::Status(tensorshm::StatusCode::kDataLoss, name + ": bytes differ");
+  if (tensorshm::StatusOr<tensorshm::ServerStats> stats = client.Stat(); !stats.ok()) {
     return stats.status();
   }
-  return absl::OkStatus();
+  return tensorshm::Status();
 }
 
 // One open reflection stream: started, asked for the list of services, read once.
@@ -115,7 +115,7 @@ int OpenReflectionStreams(const std::shared_ptr<grpc::Channel>& channel, int cou
   return answered;
 }
 
-int Fail(const std::string& what, const absl::Status& status) {
+int Fail(const std::string& what, const tensorshm::Status& status) {
   std::cout << "error " << what << ": " << status << std::endl;
   return 3;
 }
@@ -175,11 +175,11 @@ int main(int argc, char** argv) {
 
   std::shared_ptr<tensorshm::Client> client;
   if (with_client) {
-    absl::StatusOr<std::shared_ptr<tensorshm::Client>> connected =
+    tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> connected =
         tensorshm::Client::Connect(tensorshm::ClientOptions{socket_path, "tsm_conn_flood"});
     if (!connected.ok()) return Fail("connect", connected.status());
     client = *std::move(connected);
-    if (absl::Status s = PutAndGet(*client, name, 1); !s.ok()) return Fail("put", s);
+    if (tensorshm::Status s = PutAndGet(*client, name, 1); !s.ok()) return Fail("put", s);
     std::cout << "client ok" << std::endl;
   }
 
@@ -219,17 +219,17 @@ int main(int argc, char** argv) {
             << absl::ToInt64Milliseconds(last_closed) << " ms" << std::endl;
 
   if (client != nullptr) {
-    if (absl::Status s = PutAndGet(*client, name, 2); !s.ok()) return Fail("after", s);
+    if (tensorshm::Status s = PutAndGet(*client, name, 2); !s.ok()) return Fail("after", s);
     std::cout << "after ok" << std::endl;
   }
   if (reconnect) {
     for (const pollfd& p : fds) close(p.fd);
     fds.clear();
-    absl::Status last;
+    tensorshm::Status last;
     const absl::Time until = absl::Now() + absl::Seconds(10);
     bool ok = false;
     while (!ok && absl::Now() < until) {
-      absl::StatusOr<std::shared_ptr<tensorshm::Client>> again =
+      tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> again =
           tensorshm::Client::Connect(tensorshm::ClientOptions{socket_path, "tsm_conn_flood-2"});
       if (again.ok()) last = PutAndGet(**again, name + "-2", 3);
       if (!again.ok()) last = again.status();

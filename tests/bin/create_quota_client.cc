@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
     std::cerr << "cannot drop to uid " << as_uid << "\n";
     return 4;
   }
-  absl::StatusOr<std::shared_ptr<tensorshm::Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client =
       tensorshm::Client::Connect(tensorshm::ClientOptions{socket, "tsm_create_quota_client"});
   if (!client.ok()) {
     std::cout << "connect " << client.status() << std::endl;
@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   int64_t created = 0;
   int64_t refused = 0;
   for (int64_t i = 0; i < count; ++i) {
-    absl::StatusOr<tensorshm::WritableTensor> tensor =
+    tensorshm::StatusOr<tensorshm::WritableTensor> tensor =
         (*client)->Create({{kDLUInt, 8, 1}, {bytes}});
     if (tensor.ok()) {
       ++created;
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
   }
   // Dropped buffers are given back in the sender's next batch: flushed, the daemon has them all
   // back before "done" (and "holding") says so.
-  if (absl::Status flushed = (*client)->Flush(); !flushed.ok()) {
+  if (tensorshm::Status flushed = (*client)->Flush(); !flushed.ok()) {
     std::cout << "flush " << flushed << std::endl;
   }
   std::cout << "done created " << created << " refused " << refused << std::endl;

@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
 
   std::vector<std::shared_ptr<tensorshm::Client>> clients;
   for (int64_t n = 0; n < sessions; ++n) {
-    absl::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(
+    tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(
         tensorshm::ClientOptions{socket, absl::StrCat("lease-attacker-", n)});
     if (!client.ok()) return Fail(absl::StrCat("connect ", n, ": ", client.status().ToString()));
     clients.push_back(*std::move(client));

@@ -79,7 +79,8 @@ namespace {
 using tensorshm::testing::LogicalHash;
 using tensorshm::testing::StorageHash;
 
-int Fail(const absl::Status& status) {
+template <typename AnyStatus>  // the client's tensorshm::Status, or the CUDA helpers' absl one
+int Fail(const AnyStatus& status) {
   std::cout << "error " << static_cast<int>(status.code()) << " " << status.message() << std::endl;
   return 3;
 }
@@ -218,7 +219,7 @@ int Main(int argc, char** argv) {
   options.socket = argv[2];
   options.client_name = "tsm_peer-" + mode;
   // Generous: under ThreadSanitizer, a daemon serving dozens of peers answers slowly.
-  options.connect_timeout = absl::Seconds(30);
+  options.connect_timeout = std::chrono::seconds(30);
   std::vector<std::string> names;
   std::string dtype = "float32", shape, strides;
   uint64_t seed = 1;
@@ -279,14 +280,15 @@ int Main(int argc, char** argv) {
     std::cerr << "cannot drop privileges to uid " << as_uid << "\n";
     return 4;
   }
-  absl::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(options);
+  tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client =
+      tensorshm::Client::Connect(options);
   if (!client.ok()) return Fail(client.status());
 
   if (mode == "produce") {
     absl::StatusOr<DLDataType> dt = tensorshm::ParseDataType(dtype);
     if (!dt.ok()) return Fail(dt.status());
     tensorshm::TensorSpec spec{*dt, ParseList(shape), ParseList(strides)};
-    absl::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(spec);
+    tensorshm::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(spec);
     if (!w.ok()) return Fail(w.status());
     // Fill every byte of the storage the tensor spans from a seeded generator.
     std::mt19937_64 random(seed);
@@ -297,7 +299,7 @@ int Main(int argc, char** argv) {
       std::cout << "created" << std::endl;
       pause();
     }
-    if (absl::Status s = (*client)->Publish(*w, names.at(0), replace); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Publish(*w, names.at(0), replace); !s.ok()) return Fail(s);
     std::cout << "published" << std::endl;
     return 0;
   }
@@ -305,7 +307,7 @@ int Main(int argc, char** argv) {
     absl::StatusOr<DLDataType> dt = tensorshm::ParseDataType(dtype);
     if (!dt.ok()) return Fail(dt.status());
     tensorshm::TensorSpec spec{*dt, ParseList(shape), {}, {kDLCUDA, device}};
-    absl::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(spec);
+    tensorshm::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(spec);
     if (!w.ok()) return Fail(w.status());
     if (w->dl_tensor().device.device_type != kDLCUDA || w->dl_tensor().device.device_id != device) {
       return Fail(absl::InternalError("created tensor is not on the requested device"));
@@ -323,7 +325,7 @@ int Main(int argc, char** argv) {
     view.data = host.data();
     view.device = {kDLCPU, 0};
     PrintTensor(view, 0);
-    if (absl::Status s = (*client)->Publish(*w, names.at(0), replace); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Publish(*w, names.at(0), replace); !s.ok()) return Fail(s);
     PrintCounters("counters");
     std::cout << "published" << std::endl;
     // Stays until killed: the ready event lives in this process.
@@ -335,8 +337,8 @@ int Main(int argc, char** argv) {
                   : tensorshm::ReadySync::Host();
     std::vector<DLManagedTensorVersioned*> held;
     for (int round = 0; round < 2; ++round) {
-      absl::StatusOr<DLManagedTensorVersioned*> t =
-          (*client)->Acquire(names.at(0), absl::Milliseconds(wait_ms), sync);
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+          (*client)->Acquire(names.at(0), std::chrono::milliseconds(wait_ms), sync);
       if (!t.ok()) return Fail(t.status());
       const DLTensor& dl = (*t)->dl_tensor;
       std::cout << "device " << tensorshm::DeviceName(dl.device) << " flags " << (*t)->flags
@@ -360,7 +362,7 @@ int Main(int argc, char** argv) {
       held.push_back(*t);
     }
     for (DLManagedTensorVersioned* t : held) t->deleter(t);
-    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
     PrintCounters("released");
     client->reset();
     // The client's core goes with its sender thread; give it a moment to close the handles.
@@ -374,8 +376,8 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (mode == "cuda-write") {
-    absl::StatusOr<DLManagedTensorVersioned*> t =
-        (*client)->Acquire(names.at(0), absl::Milliseconds(wait_ms), tensorshm::ReadySync::Host());
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(
+        names.at(0), std::chrono::milliseconds(wait_ms), tensorshm::ReadySync::Host());
     if (!t.ok()) return Fail(t.status());
     const DLTensor& dl = (*t)->dl_tensor;
     const CUdeviceptr data = reinterpret_cast<CUdeviceptr>(dl.data) + dl.byte_offset;
@@ -408,15 +410,15 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (mode == "consume") {
-    const absl::Duration timeout =
-        wait_ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(wait_ms);
+    const tensorshm::Duration timeout =
+        wait_ms < 0 ? tensorshm::kForever : std::chrono::milliseconds(wait_ms);
     if (legacy) {
-      absl::StatusOr<DLManagedTensor*> t = (*client)->AcquireLegacy(names.at(0), timeout);
+      tensorshm::StatusOr<DLManagedTensor*> t = (*client)->AcquireLegacy(names.at(0), timeout);
       if (!t.ok()) return Fail(t.status());
       PrintTensor((*t)->dl_tensor, 0);
       (*t)->deleter(*t);
     } else {
-      absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0), timeout);
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0), timeout);
       if (!t.ok()) return Fail(t.status());
       if ((*t)->version.major != DLPACK_MAJOR_VERSION ||
           (*t)->version.minor != DLPACK_MINOR_VERSION) {
@@ -425,12 +427,12 @@ int Main(int argc, char** argv) {
       PrintTensor((*t)->dl_tensor, (*t)->flags);
       (*t)->deleter(*t);
     }
-    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
     return 0;
   }
   if (mode == "hold") {
     for (const std::string& name : names) {
-      absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
       if (!t.ok()) return Fail(t.status());
       PrintTensor((*t)->dl_tensor, (*t)->flags);  // never released: the process is killed
     }
@@ -447,7 +449,7 @@ int Main(int argc, char** argv) {
     while (true) {
       const uint64_t dice = random() % 6;
       if (dice < 2) {
-        absl::StatusOr<DLManagedTensorVersioned*> t =
+        tensorshm::StatusOr<DLManagedTensorVersioned*> t =
             (*client)->Acquire(names.at(random() % names.size()));
         if (!t.ok()) return Fail(t.status());
         held.push_back(*t);
@@ -455,7 +457,7 @@ int Main(int argc, char** argv) {
         held.back()->deleter(held.back());
         held.pop_back();
       } else if (dice == 3) {
-        absl::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(
+        tensorshm::StatusOr<tensorshm::WritableTensor> w = (*client)->Create(
             {{kDLUInt, 8, 1}, {static_cast<int64_t>(4096 * (1 + random() % 64))}});
         if (!w.ok()) return Fail(w.status());
         std::memset(w->data(), 0x5a, w->nbytes() / 2);  // half-written
@@ -479,9 +481,9 @@ int Main(int argc, char** argv) {
     int next = 0;
     for (int i = 0; i < ops; ++i) {
       const uint64_t dice = random() % 8;
-      absl::Status status;
+      tensorshm::Status status;
       if (dice == 0 || mine.empty()) {
-        absl::StatusOr<tensorshm::WritableTensor> w =
+        tensorshm::StatusOr<tensorshm::WritableTensor> w =
             (*client)->Create({{kDLFloat, 32, 1}, {static_cast<int64_t>(1 + random() % 20000)}});
         if (!w.ok()) return Fail(w.status());
         std::memset(w->data(), static_cast<int>(i & 0xff), w->nbytes());
@@ -489,12 +491,12 @@ int Main(int argc, char** argv) {
         status = (*client)->Publish(*w, name);
         mine.push_back(name);
       } else if (dice == 1) {
-        absl::StatusOr<tensorshm::WritableTensor> w =
+        tensorshm::StatusOr<tensorshm::WritableTensor> w =
             (*client)->Create({{kDLInt, 8, 1}, {static_cast<int64_t>(random() % 5000)}});
         if (!w.ok()) return Fail(w.status());
         status = (*client)->Publish(*w, mine[random() % mine.size()], /*replace=*/true);
       } else if (dice <= 3) {
-        absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(
+        tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(
             dice == 2 ? mine[random() % mine.size()] : names.at(random() % names.size()));
         if (!t.ok()) return Fail(t.status());
         held.push_back(*t);
@@ -514,9 +516,9 @@ int Main(int argc, char** argv) {
     }
     for (auto* t : held) t->deleter(t);
     for (const std::string& name : mine) {
-      if (absl::Status s = (*client)->Delete(name); !s.ok()) return Fail(s);
+      if (tensorshm::Status s = (*client)->Delete(name); !s.ok()) return Fail(s);
     }
-    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
     std::cout << "load ok " << ops << std::endl;
     return 0;
   }
@@ -526,7 +528,7 @@ int Main(int argc, char** argv) {
     std::mt19937_64 random(seed);
     for (int i = 0;; ++i) {
       const std::string name = absl::StrCat("crash/", seed, "/", i % 30);
-      absl::StatusOr<tensorshm::WritableTensor> w =
+      tensorshm::StatusOr<tensorshm::WritableTensor> w =
           (*client)->Create({{kDLFloat, 32, 1}, {static_cast<int64_t>(1 + random() % 50000)}});
       if (!w.ok()) break;
       auto* bytes = static_cast<unsigned char*>(w->dl_tensor().data);
@@ -542,15 +544,15 @@ int Main(int argc, char** argv) {
     bytes_max = std::max(bytes_max, bytes_min);
     for (int64_t version = 1; version <= count; ++version) {
       const int64_t bytes = VersionBytes(version, bytes_min, bytes_max);
-      absl::StatusOr<tensorshm::WritableTensor> w =
+      tensorshm::StatusOr<tensorshm::WritableTensor> w =
           (*client)->Create({{kDLUInt, 32, 1}, {bytes / 4}});
       if (!w.ok()) return Fail(w.status());
       std::fill_n(static_cast<uint32_t*>(w->data()), bytes / 4, static_cast<uint32_t>(version));
-      if (absl::Status s = (*client)->Publish(*w, names.at(0), /*replace=*/true); !s.ok()) {
+      if (tensorshm::Status s = (*client)->Publish(*w, names.at(0), /*replace=*/true); !s.ok()) {
         return Fail(s);
       }
     }
-    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
     std::cout << "published " << count << std::endl;
     return 0;
   }
@@ -574,8 +576,8 @@ int Main(int argc, char** argv) {
         std::cout << "timeout verified " << verified << " last " << last << std::endl;
         return 5;
       }
-      absl::StatusOr<DLManagedTensorVersioned*> t =
-          (*client)->Acquire(names.at(0), absl::Milliseconds(wait_ms));
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+          (*client)->Acquire(names.at(0), std::chrono::milliseconds(wait_ms));
       if (!t.ok()) return Fail(t.status());
       const DLTensor& dl = (*t)->dl_tensor;
       if (dl.dtype.code != kDLUInt || dl.dtype.bits != 32 || dl.dtype.lanes != 1 || dl.ndim != 1 ||
@@ -615,23 +617,23 @@ int Main(int argc, char** argv) {
       last = version;
     }
     release_all();
-    if (absl::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Flush(); !s.ok()) return Fail(s);
     std::cout << "verified " << verified << " wrong 0 last " << last << std::endl;
     return 0;
   }
   if (mode == "delete") {
-    if (absl::Status s = (*client)->Delete(names.at(0)); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Delete(names.at(0)); !s.ok()) return Fail(s);
     std::cout << "deleted" << std::endl;
     return 0;
   }
   if (mode == "stat") {
-    absl::StatusOr<tensorshm::ServerStats> stats = (*client)->Stat();
+    tensorshm::StatusOr<tensorshm::ServerStats> stats = (*client)->Stat();
     if (!stats.ok()) return Fail(stats.status());
     std::cout << "sessions " << stats->sessions << std::endl;
     return 0;
   }
   if (mode == "escalate") {
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0));
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0));
     if (!t.ok()) return Fail(t.status());
     const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     void* start =
@@ -690,12 +692,12 @@ int Main(int argc, char** argv) {
   if (mode == "reuse") {
     const int64_t n = ParseList(shape).at(0);
     const tensorshm::TensorSpec spec{{kDLUInt, 8, 1}, {n}};
-    absl::StatusOr<tensorshm::WritableTensor> first = (*client)->Create(spec);
+    tensorshm::StatusOr<tensorshm::WritableTensor> first = (*client)->Create(spec);
     if (!first.ok()) return Fail(first.status());
     std::memset(first->data(), 0xee, static_cast<size_t>(n));
-    if (absl::Status s = (*client)->Publish(*first, names.at(0)); !s.ok()) return Fail(s);
-    if (absl::Status s = (*client)->Delete(names.at(0)); !s.ok()) return Fail(s);
-    absl::StatusOr<tensorshm::WritableTensor> second = (*client)->Create(spec);
+    if (tensorshm::Status s = (*client)->Publish(*first, names.at(0)); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Delete(names.at(0)); !s.ok()) return Fail(s);
+    tensorshm::StatusOr<tensorshm::WritableTensor> second = (*client)->Create(spec);
     if (!second.ok()) return Fail(second.status());
     // Buffers are reused without clearing: zeros, or this uid's own leftovers (0xee), and
     // nothing else (no other uid's bytes).
@@ -706,7 +708,7 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (mode == "write") {
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0));
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(names.at(0));
     if (!t.ok()) return Fail(t.status());
     std::cout << "acquired" << std::endl;
     auto* data = static_cast<volatile char*>((*t)->dl_tensor.data);

@@ -14,7 +14,7 @@
 
 namespace {
 
-int Fail(const absl::Status& status) {
+int Fail(const tensorshm::Status& status) {
   std::cout << "error " << static_cast<int>(status.code()) << " " << status.message() << std::endl;
   return 3;
 }
@@ -29,18 +29,18 @@ int main(int argc, char** argv) {
     std::cerr << "usage: tsm_pool_client create SOCKET BYTES TIMEOUT_MS [NAME]\n";
     return 2;
   }
-  absl::StatusOr<std::shared_ptr<tensorshm::Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client =
       tensorshm::Client::Connect(tensorshm::ClientOptions{argv[2], "tsm_pool_client"});
   if (!client.ok()) return Fail(client.status());
   std::cout << "connected" << std::endl;
-  const absl::Duration timeout =
-      timeout_ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(timeout_ms);
-  absl::StatusOr<tensorshm::WritableTensor> tensor =
+  const tensorshm::Duration timeout =
+      timeout_ms < 0 ? tensorshm::kForever : std::chrono::milliseconds(timeout_ms);
+  tensorshm::StatusOr<tensorshm::WritableTensor> tensor =
       (*client)->Create(tensorshm::TensorSpec{{kDLUInt, 8, 1}, {bytes}}, timeout);
   if (!tensor.ok()) return Fail(tensor.status());
   std::cout << "created" << std::endl;
   if (argc > 5) {
-    if (absl::Status s = (*client)->Publish(*tensor, argv[5]); !s.ok()) return Fail(s);
+    if (tensorshm::Status s = (*client)->Publish(*tensor, argv[5]); !s.ok()) return Fail(s);
     std::cout << "published" << std::endl;
   }
   return 0;

@@ -95,7 +95,7 @@ class Worker {
 
   void Report() const {
     for (const auto& [code, count] : codes_) {
-      std::cout << "code " << absl::StatusCodeToString(code) << " " << count << std::endl;
+      std::cout << "code " << tensorshm::StatusCodeName(code) << " " << count << std::endl;
     }
     std::cout << "acquired " << acquired_ << " uniform " << uniform_ << " mixed " << mixed_
               << std::endl;
@@ -106,18 +106,19 @@ class Worker {
     return absl::StrCat("w", args_.worker, "/", random_() % kNamesPerWorker);
   }
 
-  void Count(const absl::Status& status) { ++codes_[status.code()]; }
+  void Count(const tensorshm::Status& status) { ++codes_[status.code()]; }
 
   void Publish(bool acquire) {
     const int64_t elements = 1 + static_cast<int64_t>(random_() % 2048);
-    absl::StatusOr<tensorshm::WritableTensor> w = client_->Create({{kDLUInt, 32, 1}, {elements}});
+    tensorshm::StatusOr<tensorshm::WritableTensor> w =
+        client_->Create({{kDLUInt, 32, 1}, {elements}});
     Count(w.status());
     if (!w.ok()) return;
     const uint32_t value = (static_cast<uint32_t>(args_.worker) << 24) |
                            (static_cast<uint32_t>(++version_) & 0xffffff);
     std::fill_n(static_cast<uint32_t*>(w->data()), elements, value);
     if (acquire) {
-      absl::StatusOr<DLManagedTensorVersioned*> t =
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t =
           client_->PublishAndAcquire(*w, OwnName(), /*replace=*/true);
       Count(t.status());
       if (t.ok()) Check(*t);
@@ -129,7 +130,7 @@ class Worker {
   void Acquire() {
     const std::string name = absl::StrCat("w", random_() % static_cast<uint64_t>(args_.workers),
                                           "/", random_() % kNamesPerWorker);
-    absl::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire(name);
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire(name);
     Count(t.status());
     if (t.ok()) Check(*t);
   }
@@ -161,14 +162,14 @@ class Worker {
   std::mt19937_64 random_;
   uint64_t version_ = 0;
   std::deque<DLManagedTensorVersioned*> held_;
-  std::map<absl::StatusCode, int64_t> codes_;
+  std::map<tensorshm::StatusCode, int64_t> codes_;
   int64_t acquired_ = 0;
   int64_t uniform_ = 0;
   int64_t mixed_ = 0;
 };
 
 int Work(const Args& args) {
-  absl::StatusOr<std::shared_ptr<tensorshm::Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client =
       tensorshm::Client::Connect({args.target, absl::StrCat("scribble-worker-", args.worker)});
   if (!client.ok()) {
     std::cout << "connect " << client.status() << std::endl;

@@ -23,7 +23,7 @@
 
 namespace {
 
-int Fail(const absl::Status& status) {
+int Fail(const tensorshm::Status& status) {
   std::cout << "error " << static_cast<int>(status.code()) << " " << status.message() << std::endl;
   return 3;
 }
@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string prefix = argv[3];
-  absl::StatusOr<std::shared_ptr<tensorshm::Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client =
       tensorshm::Client::Connect(tensorshm::ClientOptions{argv[2], "tsm_share_client"});
   if (!client.ok()) return Fail(client.status());
   tensorshm::Client& c = **client;
@@ -65,9 +65,9 @@ int main(int argc, char** argv) {
   if (mode == "put") {
     int64_t put = 0;
     for (int64_t i = first; count < 0 || i < first + count; ++i) {
-      absl::StatusOr<tensorshm::WritableTensor> tensor =
+      tensorshm::StatusOr<tensorshm::WritableTensor> tensor =
           c.Create(tensorshm::TensorSpec{{kDLUInt, 8, 1}, {bytes}});
-      if (absl::IsResourceExhausted(tensor.status())) {
+      if (tensor.status().code() == tensorshm::StatusCode::kResourceExhausted) {
         std::cout << "put " << put << std::endl;
         std::cout << "refused " << static_cast<int>(tensor.status().code()) << " "
                   << tensor.status().message() << std::endl;
@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
       auto* data = static_cast<uint8_t*>(tensor->data());
       const uint64_t seed = Seed(name);
       for (int64_t b = 0; b < bytes; ++b) data[b] = Pattern(seed, b);
-      if (absl::Status s = c.Publish(*tensor, name); !s.ok()) return Fail(s);
+      if (tensorshm::Status s = c.Publish(*tensor, name); !s.ok()) return Fail(s);
       ++put;
     }
     std::cout << "put " << put << std::endl;
@@ -88,11 +88,11 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < count; ++i) {
     const std::string name = NameOf(prefix, i);
     if (mode == "delete") {
-      if (absl::Status s = c.Delete(name); !s.ok()) return Fail(s);
+      if (tensorshm::Status s = c.Delete(name); !s.ok()) return Fail(s);
       ++done;
       continue;
     }
-    absl::StatusOr<DLManagedTensorVersioned*> held = c.Acquire(name);
+    tensorshm::StatusOr<DLManagedTensorVersioned*> held = c.Acquire(name);
     if (!held.ok()) return Fail(held.status());
     const DLTensor& t = (*held)->dl_tensor;
     const auto* data = static_cast<const uint8_t*>(t.data) + t.byte_offset;

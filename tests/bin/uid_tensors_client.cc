@@ -21,7 +21,7 @@
 
 namespace {
 
-void Print(const char* what, const absl::Status& status) {
+void Print(const char* what, const tensorshm::Status& status) {
   std::cout << what << " " << static_cast<int>(status.code()) << " " << status.message()
             << std::endl;
 }
@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string prefix = argv[3];
-  absl::StatusOr<std::shared_ptr<tensorshm::Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client =
       tensorshm::Client::Connect(tensorshm::ClientOptions{argv[2], "tsm_uid_tensors_client"});
   if (!client.ok()) {
     Print("error", client.status());
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   tensorshm::Client& c = **client;
 
   if (mode == "count") {
-    absl::StatusOr<std::vector<tensorshm::TensorInfo>> listed = c.List(prefix);
+    tensorshm::StatusOr<std::vector<tensorshm::TensorInfo>> listed = c.List(prefix);
     if (!listed.ok()) {
       Print("error", listed.status());
       return 3;
@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   }
   int64_t put = 0;
   for (int64_t k = 0; k < count; ++k) {
-    absl::StatusOr<tensorshm::WritableTensor> tensor =
+    tensorshm::StatusOr<tensorshm::WritableTensor> tensor =
         c.Create(tensorshm::TensorSpec{{kDLUInt, 8, 1}, {bytes}});
     if (!tensor.ok()) {
       std::cout << "put " << put << std::endl;
@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
     }
     auto* data = static_cast<uint8_t*>(tensor->data());
     for (int64_t i = 0; i < bytes; ++i) data[i] = static_cast<uint8_t>((k + i) % 251);
-    if (absl::Status s = c.Publish(*tensor, absl::StrCat(prefix, ".", k)); !s.ok()) {
+    if (tensorshm::Status s = c.Publish(*tensor, absl::StrCat(prefix, ".", k)); !s.ok()) {
       std::cout << "put " << put << std::endl;
       Print("refused", s);
       return 0;

@@ -174,12 +174,12 @@ int RunChurn(const Args& args) {
   std::vector<std::thread> threads;
   for (int64_t s = 0; s < args.sessions; ++s) {
     threads.emplace_back([&, s] {
-      auto fail = [&](const std::string& what, const absl::Status& status) {
+      auto fail = [&](const std::string& what, const tensorshm::Status& status) {
         std::lock_guard<std::mutex> lock(out);
         std::cout << "churn failed: session " << s << ": " << what << ": " << status << std::endl;
         ++failures;
       };
-      absl::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(
+      tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> client = tensorshm::Client::Connect(
           tensorshm::ClientOptions{args.socket, absl::StrCat("churn-", args.tag, "-", s)});
       if (!client.ok()) return fail("connect", client.status());
       // This session's share of the names waiters wait for: every sessions-th even K.
@@ -190,30 +190,33 @@ int RunChurn(const Args& args) {
       const std::string own = absl::StrCat("churn/", args.tag, "/", s);
       size_t next = 0;
       for (int64_t i = 0; i < args.iterations; ++i) {
-        absl::StatusOr<tensorshm::WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {4096}});
+        tensorshm::StatusOr<tensorshm::WritableTensor> w =
+            (*client)->Create({{kDLUInt, 8, 1}, {4096}});
         if (!w.ok()) return fail("create", w.status());
         static_cast<uint8_t*>(w->data())[0] = static_cast<uint8_t>(i);
-        if (absl::Status st = (*client)->Publish(*w, own, /*replace=*/true); !st.ok()) {
+        if (tensorshm::Status st = (*client)->Publish(*w, own, /*replace=*/true); !st.ok()) {
           return fail("publish " + own, st);
         }
         if (i % 3 == 2) {
-          if (absl::Status st = (*client)->Delete(own); !st.ok()) return fail("delete " + own, st);
+          if (tensorshm::Status st = (*client)->Delete(own); !st.ok())
+            return fail("delete " + own, st);
         }
         // Spread this session's waited-for names over its iterations.
         const size_t due = mine.size() * static_cast<size_t>(i + 1) / args.iterations;
         for (; next < due; ++next) {
           const std::string name = absl::StrCat("pub/", mine[next]);
-          absl::StatusOr<tensorshm::WritableTensor> t = (*client)->Create({{kDLUInt, 8, 1}, {64}});
+          tensorshm::StatusOr<tensorshm::WritableTensor> t =
+              (*client)->Create({{kDLUInt, 8, 1}, {64}});
           if (!t.ok()) return fail("create", t.status());
           const uint64_t id = t->tensor_id();
-          if (absl::Status st = (*client)->Publish(*t, name); !st.ok()) {
+          if (tensorshm::Status st = (*client)->Publish(*t, name); !st.ok()) {
             return fail("publish " + name, st);
           }
           std::lock_guard<std::mutex> lock(out);
           std::cout << "published " << name << " " << id << "\n";
         }
       }
-      if (absl::Status st = (*client)->Flush(); !st.ok()) return fail("flush", st);
+      if (tensorshm::Status st = (*client)->Flush(); !st.ok()) return fail("flush", st);
     });
   }
   for (std::thread& thread : threads) thread.join();

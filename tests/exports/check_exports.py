@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails when libtensorshm.so exports anything but its API.
+"""Fails when libtensorshm.so exports anything but its API, or ties its users to another
+library's ABI.
 
 Allowed in the dynamic symbol table (`nm -D --defined-only`):
   - the C API: the tsm_* functions include/tensorshm/tensorshm.h marks TENSORSHM_EXPORT;
@@ -7,8 +8,10 @@ Allowed in the dynamic symbol table (`nm -D --defined-only`):
     TENSORSHM_EXPORT, with the typeinfo and vtables of those classes.
 Anything else (protobuf, gRPC stubs, ClientCore and the rest of the client's internals, template
 instances of std:: or absl:: types) fails the check, and so do more than MAX_SYMBOLS symbols.
+The library's own ABI: it NEEDS no libabsl (abseil is linked in, hidden), no public header
+includes or names abseil, and the pkg-config file (PC, when given) requires nothing.
 
-    python3 tests/exports/check_exports.py ROOT LIBTENSORSHM [NM]
+    python3 tests/exports/check_exports.py ROOT LIBTENSORSHM [NM [PC]]
     python3 tests/exports/check_exports.py --self-test ROOT
 """
 from __future__ import annotations
@@ -26,10 +29,33 @@ def public_api(root: pathlib.Path) -> tuple[set[str], set[str]]:
     include = root / "include" / "tensorshm"
     c_header = (include / "tensorshm.h").read_text()
     c_functions = set(re.findall(r"TENSORSHM_EXPORT[^;(]*?\b(tsm_\w+)\s*\(", c_header))
-    cpp_header = (include / "client.h").read_text()
-    classes = set(re.findall(r"\b(?:class|struct)\s+TENSORSHM_EXPORT\s+(\w+)", cpp_header))
-    functions = set(re.findall(r"^TENSORSHM_EXPORT\s+[^;(]*?\b(\w+)\s*\(", cpp_header, re.M))
+    cpp_header = "\n".join(header.read_text() for header in sorted(include.glob("*.h"))
+                           if header.name != "tensorshm.h")
+    classes = set(re.findall(
+        r"\b(?:class|struct)\s+(?:\[\[\w+\]\]\s+)?TENSORSHM_EXPORT\s+(\w+)", cpp_header))
+    functions = set(re.findall(r"^TENSORSHM_EXPORT\s+[^;(]*?\b(operator\W+?|\w+)\s*\(",
+                               cpp_header, re.M))
     return c_functions, classes | functions
+
+
+def abi_problems(root: pathlib.Path, library: str, pc: str | None) -> list[str]:
+    """What ties a user of the library to abseil's ABI: a NEEDED libabsl, a public header that
+    includes or names abseil, a pkg-config Requires."""
+    problems = []
+    dynamic = subprocess.run(["readelf", "-d", library], check=True, capture_output=True,
+                             text=True).stdout
+    for needed in re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic):
+        if needed.startswith("libabsl"):
+            problems.append(f"NEEDED {needed}")
+    for header in sorted((root / "include" / "tensorshm").glob("*.h")):
+        for number, line in enumerate(header.read_text().splitlines(), 1):
+            if re.search(r"\babsl\b", line):
+                problems.append(f"{header.name}:{number} names abseil: {line.strip()}")
+    if pc is not None:
+        for line in pathlib.Path(pc).read_text().splitlines():
+            if re.match(r"Requires(\.private)?\s*:\s*\S", line):
+                problems.append(f"{pc}: {line}")
+    return problems
 
 
 def problems_in(symbols: list[str], c_functions: set[str], cpp_names: set[str]) -> list[str]:
@@ -56,7 +82,7 @@ def exported(library: str, nm: str) -> list[str]:
     return symbols
 
 
-def check(root: pathlib.Path, library: str, nm: str) -> int:
+def check(root: pathlib.Path, library: str, nm: str, pc: str | None) -> int:
     c_functions, cpp_names = public_api(root)
     if not c_functions or not cpp_names:
         print(f"no TENSORSHM_EXPORT declarations found under {root}/include/tensorshm")
@@ -70,16 +96,22 @@ def check(root: pathlib.Path, library: str, nm: str) -> int:
     missing = sorted(f for f in c_functions if f not in symbols)
     for name in missing:
         print(f"C API function not exported: {name}")
+    abi = abi_problems(root, library, pc)
+    for problem in abi:
+        print(f"not the library's own ABI: {problem}")
     print(f"{library}: {len(symbols)} dynamic symbols (at most {MAX_SYMBOLS}), "
-          f"{len(problems)} not API, {len(missing)} C API functions missing")
-    return 1 if problems or missing or len(symbols) > MAX_SYMBOLS else 0
+          f"{len(problems)} not API, {len(missing)} C API functions missing, "
+          f"{len(abi)} ties to abseil")
+    return 1 if problems or missing or abi or len(symbols) > MAX_SYMBOLS else 0
 
 
 def self_test(root: pathlib.Path) -> int:
     """The classifier must refuse planted internal symbols and accept API ones."""
     c_functions, cpp_names = public_api(root)
     api = ["tsm_connect", "tensorshm::Client::Flush()", "typeinfo for tensorshm::WritableTensor",
-           "tensorshm::WaitReady(DLManagedTensorVersioned const*, tensorshm::ReadySync)"]
+           "tensorshm::WaitReady(DLManagedTensorVersioned const*, tensorshm::ReadySync)",
+           "tensorshm::Status::ToString[abi:cxx11]() const",
+           "tensorshm::operator<<(std::ostream&, tensorshm::Status const&)"]
     planted = ["google::protobuf::Message::~Message()", "tensorshm::ClientCore::Flush()",
                "tensorshm::v1::AcquireRequest::Clear()", "typeinfo for tensorshm::v1::Location",
                "tensorshm::ClientFoo()", "tsm_internal_helper",
@@ -96,8 +128,9 @@ def self_test(root: pathlib.Path) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--self-test":
         sys.exit(self_test(pathlib.Path(sys.argv[2])))
-    if len(sys.argv) not in (3, 4):
+    if len(sys.argv) not in (3, 4, 5):
         print(__doc__)
         sys.exit(2)
     sys.exit(check(pathlib.Path(sys.argv[1]), sys.argv[2],
-                   sys.argv[3] if len(sys.argv) == 4 else "nm"))
+                   sys.argv[3] if len(sys.argv) >= 4 else "nm",
+                   sys.argv[4] if len(sys.argv) == 5 else None))

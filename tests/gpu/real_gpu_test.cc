@@ -50,7 +50,8 @@ uint64_t TensorBytes() {
 // The byte at `i` of the tensor a producer with `seed` fills: its last memset pass's value.
 unsigned char Pattern(int seed) { return static_cast<unsigned char>(0x30 + seed); }
 
-int Fail(const absl::Status& status) {
+template <typename AnyStatus>  // the client's tensorshm::Status, or the CUDA helpers' absl one
+int Fail(const AnyStatus& status) {
   std::cout << "error " << status << std::endl;
   return 1;
 }
@@ -77,11 +78,11 @@ int Produce(const std::string& socket, const std::string& name, int seed, bool e
   absl::StatusOr<const CudaDriver*> driver = EnterDevice();
   if (!driver.ok()) return Fail(driver.status());
   const CudaDriver* cu = *driver;
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{socket, "real-gpu-producer"});
   if (!client.ok()) return Fail(client.status());
   const uint64_t bytes = TensorBytes();
-  absl::StatusOr<WritableTensor> w =
+  tensorshm::StatusOr<WritableTensor> w =
       (*client)->Create({{kDLUInt, 8, 1}, {static_cast<int64_t>(bytes)}, {}, {kDLCUDA, 0}});
   if (!w.ok()) return Fail(w.status());
   CUstream stream;
@@ -95,7 +96,7 @@ int Produce(const std::string& socket, const std::string& name, int seed, bool e
       return Fail(s);
     }
   }
-  if (absl::Status s =
+  if (tensorshm::Status s =
           (*client)->Publish(*w, name, /*replace=*/true, reinterpret_cast<CudaStream>(stream));
       !s.ok()) {
     return Fail(s);
@@ -118,11 +119,11 @@ int Consume(const std::string& socket, const std::string& name, int seed) {
   absl::StatusOr<const CudaDriver*> driver = EnterDevice();
   if (!driver.ok()) return Fail(driver.status());
   const CudaDriver* cu = *driver;
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{socket, "real-gpu-consumer"});
   if (!client.ok()) return Fail(client.status());
-  absl::StatusOr<DLManagedTensorVersioned*> t =
-      (*client)->Acquire(name, absl::Seconds(60), ReadySync::Host());
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+      (*client)->Acquire(name, std::chrono::seconds(60), ReadySync::Host());
   if (!t.ok()) return Fail(t.status());
   const DLTensor& dl = (*t)->dl_tensor;
   const uint64_t bytes = static_cast<uint64_t>(dl.shape[0]);
@@ -172,7 +173,7 @@ class RealGpuTest : public ::testing::Test {
          "info"});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "real-gpu-test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
@@ -207,7 +208,7 @@ class RealGpuTest : public ::testing::Test {
   }
 
   int64_t Leases() {
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     EXPECT_TRUE(stats.ok());
     return stats.ok() ? stats->leases : -1;
   }

@@ -37,6 +37,12 @@ PKG_CONFIG_PATH=$(dirname "$pc_file")
 pc_flags=$(pkg-config --cflags --libs tensorshm)
 rpath="-Wl,-rpath,$(pkg-config --variable=libdir tensorshm)"
 echo "pkg-config --cflags --libs tensorshm: $pc_flags"
+# The library's own ABI: tensorshm.pc requires nothing, and the flags name no abseil.
+[ -z "$(pkg-config --print-requires tensorshm)" ] || {
+  echo "tensorshm.pc requires: $(pkg-config --print-requires tensorshm)" >&2
+  exit 1
+}
+case "$pc_flags" in *absl*) echo "tensorshm.pc names abseil: $pc_flags" >&2; exit 1 ;; esac
 # shellcheck disable=SC2086  # the flags are words
 cc -Wall -Wextra -Werror $cxx_flags -o "$work/c_program" "$c_src" $pc_flags $rpath $link_flags
 # shellcheck disable=SC2086

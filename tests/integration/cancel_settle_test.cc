@@ -34,7 +34,7 @@ class CancelSettleTest : public ::testing::Test {
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
     for (auto* client : {&producer_, &consumer_}) {
-      absl::StatusOr<std::shared_ptr<Client>> connected =
+      tensorshm::StatusOr<std::shared_ptr<Client>> connected =
           Client::Connect(ClientOptions{daemon_->socket(), "cancel_settle_test"});
       ASSERT_TRUE(connected.ok()) << connected.status();
       *client = *std::move(connected);
@@ -42,14 +42,14 @@ class CancelSettleTest : public ::testing::Test {
   }
 
   ServerStats Stats() {
-    absl::StatusOr<ServerStats> stats = producer_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = producer_->Stat();
     EXPECT_TRUE(stats.ok()) << stats.status();
     return stats.ok() ? *stats : ServerStats{};
   }
 
   // The consumer's session as the daemon counts it.
   SessionInfo ConsumerSession() {
-    absl::StatusOr<std::vector<SessionInfo>> sessions = consumer_->Sessions();
+    tensorshm::StatusOr<std::vector<SessionInfo>> sessions = consumer_->Sessions();
     EXPECT_TRUE(sessions.ok()) << sessions.status();
     if (sessions.ok()) {
       for (const SessionInfo& info : *sessions) {
@@ -82,24 +82,24 @@ class CancelSettleTest : public ::testing::Test {
 };
 
 TEST_F(CancelSettleTest, AnAcquireCancelledAfterItsGrantLeavesNoLease) {
-  absl::StatusOr<WritableTensor> w = producer_->Create({{kDLFloat, 32, 1}, {256}});
+  tensorshm::StatusOr<WritableTensor> w = producer_->Create({{kDLFloat, 32, 1}, {256}});
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE(producer_->Publish(*w, "weights").ok());
   int crossed = 0;
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE(absl::StrCat("round ", round));
     WaitCanceller cancel;
-    std::future<absl::Status> acquired = std::async(std::launch::async, [&] {
-      absl::StatusOr<DLManagedTensorVersioned*> t =
-          consumer_->Acquire("weights", absl::Seconds(60), ReadySync::Host(), cancel);
+    std::future<tensorshm::Status> acquired = std::async(std::launch::async, [&] {
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+          consumer_->Acquire("weights", std::chrono::seconds(60), ReadySync::Host(), cancel);
       if (t.ok()) (*t)->deleter(*t);
       return t.status();
     });
     // The daemon granted the lease; its answer is held back: the cancel lands after the grant.
     ASSERT_TRUE(StatsBecome([](const ServerStats& s) { return s.leases == 1; }));
     cancel.Cancel();
-    const absl::Status status = acquired.get();
-    if (absl::IsCancelled(status)) {
+    const tensorshm::Status status = acquired.get();
+    if (status.code() == tensorshm::StatusCode::kCancelled) {
       ++crossed;
     } else {
       EXPECT_TRUE(status.ok()) << status;  // the answer came first: released above
@@ -115,8 +115,8 @@ TEST_F(CancelSettleTest, AnAcquireCancelledAfterItsGrantLeavesNoLease) {
               crossed, kRounds);
   EXPECT_GE(crossed, kRounds / 2);
   // The consumer is still served: a later acquire gets the tensor.
-  absl::StatusOr<DLManagedTensorVersioned*> t =
-      consumer_->Acquire("weights", absl::Seconds(60), ReadySync::Host());
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+      consumer_->Acquire("weights", std::chrono::seconds(60), ReadySync::Host());
   ASSERT_TRUE(t.ok()) << t.status();
   (*t)->deleter(*t);
   ASSERT_TRUE(consumer_->Flush().ok());
@@ -130,12 +130,13 @@ TEST_F(CancelSettleTest, AWaitingCreateCancelledAfterItsGrantLeavesNoBuffer) {
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE(absl::StrCat("round ", round));
     // The pool is full: the consumer's create waits in the daemon for memory.
-    absl::StatusOr<WritableTensor> big = producer_->Create(whole);
+    tensorshm::StatusOr<WritableTensor> big = producer_->Create(whole);
     ASSERT_TRUE(big.ok()) << big.status();
     ASSERT_TRUE(producer_->Publish(*big, "big").ok());
     WaitCanceller cancel;
-    std::future<absl::Status> created = std::async(std::launch::async, [&] {
-      absl::StatusOr<WritableTensor> t = consumer_->Create(quarter, absl::Seconds(60), cancel);
+    std::future<tensorshm::Status> created = std::async(std::launch::async, [&] {
+      tensorshm::StatusOr<WritableTensor> t =
+          consumer_->Create(quarter, std::chrono::seconds(60), cancel);
       return t.status();  // a tensor that came first is dropped here (abandoned)
     });
     ASSERT_TRUE(StatsBecome([](const ServerStats& s) { return s.creates_waiting == 1; }));
@@ -145,8 +146,8 @@ TEST_F(CancelSettleTest, AWaitingCreateCancelledAfterItsGrantLeavesNoBuffer) {
       return s.creates_waiting == 0 && !s.pools.empty() && s.pools[0].used_bytes > 0;
     }));
     cancel.Cancel();
-    const absl::Status status = created.get();
-    if (absl::IsCancelled(status)) {
+    const tensorshm::Status status = created.get();
+    if (status.code() == tensorshm::StatusCode::kCancelled) {
       ++crossed;
     } else {
       EXPECT_TRUE(status.ok()) << status;
@@ -179,7 +180,7 @@ TEST_F(CancelSettleTest, SettlesBeforeArrivalAndDuringTheWait) {
   {
     PendingAcquire waiting(raw, "later", /*wait_ms=*/-1, std::chrono::seconds(60), 8);
     ASSERT_TRUE(StatsBecome([&](const ServerStats&) {
-      const absl::StatusOr<std::vector<SessionInfo>> sessions = consumer_->Sessions();
+      const tensorshm::StatusOr<std::vector<SessionInfo>> sessions = consumer_->Sessions();
       if (!sessions.ok()) return false;
       for (const SessionInfo& info : *sessions) {
         if (info.waiting_acquires == 1) return true;
@@ -191,7 +192,7 @@ TEST_F(CancelSettleTest, SettlesBeforeArrivalAndDuringTheWait) {
     EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << status.error_message();
   }
   // Settled before the publish: the publish grants nothing to it.
-  absl::StatusOr<WritableTensor> w = producer_->Create({{kDLFloat, 32, 1}, {4}});
+  tensorshm::StatusOr<WritableTensor> w = producer_->Create({{kDLFloat, 32, 1}, {4}});
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE(producer_->Publish(*w, "later").ok());
   EXPECT_EQ(Stats().leases, 0);

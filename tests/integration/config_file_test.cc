@@ -167,9 +167,9 @@ TEST_F(ConfigFileTest, TheDaemonServesWithTheFilesSettings) {
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     ClientOptions client_options;
     client_options.socket = daemon->socket();
-    absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(client_options);
+    tensorshm::StatusOr<std::shared_ptr<Client>> client = Client::Connect(client_options);
     ASSERT_TRUE(client.ok()) << client.status();
-    absl::StatusOr<ServerStats> stats = (*client)->Stat();
+    tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
     ASSERT_TRUE(stats.ok()) << stats.status();
     ASSERT_FALSE(stats->pools.empty());
     EXPECT_EQ(stats->pools[0].capacity_bytes, int64_t{override_pool ? 4 : 8} << 20);

@@ -44,10 +44,10 @@ constexpr int64_t kMi = int64_t{1} << 20;
 const absl::Duration kStatBound = absl::Milliseconds(kSanitized ? 4000 : 200);
 
 #define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr).status()
-#define ASSERT_STATUS_OK(expr)      \
-  do {                              \
-    const absl::Status s_ = (expr); \
-    ASSERT_TRUE(s_.ok()) << s_;     \
+#define ASSERT_STATUS_OK(expr)  \
+  do {                          \
+    const auto s_ = (expr);     \
+    ASSERT_TRUE(s_.ok()) << s_; \
   } while (false)
 
 absl::StatusOr<TestDaemon> StartShared(const std::string& name, std::vector<std::string> args) {
@@ -112,7 +112,7 @@ int64_t SettledSegments(Client& client) {
   absl::Time since = absl::Now();
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (absl::Now() < deadline) {
-    absl::StatusOr<ServerStats> stats = client.Stat();
+    tensorshm::StatusOr<ServerStats> stats = client.Stat();
     TSM_CHECK(stats.ok());
     const int64_t segments = HostPoolOf(*stats).segments;
     if (segments != last) {
@@ -127,8 +127,8 @@ int64_t SettledSegments(Client& client) {
 }
 
 // Creates and publishes `name`: `bytes` uint8 elements, element i = (i * 7 + seed) & 0xff.
-absl::Status Produce(Client& client, const std::string& name, int64_t bytes, int seed) {
-  absl::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {bytes}});
+tensorshm::Status Produce(Client& client, const std::string& name, int64_t bytes, int seed) {
+  tensorshm::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {bytes}});
   if (!w.ok()) return w.status();
   auto* data = static_cast<uint8_t*>(w->data());
   for (int64_t i = 0; i < bytes; ++i) data[i] = static_cast<uint8_t>((i * 7 + seed) & 0xff);
@@ -137,7 +137,7 @@ absl::Status Produce(Client& client, const std::string& name, int64_t bytes, int
 
 // Whether `name` holds the bytes Produce wrote with `seed`.
 bool Holds(Client& client, const std::string& name, int64_t bytes, int seed) {
-  absl::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
   if (!t.ok()) {
     ADD_FAILURE() << name << ": " << t.status();
     return false;
@@ -165,7 +165,7 @@ TEST(CreateQuotaTest, CreatesOverUidQuotaAreRefusedBeforeAnyMemoryIsTaken) {
   absl::StatusOr<TestDaemon> daemon =
       StartShared("quota-uid", {"--host-pool", "1Gi", "--uid-quota", "256Mi"});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> owner =
+  tensorshm::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(owner);
   ASSERT_STATUS_OK(Produce(**owner, "owner", 4096, 1));
@@ -183,7 +183,7 @@ TEST(CreateQuotaTest, CreatesOverUidQuotaAreRefusedBeforeAnyMemoryIsTaken) {
   EXPECT_EQ(probe.failed(), 0);
   EXPECT_LT(slowest, kStatBound);
 
-  absl::StatusOr<ServerStats> stats = (*owner)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*owner)->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(HostPoolOf(*stats).segments, segments) << "a refused create grew the pool";
   EXPECT_EQ(HostPoolOf(*stats).used_bytes, 4096);
@@ -197,7 +197,7 @@ TEST(CreateQuotaTest, CreatesOverSessionQuotaAreRefusedBeforeAnyMemoryIsTaken) {
   absl::StatusOr<TestDaemon> daemon =
       TestDaemon::Start("quota-session", {"--host-pool", "1Gi", "--session-quota", "256Mi"});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> owner =
+  tensorshm::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(owner);
   ASSERT_STATUS_OK(Produce(**owner, "owner", 4096, 1));
@@ -211,7 +211,7 @@ TEST(CreateQuotaTest, CreatesOverSessionQuotaAreRefusedBeforeAnyMemoryIsTaken) {
   EXPECT_TRUE(absl::StrContains(output, "done created 0 refused 20")) << output;
   EXPECT_EQ(Count(output, "(--session-quota)"), 20) << output;
   EXPECT_LT(slowest, kStatBound);
-  absl::StatusOr<ServerStats> stats = (*owner)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*owner)->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(HostPoolOf(*stats).segments, segments) << "a refused create grew the pool";
   EXPECT_EQ(HostPoolOf(*stats).used_bytes, 4096);
@@ -221,7 +221,7 @@ TEST(CreateQuotaTest, AnotherUidsEmptySegmentIsGivenBackWithoutStallingAnyone) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as uid 65534";
   absl::StatusOr<TestDaemon> daemon = StartShared("quota-giveback", {"--host-pool", "2Gi"});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> owner =
+  tensorshm::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(owner);
 
@@ -238,7 +238,7 @@ TEST(CreateQuotaTest, AnotherUidsEmptySegmentIsGivenBackWithoutStallingAnyone) {
   // The owner's 1 GiB create (its fair share now) needs that room: the segment is given back (its
   // 1536 MiB of pages punched out) while the owner's Stat calls go on.
   StatProbe probe(*owner);
-  absl::StatusOr<WritableTensor> big = (*owner)->Create({{kDLUInt, 8, 1}, {1024 * kMi}});
+  tensorshm::StatusOr<WritableTensor> big = (*owner)->Create({{kDLUInt, 8, 1}, {1024 * kMi}});
   const absl::Duration slowest = probe.Stop();
   ASSERT_OK(big);
   std::cout << "a 1 GiB create that gave back another uid's 1536 MiB segment: the owner's "
@@ -253,7 +253,7 @@ TEST(CreateQuotaTest, AUidThatHasGoneKeepsNoEmptySegment) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as uid 65534";
   absl::StatusOr<TestDaemon> daemon = StartShared("quota-gone", {"--host-pool", "1Gi"});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> owner =
+  tensorshm::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(owner);
   ASSERT_STATUS_OK(Produce(**owner, "owner", 4096, 1));
@@ -267,14 +267,14 @@ TEST(CreateQuotaTest, AUidThatHasGoneKeepsNoEmptySegment) {
   // the service lock.
   int64_t now = -1;
   for (int i = 0; i < 500 && now != segments; ++i) {
-    absl::StatusOr<ServerStats> stats = (*owner)->Stat();
+    tensorshm::StatusOr<ServerStats> stats = (*owner)->Stat();
     ASSERT_OK(stats);
     now = HostPoolOf(*stats).segments;
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(now, segments) << "the segment of a uid that has gone stayed";
   // The owner's create of most of the pool finds the room.
-  absl::StatusOr<WritableTensor> big = (*owner)->Create({{kDLUInt, 8, 1}, {768 * kMi}});
+  tensorshm::StatusOr<WritableTensor> big = (*owner)->Create({{kDLUInt, 8, 1}, {768 * kMi}});
   const absl::Duration slowest = probe.Stop();
   ASSERT_OK(big);
   std::cout << "another uid's 384 MiB segment given back once it disconnected, then a 768 MiB "
@@ -333,7 +333,7 @@ TEST(PlantedSegmentTest, PlantedSegmentNamesDoNotStopCreatesAndARestartRecovers)
     ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(20))) << daemon->Output();
     // Segment 1 exists; the next ones' names are taken before the pool needs them.
     for (int id = 2; id <= 5; ++id) Plant(prefix, id);
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{socket, "planted"});
     ASSERT_OK(client);
     for (int i = 0; i < kTensors; ++i) {
@@ -370,7 +370,7 @@ TEST(PlantedSegmentTest, PlantedSegmentNamesDoNotStopCreatesAndARestartRecovers)
     absl::StatusOr<ChildProcess> daemon = ChildProcess::Start(argv, dir + "/daemon-2.log");
     ASSERT_OK(daemon);
     ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(20))) << daemon->Output();
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{socket, "planted-after"});
     ASSERT_OK(client);
     for (int i = 0; i < kTensors; ++i)

@@ -30,7 +30,7 @@ class CtlTest : public ::testing::Test {
         TestDaemon::Start("ctl-" + name.substr(0, 20), {"--host-pool", "64Mi"});
     ASSERT_OK(daemon);
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "ctl_test"});
     ASSERT_OK(client);
     client_ = *client;
@@ -50,7 +50,7 @@ class CtlTest : public ::testing::Test {
   // Publishes an int16 tensor of `shape` (strides in elements, empty: C order) under `name`.
   void Publish(const std::string& name, std::vector<int64_t> shape,
                std::vector<int64_t> strides = {}) {
-    absl::StatusOr<WritableTensor> w = client_->Create({{kDLInt, 16, 1}, shape, strides});
+    tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLInt, 16, 1}, shape, strides});
     ASSERT_OK(w);
     ASSERT_TRUE(client_->Publish(*w, name).ok());
   }
@@ -81,13 +81,13 @@ class CtlTest : public ::testing::Test {
 TEST_F(CtlTest, StatusReportsPoolsTensorsNamesLeasesAndSessions) {
   Publish("a", {4, 5});
   Publish("b", {1000});
-  absl::StatusOr<DLManagedTensorVersioned*> held = client_->Acquire("a");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = client_->Acquire("a");
   ASSERT_OK(held);
 
   CtlRun json = Ctl({"status", "-o", "json"});
   ASSERT_EQ(json.exit_code, 0) << json.err;
   const nlohmann::json report = json.Json();
-  absl::StatusOr<ServerStats> stats = client_->Stat();
+  tensorshm::StatusOr<ServerStats> stats = client_->Stat();
   ASSERT_OK(stats);
   std::cout << json.out;
   EXPECT_EQ(report["tensors"], 2);
@@ -141,7 +141,7 @@ TEST_F(CtlTest, LsShowsDtypeShapeBytesAndLeasesThatMoveWithALease) {
   EXPECT_GE(w1["age_seconds"].get<double>(), 0.0);
 
   // A lease taken shows; given back, it goes.
-  absl::StatusOr<DLManagedTensorVersioned*> held = client_->Acquire("models/w1");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = client_->Acquire("models/w1");
   ASSERT_OK(held);
   CtlRun leased = Ctl({"ls", "models/", "-o", "json"});
   ASSERT_EQ(leased.exit_code, 0) << leased.err;
@@ -288,7 +288,7 @@ TEST_F(CtlTest, RmDeletesTheNameAndASecondRmIsNotFound) {
   const nlohmann::json tensors = ls.Json()["tensors"];
   EXPECT_TRUE(Find(tensors, "name", "doomed").is_null()) << ls.out;
   EXPECT_FALSE(Find(tensors, "name", "kept").is_null()) << ls.out;
-  EXPECT_EQ(client_->Acquire("doomed").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Acquire("doomed").status().code(), tensorshm::StatusCode::kNotFound);
 
   CtlRun again = Ctl({"rm", "doomed"});
   EXPECT_EQ(again.exit_code, 1);

@@ -43,7 +43,7 @@ class CudaReadyEventTest : public ::testing::Test {
     setenv("TENSORSHM_LIBCUDA", FakeCudaPath().c_str(), 1);
     setenv("TSM_FAKE_CUDA_DEVICES", "2", 1);
     setenv("TSM_FAKE_CUDA_VISIBLE", "0,1", 1);
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "cuda_event_test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
@@ -61,8 +61,9 @@ class CudaReadyEventTest : public ::testing::Test {
     }
   }
 
-  absl::Status Publish(const std::string& name) {
-    absl::StatusOr<WritableTensor> w = client_->Create({{kDLFloat, 32, 1}, {64}, {}, {kDLCUDA, 1}});
+  tensorshm::Status Publish(const std::string& name) {
+    tensorshm::StatusOr<WritableTensor> w =
+        client_->Create({{kDLFloat, 32, 1}, {64}, {}, {kDLCUDA, 1}});
     if (!w.ok()) return w.status();
     return client_->Publish(*w, name, /*replace=*/true);
   }
@@ -85,8 +86,8 @@ class CudaReadyEventTest : public ::testing::Test {
 TEST_F(CudaReadyEventTest, PublishReplaceCyclesKeepLiveEventsBounded) {
   // A tensor leased all along: its event must outlive every sweep.
   ASSERT_TRUE(Publish("evt/held").ok());
-  absl::StatusOr<DLManagedTensorVersioned*> held =
-      client_->Acquire("evt/held", absl::ZeroDuration(), ReadySync::None());
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held =
+      client_->Acquire("evt/held", tensorshm::Duration::zero(), ReadySync::None());
   ASSERT_TRUE(held.ok()) << held.status();
   ASSERT_TRUE(client_->Delete("evt/held").ok());  // unbound, kept by the lease
 
@@ -99,7 +100,7 @@ TEST_F(CudaReadyEventTest, PublishReplaceCyclesKeepLiveEventsBounded) {
 
   int64_t most = 0;
   for (int i = 0; i < kPublishes; ++i) {
-    const absl::Status published = Publish("evt/x");
+    const tensorshm::Status published = Publish("evt/x");
     ASSERT_TRUE(published.ok()) << "publish " << i << ": " << published;
     most = std::max(most, live_events());
   }

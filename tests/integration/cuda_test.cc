@@ -62,7 +62,7 @@ class CudaTest : public ::testing::TestWithParam<std::string> {
     setenv("TENSORSHM_LIBCUDA", FakeCudaPath().c_str(), 1);
     setenv("TSM_FAKE_CUDA_DEVICES", "3", 1);
     setenv("TSM_FAKE_CUDA_VISIBLE", "2,1,0", 1);
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "cuda_test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
@@ -93,7 +93,7 @@ class CudaTest : public ::testing::TestWithParam<std::string> {
   }
 
   PoolStats Pool(int type, int id) {
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     EXPECT_TRUE(stats.ok());
     for (const PoolStats& pool : stats->pools) {
       if (pool.device.device_type == type && pool.device.device_id == id) return pool;
@@ -162,7 +162,7 @@ TEST_P(CudaTest, CrossProcessRoundTripUnderPermutedOrdinals) {
     }
   }
   // Leases released; deleting frees the device buffer.
-  absl::StatusOr<ServerStats> stats = client_->Stat();
+  tensorshm::StatusOr<ServerStats> stats = client_->Stat();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->leases, 0);
   ASSERT_TRUE(client_->Delete("gpu/x").ok());
@@ -176,7 +176,7 @@ TEST_P(CudaTest, CrossProcessRoundTripUnderPermutedOrdinals) {
 TEST_P(CudaTest, CreatePublishAcquireInProcessByUuid) {
   // Physical 1 is ordinal 1 here, physical 2 is ordinal 0; physical 0 (ordinal 2) has no pool.
   for (const int ordinal : {0, 1}) {
-    absl::StatusOr<WritableTensor> w =
+    tensorshm::StatusOr<WritableTensor> w =
         client_->Create({{kDLInt, 32, 1}, {10, 10}, {}, {kDLCUDA, ordinal}});
     ASSERT_TRUE(w.ok()) << w.status();
     EXPECT_EQ(w->dl_tensor().device.device_type, kDLCUDA);
@@ -184,8 +184,8 @@ TEST_P(CudaTest, CreatePublishAcquireInProcessByUuid) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(w->dl_tensor().data) % 256, 0u);
     const std::string name = absl::StrCat("gpu/in-process-", ordinal);
     ASSERT_TRUE(client_->Publish(*w, name).ok());
-    absl::StatusOr<DLManagedTensorVersioned*> t =
-        client_->Acquire(name, absl::ZeroDuration(), ReadySync::None());
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+        client_->Acquire(name, tensorshm::Duration::zero(), ReadySync::None());
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_EQ((*t)->dl_tensor.device.device_type, kDLCUDA);
     EXPECT_EQ((*t)->dl_tensor.device.device_id, ordinal);
@@ -194,17 +194,19 @@ TEST_P(CudaTest, CreatePublishAcquireInProcessByUuid) {
   }
   EXPECT_EQ(Pool(kDLCUDA, 1).used_bytes, 512);
   EXPECT_EQ(Pool(kDLCUDA, 2).used_bytes, 512);
-  absl::StatusOr<WritableTensor> none = client_->Create({{kDLInt, 32, 1}, {4}, {}, {kDLCUDA, 2}});
+  tensorshm::StatusOr<WritableTensor> none =
+      client_->Create({{kDLInt, 32, 1}, {4}, {}, {kDLCUDA, 2}});
   ASSERT_FALSE(none.ok());
-  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(none.status().code(), tensorshm::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(none.status().message(), "device_uuid = GPU-")) << none.status();
   EXPECT_TRUE(absl::StrContains(none.status().message(), "--cuda-pool")) << none.status();
-  absl::StatusOr<WritableTensor> bad = client_->Create({{kDLInt, 32, 1}, {4}, {}, {kDLCUDA, 7}});
+  tensorshm::StatusOr<WritableTensor> bad =
+      client_->Create({{kDLInt, 32, 1}, {4}, {}, {kDLCUDA, 7}});
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(bad.status().message(), "cuda:7")) << bad.status();
   // Pool exhaustion names requested and free bytes.
-  absl::StatusOr<WritableTensor> huge =
+  tensorshm::StatusOr<WritableTensor> huge =
       client_->Create({{kDLUInt, 8, 1}, {32 << 20}, {}, {kDLCUDA, 0}});
   ASSERT_FALSE(huge.ok());
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
@@ -249,7 +251,8 @@ TEST_P(CudaTest, ConsumersCannotWriteAPublishedTensor) {
 TEST_P(CudaTest, TheProducersMappingIsSealedAtPublish) {
   absl::StatusOr<const CudaDriver*> driver = CudaDriver::Get();
   ASSERT_TRUE(driver.ok()) << driver.status();
-  absl::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {1000}, {}, {kDLCUDA, 0}});
+  tensorshm::StatusOr<WritableTensor> w =
+      client_->Create({{kDLUInt, 8, 1}, {1000}, {}, {kDLCUDA, 0}});
   ASSERT_TRUE(w.ok()) << w.status();
   const CUdeviceptr data = reinterpret_cast<CUdeviceptr>(w->dl_tensor().data);
   CUdevice device;
@@ -355,18 +358,18 @@ TEST(CudaStartTest, WithoutADriverHostTensorsWorkAndCudaIsRefused) {
       "nodriver", {"--host-pool", "8Mi"}, {"TENSORSHM_LIBCUDA=/nonexistent/libcuda.so.1"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   setenv("TENSORSHM_LIBCUDA", "/nonexistent/libcuda.so.1", 1);
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "nodriver"});
   ASSERT_TRUE(client.ok());
-  absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {16}});
+  tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {16}});
   ASSERT_TRUE(w.ok());
   static_cast<float*>(w->data())[3] = 2.5f;
   ASSERT_TRUE((*client)->Publish(*w, "host").ok());
-  absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("host");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("host");
   ASSERT_TRUE(t.ok());
   EXPECT_EQ(static_cast<const float*>((*t)->dl_tensor.data)[3], 2.5f);
   (*t)->deleter(*t);
-  absl::StatusOr<WritableTensor> gpu =
+  tensorshm::StatusOr<WritableTensor> gpu =
       (*client)->Create({{kDLFloat, 32, 1}, {16}, {}, {kDLCUDA, 0}});
   ASSERT_FALSE(gpu.ok());
   EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);

@@ -22,14 +22,14 @@ class FastPathTest : public ::testing::Test {
     absl::StatusOr<TestDaemon> daemon = TestDaemon::Start(absl::StrCat("fp-", name.substr(0, 20)));
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "fast-path-test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
   }
 
   ServerStats Stats() {
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     EXPECT_TRUE(stats.ok()) << stats.status();
     return stats.ok() ? *stats : ServerStats{};
   }
@@ -40,19 +40,19 @@ class FastPathTest : public ::testing::Test {
 
 // A lease page has 504 lease slots; the leases after that are the daemon's, and all count the same.
 TEST_F(FastPathTest, MoreLeasesThanALeasePageHoldsAreTakenByRpc) {
-  absl::StatusOr<WritableTensor> w = client_->Create({{kDLInt, 32, 1}, {256}});
+  tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLInt, 32, 1}, {256}});
   ASSERT_TRUE(w.ok()) << w.status();
   for (int i = 0; i < 256; ++i) static_cast<int32_t*>(w->data())[i] = i * 3;
   ASSERT_TRUE(client_->Publish(*w, "many").ok());
   std::vector<DLManagedTensorVersioned*> held;
   for (int i = 0; i < 600; ++i) {
-    absl::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("many");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("many");
     ASSERT_TRUE(t.ok()) << i << ": " << t.status();
     ASSERT_EQ(static_cast<const int32_t*>((*t)->dl_tensor.data)[255], 255 * 3);
     held.push_back(*t);
   }
   EXPECT_EQ(Stats().leases, 600);
-  absl::StatusOr<std::vector<TensorInfo>> listed = client_->List("many");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = client_->List("many");
   ASSERT_TRUE(listed.ok());
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].leases, 600);
@@ -73,7 +73,7 @@ TEST_F(FastPathTest, MoreLeasesThanALeasePageHoldsAreTakenByRpc) {
 // A producer in a loop gets buffers ahead of need; tensors made of them reach consumers with the
 // descriptor the producer gave them, whatever the stocked buffer was.
 TEST_F(FastPathTest, TensorsMadeFromStockCarryTheirOwnDescriptor) {
-  absl::StatusOr<std::shared_ptr<Client>> consumer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> consumer =
       Client::Connect(ClientOptions{daemon_->socket(), "consumer"});
   ASSERT_TRUE(consumer.ok());
   const std::vector<TensorSpec> specs = {
@@ -84,13 +84,13 @@ TEST_F(FastPathTest, TensorsMadeFromStockCarryTheirOwnDescriptor) {
   };
   for (int i = 0; i < 40; ++i) {
     const TensorSpec& spec = specs[i % specs.size()];
-    absl::StatusOr<WritableTensor> w = client_->Create(spec);
+    tensorshm::StatusOr<WritableTensor> w = client_->Create(spec);
     ASSERT_TRUE(w.ok()) << i << ": " << w.status();
     auto* bytes = static_cast<unsigned char*>(w->data());
     for (int64_t b = 0; b < w->nbytes(); ++b) bytes[b] = static_cast<unsigned char>(b * 7 + i);
     const std::string name = absl::StrCat("stock/", i);
     ASSERT_TRUE(client_->Publish(*w, name).ok()) << i;
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*consumer)->Acquire(name);
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*consumer)->Acquire(name);
     ASSERT_TRUE(t.ok()) << i << ": " << t.status();
     const DLTensor& got = (*t)->dl_tensor;
     EXPECT_EQ(got.dtype.code, spec.dtype.code) << i;
@@ -112,7 +112,7 @@ TEST_F(FastPathTest, TensorsMadeFromStockCarryTheirOwnDescriptor) {
   // The producer holds stock now; it goes with its session.
   EXPECT_GT(Stats().tensors, 0);
   client_.reset();
-  absl::StatusOr<ServerStats> stats = (*consumer)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*consumer)->Stat();
   for (int i = 0; i < 200 && stats.ok() && stats->tensors != 0; ++i) {
     absl::SleepFor(absl::Milliseconds(10));
     stats = (*consumer)->Stat();

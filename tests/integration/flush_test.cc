@@ -42,14 +42,14 @@ class FlushTest : public ::testing::Test {
         TestDaemon::Start("flush", {"--host-pool", "64Mi", "--max-tensors", "32768"});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "flush_test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
   }
 
   ServerStats Stats() {
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     EXPECT_TRUE(stats.ok()) << stats.status();
     return stats.ok() ? *stats : ServerStats{};
   }
@@ -57,12 +57,12 @@ class FlushTest : public ::testing::Test {
   // Runs `queue` (which queues releases or abandons) while the daemon is stopped (SIGSTOP), so
   // that the queue builds up behind the one batch in flight, then Flushes while the daemon
   // resumes.
-  absl::Status QueueWhileStoppedThenFlush(const std::function<void()>& queue) {
+  tensorshm::Status QueueWhileStoppedThenFlush(const std::function<void()>& queue) {
     const pid_t daemon = daemon_->process().pid();
     kill(daemon, SIGSTOP);
     queue();
     std::atomic<pid_t> flusher{0};
-    std::future<absl::Status> flushed = std::async(std::launch::async, [&] {
+    std::future<tensorshm::Status> flushed = std::async(std::launch::async, [&] {
       flusher.store(static_cast<pid_t>(syscall(SYS_gettid)));
       return client_->Flush();
     });
@@ -84,18 +84,18 @@ class FlushTest : public ::testing::Test {
 };
 
 TEST_F(FlushTest, DrainsEveryQueuedReleaseBatch) {
-  absl::StatusOr<WritableTensor> w = client_->Create({{kDLFloat, 32, 1}, {16}});
+  tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLFloat, 32, 1}, {16}});
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE(client_->Publish(*w, "flush/t").ok());
   const int64_t baseline = Stats().leases;
   std::vector<DLManagedTensorVersioned*> held;
   for (int i = 0; i < kPageSlots + kQueued; ++i) {
-    absl::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("flush/t");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("flush/t");
     ASSERT_TRUE(t.ok()) << "acquire " << i << ": " << t.status();
     held.push_back(*t);
   }
   EXPECT_EQ(Stats().leases, baseline + kPageSlots + kQueued);
-  const absl::Status flushed = QueueWhileStoppedThenFlush([&] {
+  const tensorshm::Status flushed = QueueWhileStoppedThenFlush([&] {
     for (DLManagedTensorVersioned* t : held) t->deleter(t);
   });
   ASSERT_TRUE(flushed.ok()) << flushed;
@@ -110,12 +110,12 @@ TEST_F(FlushTest, DrainsEveryQueuedAbandonBatch) {
   std::vector<WritableTensor> unpublished;
   for (int i = 0; i < kQueued; ++i) {
     // Empty tensors: a record each, no buffer.
-    absl::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {0}});
+    tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {0}});
     ASSERT_TRUE(w.ok()) << "create " << i << ": " << w.status();
     unpublished.push_back(*std::move(w));
   }
   EXPECT_EQ(Stats().tensors, baseline + kQueued);
-  const absl::Status flushed = QueueWhileStoppedThenFlush([&] { unpublished.clear(); });
+  const tensorshm::Status flushed = QueueWhileStoppedThenFlush([&] { unpublished.clear(); });
   ASSERT_TRUE(flushed.ok()) << flushed;
   const ServerStats after = Stats();
   std::cout << "tensors: " << baseline + kQueued << " unpublished, " << after.tensors

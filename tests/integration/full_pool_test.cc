@@ -48,26 +48,26 @@ class FullPoolTest : public ::testing::Test {
         TestDaemon::Start(absl::StrCat("fp-", name.substr(0, 20)), args);
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "full-pool-test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
   }
 
   ServerStats Stats() {
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     EXPECT_TRUE(stats.ok()) << stats.status();
     return stats.ok() ? *stats : ServerStats{};
   }
 
-  absl::StatusOr<WritableTensor> Create(int64_t bytes,
-                                        absl::Duration timeout = absl::ZeroDuration()) {
+  tensorshm::StatusOr<WritableTensor> Create(
+      int64_t bytes, tensorshm::Duration timeout = tensorshm::Duration::zero()) {
     return client_->Create(TensorSpec{{kDLUInt, 8, 1}, {bytes}}, timeout);
   }
 
   // Publishes `bytes` bytes as `name` from this process.
   void Publish(const std::string& name, int64_t bytes) {
-    absl::StatusOr<WritableTensor> tensor = Create(bytes);
+    tensorshm::StatusOr<WritableTensor> tensor = Create(bytes);
     ASSERT_TRUE(tensor.ok()) << name << ": " << tensor.status();
     ASSERT_TRUE(client_->Publish(*tensor, name).ok());
   }
@@ -106,7 +106,7 @@ TEST_F(FullPoolTest, WaitingCreateIsServedWhenTheLastLeaseOfADeletedTensorEnds) 
   ASSERT_NO_FATAL_FAILURE(StartDaemon());
   Publish("fill", 4 * kMiB);
   // A lease (this process's; the waiting producer is another) keeps the memory after the delete.
-  absl::StatusOr<DLManagedTensorVersioned*> lease = client_->Acquire("fill");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> lease = client_->Acquire("fill");
   ASSERT_TRUE(lease.ok()) << lease.status();
 
   ChildProcess producer = StartCreate(kMiB, 60'000, "producer", "made");
@@ -148,13 +148,13 @@ TEST_F(FullPoolTest, WaitingCreateFailsResourceExhaustedWhenItsTimeoutPasses) {
 TEST_F(FullPoolTest, TimeoutZeroFailsAtOnceAsBefore) {
   ASSERT_NO_FATAL_FAILURE(StartDaemon());
   Publish("fill", 4 * kMiB);
-  absl::StatusOr<WritableTensor> refused = Create(kMiB);
-  ASSERT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  tensorshm::StatusOr<WritableTensor> refused = Create(kMiB);
+  ASSERT_EQ(refused.status().code(), tensorshm::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_FALSE(absl::StrContains(refused.status().message(), "waited")) << refused.status();
   EXPECT_EQ(Stats().creates_waiting, 0);
   // A create that fits does not wait, whatever its timeout.
   ASSERT_TRUE(client_->Delete("fill").ok());
-  absl::StatusOr<WritableTensor> made = Create(kMiB, absl::Seconds(60));
+  tensorshm::StatusOr<WritableTensor> made = Create(kMiB, std::chrono::seconds(60));
   EXPECT_TRUE(made.ok()) << made.status();
 }
 
@@ -166,8 +166,8 @@ TEST_F(FullPoolTest, WaitingCreatesAreServedInOrder) {
   ChildProcess first = StartCreate(3 * kMiB, 60'000, "first", "first");
   ExpectWaiting(1);
   // 1 MiB would fit, but a create waits for this memory already: no barging in.
-  absl::StatusOr<WritableTensor> barging = Create(kMiB);
-  ASSERT_TRUE(absl::IsResourceExhausted(barging.status())) << barging.status();
+  tensorshm::StatusOr<WritableTensor> barging = Create(kMiB);
+  ASSERT_EQ(barging.status().code(), tensorshm::StatusCode::kResourceExhausted) << barging.status();
   EXPECT_TRUE(absl::StrContains(barging.status().message(), "1 earlier create waits for memory"))
       << barging.status();
   ChildProcess second = StartCreate(kMiB / 2, 60'000, "second", "second");
@@ -256,7 +256,7 @@ class EvictionTest : public FullPoolTest {
   }
 
   std::vector<std::string> Names() {
-    absl::StatusOr<std::vector<TensorInfo>> list = client_->List();
+    tensorshm::StatusOr<std::vector<TensorInfo>> list = client_->List();
     EXPECT_TRUE(list.ok()) << list.status();
     std::vector<std::string> names;
     if (list.ok()) {
@@ -289,7 +289,7 @@ TEST_F(EvictionTest, LeastRecentlyAcquiredGoFirstAndOnlyAsManyAsNeeded) {
   ASSERT_NO_FATAL_FAILURE(FillWithFour());
   for (const char* name : {"t1", "t2", "t0", "t3"}) AcquireOnce(name);
   // 2 MiB: t1 and t2 (the two least recently acquired, side by side) make room.
-  absl::StatusOr<WritableTensor> made = Create(2 * kMiB);
+  tensorshm::StatusOr<WritableTensor> made = Create(2 * kMiB);
   ASSERT_TRUE(made.ok()) << made.status();
   EXPECT_EQ(EvictedInLog(), (std::vector<std::string>{"t1", "t2"}));
   EXPECT_EQ(Names(), (std::vector<std::string>{"t0", "t3"}));
@@ -297,8 +297,8 @@ TEST_F(EvictionTest, LeastRecentlyAcquiredGoFirstAndOnlyAsManyAsNeeded) {
   EXPECT_EQ(stats.evicted_tensors, 2);
   EXPECT_EQ(stats.evicted_bytes, 2 * kMiB);
   // An evicted name is gone as after a delete.
-  absl::StatusOr<DLManagedTensorVersioned*> gone = client_->Acquire("t1");
-  EXPECT_TRUE(absl::IsNotFound(gone.status())) << gone.status();
+  tensorshm::StatusOr<DLManagedTensorVersioned*> gone = client_->Acquire("t1");
+  EXPECT_EQ(gone.status().code(), tensorshm::StatusCode::kNotFound) << gone.status();
   const std::string log = daemon_->process().Output();
   const size_t line = log.rfind('\n', log.find("evicted \"t1\"")) + 1;
   std::cout << log.substr(line, log.find('\n', line) - line) << "\n";
@@ -309,7 +309,7 @@ TEST_F(EvictionTest, NeverAcquiredTensorsGoInPublishOrderBeforeAcquiredOnes) {
   ASSERT_NO_FATAL_FAILURE(FillWithFour());
   AcquireOnce("t0");
   AcquireOnce("t1");
-  absl::StatusOr<WritableTensor> made = Create(2 * kMiB);
+  tensorshm::StatusOr<WritableTensor> made = Create(2 * kMiB);
   ASSERT_TRUE(made.ok()) << made.status();
   EXPECT_EQ(EvictedInLog(), (std::vector<std::string>{"t2", "t3"}));
   EXPECT_EQ(Names(), (std::vector<std::string>{"t0", "t1"}));
@@ -334,14 +334,14 @@ TEST_F(EvictionTest, LeasedTensorsAreNeverEvictedEvenWhenOldest) {
   ASSERT_TRUE(page_holder.ok()) << page_holder.status();
   ASSERT_TRUE(page_holder->WaitForOutput("held", absl::Seconds(30))) << page_holder->Output();
 
-  absl::StatusOr<WritableTensor> made = Create(2 * kMiB);
+  tensorshm::StatusOr<WritableTensor> made = Create(2 * kMiB);
   ASSERT_TRUE(made.ok()) << made.status();
   EXPECT_EQ(EvictedInLog(), (std::vector<std::string>{"t2", "t3"}));
   EXPECT_EQ(Names(), (std::vector<std::string>{"t0", "t1"}));
 
   // Nothing evictable is left: a create fails as without eviction ...
-  absl::StatusOr<WritableTensor> refused = Create(kMiB);
-  ASSERT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  tensorshm::StatusOr<WritableTensor> refused = Create(kMiB);
+  ASSERT_EQ(refused.status().code(), tensorshm::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_EQ(Stats().evicted_tensors, 2);
   // ... or waits, until a lease ends and makes t1 evictable.
   ChildProcess producer = StartCreate(kMiB, 60'000, "producer");
@@ -360,8 +360,8 @@ TEST_F(EvictionTest, EvictNoneNeverEvicts) {
   ASSERT_NO_FATAL_FAILURE(StartDaemon({"--evict", "none"}));
   ASSERT_NO_FATAL_FAILURE(FillWithFour());
   for (const char* name : {"t1", "t2", "t0", "t3"}) AcquireOnce(name);
-  absl::StatusOr<WritableTensor> refused = Create(2 * kMiB);
-  ASSERT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  tensorshm::StatusOr<WritableTensor> refused = Create(2 * kMiB);
+  ASSERT_EQ(refused.status().code(), tensorshm::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_EQ(Names(), (std::vector<std::string>{"t0", "t1", "t2", "t3"}));
   EXPECT_TRUE(EvictedInLog().empty());
   EXPECT_EQ(Stats().evicted_tensors, 0);
@@ -371,8 +371,8 @@ TEST_F(EvictionTest, EvictNoneNeverEvicts) {
 TEST_F(EvictionTest, NothingIsEvictedWhenEvictingEverythingWouldNotMakeRoom) {
   ASSERT_NO_FATAL_FAILURE(StartDaemon({"--evict", "lru"}));
   ASSERT_NO_FATAL_FAILURE(FillWithFour());
-  absl::StatusOr<WritableTensor> refused = Create(5 * kMiB);
-  ASSERT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  tensorshm::StatusOr<WritableTensor> refused = Create(5 * kMiB);
+  ASSERT_EQ(refused.status().code(), tensorshm::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_EQ(Stats().evicted_tensors, 0);
   EXPECT_EQ(Names().size(), 4u);
 }

@@ -44,7 +44,7 @@ class IntegrationTest : public ::testing::Test {
         TestDaemon::Start(name.substr(0, 24), {"--host-pool", "256Mi", "--segment-size", "32Mi"});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client = Connect();
+    tensorshm::StatusOr<std::shared_ptr<Client>> client = Connect();
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
   }
@@ -54,7 +54,7 @@ class IntegrationTest : public ::testing::Test {
     daemon_.reset();
   }
 
-  absl::StatusOr<std::shared_ptr<Client>> Connect() {
+  tensorshm::StatusOr<std::shared_ptr<Client>> Connect() {
     return Client::Connect(ClientOptions{daemon_->socket(), "integration_test"});
   }
 
@@ -77,7 +77,7 @@ class IntegrationTest : public ::testing::Test {
   }
 
   ServerStats Stats() {
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     EXPECT_TRUE(stats.ok()) << stats.status();
     return stats.ok() ? *stats : ServerStats{};
   }
@@ -245,7 +245,7 @@ TEST_F(IntegrationTest, ProducerKilledBeforePublishFreesItsBuffer) {
 TEST_F(IntegrationTest, WritableTensorDroppedUnpublishedFreesItsBuffer) {
   const ServerStats baseline = Stats();
   {
-    absl::StatusOr<WritableTensor> w = client_->Create({{kDLFloat, 32, 1}, {1024, 1024}});
+    tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLFloat, 32, 1}, {1024, 1024}});
     ASSERT_OK(w);
     EXPECT_EQ(Used(Stats()), Used(baseline) + 4 * 1024 * 1024);
   }
@@ -258,7 +258,7 @@ TEST_F(IntegrationTest, ReplaceRebindsAndOldTensorLivesForItsLeases) {
   PeerRun first =
       RunPeer({"produce", "model", "--dtype", "int32", "--shape", "1000", "--seed", "1"});
   ASSERT_TRUE(first.exited_ok()) << first.output;
-  absl::StatusOr<DLManagedTensorVersioned*> old = client_->Acquire("model");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> old = client_->Acquire("model");
   ASSERT_OK(old);
   const uint64_t old_sum = StorageHash((*old)->dl_tensor);
   const ServerStats before = Stats();
@@ -288,10 +288,10 @@ TEST_F(IntegrationTest, ReplaceRebindsAndOldTensorLivesForItsLeases) {
 }
 
 TEST_F(IntegrationTest, PublishAndAcquireHoldsWhatItPublished) {
-  absl::StatusOr<WritableTensor> w = client_->Create({{kDLInt, 16, 1}, {3, 7}});
+  tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLInt, 16, 1}, {3, 7}});
   ASSERT_OK(w);
   for (int i = 0; i < 21; ++i) static_cast<int16_t*>(w->data())[i] = static_cast<int16_t>(i * 3);
-  absl::StatusOr<DLManagedTensorVersioned*> held = client_->PublishAndAcquire(*w, "pa");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = client_->PublishAndAcquire(*w, "pa");
   ASSERT_OK(held);
   EXPECT_EQ(Stats().leases, 1);
   EXPECT_TRUE((*held)->flags & DLPACK_FLAG_BITMASK_READ_ONLY);
@@ -310,13 +310,13 @@ TEST_F(IntegrationTest, PublishAndAcquireHoldsWhatItPublished) {
 TEST_F(IntegrationTest, DeleteWhileLeasedKeepsBytesUntilLastRelease) {
   const ServerStats baseline = Stats();
   ASSERT_TRUE(RunPeer({"produce", "x", "--dtype", "float64", "--shape", "300,300"}).exited_ok());
-  absl::StatusOr<DLManagedTensorVersioned*> held = client_->Acquire("x");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = client_->Acquire("x");
   ASSERT_OK(held);
   const uint64_t sum = StorageHash((*held)->dl_tensor);
   ASSERT_TRUE(client_->Delete("x").ok());
-  EXPECT_EQ(client_->Acquire("x").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Acquire("x").status().code(), tensorshm::StatusCode::kNotFound);
   EXPECT_EQ(client_->Delete("x").code(), absl::StatusCode::kNotFound);
-  absl::StatusOr<std::vector<TensorInfo>> listed = client_->List();
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = client_->List();
   ASSERT_OK(listed);
   EXPECT_TRUE(listed->empty());
   // The name is free again while the old bytes are still leased.
@@ -338,7 +338,7 @@ TEST_F(IntegrationTest, AcquireWaitsForPublish) {
   bool waiting = false;
   for (int i = 0; i < 3000 && !waiting; ++i) {
     waiting = WaitUntilSleepingOnSharedFutex(consumer.pid(), absl::Milliseconds(10));
-    absl::StatusOr<std::vector<SessionInfo>> sessions = client_->Sessions();
+    tensorshm::StatusOr<std::vector<SessionInfo>> sessions = client_->Sessions();
     ASSERT_OK(sessions);
     for (const SessionInfo& session : *sessions) waiting |= session.waiting_acquires > 0;
   }
@@ -353,7 +353,8 @@ TEST_F(IntegrationTest, AcquireWaitsForPublish) {
 }
 
 TEST_F(IntegrationTest, AcquireWaitTimesOutWithDeadlineExceeded) {
-  absl::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("absent", absl::Milliseconds(150));
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+      client_->Acquire("absent", std::chrono::milliseconds(150));
   EXPECT_EQ(t.status().code(), absl::StatusCode::kDeadlineExceeded) << t.status();
   EXPECT_TRUE(absl::StrContains(t.status().message(), "absent")) << t.status();
   EXPECT_EQ(client_->Acquire("absent").status().code(), absl::StatusCode::kNotFound);
@@ -361,9 +362,9 @@ TEST_F(IntegrationTest, AcquireWaitTimesOutWithDeadlineExceeded) {
 
 TEST_F(IntegrationTest, TensorsOutliveTheirClient) {
   ASSERT_TRUE(RunPeer({"produce", "keep", "--dtype", "uint8", "--shape", "65536"}).exited_ok());
-  absl::StatusOr<std::shared_ptr<Client>> other = Connect();
+  tensorshm::StatusOr<std::shared_ptr<Client>> other = Connect();
   ASSERT_OK(other);
-  absl::StatusOr<DLManagedTensorVersioned*> t = (*other)->Acquire("keep");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*other)->Acquire("keep");
   ASSERT_OK(t);
   const uint64_t sum = StorageHash((*t)->dl_tensor);
   other->reset();  // the Client goes; the tensor and its session stay
@@ -379,7 +380,7 @@ TEST_F(IntegrationTest, ConcurrentDeletersFromManyThreads) {
   ASSERT_TRUE(RunPeer({"produce", "shared", "--dtype", "float32", "--shape", "64"}).exited_ok());
   std::vector<DLManagedTensorVersioned*> tensors;
   for (int i = 0; i < 200; ++i) {
-    absl::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("shared");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("shared");
     ASSERT_OK(t);
     tensors.push_back(*t);
   }
@@ -399,7 +400,7 @@ TEST_F(IntegrationTest, ListAndPoolGrowthAndExhaustion) {
   for (const char* name : {"batch/1", "batch/2", "other"}) {
     ASSERT_TRUE(RunPeer({"produce", name, "--dtype", "uint8", "--shape", "10"}).exited_ok());
   }
-  absl::StatusOr<std::vector<TensorInfo>> listed = client_->List("batch/");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = client_->List("batch/");
   ASSERT_OK(listed);
   ASSERT_EQ(listed->size(), 2u);
   EXPECT_EQ((*listed)[0].name, "batch/1");
@@ -407,17 +408,17 @@ TEST_F(IntegrationTest, ListAndPoolGrowthAndExhaustion) {
   EXPECT_EQ((*listed)[0].shape, std::vector<int64_t>{10});
 
   // 100 MiB does not fit a 32 MiB segment: the pool grows by a segment of its own.
-  absl::StatusOr<WritableTensor> big = client_->Create({{kDLUInt, 8, 1}, {100 << 20}});
+  tensorshm::StatusOr<WritableTensor> big = client_->Create({{kDLUInt, 8, 1}, {100 << 20}});
   ASSERT_OK(big);
   std::memset(big->data(), 0xab, 100 << 20);
   ASSERT_TRUE(client_->Publish(*big, "big").ok());
   EXPECT_EQ(big->data(), nullptr);
   // 200 MiB more does not fit the 256 MiB pool.
-  absl::StatusOr<WritableTensor> too_big = client_->Create({{kDLUInt, 8, 1}, {200 << 20}});
+  tensorshm::StatusOr<WritableTensor> too_big = client_->Create({{kDLUInt, 8, 1}, {200 << 20}});
   EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(too_big.status().message(), "209715200")) << too_big.status();
   // The daemon serves on, and the big tensor reads back.
-  absl::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("big");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire("big");
   ASSERT_OK(t);
   const auto* bytes = static_cast<const unsigned char*>((*t)->dl_tensor.data);
   EXPECT_EQ(bytes[0], 0xab);
@@ -489,7 +490,7 @@ TEST_F(IntegrationTest, ConsumerMapsEachSegmentOnceReadOnly) {
   std::vector<DLManagedTensorVersioned*> held;
   for (int round = 0; round < 3; ++round) {
     for (int i = 0; i < 5; ++i) {
-      absl::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire(absl::StrCat("m/", i));
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t = client_->Acquire(absl::StrCat("m/", i));
       ASSERT_OK(t);
       held.push_back(*t);
     }
@@ -530,7 +531,7 @@ TEST_F(IntegrationTest, ProducerKeepsOneWritableMappingOfTheSegmentAcrossTensors
   };
   uintptr_t length = 0;
   for (int i = 0; i < 3; ++i) {
-    absl::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {10000}});
+    tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {10000}});
     ASSERT_OK(w);
     EXPECT_EQ(writable_mappings(&length), 1);
     EXPECT_EQ(length, 32u << 20);  // the whole segment, not the page-rounded buffer
@@ -585,13 +586,13 @@ TEST(DaemonStartTest, SmallOrFullDevShmIsAClearErrorAtStartAndAtCreate) {
       ChildProcess::Start(small_shm(10, "--host-pool 12Mi --segment-size 4Mi"), dir + "/b.log");
   ASSERT_OK(daemon);
   ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(15))) << daemon->Output();
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{dir + "/s.sock", "fullshm"});
   ASSERT_OK(client);
-  absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {6 << 20}});
+  tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {6 << 20}});
   EXPECT_EQ(w.status().code(), absl::StatusCode::kResourceExhausted) << w.status();
   EXPECT_TRUE(absl::StrContains(w.status().message(), "/dev/shm has no room")) << w.status();
-  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(stats->pools.at(0).used_bytes, 0);
   client->reset();
@@ -606,16 +607,16 @@ TEST(DaemonStartTest, SessionQuotaBoundsUnpublishedBytes) {
   absl::StatusOr<TestDaemon> daemon =
       TestDaemon::Start("quota", {"--host-pool", "64Mi", "--session-quota", "1Mi"});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> c =
+  tensorshm::StatusOr<std::shared_ptr<Client>> c =
       Client::Connect(ClientOptions{daemon->socket(), "quota"});
   ASSERT_OK(c);
-  absl::StatusOr<WritableTensor> a = (*c)->Create({{kDLUInt, 8, 1}, {600 << 10}});
+  tensorshm::StatusOr<WritableTensor> a = (*c)->Create({{kDLUInt, 8, 1}, {600 << 10}});
   ASSERT_OK(a);
-  absl::StatusOr<WritableTensor> b = (*c)->Create({{kDLUInt, 8, 1}, {600 << 10}});
+  tensorshm::StatusOr<WritableTensor> b = (*c)->Create({{kDLUInt, 8, 1}, {600 << 10}});
   EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(b.status().message(), "quota 1048576 bytes")) << b.status();
   // Another session has a quota of its own; publishing gives this one's back.
-  absl::StatusOr<std::shared_ptr<Client>> other =
+  tensorshm::StatusOr<std::shared_ptr<Client>> other =
       Client::Connect(ClientOptions{daemon->socket(), "quota-other"});
   ASSERT_OK(other);
   EXPECT_TRUE((*other)->Create({{kDLUInt, 8, 1}, {600 << 10}}).ok());
@@ -651,7 +652,7 @@ TEST(AccessTest, AnotherUidIsRefusedWithPermissionDenied) {
   EXPECT_TRUE(absl::StrContains(output, "uid 65534")) << output;
   EXPECT_TRUE(absl::StrContains(output, "--allow-uid")) << output;
   // The daemon's own uid is served as before.
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   EXPECT_TRUE((*own)->Stat().ok());
@@ -666,10 +667,10 @@ TEST(AccessTest, AllowedUidReadsButMayNotDeleteOthersTensors) {
   struct stat st;
   ASSERT_EQ(stat(daemon->socket().c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0666u);  // shared socket: credentials decide
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
-  absl::StatusOr<WritableTensor> w = (*own)->Create({{kDLInt, 32, 1}, {64}});
+  tensorshm::StatusOr<WritableTensor> w = (*own)->Create({{kDLInt, 32, 1}, {64}});
   ASSERT_OK(w);
   for (int i = 0; i < 64; ++i) static_cast<int32_t*>(w->data())[i] = i;
   ASSERT_TRUE((*own)->Publish(*w, "owned").ok());
@@ -680,7 +681,7 @@ TEST(AccessTest, AllowedUidReadsButMayNotDeleteOthersTensors) {
   auto [delete_status, delete_output] = RunPeerAs(*daemon, kNobody, {"delete", "owned"});
   EXPECT_TRUE(absl::StrContains(delete_output, "error 7 ")) << delete_output;
   EXPECT_TRUE(absl::StrContains(delete_output, "published by uid 0")) << delete_output;
-  absl::StatusOr<DLManagedTensorVersioned*> still = (*own)->Acquire("owned");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> still = (*own)->Acquire("owned");
   ASSERT_OK(still);  // still there
   (*still)->deleter(*still);
 }
@@ -694,10 +695,10 @@ TEST(AccessTest, AllowedUidProducesInItsOwnSegmentsAndEverySegmentIsPrivate) {
       "access-own", {"--allow-uid", std::to_string(kNobody), "--segment-size", "4Mi"});
   ASSERT_OK(daemon);
   chmod(daemon->dir().c_str(), 0755);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
-  absl::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {8192}});
+  tensorshm::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {8192}});
   ASSERT_OK(w);
   std::memset(w->data(), 0x33, 8192);
   ASSERT_TRUE((*own)->Publish(*w, "owned").ok());
@@ -709,7 +710,7 @@ TEST(AccessTest, AllowedUidProducesInItsOwnSegmentsAndEverySegmentIsPrivate) {
   auto [consume_status, consumed] = RunPeerAs(*daemon, kNobody, {"consume", "theirs"});
   EXPECT_TRUE(WIFEXITED(consume_status) && WEXITSTATUS(consume_status) == 0) << consumed;
   EXPECT_EQ(Line(consumed, "checksum"), Line(produced, "checksum"));
-  absl::StatusOr<DLManagedTensorVersioned*> theirs = (*own)->Acquire("theirs");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> theirs = (*own)->Acquire("theirs");
   ASSERT_OK(theirs);
   EXPECT_TRUE(absl::StartsWith(Line(produced, "checksum"),
                                absl::StrCat(StorageHash((*theirs)->dl_tensor), " ")));
@@ -723,7 +724,7 @@ TEST(AccessTest, AllowedUidProducesInItsOwnSegmentsAndEverySegmentIsPrivate) {
   auto [write_status, written] = RunPeerAs(*daemon, kNobody, {"write", "owned"});
   EXPECT_TRUE(absl::StrContains(written, "acquired")) << written;
   EXPECT_FALSE(absl::StrContains(written, "write succeeded")) << written;
-  absl::StatusOr<DLManagedTensorVersioned*> still = (*own)->Acquire("owned");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> still = (*own)->Acquire("owned");
   ASSERT_OK(still);
   const auto* bytes = static_cast<const unsigned char*>((*still)->dl_tensor.data);
   EXPECT_TRUE(std::all_of(bytes, bytes + 8192, [](unsigned char b) { return b == 0x33; }));
@@ -793,8 +794,8 @@ TEST(DaemonStartTest, BadFlagsNameTheFlag) {
 TEST(DaemonStartTest, ConnectWithoutDaemonIsUnavailable) {
   ClientOptions options;
   options.socket = "/tmp/tensorshm-test-nobody-here.sock";
-  options.connect_timeout = absl::Milliseconds(200);
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options);
+  options.connect_timeout = std::chrono::milliseconds(200);
+  tensorshm::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options);
   EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(client.status().message(), options.socket));
 }

@@ -14,7 +14,7 @@ TEST(LogEscapeTest, ClientNameWithANewlineIsOneEscapedLine) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string forged = "2030-01-01T00:00:00.000Z tensorshmd error: forged by a client";
   {
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon->socket(), "evil\n" + forged + "\x01\"end"});
     ASSERT_TRUE(client.ok()) << client.status();
     ASSERT_TRUE((*client)->Stat().ok());

@@ -367,18 +367,18 @@ TEST_F(MalformedRequestTest, EachGetsItsCodeAndTheDaemonKeepsServing) {
   }
 
   // Nothing was lost and the daemon serves on: the fixture tensor reads back, a new one publishes.
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon_->socket(), "after"});
   ASSERT_TRUE(client.ok()) << client.status();
-  absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("fixture/published");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("fixture/published");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ((*t)->dl_tensor.shape[0], 4);
   (*t)->deleter(*t);
-  absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {8}});
+  tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {8}});
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_TRUE((*client)->Publish(*w, "after/ok").ok());
   EXPECT_TRUE(wire_->Publish(unpublished_id_, "fixture/second").ok());
-  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->sessions, 3);
   // The lease another session tried to release is still held by its owner.
@@ -492,13 +492,13 @@ class MalformedAdditionsTest : public MalformedRequestTest {
  protected:
   // Nothing of the fixture changed, and the daemon serves a new client end to end.
   void ExpectStillServing(int64_t leases) {
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "after"});
     ASSERT_TRUE(client.ok()) << client.status();
-    absl::StatusOr<ServerStats> stats = (*client)->Stat();
+    tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
     ASSERT_TRUE(stats.ok()) << stats.status();
     EXPECT_EQ(stats->leases, leases);
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("fixture/published");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("fixture/published");
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_EQ((*t)->dl_tensor.ndim, 1);
     EXPECT_EQ((*t)->dl_tensor.shape[0], 4);
@@ -512,7 +512,7 @@ class MalformedAdditionsTest : public MalformedRequestTest {
     EXPECT_EQ((*t)->dl_tensor.dtype.bits, 8);
     EXPECT_EQ((*t)->dl_tensor.shape[0], 4);
     (*t)->deleter(*t);
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {8}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {8}});
     ASSERT_TRUE(w.ok()) << w.status();
     EXPECT_TRUE((*client)->Publish(*w, "after/ok").ok());
   }

@@ -312,10 +312,10 @@ TEST(ChannelTest, ExpectIsAnsweredByNothingAndItsLookIsBounded) {
 TEST(ChannelTest, HostileConnectionsAreDroppedAndTheDaemonKeepsServing) {
   absl::StatusOr<TestDaemon> daemon = TestDaemon::Start("chan-hostile");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "hostile"});
   ASSERT_OK(client);
-  absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {4096}});
+  tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {4096}});
   ASSERT_OK(w);
   std::memset(w->data(), 9, 4096);
   ASSERT_TRUE((*client)->Publish(*w, "kept").ok());
@@ -390,10 +390,10 @@ TEST(ChannelTest, HostileConnectionsAreDroppedAndTheDaemonKeepsServing) {
   EXPECT_TRUE(dropped) << "the daemon kept a connection that reads no answers";
 
   // Everything else goes on: a new client reads the tensor, byte for byte.
-  absl::StatusOr<std::shared_ptr<Client>> other =
+  tensorshm::StatusOr<std::shared_ptr<Client>> other =
       Client::Connect(ClientOptions{daemon->socket(), "after"});
   ASSERT_OK(other);
-  absl::StatusOr<DLManagedTensorVersioned*> t = (*other)->Acquire("kept");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*other)->Acquire("kept");
   ASSERT_OK(t);
   const auto* bytes = static_cast<const unsigned char*>((*t)->dl_tensor.data);
   EXPECT_TRUE(std::all_of(bytes, bytes + 4096, [](unsigned char b) { return b == 9; }));
@@ -409,13 +409,13 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
   ASSERT_OK(first);
   const std::string socket = first->socket();
   const std::string prefix = first->shm_prefix();
-  absl::StatusOr<std::shared_ptr<Client>> a = Client::Connect(ClientOptions{socket, "a"});
+  tensorshm::StatusOr<std::shared_ptr<Client>> a = Client::Connect(ClientOptions{socket, "a"});
   ASSERT_OK(a);
-  absl::StatusOr<WritableTensor> w = (*a)->Create({{kDLUInt, 8, 1}, {4096}});
+  tensorshm::StatusOr<WritableTensor> w = (*a)->Create({{kDLUInt, 8, 1}, {4096}});
   ASSERT_OK(w);
   std::memset(w->data(), 7, 4096);
   ASSERT_TRUE((*a)->Publish(*w, "x").ok());
-  absl::StatusOr<DLManagedTensorVersioned*> x = (*a)->Acquire("x");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> x = (*a)->Acquire("x");
   ASSERT_OK(x);
   const uint64_t x_sum = StorageHash((*x)->dl_tensor);
   const uint64_t old_instance = (*a)->daemon_instance();
@@ -439,11 +439,12 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
   ASSERT_NE((*a)->daemon_instance(), old_instance) << "client did not reconnect";
   // Nothing is pending: Flush answers at once (no wait for batches the old daemon never
   // acknowledged), with the loss of x's lease, which a clean stop ended.
-  std::future<absl::Status> flushed = std::async(std::launch::async, [&] { return (*a)->Flush(); });
+  std::future<tensorshm::Status> flushed =
+      std::async(std::launch::async, [&] { return (*a)->Flush(); });
   ASSERT_EQ(flushed.wait_for(std::chrono::seconds(20)), std::future_status::ready);
-  const absl::Status lost = flushed.get();
+  const tensorshm::Status lost = flushed.get();
   EXPECT_EQ(lost.code(), absl::StatusCode::kDataLoss) << lost;
-  absl::StatusOr<DLManagedTensorVersioned*> y = (*a)->Acquire("y");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> y = (*a)->Acquire("y");
   ASSERT_OK(y);
   const uint64_t y_sum = StorageHash((*y)->dl_tensor);
   EXPECT_TRUE(absl::StartsWith(Line(produced, "checksum"), absl::StrCat(y_sum, " "))) << produced;
@@ -452,14 +453,14 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
 
   // x's lease was not taken back: reported per tensor too. Its mapping of the old object
   // stays, so what it reads is still x.
-  EXPECT_EQ(LeaseStatus(*x).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(LeaseStatus(*x).code(), tensorshm::StatusCode::kDataLoss);
   EXPECT_EQ(StorageHash((*x)->dl_tensor), x_sum);
   (*x)->deleter(*x);
   EXPECT_TRUE((*a)->Flush().ok());  // the loss was reported once
 
   // A process still holding a client reaches the restarted daemon with new clients, every time.
   for (int i = 0; i < 6; ++i) {
-    absl::StatusOr<std::shared_ptr<Client>> fresh =
+    tensorshm::StatusOr<std::shared_ptr<Client>> fresh =
         Client::Connect(ClientOptions{socket, absl::StrCat("fresh-", i)});
     ASSERT_OK(fresh);
     EXPECT_TRUE((*fresh)->Stat().ok());
@@ -474,7 +475,7 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
 TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
   absl::StatusOr<TestDaemon> daemon = TestDaemon::Start("fork");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> parent =
+  tensorshm::StatusOr<std::shared_ptr<Client>> parent =
       Client::Connect(ClientOptions{daemon->socket(), "parent"});
   ASSERT_OK(parent);
   // The client switched gRPC's fork support on (Debian's gRPC leaves it off).
@@ -482,13 +483,13 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
       dlsym(RTLD_DEFAULT, "_ZN9grpc_core4Fork7EnabledEv"));  // grpc_core::Fork::Enabled()
   ASSERT_NE(fork_enabled, nullptr);
   EXPECT_TRUE(fork_enabled());
-  absl::StatusOr<WritableTensor> w = (*parent)->Create({{kDLInt, 32, 1}, {1024}});
+  tensorshm::StatusOr<WritableTensor> w = (*parent)->Create({{kDLInt, 32, 1}, {1024}});
   ASSERT_OK(w);
   for (int i = 0; i < 1024; ++i) static_cast<int32_t*>(w->data())[i] = i * 3;
   ASSERT_TRUE((*parent)->Publish(*w, "f").ok());
-  absl::StatusOr<DLManagedTensorVersioned*> held = (*parent)->Acquire("f");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = (*parent)->Acquire("f");
   ASSERT_OK(held);
-  absl::StatusOr<WritableTensor> draft = (*parent)->Create({{kDLUInt, 8, 1}, {100}});
+  tensorshm::StatusOr<WritableTensor> draft = (*parent)->Create({{kDLUInt, 8, 1}, {100}});
   ASSERT_OK(draft);
   std::memset(draft->data(), 1, 100);
 
@@ -507,7 +508,7 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
         while (pause.load()) absl::SleepFor(absl::Microseconds(50));
         paused = false;
       }
-      absl::StatusOr<ServerStats> s = (*parent)->Stat();
+      tensorshm::StatusOr<ServerStats> s = (*parent)->Stat();
       (s.ok() ? calls : failures).fetch_add(1);
     }
   });
@@ -530,7 +531,7 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
         const std::string line = what + "\n";
         (void)!write(pipe_fds[1], line.data(), line.size());
       };
-      auto refused = [&](const absl::Status& s, const std::string& call) {
+      auto refused = [&](const tensorshm::Status& s, const std::string& call) {
         expect(s.code() == absl::StatusCode::kFailedPrecondition &&
                    absl::StrContains(s.message(), absl::StrCat("process ", parent_pid)) &&
                    absl::StrContains(s.message(), "connect again"),
@@ -547,11 +548,11 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
       expect(ConnectionsTo(daemon->socket()) == 0,
              absl::StrCat(ConnectionsTo(daemon->socket()), " inherited connections to the daemon"));
       // A client of its own works.
-      absl::StatusOr<std::shared_ptr<Client>> own =
+      tensorshm::StatusOr<std::shared_ptr<Client>> own =
           Client::Connect(ClientOptions{daemon->socket(), "child"});
       expect(own.ok(), "Connect: " + own.status().ToString());
       if (own.ok()) {
-        absl::StatusOr<DLManagedTensorVersioned*> t = (*own)->Acquire("f");
+        tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*own)->Acquire("f");
         expect(t.ok(), "child Acquire: " + t.status().ToString());
         if (t.ok()) {
           const auto* values = static_cast<const int32_t*>((*t)->dl_tensor.data);
@@ -613,7 +614,7 @@ TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
   // calls.
   EXPECT_GE(ConnectionsTo(daemon->socket()), 2);
   EXPECT_TRUE(LeaseStatus(*held).ok());
-  absl::StatusOr<ServerStats> stats;
+  tensorshm::StatusOr<ServerStats> stats;
   for (int i = 0; i < 500; ++i) {  // the child's session closes when its connection does
     stats = (*parent)->Stat();
     if (stats.ok() && stats->sessions == 1) break;
@@ -638,10 +639,10 @@ TEST(NamespaceTest, ConsumerWithAnEmptyPrivateDevShmReads) {
   if (std::string why = NamespacesUnavailable(); !why.empty()) GTEST_SKIP() << why;
   absl::StatusOr<TestDaemon> daemon = TestDaemon::Start("ns-consumer");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "ns"});
   ASSERT_OK(client);
-  absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {256, 256}});
+  tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {256, 256}});
   ASSERT_OK(w);
   for (int i = 0; i < 256 * 256; ++i) static_cast<float*>(w->data())[i] = i * 0.5f;
   const uint64_t sum = StorageHash(w->dl_tensor());
@@ -679,15 +680,15 @@ TEST(NamespaceTest, DaemonInItsOwnPidNamespaceServesClientsItCannotSee) {
   ASSERT_OK(daemon);
   ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(20))) << daemon->Output();
   {
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{socket, "outside"});
     ASSERT_OK(client);
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {8192}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {8192}});
     ASSERT_OK(w);
     std::memset(w->data(), 0x77, 8192);
     const uint64_t sum = StorageHash(w->dl_tensor());
     ASSERT_TRUE((*client)->Publish(*w, "pidns").ok());
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("pidns");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("pidns");
     ASSERT_OK(t);
     EXPECT_EQ(StorageHash((*t)->dl_tensor), sum);
     (*t)->deleter(*t);
@@ -736,20 +737,20 @@ TEST(MemfdTest, DaemonInA64MiBDevShmServesA1GiBPool) {
   ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(20))) << daemon->Output();
   EXPECT_TRUE(absl::StrContains(daemon->Output(), "memfd segments")) << daemon->Output();
   {
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{socket, "memfd"});
     ASSERT_OK(client);
     // Fill the whole pool: four tensors of 256 MiB, each with its own byte.
     constexpr int64_t kBytes = 256 << 20;
     std::vector<uint64_t> sums;
     for (int i = 0; i < 4; ++i) {
-      absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {kBytes}});
+      tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {kBytes}});
       ASSERT_OK(w);
       std::memset(w->data(), 0x10 + i, kBytes);
       sums.push_back(StorageHash(w->dl_tensor()));
       ASSERT_TRUE((*client)->Publish(*w, absl::StrCat("m/", i)).ok());
     }
-    absl::StatusOr<ServerStats> stats = (*client)->Stat();
+    tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
     ASSERT_OK(stats);
     EXPECT_EQ(stats->pools.at(0).capacity_bytes, int64_t{1} << 30);
     EXPECT_EQ(stats->pools.at(0).used_bytes, int64_t{1} << 30);

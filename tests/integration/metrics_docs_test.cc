@@ -36,13 +36,13 @@ TEST(MetricsDocsTest, EveryServedFamilyIsDocumentedAndEveryDocumentedOneServed) 
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   {
     // Some work, so that every family has what it shows after use.
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon->socket(), "metrics-docs"});
     ASSERT_TRUE(client.ok()) << client.status();
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {256}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {256}});
     ASSERT_TRUE(w.ok()) << w.status();
     ASSERT_TRUE((*client)->Publish(*w, "t").ok());
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("t");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("t");
     ASSERT_TRUE(t.ok()) << t.status();
     (*t)->deleter(*t);
   }

@@ -70,10 +70,10 @@ TEST(PoolGrowthTest, ConcurrentCreatesThatGrowThePoolFillItExactly) {
                             " rounded to pages) for uid ", geteuid(), ": ", kMiB, " of ", 64 * kMiB,
                             " bytes free to it, largest free block ", kMiB, " bytes")))
       << refusal;
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "pool_growth_test"});
   ASSERT_TRUE(client.ok()) << client.status();
-  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
   ASSERT_TRUE(stats.ok()) << stats.status();
   ASSERT_FALSE(stats->pools.empty());
   EXPECT_EQ(stats->pools[0].capacity_bytes, 64 * kMiB);
@@ -101,7 +101,7 @@ constexpr int64_t kMiB = 1 << 20;
 
 // The host pool's segment count, as Stat reports it; -1 if Stat fails.
 int64_t Segments(Client& client) {
-  absl::StatusOr<ServerStats> stats = client.Stat();
+  tensorshm::StatusOr<ServerStats> stats = client.Stat();
   if (!stats.ok() || stats->pools.empty()) return -1;
   return stats->pools[0].segments;
 }
@@ -116,7 +116,7 @@ bool WaitForSegments(Client& client, int64_t segments) {
   return Segments(client) == segments;
 }
 
-absl::StatusOr<WritableTensor> CreateBytes(Client& client, int64_t bytes) {
+tensorshm::StatusOr<WritableTensor> CreateBytes(Client& client, int64_t bytes) {
   return client.Create(TensorSpec{{kDLUInt, 8, 1}, {bytes}});
 }
 
@@ -127,22 +127,22 @@ TEST(PoolGrowthTest, ACreateThatLeavesLessThanHalfASegmentFreeGrowsThePoolAhead)
   absl::StatusOr<TestDaemon> daemon =
       TestDaemon::Start("growahead", {"--host-pool", "64Mi", "--segment-size", "4Mi"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "pool_growth_test"});
   ASSERT_TRUE(client.ok()) << client.status();
   ASSERT_EQ(Segments(**client), 1);
   // 1 MiB leaves 3 MiB free: no growth. 2 MiB more leave 1 MiB: one segment ahead.
-  absl::StatusOr<WritableTensor> small = CreateBytes(**client, kMiB);
+  tensorshm::StatusOr<WritableTensor> small = CreateBytes(**client, kMiB);
   ASSERT_TRUE(small.ok()) << small.status();
   EXPECT_EQ(Segments(**client), 1);
-  absl::StatusOr<WritableTensor> more = CreateBytes(**client, 2 * kMiB);
+  tensorshm::StatusOr<WritableTensor> more = CreateBytes(**client, 2 * kMiB);
   ASSERT_TRUE(more.ok()) << more.status();
   ASSERT_TRUE(WaitForSegments(**client, 2)) << Segments(**client) << " segments";
   // The grown segment takes the next create; it leaves 1 MiB there, so one more grows ahead.
-  absl::StatusOr<WritableTensor> next = CreateBytes(**client, 3 * kMiB);
+  tensorshm::StatusOr<WritableTensor> next = CreateBytes(**client, 3 * kMiB);
   ASSERT_TRUE(next.ok()) << next.status();
   ASSERT_TRUE(WaitForSegments(**client, 3)) << Segments(**client) << " segments";
-  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->pools[0].used_bytes, 6 * kMiB);
 }
@@ -154,19 +154,19 @@ TEST(PoolGrowthTest, GrowthAheadLeavesTheLastSegmentToTheCreateThatNeedsIt) {
   absl::StatusOr<TestDaemon> daemon =
       TestDaemon::Start("growlast", {"--host-pool", "8Mi", "--segment-size", "4Mi"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "pool_growth_test"});
   ASSERT_TRUE(client.ok()) << client.status();
   std::vector<WritableTensor> held;
   for (int i = 0; i < 2; ++i) {
-    absl::StatusOr<WritableTensor> w = CreateBytes(**client, 3 * kMiB);
+    tensorshm::StatusOr<WritableTensor> w = CreateBytes(**client, 3 * kMiB);
     ASSERT_TRUE(w.ok()) << i << ": " << w.status();
     held.push_back(*std::move(w));
     EXPECT_EQ(Segments(**client), i + 1);
   }
-  absl::StatusOr<WritableTensor> refused = CreateBytes(**client, 3 * kMiB);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
-  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  tensorshm::StatusOr<WritableTensor> refused = CreateBytes(**client, 3 * kMiB);
+  EXPECT_EQ(refused.status().code(), tensorshm::StatusCode::kResourceExhausted) << refused.status();
+  tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->pools[0].segments, 2);
   EXPECT_EQ(stats->pools[0].used_bytes, 6 * kMiB);

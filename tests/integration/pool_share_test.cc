@@ -58,10 +58,10 @@ int64_t Fill(const TestDaemon& daemon, int uid, int64_t first) {
 }
 
 int64_t UsedBytes(const TestDaemon& daemon) {
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon.socket(), "pool_share_test"});
   TSM_CHECK(client.ok());
-  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
   TSM_CHECK(stats.ok());
   return stats->pools[0].used_bytes;
 }

@@ -44,7 +44,7 @@ std::vector<std::string> ShmObjects(const std::string& prefix) {
 
 // Creates a uint8 tensor of `bytes` filled with `seed`-derived bytes and publishes it.
 void Put(Client& client, const std::string& name, int64_t bytes, uint8_t seed) {
-  absl::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {bytes}});
+  tensorshm::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {bytes}});
   ASSERT_OK(w);
   auto* data = static_cast<uint8_t*>(w->data());
   for (int64_t i = 0; i < bytes; ++i) data[i] = static_cast<uint8_t>(seed + i * 7);
@@ -53,7 +53,7 @@ void Put(Client& client, const std::string& name, int64_t bytes, uint8_t seed) {
 
 // Acquires `name` and checks every byte Put wrote.
 void ExpectTensor(Client& client, const std::string& name, int64_t bytes, uint8_t seed) {
-  absl::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
   ASSERT_OK(t);
   ASSERT_EQ((*t)->dl_tensor.shape[0], bytes) << name;
   const auto* data = static_cast<const uint8_t*>((*t)->dl_tensor.data);
@@ -79,7 +79,7 @@ TEST(PrefixLockTest, SecondDaemonOnALivePrefixIsRefusedAndTheFirstServesOn) {
       TestDaemon::Start("prefix-live", {"--host-pool", "128Mi", "--segment-size", "16Mi"});
   ASSERT_OK(first);
   {
-    absl::StatusOr<std::shared_ptr<Client>> producer =
+    tensorshm::StatusOr<std::shared_ptr<Client>> producer =
         Client::Connect(ClientOptions{first->socket(), "producer"});
     ASSERT_OK(producer);
     for (const Sized& t : kTensors) Put(**producer, t.name, t.bytes, t.seed);
@@ -109,7 +109,7 @@ TEST(PrefixLockTest, SecondDaemonOnALivePrefixIsRefusedAndTheFirstServesOn) {
   // Every object of the first is still there, and it serves every tensor to a new client (which
   // maps the segments afresh) and takes new ones, a new segment included.
   EXPECT_EQ(ShmObjects(first->shm_prefix()), objects);
-  absl::StatusOr<std::shared_ptr<Client>> consumer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> consumer =
       Client::Connect(ClientOptions{first->socket(), "consumer"});
   ASSERT_OK(consumer);
   for (const Sized& t : kTensors) ExpectTensor(**consumer, t.name, t.bytes, t.seed);
@@ -117,7 +117,7 @@ TEST(PrefixLockTest, SecondDaemonOnALivePrefixIsRefusedAndTheFirstServesOn) {
   Put(**consumer, "after-big", 20 << 20, 10);
   ExpectTensor(**consumer, "after", 5 << 20, 9);
   ExpectTensor(**consumer, "after-big", 20 << 20, 10);
-  absl::StatusOr<std::vector<TensorInfo>> list = (*consumer)->List();
+  tensorshm::StatusOr<std::vector<TensorInfo>> list = (*consumer)->List();
   ASSERT_OK(list);
   EXPECT_EQ(list->size(), kTensors.size() + 2);
 }
@@ -126,7 +126,7 @@ TEST(PrefixLockTest, AKilledDaemonsPrefixIsRecovered) {
   absl::StatusOr<TestDaemon> first = TestDaemon::Start("prefix-killed");
   ASSERT_OK(first);
   {
-    absl::StatusOr<std::shared_ptr<Client>> producer =
+    tensorshm::StatusOr<std::shared_ptr<Client>> producer =
         Client::Connect(ClientOptions{first->socket(), "producer"});
     ASSERT_OK(producer);
     for (const Sized& t : kTensors) Put(**producer, t.name, t.bytes, t.seed);
@@ -152,7 +152,7 @@ TEST(PrefixLockTest, AKilledDaemonsPrefixIsRecovered) {
   absl::StatusOr<PrefixHolder> now = ReadPrefixHolder(first->shm_prefix());
   ASSERT_OK(now);
   EXPECT_EQ(now->pid, second->pid());
-  absl::StatusOr<std::shared_ptr<Client>> consumer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> consumer =
       Client::Connect(ClientOptions{first->dir() + "/second.sock", "consumer"});
   ASSERT_OK(consumer);
   for (const Sized& t : kTensors) ExpectTensor(**consumer, t.name, t.bytes, t.seed);
@@ -188,7 +188,7 @@ TEST(LeftoversTest, ListsAndRemovesAKilledDaemonsObjectsAndNeverALiveOnes) {
   const std::string dead_prefix = LoggedPrefix(dead->Output());
   ASSERT_TRUE(absl::StartsWith(dead_prefix, "tsm-")) << dead->Output();
   {
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{dir + "/dead.sock", "producer"});
     ASSERT_OK(client);
     Put(**client, "x", 12 << 20, 1);  // a segment of its own besides the first
@@ -200,7 +200,7 @@ TEST(LeftoversTest, ListsAndRemovesAKilledDaemonsObjectsAndNeverALiveOnes) {
 
   absl::StatusOr<TestDaemon> live = TestDaemon::Start("leftovers-live");
   ASSERT_OK(live);
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{live->socket(), "producer"});
   ASSERT_OK(client);
   Put(**client, "y", 1 << 20, 2);
@@ -254,7 +254,7 @@ TEST(LeftoversTest, ListsAndRemovesAKilledDaemonsObjectsAndNeverALiveOnes) {
   EXPECT_TRUE(ShmObjects(dead_prefix).empty());
 
   // The live daemon's tensors are all there, for a new client too.
-  absl::StatusOr<std::shared_ptr<Client>> consumer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> consumer =
       Client::Connect(ClientOptions{live->socket(), "consumer"});
   ASSERT_OK(consumer);
   ExpectTensor(**consumer, "y", 1 << 20, 2);

@@ -67,10 +67,11 @@ class RestartCallsTest : public ::testing::Test {
 TEST_F(RestartCallsTest, StatAndAcquireRideThroughSigkillAndCleanRestart) {
   absl::StatusOr<ChildProcess> daemon = StartDaemon(socket_, prefix_, dir_ + "/d0.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(ClientOptions{socket_, "rider"});
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
+      Client::Connect(ClientOptions{socket_, "rider"});
   ASSERT_TRUE(client.ok()) << client.status();
   {
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {4096}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {4096}});
     ASSERT_TRUE(w.ok()) << w.status();
     std::memset(w->data(), 0x3c, 4096);
     ASSERT_TRUE((*client)->Publish(*w, "ride/x").ok());
@@ -82,12 +83,13 @@ TEST_F(RestartCallsTest, StatAndAcquireRideThroughSigkillAndCleanRestart) {
   std::string first_failure;
   std::thread loop([&] {
     while (!stop.load()) {
-      absl::StatusOr<ServerStats> stats = (*client)->Stat();
-      absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("ride/x", absl::Seconds(5));
-      absl::Status bad = !stats.ok() ? stats.status() : t.status();
+      tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+          (*client)->Acquire("ride/x", std::chrono::seconds(5));
+      tensorshm::Status bad = !stats.ok() ? stats.status() : t.status();
       if (t.ok()) {
         if (static_cast<const uint8_t*>((*t)->dl_tensor.data)[4095] != 0x3c) {
-          bad = absl::DataLossError("wrong bytes");
+          bad = tensorshm::Status(tensorshm::StatusCode::kDataLoss, "wrong bytes");
         }
         (*t)->deleter(*t);
       }
@@ -124,10 +126,10 @@ TEST_F(RestartCallsTest, StatAndAcquireRideThroughSigkillAndCleanRestart) {
 TEST_F(RestartCallsTest, PublishInFlightAtTheKillSaysItsFateIsUnknown) {
   absl::StatusOr<ChildProcess> daemon = StartDaemon(socket_, prefix_, dir_ + "/d0.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{socket_, "publisher"});
   ASSERT_TRUE(client.ok()) << client.status();
-  absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {1024}});
+  tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {1024}});
   ASSERT_TRUE(w.ok()) << w.status();
   std::memset(w->data(), 0, 4096);
 
@@ -135,7 +137,7 @@ TEST_F(RestartCallsTest, PublishInFlightAtTheKillSaysItsFateIsUnknown) {
   daemon->Kill(SIGSTOP);
   ASSERT_TRUE(WaitUntilStopped(daemon->pid(), absl::Seconds(10)));
   const int64_t unread = UnreadSocketBytes();
-  absl::Status published;
+  tensorshm::Status published;
   std::thread publisher([&] { published = (*client)->Publish(*w, "fate/x"); });
   // The request is sent: it lies unread in the stopped daemon's socket.
   bool sent = false;
@@ -151,7 +153,7 @@ TEST_F(RestartCallsTest, PublishInFlightAtTheKillSaysItsFateIsUnknown) {
   EXPECT_TRUE(absl::StrContains(published.message(), "fate/x")) << published;
   std::cout << "publish in flight: " << published << std::endl;
   // The client goes on on its new session.
-  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
   EXPECT_TRUE(stats.ok()) << stats.status();
   client->reset();
   daemon->Kill(SIGTERM);
@@ -163,11 +165,11 @@ TEST_F(RestartCallsTest, ConnectToAStoppedDaemonFailsByItsTimeout) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   daemon->Kill(SIGSTOP);
   ClientOptions options{socket_, "stopped"};
-  options.connect_timeout = absl::Seconds(1);
+  options.connect_timeout = std::chrono::seconds(1);
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options);
+  tensorshm::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options);
   const absl::Duration took = absl::Now() - start;
-  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable) << client.status();
+  EXPECT_EQ(client.status().code(), tensorshm::StatusCode::kUnavailable) << client.status();
   EXPECT_TRUE(absl::StrContains(client.status().message(), socket_)) << client.status();
   EXPECT_LT(took, absl::Seconds(3));
   std::cout << "connect to a stopped daemon failed after " << took << ": " << client.status()
@@ -175,7 +177,7 @@ TEST_F(RestartCallsTest, ConnectToAStoppedDaemonFailsByItsTimeout) {
 
   // A canceller ends the wait too, long before the timeout: once the connect is in the wait
   // (its connection queued in the stopped daemon's backlog).
-  options.connect_timeout = absl::Seconds(60);
+  options.connect_timeout = std::chrono::seconds(60);
   WaitCanceller cancel;
   const int queued = ListenBacklog(socket_);
   ASSERT_GE(queued, 0) << "ss -xl cannot read " << socket_;
@@ -191,7 +193,7 @@ TEST_F(RestartCallsTest, ConnectToAStoppedDaemonFailsByItsTimeout) {
   EXPECT_LT(absl::Now() - second, absl::Seconds(5));
 
   daemon->Kill(SIGCONT);
-  options.connect_timeout = absl::Seconds(5);
+  options.connect_timeout = std::chrono::seconds(5);
   client = Client::Connect(options);
   EXPECT_TRUE(client.ok()) << client.status();
   client->reset();
@@ -202,9 +204,10 @@ TEST_F(RestartCallsTest, ConnectToAStoppedDaemonFailsByItsTimeout) {
 TEST_F(RestartCallsTest, SessionIdIsTheDaemonsNumberNotTheToken) {
   absl::StatusOr<ChildProcess> daemon = StartDaemon(socket_, prefix_, dir_ + "/d0.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(ClientOptions{socket_, "id"});
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
+      Client::Connect(ClientOptions{socket_, "id"});
   ASSERT_TRUE(client.ok()) << client.status();
-  absl::StatusOr<std::vector<SessionInfo>> sessions = (*client)->Sessions();
+  tensorshm::StatusOr<std::vector<SessionInfo>> sessions = (*client)->Sessions();
   ASSERT_TRUE(sessions.ok()) << sessions.status();
   int own = 0;
   for (const SessionInfo& info : *sessions) {
@@ -221,9 +224,9 @@ TEST_F(RestartCallsTest, SessionIdIsTheDaemonsNumberNotTheToken) {
 
 TEST_F(RestartCallsTest, MissingSocketFailsAtOnceNamingThePath) {
   ClientOptions options{dir_ + "/no-such.sock", "missing"};
-  options.connect_timeout = absl::Seconds(10);
+  options.connect_timeout = std::chrono::seconds(10);
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options);
+  tensorshm::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options);
   EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable) << client.status();
   EXPECT_TRUE(absl::StrContains(client.status().message(), options.socket)) << client.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));

@@ -44,20 +44,20 @@ TEST(SessionsRpcTest, FieldsOfAKnownClientProcessAndOfTheCallersOwnSession) {
   absl::StatusOr<TestDaemon> daemon = TestDaemon::Start("sessions-fields");
   ASSERT_OK(daemon);
   const int64_t before = absl::ToUnixMillis(absl::Now());
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "sessions_test"});
   ASSERT_OK(client);
-  absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {16}});
+  tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {16}});
   ASSERT_OK(w);
   ASSERT_TRUE((*client)->Publish(*w, "x").ok());
   ChildProcess holder = StartPeer(*daemon, {"hold", "x"}, "holder.log");
   ASSERT_TRUE(holder.WaitForOutput("held", absl::Seconds(30))) << holder.Output();
   // An unpublished buffer of this session: counted with its page-rounded bytes.
-  absl::StatusOr<WritableTensor> pending = (*client)->Create({{kDLUInt, 8, 1}, {5000}});
+  tensorshm::StatusOr<WritableTensor> pending = (*client)->Create({{kDLUInt, 8, 1}, {5000}});
   ASSERT_OK(pending);
   const int64_t after = absl::ToUnixMillis(absl::Now());
 
-  absl::StatusOr<std::vector<SessionInfo>> sessions = (*client)->Sessions();
+  tensorshm::StatusOr<std::vector<SessionInfo>> sessions = (*client)->Sessions();
   ASSERT_OK(sessions);
   ASSERT_EQ(sessions->size(), 2u);
   EXPECT_LT((*sessions)[0].session_id, (*sessions)[1].session_id);  // by id
@@ -95,7 +95,7 @@ TEST(SessionsRpcTest, FieldsOfAKnownClientProcessAndOfTheCallersOwnSession) {
   EXPECT_EQ(FindPid(*sessions, getpid())->unpublished_tensors, unpublished_before - 1);
 
   // The publisher of a tensor, as List reports it.
-  absl::StatusOr<std::vector<TensorInfo>> list = (*client)->List("x");
+  tensorshm::StatusOr<std::vector<TensorInfo>> list = (*client)->List("x");
   ASSERT_OK(list);
   ASSERT_EQ(list->size(), 1u);
   EXPECT_EQ((*list)[0].publisher_uid, geteuid());
@@ -113,19 +113,19 @@ TEST(SessionsRpcTest, AnotherUidSeesOthersSessionsRedactedAndTheOwnerSeesAll) {
       TestDaemon::Start("sessions-redact", {"--allow-uid", std::to_string(kNobody)});
   ASSERT_OK(daemon);
   chmod(daemon->dir().c_str(), 0755);
-  absl::StatusOr<std::shared_ptr<Client>> owner =
+  tensorshm::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "owner-client"});
   ASSERT_OK(owner);
-  absl::StatusOr<WritableTensor> w = (*owner)->Create({{kDLInt, 32, 1}, {8}});
+  tensorshm::StatusOr<WritableTensor> w = (*owner)->Create({{kDLInt, 32, 1}, {8}});
   ASSERT_OK(w);
   ASSERT_TRUE((*owner)->Publish(*w, "owned").ok());
-  absl::StatusOr<DLManagedTensorVersioned*> held = (*owner)->Acquire("owned");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = (*owner)->Acquire("owned");
   ASSERT_OK(held);
   ChildProcess nobody = StartPeer(*daemon, {"hold", "owned", "--as-uid", "65534"}, "nobody.log");
   ASSERT_TRUE(nobody.WaitForOutput("held", absl::Seconds(30))) << nobody.Output();
 
   // The owner sees the other uid's session whole.
-  absl::StatusOr<std::vector<SessionInfo>> seen = (*owner)->Sessions();
+  tensorshm::StatusOr<std::vector<SessionInfo>> seen = (*owner)->Sessions();
   ASSERT_OK(seen);
   const SessionInfo* theirs = FindPid(*seen, nobody.pid());
   ASSERT_NE(theirs, nullptr);
@@ -208,13 +208,13 @@ TEST(SessionsRpcTest, PublishTimeSurvivesARecoveringRestart) {
   ASSERT_OK(first);
   int64_t published = 0;
   {
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{first->socket(), "sessions_test"});
     ASSERT_OK(client);
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {64}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLFloat, 32, 1}, {64}});
     ASSERT_OK(w);
     ASSERT_TRUE((*client)->Publish(*w, "kept").ok());
-    absl::StatusOr<std::vector<TensorInfo>> list = (*client)->List("kept");
+    tensorshm::StatusOr<std::vector<TensorInfo>> list = (*client)->List("kept");
     ASSERT_OK(list);
     ASSERT_EQ(list->size(), 1u);
     published = (*list)[0].published_unix_ms;

@@ -133,9 +133,10 @@ Exit OpenAsNobody(const std::vector<gid_t>& groups, const std::vector<std::strin
 
 // Publishes `bytes` bytes of value i * 7 + 1 as `name`.
 void PutPattern(const std::string& socket, const std::string& name, size_t bytes) {
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(ClientOptions{socket, "put"});
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
+      Client::Connect(ClientOptions{socket, "put"});
   ASSERT_OK(client);
-  absl::StatusOr<WritableTensor> w =
+  tensorshm::StatusOr<WritableTensor> w =
       (*client)->Create({{kDLUInt, 8, 1}, {static_cast<int64_t>(bytes)}});
   ASSERT_OK(w);
   auto* data = static_cast<uint8_t*>(w->data());
@@ -145,9 +146,10 @@ void PutPattern(const std::string& socket, const std::string& name, size_t bytes
 
 // Whether `name`'s `bytes` bytes are the pattern PutPattern wrote, or all `fill` if given.
 void ExpectBytes(const std::string& socket, const std::string& name, size_t bytes, int fill = -1) {
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(ClientOptions{socket, "get"});
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
+      Client::Connect(ClientOptions{socket, "get"});
   ASSERT_OK(client);
-  absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
   ASSERT_OK(t);
   const auto* data = static_cast<const uint8_t*>((*t)->dl_tensor.data);
   size_t wrong = 0;

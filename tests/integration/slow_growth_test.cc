@@ -23,12 +23,12 @@ constexpr absl::Duration kGrowthDelay = absl::Seconds(5);
 constexpr char kGrowthLine[] = "TENSORSHMD_TEST_GROWTH_DELAY_MS: a pool growth sleeps";
 
 int64_t Segments(Client& client) {
-  absl::StatusOr<ServerStats> stats = client.Stat();
+  tensorshm::StatusOr<ServerStats> stats = client.Stat();
   if (!stats.ok() || stats->pools.empty()) return -1;
   return stats->pools[0].segments;
 }
 
-absl::StatusOr<WritableTensor> CreateBytes(Client& client, int64_t bytes) {
+tensorshm::StatusOr<WritableTensor> CreateBytes(Client& client, int64_t bytes) {
   return client.Create(TensorSpec{{kDLUInt, 8, 1}, {bytes}});
 }
 
@@ -37,15 +37,15 @@ TEST(SlowPoolGrowthTest, ChannelPublishesOfOtherClientsAreAnsweredWhileAPoolGrow
       "slowgrowth", {"--host-pool", "64Mi", "--segment-size", "4Mi"},
       {absl::StrCat("TENSORSHMD_TEST_GROWTH_DELAY_MS=", absl::ToInt64Milliseconds(kGrowthDelay))});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  absl::StatusOr<std::shared_ptr<Client>> quick =
+  tensorshm::StatusOr<std::shared_ptr<Client>> quick =
       Client::Connect(ClientOptions{daemon->socket(), "slow_growth_quick"});
   ASSERT_TRUE(quick.ok()) << quick.status();
-  absl::StatusOr<std::shared_ptr<Client>> growing =
+  tensorshm::StatusOr<std::shared_ptr<Client>> growing =
       Client::Connect(ClientOptions{daemon->socket(), "slow_growth_growing"});
   ASSERT_TRUE(growing.ok()) << growing.status();
   // The quick client's channel is bound, and its first segment mapped, before the growth.
   {
-    absl::StatusOr<WritableTensor> warm = CreateBytes(**quick, 64 * kKiB);
+    tensorshm::StatusOr<WritableTensor> warm = CreateBytes(**quick, 64 * kKiB);
     ASSERT_TRUE(warm.ok()) << warm.status();
     ASSERT_TRUE((*quick)->Publish(*warm, "slow_growth/warm").ok());
   }
@@ -55,9 +55,9 @@ TEST(SlowPoolGrowthTest, ChannelPublishesOfOtherClientsAreAnsweredWhileAPoolGrow
 
   // 4 MiB do not fit beside the 64 KiB in the first segment of 4 MiB: the pool must grow.
   std::atomic<bool> grown_create_done{false};
-  absl::Status grown_create;
+  tensorshm::Status grown_create;
   std::thread grower([&] {
-    absl::StatusOr<WritableTensor> big = CreateBytes(**growing, 4 * kMiB);
+    tensorshm::StatusOr<WritableTensor> big = CreateBytes(**growing, 4 * kMiB);
     grown_create = big.status();
     grown_create_done = true;
   });
@@ -67,9 +67,9 @@ TEST(SlowPoolGrowthTest, ChannelPublishesOfOtherClientsAreAnsweredWhileAPoolGrow
   // Meanwhile the other client creates and publishes over its channel, as if nothing grew.
   const absl::Time start = absl::Now();
   for (int i = 0; i < 4; ++i) {
-    absl::StatusOr<WritableTensor> small = CreateBytes(**quick, 64 * kKiB);
+    tensorshm::StatusOr<WritableTensor> small = CreateBytes(**quick, 64 * kKiB);
     ASSERT_TRUE(small.ok()) << i << ": " << small.status();
-    const absl::Status published = (*quick)->Publish(*small, absl::StrCat("slow_growth/", i));
+    const tensorshm::Status published = (*quick)->Publish(*small, absl::StrCat("slow_growth/", i));
     ASSERT_TRUE(published.ok()) << i << ": " << published;
   }
   const absl::Duration took = absl::Now() - start;
@@ -81,7 +81,7 @@ TEST(SlowPoolGrowthTest, ChannelPublishesOfOtherClientsAreAnsweredWhileAPoolGrow
   grower.join();
   EXPECT_TRUE(grown_create.ok()) << grown_create;
   EXPECT_GE(Segments(**quick), 2);
-  absl::StatusOr<ServerStats> stats = (*quick)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*quick)->Stat();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->names, 5);
 }

@@ -260,18 +260,18 @@ TEST(ClientTextTest, ClientNameAndVersionAreAtMost256BytesAndARefusalNamesTheFie
     EXPECT_LT(after - before, 64 * 1024);
   }
 
-  absl::StatusOr<std::shared_ptr<Client>> probe =
+  tensorshm::StatusOr<std::shared_ptr<Client>> probe =
       Client::Connect(ClientOptions{daemon->socket(), "probe"});
   ASSERT_OK(probe);
-  absl::StatusOr<ServerStats> stats = (*probe)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*probe)->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(stats->sessions, 1);  // the probe's own: none of the refused ones stayed
 
   // The client library passes the refusal on as it came.
-  absl::StatusOr<std::shared_ptr<Client>> long_named =
+  tensorshm::StatusOr<std::shared_ptr<Client>> long_named =
       Client::Connect(ClientOptions{daemon->socket(), std::string(300, 'c')});
   ASSERT_FALSE(long_named.ok());
-  EXPECT_EQ(long_named.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(long_named.status().code(), tensorshm::StatusCode::kInvalidArgument);
   EXPECT_TRUE(
       absl::StrContains(long_named.status().message(), "open.client_name: 300 bytes; at most 256"))
       << long_named.status();

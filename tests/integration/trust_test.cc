@@ -190,7 +190,8 @@ TEST(SocketDirectoryTest, DirectoriesItMakesAreItsOwnAndStickyTmpMayHoldTheSocke
       ChildProcess::Start(DaemonArgs(in_tmp, scratch.prefix()), scratch.dir() + "/tmp.log");
   ASSERT_OK(daemon);
   ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(20))) << daemon->Output();
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(ClientOptions{in_tmp, "tmp"});
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
+      Client::Connect(ClientOptions{in_tmp, "tmp"});
   ASSERT_OK(client);
   EXPECT_TRUE((*client)->Stat().ok());
   client->reset();
@@ -353,9 +354,9 @@ TEST(ServerUidTest, ClientRefusesAnotherUidsDaemonUnlessNamed) {
       NobodyDaemon::Start(scratch, NobodyRunDir(scratch), scratch.dir() + "/daemon.log");
   ASSERT_OK(daemon);
 
-  absl::StatusOr<std::shared_ptr<Client>> refused =
+  tensorshm::StatusOr<std::shared_ptr<Client>> refused =
       Client::Connect(ClientOptions{daemon->socket(), "root-default"});
-  ASSERT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  ASSERT_EQ(refused.status().code(), tensorshm::StatusCode::kPermissionDenied) << refused.status();
   std::cout << "refused: " << refused.status().message() << "\n";
   ExpectAll(std::string(refused.status().message()),
             {"unix:" + daemon->socket(), "served by uid 65534",
@@ -386,13 +387,13 @@ TEST(ServerUidTest, ClientRefusesAnotherUidsDaemonUnlessNamed) {
   // Named, the daemon is used: tensors go through it as through any other.
   ClientOptions options{daemon->socket(), "root-named"};
   options.server_uid = kNobody;
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options);
+  tensorshm::StatusOr<std::shared_ptr<Client>> client = Client::Connect(options);
   ASSERT_OK(client);
-  absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLInt, 32, 1}, {1024}});
+  tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLInt, 32, 1}, {1024}});
   ASSERT_OK(w);
   for (int i = 0; i < 1024; ++i) static_cast<int32_t*>(w->data())[i] = 7 * i;
   ASSERT_TRUE((*client)->Publish(*w, "named").ok());
-  absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("named");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("named");
   ASSERT_OK(t);
   const auto* data = static_cast<const int32_t*>((*t)->dl_tensor.data);
   EXPECT_EQ(data[0], 0);
@@ -418,7 +419,7 @@ TEST(ServerUidTest, ReconnectChecksWhoServesTheSocketNow) {
     return std::make_unique<ChildProcess>(*std::move(daemon));
   };
   std::unique_ptr<ChildProcess> trusted = start_root("first.log");
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{socket, "reconnecting"});
   ASSERT_OK(client);
   ASSERT_TRUE((*client)->Stat().ok());
@@ -430,7 +431,7 @@ TEST(ServerUidTest, ReconnectChecksWhoServesTheSocketNow) {
   absl::StatusOr<NobodyDaemon> squatter =
       NobodyDaemon::Start(scratch, run, scratch.dir() + "/squatter.log");
   ASSERT_OK(squatter);
-  absl::Status flushed;
+  tensorshm::Status flushed;
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   do {
     flushed = (*client)->Flush();
@@ -442,7 +443,7 @@ TEST(ServerUidTest, ReconnectChecksWhoServesTheSocketNow) {
   EXPECT_TRUE(absl::StrContains(flushed.message(), "served by uid 65534")) << flushed;
   // A call does not wait out its deadline for a session the squatter would have to grant: it is
   // told at the next refused attempt (UNAVAILABLE after 60 s, before).
-  absl::StatusOr<ServerStats> refused = (*client)->Stat();
+  tensorshm::StatusOr<ServerStats> refused = (*client)->Stat();
   std::cout << "Stat while uid 65534 serves: " << refused.status() << "\n";
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "a new one was refused"))
@@ -452,9 +453,9 @@ TEST(ServerUidTest, ReconnectChecksWhoServesTheSocketNow) {
   // The refused client never opened a session there: the squatter's only session is this one.
   ClientOptions look{socket, "look"};
   look.server_uid = kNobody;
-  absl::StatusOr<std::shared_ptr<Client>> looker = Client::Connect(look);
+  tensorshm::StatusOr<std::shared_ptr<Client>> looker = Client::Connect(look);
   ASSERT_OK(looker);
-  absl::StatusOr<ServerStats> squatter_stats = (*looker)->Stat();
+  tensorshm::StatusOr<ServerStats> squatter_stats = (*looker)->Stat();
   ASSERT_OK(squatter_stats);
   EXPECT_EQ(squatter_stats->sessions, 1);
   looker->reset();

@@ -60,11 +60,11 @@ std::string RunClient(const TestDaemon& daemon, int uid, const std::string& mode
 bool WaitForSessions(const std::string& socket, int64_t keep,
                      const std::shared_ptr<Client>& own = nullptr) {
   for (int i = 0; i < 2000; ++i) {
-    absl::StatusOr<ServerStats> stats;
+    tensorshm::StatusOr<ServerStats> stats;
     if (own != nullptr) {
       stats = own->Stat();
     } else {
-      absl::StatusOr<std::shared_ptr<Client>> probe =
+      tensorshm::StatusOr<std::shared_ptr<Client>> probe =
           Client::Connect(ClientOptions{socket, "uid-limits-probe"});
       if (!probe.ok()) return false;
       stats = (*probe)->Stat();
@@ -145,10 +145,10 @@ TEST(UidLimitsAccessTest, LeasesPastUidLeasesAreRefusedAndComeBackWhenReleased) 
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as uid 65534";
   absl::StatusOr<TestDaemon> daemon = StartShared("uid-leases", {"--uid-leases", "3"});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
-  absl::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {256}});
+  tensorshm::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {256}});
   ASSERT_OK(w);
   ASSERT_TRUE((*own)->Publish(*w, "leased").ok());
 
@@ -165,7 +165,7 @@ TEST(UidLimitsAccessTest, LeasesPastUidLeasesAreRefusedAndComeBackWhenReleased) 
   // Publish with acquire is refused whole: nothing was published.
   EXPECT_TRUE(Has(output, "publish-acquire 8 uid 65534: 3 leases held, limit 3 (--uid-leases)"))
       << output;
-  EXPECT_EQ((*own)->Acquire("leased-pa").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*own)->Acquire("leased-pa").status().code(), tensorshm::StatusCode::kNotFound);
   // A released lease gives its room back at once.
   EXPECT_TRUE(Has(output, "after release 0 ")) << output;
 
@@ -177,7 +177,7 @@ TEST(UidLimitsAccessTest, LeasesPastUidLeasesAreRefusedAndComeBackWhenReleased) 
   other.Kill(SIGKILL);
   ASSERT_TRUE(other.Wait(absl::Seconds(10)).ok());
   ASSERT_TRUE(WaitForSessions(daemon->socket(), 1, *own));
-  absl::StatusOr<std::vector<TensorInfo>> listed = (*own)->List("leased");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = (*own)->List("leased");
   ASSERT_OK(listed);
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ(listed->front().leases, 0);  // every lease of the ended sessions went
@@ -203,10 +203,10 @@ TEST(UidLimitsAccessTest, WaitersPastUidWaitersAreRefusedAndComeBackWhenWoken) {
       << mine.Output();
 
   // The publish wakes all eight; then both uids may wait again.
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
-  absl::StatusOr<WritableTensor> w = (*own)->Create({{kDLFloat, 32, 1}, {16}});
+  tensorshm::StatusOr<WritableTensor> w = (*own)->Create({{kDLFloat, 32, 1}, {16}});
   ASSERT_OK(w);
   ASSERT_TRUE((*own)->Publish(*w, "awaited").ok());
   for (ChildProcess* client : {&other, &mine}) {
@@ -294,9 +294,10 @@ TEST(UidLimitsAccessTest, ReattachedLeasesAndBuffersCountAgainstTheUid) {
   {
     absl::StatusOr<ChildProcess> first = ChildProcess::Start(base, dir + "/a.log");
     ASSERT_TRUE(first.ok() && first->WaitForOutput("serving on", absl::Seconds(20)));
-    absl::StatusOr<std::shared_ptr<Client>> own = Client::Connect(ClientOptions{socket, "owner"});
+    tensorshm::StatusOr<std::shared_ptr<Client>> own =
+        Client::Connect(ClientOptions{socket, "owner"});
     ASSERT_OK(own);
-    absl::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {4096}});
+    tensorshm::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {4096}});
     ASSERT_OK(w);
     published = w->tensor_id();
     ASSERT_TRUE((*own)->Publish(*w, "kept").ok());

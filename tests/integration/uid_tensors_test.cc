@@ -57,8 +57,8 @@ int64_t Number(const std::string& output, const std::string& key) {
 uint8_t Pattern(int64_t k, int64_t i) { return static_cast<uint8_t>((k * 7 + i) % 253); }
 
 // Creates and publishes `name` of `bytes` bytes, filled with Pattern(k, .).
-absl::Status Put(Client& client, const std::string& name, int64_t k, int64_t bytes) {
-  absl::StatusOr<WritableTensor> tensor = client.Create(TensorSpec{{kDLUInt, 8, 1}, {bytes}});
+tensorshm::Status Put(Client& client, const std::string& name, int64_t k, int64_t bytes) {
+  tensorshm::StatusOr<WritableTensor> tensor = client.Create(TensorSpec{{kDLUInt, 8, 1}, {bytes}});
   if (!tensor.ok()) return tensor.status();
   auto* data = static_cast<uint8_t*>(tensor->data());
   for (int64_t i = 0; i < bytes; ++i) data[i] = Pattern(k, i);
@@ -66,15 +66,16 @@ absl::Status Put(Client& client, const std::string& name, int64_t k, int64_t byt
 }
 
 // Acquires `name` and checks every byte against Pattern(k, .).
-absl::Status Check(Client& client, const std::string& name, int64_t k) {
-  absl::StatusOr<DLManagedTensorVersioned*> held = client.Acquire(name);
+tensorshm::Status Check(Client& client, const std::string& name, int64_t k) {
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = client.Acquire(name);
   if (!held.ok()) return held.status();
   const DLTensor& t = (*held)->dl_tensor;
   const auto* data = static_cast<const uint8_t*>(t.data) + t.byte_offset;
-  absl::Status status;
+  tensorshm::Status status;
   for (int64_t i = 0; i < t.shape[0] && status.ok(); ++i) {
     if (data[i] != Pattern(k, i)) {
-      status = absl::DataLossError(absl::StrCat(name, ": byte ", i, " differs"));
+      status = tensorshm::Status(tensorshm::StatusCode::kDataLoss,
+                                 absl::StrCat(name, ": byte ", i, " differs"));
     }
   }
   (*held)->deleter(*held);
@@ -92,7 +93,7 @@ std::vector<std::string> Evictions(TestDaemon& daemon) {
 
 // The daemon's uid puts five 4 KiB tensors "root.0" .. "root.4".
 std::shared_ptr<Client> OwnerWithFive(const TestDaemon& daemon) {
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon.socket(), "uid-tensors-owner"});
   TSM_CHECK(own.ok());
   for (int k = 0; k < 5; ++k) TSM_CHECK(Put(**own, absl::StrCat("root.", k), k, 4096).ok());
@@ -125,7 +126,7 @@ TEST(UidTensorsTest, EmptyTensorsOfOneUidDoNotBlockAnotherUidsCreates) {
       "unpublished creates), limit 128 (--uid-tensors)"))
       << output;
   // Its session ended; its tensors did not, and they still count.
-  absl::StatusOr<std::vector<TensorInfo>> listed = own->List("z.");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = own->List("z.");
   ASSERT_OK(listed);
   EXPECT_EQ(listed->size(), 128u);
   const std::string again = RunOther(*daemon, "put", {"y", "1", "0"});
@@ -134,7 +135,7 @@ TEST(UidTensorsTest, EmptyTensorsOfOneUidDoNotBlockAnotherUidsCreates) {
 
   // The daemon's uid creates its own 128 (it holds 5): every create succeeds.
   int64_t created = 0;
-  absl::Status refused;
+  tensorshm::Status refused;
   for (int k = 5; k < 200 && refused.ok(); ++k) {
     refused = Put(*own, absl::StrCat("root.", k), k, 0);
     if (refused.ok()) ++created;
@@ -158,13 +159,13 @@ TEST(UidTensorsTest, AUidThatComesFirstTakesOnlyItsShare) {
   ASSERT_OK(daemon);
   const std::string output = RunOther(*daemon, "put", {"z", "251", "0"});
   EXPECT_EQ(Number(output, "put"), 128) << output;
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "uid-tensors-owner"});
   ASSERT_OK(own);
   for (int k = 0; k < 128; ++k) {
     ASSERT_TRUE(Put(**own, absl::StrCat("root.", k), k, 0).ok()) << k;
   }
-  const absl::Status past = Put(**own, "root.past", 0, 0);
+  const tensorshm::Status past = Put(**own, "root.past", 0, 0);
   EXPECT_TRUE(absl::StrContains(past.message(), "limit 128 (--uid-tensors)")) << past;
 }
 
@@ -181,7 +182,7 @@ TEST(UidTensorsTest, WithEvictLruAUidAtItsShareEvictsOnlyItsOwnTensors) {
   const std::string output = RunOther(*daemon, "put", {"z", "251", "0"});
   std::cout << "uid 65534, 251 empty tensors with --evict lru: " << output;
   EXPECT_EQ(Number(output, "put"), 251) << output;
-  absl::StatusOr<std::vector<TensorInfo>> listed = own->List("z.");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = own->List("z.");
   ASSERT_OK(listed);
   EXPECT_EQ(listed->size(), 128u);
   ASSERT_FALSE(listed->empty());
@@ -218,7 +219,7 @@ TEST(UidTensorsTest, AFullRecordTableEvictsOwnTensorsFirstThenAUidsPastItsShare)
   // The five are held (not evictable); "root.own" is not.
   std::vector<DLManagedTensorVersioned*> held;
   for (int k = 0; k < 5; ++k) {
-    absl::StatusOr<DLManagedTensorVersioned*> lease = own->Acquire(absl::StrCat("root.", k));
+    tensorshm::StatusOr<DLManagedTensorVersioned*> lease = own->Acquire(absl::StrCat("root.", k));
     ASSERT_OK(lease);
     held.push_back(*lease);
   }
@@ -226,7 +227,7 @@ TEST(UidTensorsTest, AFullRecordTableEvictsOwnTensorsFirstThenAUidsPastItsShare)
 
   const std::string output = RunOther(*daemon, "put", {"z", "260", "0"});
   EXPECT_EQ(Number(output, "put"), 260) << output;
-  absl::StatusOr<std::vector<TensorInfo>> listed = own->List("z.");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = own->List("z.");
   ASSERT_OK(listed);
   EXPECT_EQ(listed->size(), 250u);  // the table is full: ten of its own went for its last ten
   std::vector<std::string> evictions = Evictions(*daemon);
@@ -240,7 +241,7 @@ TEST(UidTensorsTest, AFullRecordTableEvictsOwnTensorsFirstThenAUidsPastItsShare)
   // uid 65534's.
   std::vector<WritableTensor> kept;
   for (int k = 0; k < 20; ++k) {
-    absl::StatusOr<WritableTensor> tensor = own->Create(TensorSpec{{kDLUInt, 8, 1}, {4096}});
+    tensorshm::StatusOr<WritableTensor> tensor = own->Create(TensorSpec{{kDLUInt, 8, 1}, {4096}});
     ASSERT_OK(tensor);
     kept.push_back(*std::move(tensor));
   }
@@ -264,7 +265,7 @@ TEST(UidTensorsTest, CreatingPastItsShareOfThePoolEvictsItsOwnTensorsFirst) {
   absl::StatusOr<TestDaemon> daemon = StartShared(
       "uid-tensors-bytes", {"--host-pool", "16Mi", "--segment-size", "4Mi", "--evict", "lru"});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "uid-tensors-owner"});
   ASSERT_OK(own);
   constexpr int64_t kMiB = 1 << 20;
@@ -283,7 +284,7 @@ TEST(UidTensorsTest, CreatingPastItsShareOfThePoolEvictsItsOwnTensorsFirst) {
     EXPECT_TRUE(absl::StrContains(line, " of uid 65534, ")) << line;
   }
   if (!evictions.empty()) std::cout << "first eviction: " << evictions.front() << "\n";
-  absl::StatusOr<std::vector<TensorInfo>> listed = (*own)->List("z.");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = (*own)->List("z.");
   ASSERT_OK(listed);
   EXPECT_EQ(listed->size() + evictions.size(), 40u);
   EXPECT_TRUE(absl::StrContains(RunOther(*daemon, "count", {"z."}), "listed ")) << "count";

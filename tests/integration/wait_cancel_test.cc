@@ -23,7 +23,7 @@ namespace tensorshm::testing {
 namespace {
 
 // Generous: the waits cancelled below would last this long; a cancel must end them far sooner.
-constexpr absl::Duration kLongWait = absl::Seconds(60);
+constexpr tensorshm::Duration kLongWait = std::chrono::seconds(60);
 
 // True while thread `tid` of this process blocks in FUTEX_WAIT on a shared (not process-private)
 // word: where the fast path sleeps for a publish. The client's own mutexes and condition
@@ -43,7 +43,7 @@ class WaitCancelTest : public ::testing::Test {
         TestDaemon::Start("wait-cancel", {"--host-pool", "4Mi", "--segment-size", "4Mi"});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "wait_cancel_test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
@@ -51,7 +51,7 @@ class WaitCancelTest : public ::testing::Test {
 
   ServerStats Stats() {
     EXPECT_TRUE(client_->Flush().ok());
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     EXPECT_TRUE(stats.ok()) << stats.status();
     return stats.ok() ? *stats : ServerStats{};
   }
@@ -63,9 +63,9 @@ class WaitCancelTest : public ::testing::Test {
 TEST_F(WaitCancelTest, CancelWakesAWaitingAcquire) {
   WaitCanceller cancel;
   const absl::Time start = absl::Now();
-  std::future<absl::Status> waited = std::async(std::launch::async, [&] {
-    absl::StatusOr<DLManagedTensorVersioned*> t =
-        client_->Acquire("never", absl::InfiniteDuration(), ReadySync::Host(), cancel);
+  std::future<tensorshm::Status> waited = std::async(std::launch::async, [&] {
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t =
+        client_->Acquire("never", tensorshm::kForever, ReadySync::Host(), cancel);
     if (t.ok()) (*t)->deleter(*t);
     return t.status();
   });
@@ -73,10 +73,10 @@ TEST_F(WaitCancelTest, CancelWakesAWaitingAcquire) {
   EXPECT_EQ(waited.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
   cancel.Cancel();
   ASSERT_EQ(waited.wait_for(std::chrono::seconds(30)), std::future_status::ready);
-  const absl::Status status = waited.get();
-  EXPECT_TRUE(absl::IsCancelled(status)) << status;
+  const tensorshm::Status status = waited.get();
+  EXPECT_EQ(status.code(), tensorshm::StatusCode::kCancelled) << status;
   EXPECT_NE(status.message().find("name = \"never\""), std::string_view::npos) << status;
-  EXPECT_LT(absl::Now() - start, kLongWait / 2);
+  EXPECT_LT(absl::Now() - start, absl::FromChrono(kLongWait / 2));
   EXPECT_TRUE(cancel.cancelled());
   EXPECT_EQ(Stats().leases, 0);
 }
@@ -85,28 +85,28 @@ TEST_F(WaitCancelTest, ACancelledCancellerFailsLaterWaitsAtOnceAndOthersStillWai
   WaitCanceller cancel;
   cancel.Cancel();
   cancel.Cancel();  // idempotent
-  absl::StatusOr<DLManagedTensorVersioned*> t =
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t =
       client_->Acquire("never", kLongWait, ReadySync::Host(), cancel);
-  EXPECT_TRUE(absl::IsCancelled(t.status())) << t.status();
+  EXPECT_EQ(t.status().code(), tensorshm::StatusCode::kCancelled) << t.status();
   // A call that does not wait is not refused: the name is published, or NOT_FOUND.
-  absl::StatusOr<WritableTensor> w = client_->Create({{kDLFloat, 32, 1}, {4}});
+  tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLFloat, 32, 1}, {4}});
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE(client_->Publish(*w, "there").ok());
-  t = client_->Acquire("there", absl::ZeroDuration(), ReadySync::Host(), cancel);
+  t = client_->Acquire("there", tensorshm::Duration::zero(), ReadySync::Host(), cancel);
   ASSERT_TRUE(t.ok()) << t.status();
   (*t)->deleter(*t);
-  t = client_->Acquire("absent", absl::ZeroDuration(), ReadySync::Host(), cancel);
-  EXPECT_TRUE(absl::IsNotFound(t.status())) << t.status();
+  t = client_->Acquire("absent", tensorshm::Duration::zero(), ReadySync::Host(), cancel);
+  EXPECT_EQ(t.status().code(), tensorshm::StatusCode::kNotFound) << t.status();
   // Another canceller's acquire still waits, and gets the publish it waited for.
   WaitCanceller other;
-  std::future<absl::StatusOr<DLManagedTensorVersioned*>> waited =
+  std::future<tensorshm::StatusOr<DLManagedTensorVersioned*>> waited =
       std::async(std::launch::async,
                  [&] { return client_->Acquire("later", kLongWait, ReadySync::Host(), other); });
   EXPECT_EQ(waited.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
-  absl::StatusOr<WritableTensor> later = client_->Create({{kDLFloat, 32, 1}, {4}});
+  tensorshm::StatusOr<WritableTensor> later = client_->Create({{kDLFloat, 32, 1}, {4}});
   ASSERT_TRUE(later.ok()) << later.status();
   ASSERT_TRUE(client_->Publish(*later, "later").ok());
-  absl::StatusOr<DLManagedTensorVersioned*> got = waited.get();
+  tensorshm::StatusOr<DLManagedTensorVersioned*> got = waited.get();
   ASSERT_TRUE(got.ok()) << got.status();
   (*got)->deleter(*got);
   EXPECT_EQ(Stats().leases, 0);
@@ -114,13 +114,12 @@ TEST_F(WaitCancelTest, ACancelledCancellerFailsLaterWaitsAtOnceAndOthersStillWai
 
 TEST_F(WaitCancelTest, OneCancelWakesEveryWaiterSharingIt) {
   WaitCanceller cancel;
-  std::vector<std::future<absl::Status>> waiters;
+  std::vector<std::future<tensorshm::Status>> waiters;
   std::vector<std::atomic<pid_t>> threads(4);
   for (int i = 0; i < 4; ++i) {
     waiters.push_back(std::async(std::launch::async, [&, i] {
       threads[i].store(static_cast<pid_t>(syscall(SYS_gettid)));
-      return client_->Acquire("never", absl::InfiniteDuration(), ReadySync::Host(), cancel)
-          .status();
+      return client_->Acquire("never", tensorshm::kForever, ReadySync::Host(), cancel).status();
     }));
   }
   // The cancel must wake sleepers: each waiter is seen asleep in the fast path's futex first.
@@ -134,18 +133,18 @@ TEST_F(WaitCancelTest, OneCancelWakesEveryWaiterSharingIt) {
   cancel.Cancel();
   for (auto& waiter : waiters) {
     ASSERT_EQ(waiter.wait_for(std::chrono::seconds(30)), std::future_status::ready);
-    EXPECT_TRUE(absl::IsCancelled(waiter.get()));
+    EXPECT_EQ(waiter.get().code(), tensorshm::StatusCode::kCancelled);
   }
 }
 
 TEST_F(WaitCancelTest, CancelEndsACreateWaitingForMemory) {
   // The pool is one 4 MiB segment: the first create fills it, the second waits in the daemon.
-  absl::StatusOr<WritableTensor> full = client_->Create({{kDLUInt, 8, 1}, {4 << 20}});
+  tensorshm::StatusOr<WritableTensor> full = client_->Create({{kDLUInt, 8, 1}, {4 << 20}});
   ASSERT_TRUE(full.ok()) << full.status();
   WaitCanceller cancel;
   const absl::Time start = absl::Now();
-  std::future<absl::Status> waited = std::async(std::launch::async, [&] {
-    return client_->Create({{kDLUInt, 8, 1}, {1 << 20}}, absl::InfiniteDuration(), cancel).status();
+  std::future<tensorshm::Status> waited = std::async(std::launch::async, [&] {
+    return client_->Create({{kDLUInt, 8, 1}, {1 << 20}}, tensorshm::kForever, cancel).status();
   });
   // Only for the create to be waiting in the daemon when cancelled; a cancel before the call
   // starts ends it the same way.
@@ -155,9 +154,9 @@ TEST_F(WaitCancelTest, CancelEndsACreateWaitingForMemory) {
   EXPECT_EQ(Stats().creates_waiting, 1);
   cancel.Cancel();
   ASSERT_EQ(waited.wait_for(std::chrono::seconds(30)), std::future_status::ready);
-  const absl::Status status = waited.get();
-  EXPECT_TRUE(absl::IsCancelled(status)) << status;
-  EXPECT_LT(absl::Now() - start, kLongWait / 2);
+  const tensorshm::Status status = waited.get();
+  EXPECT_EQ(status.code(), tensorshm::StatusCode::kCancelled) << status;
+  EXPECT_LT(absl::Now() - start, absl::FromChrono(kLongWait / 2));
   EXPECT_EQ(Stats().creates_waiting, 0);
   EXPECT_EQ(Stats().tensors, 1);  // only `full`
 }
@@ -165,7 +164,7 @@ TEST_F(WaitCancelTest, CancelEndsACreateWaitingForMemory) {
 TEST_F(WaitCancelTest, DaemonInstanceAndSocket) {
   EXPECT_NE(client_->daemon_instance(), 0u);
   EXPECT_EQ(client_->socket(), daemon_->socket());
-  absl::StatusOr<std::shared_ptr<Client>> second =
+  tensorshm::StatusOr<std::shared_ptr<Client>> second =
       Client::Connect(ClientOptions{daemon_->socket(), "second"});
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ((*second)->daemon_instance(), client_->daemon_instance());
@@ -178,12 +177,12 @@ TEST_F(WaitCancelTest, TryAcquireLocalAnswersFromTheFastPathOrNotAtAll) {
   TensorSpec spec;
   spec.dtype = DLDataType{kDLFloat, 32, 1};
   spec.shape = {16};
-  absl::StatusOr<WritableTensor> w = client_->Create(spec);
+  tensorshm::StatusOr<WritableTensor> w = client_->Create(spec);
   ASSERT_TRUE(w.ok()) << w.status();
   static_cast<float*>(w->data())[3] = 42.0f;
   ASSERT_TRUE(client_->Publish(*w, "local").ok());
 
-  absl::StatusOr<DLManagedTensorVersioned*> local = client_->TryAcquireLocal("local");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> local = client_->TryAcquireLocal("local");
   ASSERT_TRUE(local.ok()) << local.status();
   const DLTensor& t = (*local)->dl_tensor;
   EXPECT_EQ(static_cast<const float*>(t.data)[3], 42.0f);
@@ -192,14 +191,14 @@ TEST_F(WaitCancelTest, TryAcquireLocalAnswersFromTheFastPathOrNotAtAll) {
   (*local)->deleter(*local);
   EXPECT_EQ(Stats().leases, 0);
 
-  absl::StatusOr<DLManagedTensorVersioned*> missing = client_->TryAcquireLocal("missing");
-  EXPECT_TRUE(absl::IsNotFound(missing.status())) << missing.status();
+  tensorshm::StatusOr<DLManagedTensorVersioned*> missing = client_->TryAcquireLocal("missing");
+  EXPECT_EQ(missing.status().code(), tensorshm::StatusCode::kNotFound) << missing.status();
 
   // With the daemon stopped the fast path cannot answer, and nothing goes to the (absent) daemon.
   daemon_->process().Kill(SIGTERM);
   ASSERT_TRUE(daemon_->process().Wait(absl::Seconds(30)).ok());
-  absl::StatusOr<DLManagedTensorVersioned*> gone = client_->TryAcquireLocal("local");
-  EXPECT_TRUE(absl::IsUnavailable(gone.status())) << gone.status();
+  tensorshm::StatusOr<DLManagedTensorVersioned*> gone = client_->TryAcquireLocal("local");
+  EXPECT_EQ(gone.status().code(), tensorshm::StatusCode::kUnavailable) << gone.status();
   EXPECT_NE(gone.status().message().find("the fast path cannot answer"), std::string_view::npos)
       << gone.status();
 }

@@ -23,7 +23,7 @@ class WaiterTest : public ::testing::Test {
     absl::StatusOr<TestDaemon> daemon = TestDaemon::Start(name.substr(0, 24));
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "waiter_test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
@@ -35,7 +35,7 @@ class WaiterTest : public ::testing::Test {
   }
 
   int64_t Leases() {
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     EXPECT_TRUE(stats.ok()) << stats.status();
     return stats.ok() ? stats->leases : -1;
   }
@@ -53,7 +53,7 @@ class WaiterTest : public ::testing::Test {
 
   // Acquires the daemon lists as waiting now (every session's waiting_acquires), -1 on error.
   int64_t AcquiresWaiting() {
-    absl::StatusOr<std::vector<SessionInfo>> sessions = client_->Sessions();
+    tensorshm::StatusOr<std::vector<SessionInfo>> sessions = client_->Sessions();
     EXPECT_TRUE(sessions.ok()) << sessions.status();
     if (!sessions.ok()) return -1;
     int64_t waiting = 0;
@@ -85,7 +85,7 @@ TEST_F(WaiterTest, PublishOverTheMemoryChannelWakesEveryWaiterOfThatNameOnly) {
   ASSERT_NO_FATAL_FAILURE(AwaitWaitingAcquires(4));
   const int64_t leases_before = Leases();
   // The C++ client publishes over the memory channel.
-  absl::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {128}});
+  tensorshm::StatusOr<WritableTensor> w = client_->Create({{kDLUInt, 8, 1}, {128}});
   ASSERT_TRUE(w.ok()) << w.status();
   const uint64_t id = w->tensor_id();
   ASSERT_TRUE(client_->Publish(*w, "wake/a").ok());

@@ -51,7 +51,7 @@ class WarmMemoryTest : public ::testing::Test {
         "warm", {"--host-pool", "192Mi", "--segment-size", "32Mi", "--max-tensors", "1024"});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "warm_memory_test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
@@ -60,14 +60,14 @@ class WarmMemoryTest : public ::testing::Test {
   // Creates a uint8 tensor of `size` bytes, fills it with `value` and returns the minor faults
   // the fill took; publishes it as `name`.
   int64_t FillAndPublish(int64_t size, unsigned char value, const std::string& name) {
-    absl::StatusOr<WritableTensor> tensor = client_->Create({{kDLUInt, 8, 1}, {size}});
+    tensorshm::StatusOr<WritableTensor> tensor = client_->Create({{kDLUInt, 8, 1}, {size}});
     EXPECT_TRUE(tensor.ok()) << tensor.status();
     if (!tensor.ok()) return -1;
     EXPECT_TRUE(client_->Flush().ok());  // stock the create's answer brought is populated
     const int64_t before = MinorFaults();
     std::memset(tensor->data(), value, static_cast<size_t>(size));
     const int64_t faults = MinorFaults() - before;
-    absl::Status published = client_->Publish(*tensor, name, /*replace=*/true);
+    tensorshm::Status published = client_->Publish(*tensor, name, /*replace=*/true);
     EXPECT_TRUE(published.ok()) << published;
     return faults;
   }
@@ -96,10 +96,10 @@ TEST_F(WarmMemoryTest, ReadingAnAcquiredTensorNeverFaults) {
   const int64_t size = int64_t{8} << 20;
   ASSERT_GE(FillAndPublish(size, 0x21, "warm/read"), 0);
   // Another client: a consumer that maps the segment for the first time.
-  absl::StatusOr<std::shared_ptr<Client>> consumer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> consumer =
       Client::Connect(ClientOptions{daemon_->socket(), "warm_consumer"});
   ASSERT_TRUE(consumer.ok()) << consumer.status();
-  absl::StatusOr<DLManagedTensorVersioned*> acquired = (*consumer)->Acquire("warm/read");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> acquired = (*consumer)->Acquire("warm/read");
   ASSERT_TRUE(acquired.ok()) << acquired.status();
   const auto* bytes = static_cast<const volatile unsigned char*>((*acquired)->dl_tensor.data);
   // The rest of the segment is populated in the background: done once Flush returns.
@@ -114,7 +114,7 @@ TEST_F(WarmMemoryTest, ReadingAnAcquiredTensorNeverFaults) {
 }
 
 TEST_F(WarmMemoryTest, PublishedTensorHandsOutNoWritablePointer) {
-  absl::StatusOr<WritableTensor> tensor = client_->Create({{kDLFloat, 32, 1}, {1024}});
+  tensorshm::StatusOr<WritableTensor> tensor = client_->Create({{kDLFloat, 32, 1}, {1024}});
   ASSERT_TRUE(tensor.ok()) << tensor.status();
   ASSERT_NE(tensor->data(), nullptr);
   ASSERT_TRUE(client_->Publish(*tensor, "warm/sealed").ok());
@@ -129,7 +129,7 @@ TEST_F(WarmMemoryTest, NewBufferHoldsZerosOrThisUidsLeftovers) {
     ASSERT_GE(FillAndPublish(size, 0x5a, "warm/leftover"), 0);
     ASSERT_TRUE(client_->Delete("warm/leftover").ok());
     ASSERT_TRUE(client_->Flush().ok());
-    absl::StatusOr<WritableTensor> fresh = client_->Create({{kDLUInt, 8, 1}, {size}});
+    tensorshm::StatusOr<WritableTensor> fresh = client_->Create({{kDLUInt, 8, 1}, {size}});
     ASSERT_TRUE(fresh.ok()) << fresh.status();
     const auto* bytes = static_cast<const unsigned char*>(fresh->data());
     EXPECT_TRUE(

@@ -101,17 +101,18 @@ int OpenDescriptors(pid_t pid) {
 
 // Puts a tensor through `client` and reads it back (a create, a segment grant, a publish, an
 // acquire); the error otherwise.
-absl::Status PutAndGet(Client& client, const std::string& name) {
-  absl::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {1 << 20}});
+tensorshm::Status PutAndGet(Client& client, const std::string& name) {
+  tensorshm::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {1 << 20}});
   if (!w.ok()) return w.status();
   std::memset(w->data(), 0x5a, 1 << 20);
-  if (absl::Status s = client.Publish(*w, name, true); !s.ok()) return s;
-  absl::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
+  if (tensorshm::Status s = client.Publish(*w, name, true); !s.ok()) return s;
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
   if (!t.ok()) return t.status();
   const auto* bytes = static_cast<const uint8_t*>((*t)->dl_tensor.data);
   const bool same = bytes[0] == 0x5a && bytes[(1 << 20) - 1] == 0x5a;
   (*t)->deleter(*t);
-  return same ? absl::OkStatus() : absl::DataLossError(name + ": wrong bytes");
+  return same ? tensorshm::Status()
+              : tensorshm::Status(tensorshm::StatusCode::kDataLoss, name + ": wrong bytes");
 }
 
 // Stat of `client` in a loop until `stop`; each call's duration.
@@ -137,7 +138,7 @@ TEST(AcceptAdmissionTest, TwentyThousandConnectionsOfAStrangerAreClosedAtAccept)
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run the flood as uid 12345";
   absl::StatusOr<TestDaemon> daemon = StartShared("accept-stranger", {});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> owner =
+  tensorshm::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "accept-owner"});
   ASSERT_OK(owner);
   ASSERT_TRUE(PutAndGet(**owner, "before").ok());
@@ -160,7 +161,7 @@ TEST(AcceptAdmissionTest, TwentyThousandConnectionsOfAStrangerAreClosedAtAccept)
   }
   const absl::Duration flood_took = absl::Now() - flood_start;
   // New clients get in while the stranger holds its (closed) connections; segment grants work.
-  absl::StatusOr<std::shared_ptr<Client>> late =
+  tensorshm::StatusOr<std::shared_ptr<Client>> late =
       Client::Connect(ClientOptions{daemon->socket(), "accept-late"});
   ASSERT_OK(late);
   EXPECT_TRUE(PutAndGet(**late, "late").ok());
@@ -262,7 +263,7 @@ TEST(AcceptAdmissionTest, ASessionWhoseMemoryChannelIsRefusedIsToldSoPromptly) {
                                 "uid 65534 has 3 connections open, limit 3 (--uid-connections)"))
       << daemon->process().Output();
   // The daemon serves its own uid meanwhile.
-  absl::StatusOr<std::shared_ptr<Client>> owner =
+  tensorshm::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "accept-channel-owner"});
   ASSERT_OK(owner);
   EXPECT_TRUE(PutAndGet(**owner, "owner").ok());
@@ -320,7 +321,7 @@ TEST(AcceptAdmissionTest, ConnectionsNeverTakeTheDescriptorsSessionsNeed) {
                                 "connections: at most 356 open at once (of 600 open files), the "
                                 "last 44 for uid 0 alone"))
       << daemon->process().Output();
-  absl::StatusOr<std::shared_ptr<Client>> owner =
+  tensorshm::StatusOr<std::shared_ptr<Client>> owner =
       Client::Connect(ClientOptions{daemon->socket(), "accept-owner"});
   ASSERT_OK(owner);
 
@@ -337,7 +338,7 @@ TEST(AcceptAdmissionTest, ConnectionsNeverTakeTheDescriptorsSessionsNeed) {
 
   // The owner's session works (segment grants included), and new clients of its uid get in.
   EXPECT_TRUE(PutAndGet(**owner, "owner").ok());
-  absl::StatusOr<std::shared_ptr<Client>> late =
+  tensorshm::StatusOr<std::shared_ptr<Client>> late =
       Client::Connect(ClientOptions{daemon->socket(), "accept-late"});
   ASSERT_OK(late);
   EXPECT_TRUE(PutAndGet(**late, "late").ok());

@@ -39,11 +39,11 @@ class FastPathStressTest : public ::testing::Test {
                           {"--host-pool", "256Mi", "--segment-size", "32Mi"});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "fast_path_stress_test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     ASSERT_TRUE(stats.ok()) << stats.status();
     ASSERT_FALSE(stats->pools.empty());
     baseline_ = *stats;
@@ -64,7 +64,7 @@ class FastPathStressTest : public ::testing::Test {
   }
 
   ServerStats Stats() {
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     TSM_CHECK(stats.ok());
     return *stats;
   }
@@ -253,7 +253,7 @@ TEST_F(FastPathStressTest, KilledHoldersLeaseIsReclaimedWhenItsSessionEnds) {
     // is freed only by the daemon's look at the pages; once it is, the held version must still
     // hold its memory.
     ASSERT_TRUE(produce(absl::StrCat("witness-", round), kWitness));
-    absl::StatusOr<DLManagedTensorVersioned*> witness = client_->Acquire(kWitness);
+    tensorshm::StatusOr<DLManagedTensorVersioned*> witness = client_->Acquire(kWitness);
     ASSERT_TRUE(witness.ok()) << witness.status();
     ASSERT_TRUE(produce(absl::StrCat("witness-next-", round), kWitness));
     (*witness)->deleter(*witness);

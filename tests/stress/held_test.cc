@@ -122,7 +122,7 @@ int CodeOf(const std::string& value) {
 
 // Publishes `bytes` bytes of `fill` as `name` through `client`; returns the tensor id.
 uint64_t PublishFilled(Client& client, const std::string& name, int64_t bytes, uint8_t fill) {
-  absl::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {bytes}});
+  tensorshm::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {bytes}});
   TSM_CHECK(w.ok());
   std::memset(w->data(), fill, static_cast<size_t>(bytes));
   const uint64_t id = w->tensor_id();
@@ -133,7 +133,7 @@ uint64_t PublishFilled(Client& client, const std::string& name, int64_t bytes, u
 // Whether `name` still holds `bytes` bytes of `fill`, read by `client`.
 ::testing::AssertionResult HoldsFill(Client& client, const std::string& name, int64_t bytes,
                                      uint8_t fill) {
-  absl::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = client.Acquire(name);
   if (!t.ok()) return ::testing::AssertionFailure() << name << ": " << t.status();
   const DLTensor& dl = (*t)->dl_tensor;
   const auto* data = static_cast<const uint8_t*>(dl.data) + dl.byte_offset;
@@ -146,7 +146,7 @@ uint64_t PublishFilled(Client& client, const std::string& name, int64_t bytes, u
 
 // The tensor id `name` is bound to now (0 if none), as List says.
 uint64_t BoundId(Client& client, const std::string& name) {
-  absl::StatusOr<std::vector<TensorInfo>> listed = client.List(name);
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = client.List(name);
   if (!listed.ok()) return 0;
   for (const TensorInfo& info : *listed) {
     if (info.name == name) return info.tensor_id;
@@ -157,7 +157,7 @@ uint64_t BoundId(Client& client, const std::string& name) {
 // Waits (bounded) until the daemon has `sessions` sessions open, as `own` sees them.
 bool WaitForSessions(Client& own, int64_t sessions) {
   for (int i = 0; i < 1000; ++i) {
-    absl::StatusOr<ServerStats> stats = own.Stat();
+    tensorshm::StatusOr<ServerStats> stats = own.Stat();
     if (stats.ok() && stats->sessions == sessions) return true;
     absl::SleepFor(absl::Milliseconds(10));
   }
@@ -188,7 +188,7 @@ TEST(HeldDescriptorsTest, AnotherUidsSegmentIsNeverWritableByTheAdmittedUid) {
   SKIP_UNLESS_ROOT();
   absl::StatusOr<TestDaemon> daemon = StartShared("held-segment");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   PublishFilled(**own, "owned", 1 << 20, 0x33);
@@ -205,7 +205,7 @@ TEST(HeldDescriptorsTest, AnotherUidsSegmentIsNeverWritableByTheAdmittedUid) {
 
   // Root's bytes and the segment are as they were; the daemon serves on.
   EXPECT_TRUE(HoldsFill(**own, "owned", 1 << 20, 0x33));
-  absl::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {4096}});
+  tensorshm::StatusOr<WritableTensor> w = (*own)->Create({{kDLUInt, 8, 1}, {4096}});
   EXPECT_TRUE(w.ok()) << w.status();
 }
 
@@ -214,7 +214,7 @@ TEST(HeldDescriptorsTest, IndexAndRecordsAreReadOnlyForTheAdmittedUid) {
   SKIP_UNLESS_ROOT();
   absl::StatusOr<TestDaemon> daemon = StartShared("held-index");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   PublishFilled(**own, "owned", 4096, 0x44);
@@ -241,12 +241,12 @@ TEST(HeldDescriptorsTest, LeasePageIsItsOwnersOnlyAndSealed) {
   SKIP_UNLESS_ROOT();
   absl::StatusOr<TestDaemon> daemon = StartShared("held-lease");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   PublishFilled(**own, "owned", 4096, 0x55);
   // Root's client leases through its own page, which this process holds a descriptor of.
-  absl::StatusOr<DLManagedTensorVersioned*> held = (*own)->Acquire("owned");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = (*own)->Acquire("owned");
   ASSERT_OK(held);
 
   const std::string pids = absl::StrCat(getpid(), ",", daemon->process().pid());
@@ -269,7 +269,7 @@ TEST(HeldDescriptorsTest, LeasePageIsItsOwnersOnlyAndSealed) {
   // The daemon reads every page (its housekeeping) and serves on; root's lease holds, and the
   // attacker's went with its session.
   ASSERT_TRUE(WaitForSessions(**own, 1));
-  absl::StatusOr<ServerStats> stats = (*own)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*own)->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(stats->leases, 1);
   (*held)->deleter(*held);
@@ -314,7 +314,7 @@ TEST(HeldTensorsTest, AdmittedUidCannotTouchRootsTensorsOrLeasesThroughItsOwnSes
   SKIP_UNLESS_ROOT();
   absl::StatusOr<TestDaemon> daemon = StartShared("held-tamper");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   const uint64_t published = PublishFilled(**own, "owned", 4096, 0x66);
@@ -352,7 +352,7 @@ TEST(HeldTensorsTest, AdmittedUidCannotTouchRootsTensorsOrLeasesThroughItsOwnSes
   EXPECT_EQ(BoundId(**own, "owned"), published);
   EXPECT_TRUE(HoldsFill(**own, "owned", 4096, 0x66));
   EXPECT_EQ(BoundId(**own, "owned-stolen"), 0u);
-  absl::StatusOr<std::vector<TensorInfo>> listed = (*own)->List("owned");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = (*own)->List("owned");
   ASSERT_OK(listed);
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ(listed->front().leases, 1);  // root's RPC lease
@@ -373,13 +373,13 @@ TEST(HeldStrangerTest, EveryRpcAndTheChannelAreRefusedToAStranger) {
   SKIP_UNLESS_ROOT();
   absl::StatusOr<TestDaemon> daemon = StartShared("held-stranger");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   const uint64_t published = PublishFilled(**own, "owned", 4096, 0x77);
   RawSession root(daemon->socket(), "root-raw");
   ASSERT_FALSE(root.token().empty());
-  absl::StatusOr<ServerStats> before = (*own)->Stat();
+  tensorshm::StatusOr<ServerStats> before = (*own)->Stat();
   ASSERT_OK(before);
 
   const std::string output = RunAs(kStranger, *daemon, "stranger", {root.token(), "owned"});
@@ -408,7 +408,7 @@ TEST(HeldStrangerTest, EveryRpcAndTheChannelAreRefusedToAStranger) {
   EXPECT_EQ(BoundId(**own, "owned"), published);
   EXPECT_TRUE(HoldsFill(**own, "owned", 4096, 0x77));
   EXPECT_EQ(BoundId(**own, "owned-x"), 0u);
-  absl::StatusOr<ServerStats> after = (*own)->Stat();
+  tensorshm::StatusOr<ServerStats> after = (*own)->Stat();
   ASSERT_OK(after);
   EXPECT_EQ(after->sessions, before->sessions);
   EXPECT_EQ(after->names, before->names);
@@ -423,7 +423,7 @@ TEST(HeldMalformedTest, MalformedRequestsOfAnAdmittedUidAreRefused) {
   SKIP_UNLESS_ROOT();
   absl::StatusOr<TestDaemon> daemon = StartShared("held-malformed");
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   PublishFilled(**own, "owned", 4096, 0x12);
@@ -460,7 +460,7 @@ TEST(HeldLoadTest, RandomOperationsWithLeasePageScribblesCauseNoCrash) {
   SKIP_UNLESS_ROOT();
   absl::StatusOr<TestDaemon> daemon = StartShared("held-scribble", {"--host-pool", "256Mi"});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   const uint64_t published = PublishFilled(**own, "owned", 1 << 20, 0x5c);
@@ -509,7 +509,7 @@ TEST(HeldLoadTest, RandomOperationsWithLeasePageScribblesCauseNoCrash) {
   EXPECT_EQ(BoundId(**own, "owned"), published);
   EXPECT_TRUE(HoldsFill(**own, "owned", 1 << 20, 0x5c));
   ASSERT_TRUE(WaitForSessions(**own, 1));
-  absl::StatusOr<ServerStats> stats = (*own)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*own)->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(stats->leases, 0);
   PublishFilled(**own, "after", 4096, 0x5d);
@@ -527,7 +527,7 @@ TEST(HeldLoadTest, ThirtyThousandWaitingAcquiresLeaveTheOwnersStatFast) {
   absl::StatusOr<TestDaemon> daemon =
       StartShared("held-waiters", {"--uid-waiters", std::to_string(kWaiters)});
   ASSERT_OK(daemon);
-  absl::StatusOr<std::shared_ptr<Client>> own =
+  tensorshm::StatusOr<std::shared_ptr<Client>> own =
       Client::Connect(ClientOptions{daemon->socket(), "owner"});
   ASSERT_OK(own);
   PublishFilled(**own, "owned", 4096, 0x30);

@@ -45,7 +45,7 @@ constexpr double kSlowdown = 1;
 #define ASSERT_OK(expr) ASSERT_TRUE((expr).ok()) << (expr).status()
 #define ASSERT_STATUS_OK(expr)            \
   do {                                    \
-    const absl::Status status_ = expr;    \
+    const auto status_ = (expr);          \
     ASSERT_TRUE(status_.ok()) << status_; \
   } while (false)
 
@@ -67,21 +67,21 @@ ChildProcess StartAttacker(const TestDaemon& daemon, int sessions, const std::st
 }
 
 std::shared_ptr<Client> Connect(const TestDaemon& daemon, const std::string& name) {
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon.socket(), name});
   TSM_CHECK(client.ok());
   return *std::move(client);
 }
 
-absl::Status PublishBytes(Client& client, const std::string& name, int64_t bytes) {
-  absl::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {bytes}});
+tensorshm::Status PublishBytes(Client& client, const std::string& name, int64_t bytes) {
+  tensorshm::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 8, 1}, {bytes}});
   if (!w.ok()) return w.status();
   if (bytes > 0) std::memset(w->data(), 7, static_cast<size_t>(bytes));
   return client.Publish(*w, name);
 }
 
 int64_t HostUsed(Client& client) {
-  absl::StatusOr<ServerStats> stats = client.Stat();
+  tensorshm::StatusOr<ServerStats> stats = client.Stat();
   TSM_CHECK(stats.ok() && !stats->pools.empty());
   return stats->pools[0].used_bytes;
 }
@@ -114,7 +114,7 @@ TEST(LeasePageAttackTest, FullPagesOfDistinctIdsLeaveStatAndListFast) {
   ChildProcess attacker = StartAttacker(*daemon, kSessions, "distinct", uint64_t{1} << 40);
   ASSERT_TRUE(attacker.WaitForOutput("filled\n", absl::Seconds(240))) << attacker.Output();
   // The daemon takes the pages in: Sessions reads every session's page.
-  absl::StatusOr<std::vector<SessionInfo>> read = owner->Sessions();
+  tensorshm::StatusOr<std::vector<SessionInfo>> read = owner->Sessions();
   ASSERT_OK(read);
 
   // Three rounds, 100 ms apart, and the best round's median: a scan of every slot would cost
@@ -127,7 +127,7 @@ TEST(LeasePageAttackTest, FullPagesOfDistinctIdsLeaveStatAndListFast) {
     std::vector<double> round_stats_ms;
     for (int i = 0; i < 50; ++i) {
       const absl::Time start = absl::Now();
-      absl::StatusOr<ServerStats> stats = owner->Stat();
+      tensorshm::StatusOr<ServerStats> stats = owner->Stat();
       round_stats_ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
       ASSERT_OK(stats);
       EXPECT_EQ(stats->sessions, kSessions + 1);
@@ -136,7 +136,7 @@ TEST(LeasePageAttackTest, FullPagesOfDistinctIdsLeaveStatAndListFast) {
     std::vector<double> round_list_ms;
     for (int i = 0; i < 5; ++i) {
       const absl::Time start = absl::Now();
-      absl::StatusOr<std::vector<TensorInfo>> listed = owner->List("t/");
+      tensorshm::StatusOr<std::vector<TensorInfo>> listed = owner->List("t/");
       round_list_ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
       ASSERT_OK(listed);
       ASSERT_EQ(listed->size(), static_cast<size_t>(kTensors));
@@ -168,7 +168,7 @@ TEST(LeasePageAttackTest, PageOfIdsItCouldNotAcquirePinsNothingAndCountsWithinUi
   ChildProcess attacker = StartAttacker(*daemon, 2, "range", 1);
   ASSERT_TRUE(attacker.WaitForOutput("filled\n", absl::Seconds(60))) << attacker.Output();
   // The daemon reads the pages before the ids are handed out (Sessions reads every session's).
-  absl::StatusOr<std::vector<SessionInfo>> sessions = owner->Sessions();
+  tensorshm::StatusOr<std::vector<SessionInfo>> sessions = owner->Sessions();
   ASSERT_OK(sessions);
   int64_t attacker_slots = 0;
   for (const SessionInfo& session : *sessions)
@@ -178,7 +178,7 @@ TEST(LeasePageAttackTest, PageOfIdsItCouldNotAcquirePinsNothingAndCountsWithinUi
   constexpr int64_t kBytes = int64_t{32} << 20;
   for (int i = 0; i < 8; ++i)
     ASSERT_STATUS_OK(PublishBytes(*owner, absl::StrCat("big/", i), kBytes));
-  absl::StatusOr<ServerStats> stats = owner->Stat();
+  tensorshm::StatusOr<ServerStats> stats = owner->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(stats->leases, 0) << "slots written before their ids were handed out count nothing";
   for (int i = 0; i < 8; ++i) ASSERT_STATUS_OK(owner->Delete(absl::StrCat("big/", i)));
@@ -189,7 +189,7 @@ TEST(LeasePageAttackTest, PageOfIdsItCouldNotAcquirePinsNothingAndCountsWithinUi
   // leases up to its --uid-leases and no further.
   for (int i = 0; i < 200; ++i)
     ASSERT_STATUS_OK(PublishBytes(*owner, absl::StrCat("small/", i), 64));
-  absl::StatusOr<std::vector<TensorInfo>> listed = owner->List("small/");
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = owner->List("small/");
   ASSERT_OK(listed);
   uint64_t first_id = ~uint64_t{0};
   uint64_t last_id = 0;
@@ -241,7 +241,7 @@ TEST(LeasePageAttackTest, RealFastPathLeaseStillKeepsADeletedTensor) {
   constexpr int64_t kBytes = int64_t{32} << 20;
   ASSERT_STATUS_OK(PublishBytes(*owner, "x", kBytes));
   // The reader's fast path is set up beside its session: answered locally once it is.
-  absl::StatusOr<DLManagedTensorVersioned*> held = reader->TryAcquireLocal("x");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> held = reader->TryAcquireLocal("x");
   for (int i = 0; i < 200 && !held.ok(); ++i) {
     absl::SleepFor(absl::Milliseconds(10));
     held = reader->TryAcquireLocal("x");
@@ -254,7 +254,7 @@ TEST(LeasePageAttackTest, RealFastPathLeaseStillKeepsADeletedTensor) {
   const auto* bytes = static_cast<const uint8_t*>((*held)->dl_tensor.data);
   EXPECT_EQ(bytes[0], 7);
   EXPECT_EQ(bytes[kBytes - 1], 7);
-  absl::StatusOr<ServerStats> stats = owner->Stat();
+  tensorshm::StatusOr<ServerStats> stats = owner->Stat();
   ASSERT_OK(stats);
   EXPECT_EQ(stats->leases, 1);
   (*held)->deleter(*held);

@@ -49,9 +49,9 @@ void AddCodes(const std::string& output, std::map<std::string, int64_t>* codes) 
 }
 
 // Publishes `elements` uint32 values `value` as `name`.
-absl::Status PublishFilled(Client& client, const std::string& name, int64_t elements,
-                           uint32_t value) {
-  absl::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 32, 1}, {elements}});
+tensorshm::Status PublishFilled(Client& client, const std::string& name, int64_t elements,
+                                uint32_t value) {
+  tensorshm::StatusOr<WritableTensor> w = client.Create({{kDLUInt, 32, 1}, {elements}});
   if (!w.ok()) return w.status();
   std::fill_n(static_cast<uint32_t*>(w->data()), elements, value);
   return client.Publish(*w, name);
@@ -97,12 +97,12 @@ TEST(ScribbleTest, DaemonKeepsServingWhileAnotherProcessScribblesItsControlSegme
   // The workers are under way (each has published a name) before the scribbling starts, and go
   // on after it stops.
   {
-    absl::StatusOr<std::shared_ptr<tensorshm::Client>> watcher =
+    tensorshm::StatusOr<std::shared_ptr<tensorshm::Client>> watcher =
         tensorshm::Client::Connect({daemon.socket(), "scribble-watcher"});
     ASSERT_TRUE(watcher.ok()) << watcher.status();
     std::set<std::string> publishing;
     for (int i = 0; i < 3000 && publishing.size() < static_cast<size_t>(kWorkers); ++i) {
-      absl::StatusOr<std::vector<tensorshm::TensorInfo>> listed = (*watcher)->List("w");
+      tensorshm::StatusOr<std::vector<tensorshm::TensorInfo>> listed = (*watcher)->List("w");
       ASSERT_TRUE(listed.ok()) << listed.status();
       for (const tensorshm::TensorInfo& info : *listed)
         publishing.insert(info.name.substr(0, info.name.find('/')));
@@ -154,10 +154,10 @@ TEST(ScribbleTest, DaemonKeepsServingWhileAnotherProcessScribblesItsControlSegme
   std::cout << "daemon log: " << damaged << " damaged tensors reported" << std::endl;
 
   // It keeps serving: Stat, and new names published and acquired (fast path, then RPC).
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon.socket(), "scribble_test"});
   ASSERT_TRUE(client.ok()) << client.status();
-  absl::StatusOr<ServerStats> stats = (*client)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
   ASSERT_TRUE(stats.ok()) << stats.status();
   std::cout << "after: tensors " << stats->tensors << ", leases " << stats->leases << ", sessions "
             << stats->sessions << std::endl;
@@ -165,21 +165,21 @@ TEST(ScribbleTest, DaemonKeepsServingWhileAnotherProcessScribblesItsControlSegme
     const std::string name = absl::StrCat("after/", i);
     const int64_t elements = 1000 + i;
     ASSERT_TRUE(PublishFilled(**client, name, elements, 0xa000 + i).ok()) << name;
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
     ASSERT_TRUE(t.ok()) << name << ": " << t.status();
     EXPECT_TRUE(Holds(*t, elements, 0xa000 + i)) << name;
     (*t)->deleter(*t);
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 32, 1}, {elements}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 32, 1}, {elements}});
     ASSERT_TRUE(w.ok()) << w.status();
     std::fill_n(static_cast<uint32_t*>(w->data()), elements, 0xb000 + i);
-    absl::StatusOr<DLManagedTensorVersioned*> acquired =
+    tensorshm::StatusOr<DLManagedTensorVersioned*> acquired =
         (*client)->PublishAndAcquire(*w, name, /*replace=*/true);
     ASSERT_TRUE(acquired.ok()) << name << ": " << acquired.status();
     EXPECT_TRUE(Holds(*acquired, elements, 0xb000 + i)) << name;
     (*acquired)->deleter(*acquired);
   }
   // Every name, damaged or not, can be deleted; then nothing is left but what leases hold.
-  absl::StatusOr<std::vector<TensorInfo>> listed = (*client)->List();
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = (*client)->List();
   ASSERT_TRUE(listed.ok()) << listed.status();
   for (const TensorInfo& info : *listed) {
     EXPECT_TRUE((*client)->Delete(info.name).ok()) << info.name;
@@ -249,7 +249,7 @@ TEST(ScribbleTest, EachOverwrittenRecordFieldIsDataLossNeverACrash) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ControlMapping control(absl::StrCat("/dev/shm/", daemon->shm_prefix(), ".ctl"));
   ASSERT_TRUE(control.ok());
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "scribble_fields"});
   ASSERT_TRUE(client.ok()) << client.status();
 
@@ -279,7 +279,7 @@ TEST(ScribbleTest, EachOverwrittenRecordFieldIsDataLossNeverACrash) {
   for (size_t i = 0; i < overwrites.size(); ++i) {
     const auto& [what, overwrite] = overwrites[i];
     const std::string name = absl::StrCat("field/", i);
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 32, 1}, {1024}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 32, 1}, {1024}});
     ASSERT_TRUE(w.ok()) << w.status();
     std::fill_n(static_cast<uint32_t*>(w->data()), 1024, 7u);
     const uint64_t id = w->tensor_id();
@@ -288,7 +288,7 @@ TEST(ScribbleTest, EachOverwrittenRecordFieldIsDataLossNeverACrash) {
     ASSERT_NE(record, nullptr) << what;
     overwrite(*record);
     for (int round = 0; round < 3; ++round) {  // before and after the daemon's sweep finds it
-      absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
+      tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
       ASSERT_FALSE(t.ok()) << what << ": acquired from an overwritten record";
       EXPECT_EQ(t.status().code(), absl::StatusCode::kDataLoss) << what << ": " << t.status();
       if (round == 0) std::cout << what << ": " << t.status().message() << std::endl;
@@ -302,7 +302,7 @@ TEST(ScribbleTest, EachOverwrittenRecordFieldIsDataLossNeverACrash) {
   ASSERT_TRUE(PublishFilled(**client, "intact", 1024, 9u).ok());
   const uint64_t size = control.segment(0).size;
   control.segment(0).size = 1;
-  absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("intact");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("intact");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_TRUE(Holds(*t, 1024, 9u));
   (*t)->deleter(*t);

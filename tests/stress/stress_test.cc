@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "client/public_status.h"
 #include "common/base/check.h"
 #include "gtest/gtest.h"
 #include "tensorshm/client.h"
@@ -31,17 +32,18 @@ class StressTest : public ::testing::Test {
         {"--host-pool", "512Mi", "--segment-size", "64Mi", "--max-tensors", "16384"});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::make_unique<TestDaemon>(*std::move(daemon));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{daemon_->socket(), "stress_test"});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *client;
     // Shared tensors every client reads.
     for (int i = 0; i < 4; ++i) {
-      absl::StatusOr<WritableTensor> w = client_->Create({{kDLFloat, 32, 1}, {4096 * (i + 1)}});
+      tensorshm::StatusOr<WritableTensor> w =
+          client_->Create({{kDLFloat, 32, 1}, {4096 * (i + 1)}});
       ASSERT_TRUE(w.ok());
       ASSERT_TRUE(client_->Publish(*w, absl::StrCat("shared/", i)).ok());
     }
-    absl::StatusOr<ServerStats> stats = client_->Stat();
+    tensorshm::StatusOr<ServerStats> stats = client_->Stat();
     ASSERT_TRUE(stats.ok());
     baseline_ = *stats;
   }
@@ -60,8 +62,8 @@ class StressTest : public ::testing::Test {
   absl::StatusOr<absl::Duration> WaitForBaseline() {
     const absl::Time start = absl::Now();
     while (absl::Now() - start < absl::Seconds(20)) {
-      absl::StatusOr<ServerStats> s = client_->Stat();
-      if (!s.ok()) return s.status();
+      tensorshm::StatusOr<ServerStats> s = client_->Stat();
+      if (!s.ok()) return ToAbsl(s.status());
       if (s->leases == baseline_.leases && s->tensors == baseline_.tensors &&
           s->sessions == baseline_.sessions &&
           s->pools[0].used_bytes == baseline_.pools[0].used_bytes) {
@@ -69,7 +71,7 @@ class StressTest : public ::testing::Test {
       }
       absl::SleepFor(absl::Milliseconds(5));
     }
-    absl::StatusOr<ServerStats> s = client_->Stat();
+    tensorshm::StatusOr<ServerStats> s = client_->Stat();
     return absl::DeadlineExceededError(
         absl::StrCat("not back at baseline: leases ", s->leases, ", tensors ", s->tensors,
                      ", sessions ", s->sessions, ", used ", s->pools[0].used_bytes, " (baseline ",
@@ -175,12 +177,12 @@ TEST(CrashTest, DaemonKilledAtRandomPointsServesEveryPublishedTensorAgain) {
     ASSERT_TRUE(daemon.ok());
     ASSERT_TRUE(daemon->WaitForOutput("serving on", absl::Seconds(20))) << daemon->Output();
     {
-      absl::StatusOr<std::shared_ptr<Client>> client =
+      tensorshm::StatusOr<std::shared_ptr<Client>> client =
           Client::Connect(ClientOptions{socket, "crash_test"});
       ASSERT_TRUE(client.ok()) << client.status();
       // Every acknowledged publish is back; nothing else holds memory.
-      absl::StatusOr<std::vector<TensorInfo>> listed;
-      absl::StatusOr<ServerStats> stats;
+      tensorshm::StatusOr<std::vector<TensorInfo>> listed;
+      tensorshm::StatusOr<ServerStats> stats;
       for (int tries = 0; tries < 500; ++tries) {
         listed = (*client)->List();
         stats = (*client)->Stat();
@@ -196,7 +198,7 @@ TEST(CrashTest, DaemonKilledAtRandomPointsServesEveryPublishedTensorAgain) {
       }
       for (const auto& [name, sum] : expected) {
         ASSERT_TRUE(by_name.count(name) > 0) << name << " was published and is gone";
-        absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
+        tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(name);
         ASSERT_TRUE(t.ok()) << t.status();
         EXPECT_EQ(std::to_string(StorageHash((*t)->dl_tensor)), sum) << name;
         ++verified;
@@ -207,7 +209,7 @@ TEST(CrashTest, DaemonKilledAtRandomPointsServesEveryPublishedTensorAgain) {
       // Names whose publish was cut short by the last kill may or may not be there; adopt them.
       for (const TensorInfo& info : *listed) {
         if (expected.count(info.name) == 0 && info.name.rfind("crash/", 0) == 0) {
-          absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(info.name);
+          tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire(info.name);
           ASSERT_TRUE(t.ok());
           expected[info.name] = std::to_string(StorageHash((*t)->dl_tensor));
           (*t)->deleter(*t);
@@ -272,10 +274,10 @@ TEST(CrashTest, KeepSegmentsOnSigtermAndServeThemAfterRestart) {
   {
     absl::StatusOr<ChildProcess> daemon = ChildProcess::Start(argv, dir + "/a.log");
     ASSERT_TRUE(daemon.ok() && daemon->WaitForOutput("serving on", absl::Seconds(20)));
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{dir + "/s.sock", "keep"});
     ASSERT_TRUE(client.ok());
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 16, 1}, {5000}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 16, 1}, {5000}});
     ASSERT_TRUE(w.ok());
     for (int i = 0; i < 5000; ++i) static_cast<uint16_t*>(w->data())[i] = static_cast<uint16_t>(i);
     sum = StorageHash(w->dl_tensor());
@@ -292,10 +294,10 @@ TEST(CrashTest, KeepSegmentsOnSigtermAndServeThemAfterRestart) {
   absl::StatusOr<ChildProcess> daemon = ChildProcess::Start(restart, dir + "/b.log");
   ASSERT_TRUE(daemon.ok() && daemon->WaitForOutput("serving on", absl::Seconds(20)));
   {
-    absl::StatusOr<std::shared_ptr<Client>> client =
+    tensorshm::StatusOr<std::shared_ptr<Client>> client =
         Client::Connect(ClientOptions{dir + "/s.sock", "keep"});
     ASSERT_TRUE(client.ok());
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("kept");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*client)->Acquire("kept");
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_EQ(StorageHash((*t)->dl_tensor), sum);
     (*t)->deleter(*t);
@@ -351,7 +353,7 @@ struct RestartPlace {
 void PublishFillers(Client& producer, char byte) {
   std::vector<char> filler(4 << 20, byte);
   for (int i = 0; i < 4; ++i) {
-    absl::StatusOr<WritableTensor> w = producer.Create({{kDLUInt, 8, 1}, {4 << 20}});
+    tensorshm::StatusOr<WritableTensor> w = producer.Create({{kDLUInt, 8, 1}, {4 << 20}});
     ASSERT_TRUE(w.ok()) << w.status();
     std::memcpy(w->data(), filler.data(), filler.size());
     ASSERT_TRUE(producer.Publish(*w, absl::StrCat("filler/", i)).ok());
@@ -362,8 +364,8 @@ void PublishFillers(Client& producer, char byte) {
 // no lease is left and the pool's used bytes are theirs.
 void ExpectOnlyPublishedHoldMemory(ChildProcess& daemon, Client& client, size_t tensors) {
   ASSERT_TRUE(daemon.WaitForOutput("recovery grace over", absl::Seconds(20))) << daemon.Output();
-  absl::StatusOr<ServerStats> stats = client.Stat();
-  absl::StatusOr<std::vector<TensorInfo>> listed = client.List();
+  tensorshm::StatusOr<ServerStats> stats = client.Stat();
+  tensorshm::StatusOr<std::vector<TensorInfo>> listed = client.List();
   ASSERT_TRUE(stats.ok() && listed.ok());
   EXPECT_EQ(stats->leases, 0);
   EXPECT_EQ(listed->size(), tensors);
@@ -392,14 +394,14 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
       StartDaemon(socket, place.prefix, "3", place.dir + "/a.log");
   ASSERT_TRUE(daemon.ok()) << daemon.status();
 
-  absl::StatusOr<std::shared_ptr<Client>> producer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> producer =
       Client::Connect(ClientOptions{socket, "producer"});
-  absl::StatusOr<std::shared_ptr<Client>> consumer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> consumer =
       Client::Connect(ClientOptions{socket, "consumer"});
   ASSERT_TRUE(producer.ok() && consumer.ok());
   std::map<std::string, uint64_t> sums;
   for (const std::string name : {"kept", "deleted-before"}) {
-    absl::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 16, 1}, {50000}});
+    tensorshm::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 16, 1}, {50000}});
     ASSERT_TRUE(w.ok());
     for (int i = 0; i < 50000; ++i) {
       static_cast<uint16_t*>(w->data())[i] = static_cast<uint16_t>(i * 7 + name.size());
@@ -407,12 +409,12 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
     sums[name] = StorageHash(w->dl_tensor());
     ASSERT_TRUE((*producer)->Publish(*w, name).ok());
   }
-  absl::StatusOr<DLManagedTensorVersioned*> kept = (*consumer)->Acquire("kept");
-  absl::StatusOr<DLManagedTensorVersioned*> unbound = (*consumer)->Acquire("deleted-before");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> kept = (*consumer)->Acquire("kept");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> unbound = (*consumer)->Acquire("deleted-before");
   ASSERT_TRUE(kept.ok() && unbound.ok());
   // Deleted while leased: unbound, alive only through the consumer's lease.
   ASSERT_TRUE((*producer)->Delete("deleted-before").ok());
-  absl::StatusOr<WritableTensor> draft = (*consumer)->Create({{kDLUInt, 8, 1}, {100000}});
+  tensorshm::StatusOr<WritableTensor> draft = (*consumer)->Create({{kDLUInt, 8, 1}, {100000}});
   ASSERT_TRUE(draft.ok());
   std::memset(draft->data(), 0x5a, 50000);  // half written when the daemon dies
 
@@ -429,7 +431,7 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
       << daemon->Output();
 
   // The consumer's leases are held again, its mappings never stopped being valid.
-  absl::StatusOr<ServerStats> stats = (*consumer)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*consumer)->Stat();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->leases, 2);
   EXPECT_TRUE(LeaseStatus(*kept).ok()) << LeaseStatus(*kept);
@@ -446,10 +448,10 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   const uint64_t draft_sum = StorageHash(draft->dl_tensor());
   ASSERT_TRUE((*consumer)->Publish(*draft, "draft").ok());
   {
-    absl::StatusOr<std::shared_ptr<Client>> reader =
+    tensorshm::StatusOr<std::shared_ptr<Client>> reader =
         Client::Connect(ClientOptions{socket, "reader"});
     ASSERT_TRUE(reader.ok());
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*reader)->Acquire("draft");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*reader)->Acquire("draft");
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_EQ(StorageHash((*t)->dl_tensor), draft_sum);
     (*t)->deleter(*t);
@@ -465,7 +467,7 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   // A restart with no grace period: the lease cannot be re-registered. The tensor stays mapped
   // (the recovered daemon says its segment is the same object), and the loss is reported: by
   // LeaseStatus on the tensor and once by Flush, naming the tensor; releasing it is not refused.
-  absl::StatusOr<DLManagedTensorVersioned*> late = (*consumer)->Acquire("draft");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> late = (*consumer)->Acquire("draft");
   ASSERT_TRUE(late.ok()) << late.status();
   EXPECT_TRUE(LeaseStatus(*late).ok());
   const uint64_t late_id = (*consumer)->List("draft")->at(0).tensor_id;
@@ -476,9 +478,9 @@ TEST(CrashTest, ClientsReconnectAndTakeBackLeasesAndUnpublishedTensors) {
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ASSERT_TRUE(WaitForReconnect(**consumer, second_session));
   EXPECT_EQ(StorageHash((*late)->dl_tensor), draft_sum);
-  EXPECT_EQ(LeaseStatus(*late).code(), absl::StatusCode::kDataLoss) << LeaseStatus(*late);
+  EXPECT_EQ(LeaseStatus(*late).code(), tensorshm::StatusCode::kDataLoss) << LeaseStatus(*late);
   (*late)->deleter(*late);
-  absl::Status lost = (*consumer)->Flush();
+  tensorshm::Status lost = (*consumer)->Flush();
   EXPECT_EQ(lost.code(), absl::StatusCode::kDataLoss) << lost;
   EXPECT_TRUE(absl::StrContains(lost.message(), absl::StrCat("tensor ids ", late_id))) << lost;
   EXPECT_TRUE((*consumer)->Flush().ok());  // reported once
@@ -506,31 +508,31 @@ TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTak
       StartDaemon(socket, place.prefix, "5", place.dir + "/a.log", {"--keep-segments"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
 
-  absl::StatusOr<std::shared_ptr<Client>> producer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> producer =
       Client::Connect(ClientOptions{socket, "producer"});
-  absl::StatusOr<std::shared_ptr<Client>> consumer =
+  tensorshm::StatusOr<std::shared_ptr<Client>> consumer =
       Client::Connect(ClientOptions{socket, "consumer"});
   ASSERT_TRUE(producer.ok() && consumer.ok());
   auto publish = [&](const std::string& name, int seed, bool replace) -> absl::StatusOr<uint64_t> {
-    absl::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 16, 1}, {30000}});
-    if (!w.ok()) return w.status();
+    tensorshm::StatusOr<WritableTensor> w = (*producer)->Create({{kDLUInt, 16, 1}, {30000}});
+    if (!w.ok()) return ToAbsl(w.status());
     for (int i = 0; i < 30000; ++i) {
       static_cast<uint16_t*>(w->data())[i] = static_cast<uint16_t>(i * seed + 1);
     }
     const uint64_t sum = StorageHash(w->dl_tensor());
-    if (absl::Status s = (*producer)->Publish(*w, name, replace); !s.ok()) return s;
+    if (tensorshm::Status s = (*producer)->Publish(*w, name, replace); !s.ok()) return ToAbsl(s);
     return sum;
   };
   absl::StatusOr<uint64_t> kept_sum = publish("kept", 3, false);
   absl::StatusOr<uint64_t> replaced_sum = publish("replaced", 5, false);
   ASSERT_TRUE(kept_sum.ok() && replaced_sum.ok());
-  absl::StatusOr<DLManagedTensorVersioned*> kept = (*consumer)->Acquire("kept");
-  absl::StatusOr<DLManagedTensorVersioned*> old = (*consumer)->Acquire("replaced");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> kept = (*consumer)->Acquire("kept");
+  tensorshm::StatusOr<DLManagedTensorVersioned*> old = (*consumer)->Acquire("replaced");
   ASSERT_TRUE(kept.ok() && old.ok());
   // The old version of "replaced" is unbound: alive only through the consumer's lease.
   absl::StatusOr<uint64_t> new_sum = publish("replaced", 11, true);
   ASSERT_TRUE(new_sum.ok()) << new_sum.status();
-  absl::StatusOr<WritableTensor> draft = (*consumer)->Create({{kDLUInt, 8, 1}, {70000}});
+  tensorshm::StatusOr<WritableTensor> draft = (*consumer)->Create({{kDLUInt, 8, 1}, {70000}});
   ASSERT_TRUE(draft.ok());
   std::memset(draft->data(), 0x3c, 35000);  // half written when the daemon stops
 
@@ -559,9 +561,9 @@ TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTak
       << daemon->Output();
 
   // Nothing was lost: the leases are held again and the bytes are those written before.
-  absl::Status flushed = (*consumer)->Flush();
+  tensorshm::Status flushed = (*consumer)->Flush();
   EXPECT_TRUE(flushed.ok()) << flushed;
-  absl::StatusOr<ServerStats> stats = (*consumer)->Stat();
+  tensorshm::StatusOr<ServerStats> stats = (*consumer)->Stat();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->leases, 2);
   EXPECT_TRUE(LeaseStatus(*kept).ok()) << LeaseStatus(*kept);
@@ -569,7 +571,7 @@ TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTak
   EXPECT_EQ(StorageHash((*kept)->dl_tensor), *kept_sum);
   EXPECT_EQ(StorageHash((*old)->dl_tensor), *replaced_sum);
   {
-    absl::StatusOr<DLManagedTensorVersioned*> current = (*producer)->Acquire("replaced");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> current = (*producer)->Acquire("replaced");
     ASSERT_TRUE(current.ok()) << current.status();
     EXPECT_EQ(StorageHash((*current)->dl_tensor), *new_sum);
     (*current)->deleter(*current);
@@ -582,7 +584,7 @@ TEST_P(HeldAcrossRestartTest, LeasesOnReplacedTensorsAndUnpublishedBuffersAreTak
   const uint64_t draft_sum = StorageHash(draft->dl_tensor());
   ASSERT_TRUE((*consumer)->Publish(*draft, "draft").ok());
   {
-    absl::StatusOr<DLManagedTensorVersioned*> t = (*producer)->Acquire("draft");
+    tensorshm::StatusOr<DLManagedTensorVersioned*> t = (*producer)->Acquire("draft");
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_EQ(StorageHash((*t)->dl_tensor), draft_sum);
     (*t)->deleter(*t);

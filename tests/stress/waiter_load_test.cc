@@ -117,11 +117,11 @@ TEST(WaiterLoadTest, TwentyThousandWaitersTwoHundredChurningSessionsFewThreads) 
   } join_sampler{sampling, sampler};
 
   // The unrelated client: its tensor, then its timing loop.
-  absl::StatusOr<std::shared_ptr<Client>> client =
+  tensorshm::StatusOr<std::shared_ptr<Client>> client =
       Client::Connect(ClientOptions{daemon->socket(), "waiter_load_test"});
   ASSERT_TRUE(client.ok()) << client.status();
   {
-    absl::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {1024}});
+    tensorshm::StatusOr<WritableTensor> w = (*client)->Create({{kDLUInt, 8, 1}, {1024}});
     ASSERT_TRUE(w.ok()) << w.status();
     ASSERT_TRUE((*client)->Publish(*w, "observer/fixed").ok());
   }

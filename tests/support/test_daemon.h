@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "tests/support/status_codes.h"
 
 namespace tensorshm::testing {
 

@@ -75,6 +75,12 @@ int Fail(const std::string& what, const absl::Status& status) {
   return kExitFailed;
 }
 
+int Fail(const std::string& what, const tensorshm::Status& status) {
+  std::cerr << "tensorshmctl: " << what << ": " << tensorshm::StatusCodeName(status.code()) << ": "
+            << status.message() << std::endl;
+  return kExitFailed;
+}
+
 void PrintJson(const nlohmann::json& document) {
   // Client names are the clients' words: bytes that are not UTF-8 are replaced, never fatal.
   std::cout << document.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
@@ -152,26 +158,26 @@ int RunWithClient(const GlobalOptions& options, const Command& command) {
   ClientOptions client_options;
   client_options.socket = options.socket;
   client_options.client_name = "tensorshmctl";
-  client_options.connect_timeout = options.timeout;
+  client_options.connect_timeout = absl::ToChronoNanoseconds(options.timeout);
   client_options.server_uid = options.server_uid;
-  absl::StatusOr<std::shared_ptr<Client>> client = Client::Connect(client_options);
+  tensorshm::StatusOr<std::shared_ptr<Client>> client = Client::Connect(client_options);
   if (!client.ok()) return Fail(what, client.status());
   const int64_t now = absl::ToUnixMillis(absl::Now());
 
   if (command.verb == "status") {
-    absl::StatusOr<ServerStats> stats = (*client)->Stat();
+    tensorshm::StatusOr<ServerStats> stats = (*client)->Stat();
     if (!stats.ok()) return Fail(what, stats.status());
     const nlohmann::json report = StatusReport(*stats);
     options.json ? PrintJson(report) : void(std::cout << StatusText(report));
   } else if (command.verb == "ls") {
-    absl::StatusOr<std::vector<TensorInfo>> tensors = (*client)->List(command.target);
+    tensorshm::StatusOr<std::vector<TensorInfo>> tensors = (*client)->List(command.target);
     if (!tensors.ok()) return Fail(what, tensors.status());
     const nlohmann::json report = ListReport(*tensors, now);
     options.json ? PrintJson(report) : void(std::cout << ListText(report, command.target));
   } else if (command.verb == "inspect") {
     // List by the name as a prefix, then the exact name: List is the one call that describes a
     // tensor without taking a lease on it.
-    absl::StatusOr<std::vector<TensorInfo>> tensors = (*client)->List(command.target);
+    tensorshm::StatusOr<std::vector<TensorInfo>> tensors = (*client)->List(command.target);
     if (!tensors.ok()) return Fail(what, tensors.status());
     const TensorInfo* found = nullptr;
     for (const TensorInfo& tensor : *tensors) {
@@ -186,12 +192,12 @@ int RunWithClient(const GlobalOptions& options, const Command& command) {
     const nlohmann::json report = TensorReport(*found, now);
     options.json ? PrintJson(report) : void(std::cout << InspectText(report));
   } else if (command.verb == "sessions") {
-    absl::StatusOr<std::vector<SessionInfo>> sessions = (*client)->Sessions();
+    tensorshm::StatusOr<std::vector<SessionInfo>> sessions = (*client)->Sessions();
     if (!sessions.ok()) return Fail(what, sessions.status());
     const nlohmann::json report = SessionsReport(*sessions, now);
     options.json ? PrintJson(report) : void(std::cout << SessionsText(report));
   } else if (command.verb == "rm") {
-    if (absl::Status s = (*client)->Delete(command.target); !s.ok()) return Fail(what, s);
+    if (tensorshm::Status s = (*client)->Delete(command.target); !s.ok()) return Fail(what, s);
     if (options.json) {
       PrintJson({{"deleted", command.target}});
     } else {

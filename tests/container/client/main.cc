@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
     }
     auto* values = static_cast<double*>(tensor->data());
     for (int i = 0; i < 1000; ++i) sum += values[i] = i * 0.5;
-    if (absl::Status s = (*client)->Publish(*tensor, argv[3]); !s.ok()) {
+    if (tensorshm::Status s = (*client)->Publish(*tensor, argv[3]); !s.ok()) {
       std::fprintf(stderr, "publish %s: %s\n", argv[3], s.ToString().c_str());
       return 1;
     }
