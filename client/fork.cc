@@ -1,7 +1,6 @@
 #include "client/fork.h"
 
 #include <dirent.h>
-#include <dlfcn.h>
 #include <fcntl.h>
 #include <grpc/fork.h>
 #include <grpc/grpc.h>
@@ -87,27 +86,14 @@ void CutInheritedConnections() {
   }
 }
 
+// As gRPC reads a boolean setting: "1", "true" or "yes", in any case.
+bool IsTrue(const char* value) {
+  return strcmp(value, "1") == 0 || strcasecmp(value, "true") == 0 || strcasecmp(value, "yes") == 0;
+}
+
 void OnForkChild() {
   g_fork_generation.fetch_add(1, std::memory_order_relaxed);
   CutInheritedConnections();
-}
-
-// gRPC's fork support: its handlers stop gRPC's threads before a fork and, in the child, reset
-// its locks, threads and poller and close the sockets it inherited, so that the child can use
-// gRPC afresh. Debian's gRPC registers no handlers, and decides whether the support is on when
-// the library loads (GRPC_ENABLE_FORK_SUPPORT), so it is switched on here, before gRPC starts,
-// through grpc_core::Fork::Enable, looked up at run time (without it, forks go unprepared).
-// Unless the user set GRPC_ENABLE_FORK_SUPPORT to false.
-void EnableGrpcForkSupport() {
-  const char* chosen = getenv("GRPC_ENABLE_FORK_SUPPORT");
-  if (chosen != nullptr && (std::strcmp(chosen, "0") == 0 || strcasecmp(chosen, "false") == 0)) {
-    return;
-  }
-  auto enable = reinterpret_cast<void (*)(bool)>(
-      dlsym(RTLD_DEFAULT, "_ZN9grpc_core4Fork6EnableEb"));  // grpc_core::Fork::Enable(bool)
-  if (enable == nullptr) return;
-  enable(true);
-  pthread_atfork(grpc_prefork, grpc_postfork_parent, grpc_postfork_child);
 }
 
 // A forked child's references to its parent's cores (see KeepForever).
@@ -180,12 +166,29 @@ void PrepareProcessForClients() {
     // Registered after gRPC's statics (gRPC is loaded before this runs), so it runs before them.
     Exit();
     std::atexit(OnProcessExit);
-    if (grpc_is_initialized()) return;
-    EnableGrpcForkSupport();
+    // gRPC reads its settings from the environment once, at the first call that asks it about
+    // itself (grpc_is_initialized too): they are set here for that call alone (the program's own
+    // choices kept), then taken back, so that programs this one starts do not inherit them. A
+    // program that used gRPC before keeps the settings it had (it may set
+    // GRPC_ENABLE_FORK_SUPPORT=1 itself).
+    //  - fork support: gRPC's handlers, registered below, stop gRPC's threads before a fork and,
+    //    in the child, reset its locks, threads and poller, so that the child can use gRPC
+    //    afresh. Debian's gRPC registers none itself.
+    //  - the poll strategy: poll, the one besides epoll1 that fork support works with.
+    const char* fork_choice = getenv("GRPC_ENABLE_FORK_SUPPORT");
+    const bool choose_fork = fork_choice == nullptr;
     const bool choose_poll = getenv("GRPC_POLL_STRATEGY") == nullptr;
+    if (choose_fork) setenv("GRPC_ENABLE_FORK_SUPPORT", "1", /*overwrite=*/0);
     if (choose_poll) setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
-    grpc_init();  // held for the life of the process: gRPC never restarts with other settings
+    const bool first = !grpc_is_initialized();
+    // Held for the life of the process: gRPC never restarts with other settings.
+    if (first) grpc_init();
     if (choose_poll) unsetenv("GRPC_POLL_STRATEGY");
+    if (choose_fork) unsetenv("GRPC_ENABLE_FORK_SUPPORT");
+    // Fork support is on: the handlers (which complain on every fork while it is off).
+    if (first && (choose_fork || IsTrue(fork_choice))) {
+      pthread_atfork(grpc_prefork, grpc_postfork_parent, grpc_postfork_child);
+    }
   });
 }
 

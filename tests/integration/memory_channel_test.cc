@@ -475,10 +475,15 @@ TEST(RestartTest, CleanRestartWithTheSamePrefixNeverServesOldBytes) {
 TEST(ForkTest, ChildConnectsAgainAndInheritedClientRefusesWhileParentWorks) {
   absl::StatusOr<TestDaemon> daemon = TestDaemon::Start("fork");
   ASSERT_OK(daemon);
+  const bool fork_setting_given = getenv("GRPC_ENABLE_FORK_SUPPORT") != nullptr;
   tensorshm::StatusOr<std::shared_ptr<Client>> parent =
       Client::Connect(ClientOptions{daemon->socket(), "parent"});
   ASSERT_OK(parent);
-  // The client switched gRPC's fork support on (Debian's gRPC leaves it off).
+  // The client switched gRPC's fork support on (Debian's gRPC leaves it off), through the
+  // environment of its first grpc_init only: programs this one starts do not inherit it.
+  if (!fork_setting_given) {
+    EXPECT_EQ(getenv("GRPC_ENABLE_FORK_SUPPORT"), nullptr);
+  }
   auto fork_enabled = reinterpret_cast<bool (*)()>(
       dlsym(RTLD_DEFAULT, "_ZN9grpc_core4Fork7EnabledEv"));  // grpc_core::Fork::Enabled()
   ASSERT_NE(fork_enabled, nullptr);
