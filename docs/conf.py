@@ -68,6 +68,8 @@ breathe_show_include = False
 # in annotations Sphinx knows without help.)
 nitpick_ignore_regex = [
     (r"cpp:identifier", r"(absl|std)(::.*)?"),
+    # std::chrono's, through the tensorshm::Duration alias (Duration::zero(), Duration::max()).
+    (r"cpp:identifier", r"Duration::(zero|max)"),
     (r"c(pp)?:identifier", r"u?int(8|16|32|64)_t|k?DL[A-Za-z]*"),
 ]
 
@@ -158,8 +160,13 @@ def _public_api() -> dict[str, set[str]]:
             native.add(name)
         elif kind == "namespace" and name == "tensorshm" or kind == "file" and name != "export.h":
             prefix = "tensorshm::" if kind == "namespace" else ""
+            enum = ""  # a namespace's enumerators follow their enum, and go by its name
             for member in compound.iter("member"):
-                if member.get("kind") in ("function", "typedef", "variable", "define", "enumvalue"):
+                if member.get("kind") == "enum" and kind == "namespace":
+                    enum = member.findtext("name") + "::"
+                if member.get("kind") == "enumvalue":
+                    native.add(prefix + enum + member.findtext("name"))
+                elif member.get("kind") in ("function", "typedef", "variable", "define"):
                     native.add(prefix + member.findtext("name"))
     return {"py": python, "native": native}
 
