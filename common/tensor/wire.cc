@@ -19,6 +19,16 @@ void ToWire(const DLDevice& device, v1::Device* out) {
   out->set_id(device.device_id);
 }
 
+void ToWire(const DecodedTensor& tensor, v1::TensorDesc* out) {
+  ToWire(tensor.dtype, out->mutable_dtype());
+  ToWire(tensor.device, out->mutable_device());
+  out->mutable_shape()->Assign(tensor.shape.begin(), tensor.shape.end());
+  out->mutable_strides()->Assign(tensor.strides.begin(), tensor.strides.end());
+  out->set_byte_offset(tensor.byte_offset);
+  out->set_nbytes(tensor.nbytes);
+  out->set_flags(tensor.flags);
+}
+
 absl::StatusOr<DLDataType> FromWire(const v1::DataType& dtype, absl::string_view field) {
   return MakeDataType(dtype.code(), dtype.bits(), dtype.lanes(), field);
 }

@@ -38,6 +38,8 @@ struct DecodedTensor {
 };
 absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
                                                const v1::Location& location);
+// The other way: the descriptor the daemon sends for a tensor it describes as `tensor`.
+void ToWire(const DecodedTensor& tensor, v1::TensorDesc* out);
 
 // Most bytes of each string a client supplies that the daemon keeps for the life of a session
 // (SessionOpen.client_name, SessionOpen.client_version).

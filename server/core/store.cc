@@ -130,14 +130,19 @@ absl::StatusOr<Session*> Store::CallerSession(const std::optional<std::string>& 
   return session;
 }
 
+DecodedTensor Store::DescriptionOf(const Tensor& tensor) {
+  return DecodedTensor{
+      .dtype = tensor.dtype,
+      .device = tensor.device,
+      .shape = tensor.shape,
+      .strides = tensor.strides,
+      .byte_offset = tensor.byte_offset,
+      .nbytes = tensor.nbytes,
+      .flags = tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : uint64_t{0}};
+}
+
 void Store::Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const {
-  ToWire(tensor.dtype, desc->mutable_dtype());
-  ToWire(tensor.device, desc->mutable_device());
-  desc->mutable_shape()->Assign(tensor.shape.begin(), tensor.shape.end());
-  desc->mutable_strides()->Assign(tensor.strides.begin(), tensor.strides.end());
-  desc->set_byte_offset(tensor.byte_offset);
-  desc->set_nbytes(tensor.nbytes);
-  desc->set_flags(tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : 0);
+  ToWire(DescriptionOf(tensor), desc);
   if (location == nullptr) return;
   location->set_segment_id(tensor.buffer.segment_id);
   location->set_offset(tensor.buffer.offset);
@@ -249,78 +254,79 @@ absl::Status Store::PublishFor(tensorshm::Session& session, const v1::PublishReq
 }
 
 absl::Status Store::Delete(const PeerCredentials& peer, const std::optional<std::string>& token,
-                           const v1::DeleteRequest& request) {
-  if (absl::Status s = ValidateName(request.name()); !s.ok()) return s;
+                           const std::string& name) {
+  if (absl::Status s = ValidateName(name); !s.ok()) return s;
   Lock lock(this);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(token, peer);
   if (!session.ok()) return session.status();
-  return DeleteFor(**session, request);
+  return DeleteFor(**session, name);
 }
 
-absl::Status Store::DeleteFor(const tensorshm::Session& session, const v1::DeleteRequest& request) {
-  if (absl::Status s = ValidateName(request.name()); !s.ok()) return s;
-  if (const Tensor* bound = catalog_->Find(request.name()); bound != nullptr) {
+absl::Status Store::DeleteFor(const tensorshm::Session& session, const std::string& name) {
+  if (absl::Status s = ValidateName(name); !s.ok()) return s;
+  if (const Tensor* bound = catalog_->Find(name); bound != nullptr) {
     if (absl::Status s = MayChange(session, *bound, "delete"); !s.ok()) return s;
   }
-  return catalog_->Delete(request.name());
+  return catalog_->Delete(name);
 }
 
-absl::Status Store::List(const PeerCredentials& caller, const v1::ListRequest& request,
-                         v1::ListResponse* response) {
-  if (absl::Status s = ValidateNamePrefix(request.prefix()); !s.ok()) return s;
+absl::StatusOr<std::vector<TensorListing>> Store::List(const PeerCredentials& caller,
+                                                       const std::string& prefix) {
+  if (absl::Status s = ValidateNamePrefix(prefix); !s.ok()) return s;
   Lock lock(this);
   catalog_->ReadLeasePages();  // once: each entry's page leases are then a look-up
-  for (const Tensor* tensor : catalog_->List(request.prefix())) {
-    v1::TensorInfo* info = response->add_tensors();
-    info->set_name(tensor->name);
-    info->set_tensor_id(tensor->id);
-    info->set_leases(catalog_->LeaseCount(*tensor));
-    info->set_published_unix_ms(tensor->published_unix_ms);
-    info->set_publisher_uid(tensor->owner_uid);
-    if (SeesDetailsOf(caller, tensor->owner_uid)) {
-      info->set_publisher_pid(tensor->publisher_pid);
-    }
-    Describe(*tensor, info->mutable_desc(), nullptr);
+  std::vector<TensorListing> listed;
+  for (const Tensor* tensor : catalog_->List(prefix)) {
+    TensorListing& entry = listed.emplace_back();
+    entry.name = tensor->name;
+    entry.tensor_id = tensor->id;
+    entry.desc = DescriptionOf(*tensor);
+    entry.leases = catalog_->LeaseCount(*tensor);
+    entry.published_unix_ms = tensor->published_unix_ms;
+    entry.publisher_uid = tensor->owner_uid;
+    if (SeesDetailsOf(caller, tensor->owner_uid)) entry.publisher_pid = tensor->publisher_pid;
   }
-  return absl::OkStatus();
+  return listed;
 }
 
-v1::StatResponse Store::StatSnapshot() {
-  v1::StatResponse stat;
+StoreFigures Store::StatSnapshot() {
   Lock lock(this);
-  StatLocked(&stat);
-  return stat;
+  return StatLocked();
 }
 
-void Store::StatLocked(v1::StatResponse* response) {
+StoreFigures Store::StatLocked() {
   FoldFastAcquires();
   catalog_->ReadLeasePages();
-  response->set_tensors(catalog_->tensor_count());
-  response->set_names(catalog_->name_count());
-  response->set_leases(sessions_.lease_count() + catalog_->PageLeaseCount());
-  response->set_sessions(sessions_.size());
-  response->set_evicted_tensors(catalog_->evicted_tensors());
-  response->set_evicted_bytes(catalog_->evicted_bytes());
-  response->set_creates_waiting(static_cast<int64_t>(creates_waiting_.size()));
-  response->set_stocked_tensors(catalog_->stocked_tensors());
+  StoreFigures figures;
+  figures.tensors = catalog_->tensor_count();
+  figures.names = catalog_->name_count();
+  figures.leases = sessions_.lease_count() + catalog_->PageLeaseCount();
+  figures.sessions = sessions_.size();
+  figures.evicted_tensors = catalog_->evicted_tensors();
+  figures.evicted_bytes = catalog_->evicted_bytes();
+  figures.creates_waiting = static_cast<int64_t>(creates_waiting_.size());
+  figures.stocked_tensors = catalog_->stocked_tensors();
   const HostPool& pool = catalog_->host_pool();
-  v1::PoolStats* stats = response->add_pools();
-  ToWire(DLDevice{kDLCPU, 0}, stats->mutable_device());
-  stats->set_capacity_bytes(static_cast<int64_t>(pool.capacity_bytes()));
-  // Stock is allocated from the pool like any buffer: the pool's own figure holds both.
-  stats->set_used_bytes(static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()));
-  stats->set_stock_bytes(static_cast<int64_t>(catalog_->stock_bytes()));
-  stats->set_segments(static_cast<int64_t>(pool.live_segment_count()));
-  stats->set_largest_free_bytes(static_cast<int64_t>(pool.largest_free_bytes()));
+  figures.pools.push_back(PoolFigures{
+      .device = DLDevice{kDLCPU, 0},
+      .capacity_bytes = static_cast<int64_t>(pool.capacity_bytes()),
+      // Stock is allocated from the pool like any buffer: the pool's own figure holds both.
+      .used_bytes = static_cast<int64_t>(pool.used_bytes() - catalog_->stock_bytes()),
+      .stock_bytes = static_cast<int64_t>(catalog_->stock_bytes()),
+      .segments = static_cast<int64_t>(pool.live_segment_count()),
+      .largest_free_bytes = static_cast<int64_t>(pool.largest_free_bytes()),
+  });
   for (const CudaPool* cuda : catalog_->cuda_pools()) {
-    v1::PoolStats* device = response->add_pools();
-    ToWire(DLDevice{kDLCUDA, cuda->ordinal()}, device->mutable_device());
-    device->set_capacity_bytes(static_cast<int64_t>(cuda->capacity_bytes()));
-    device->set_used_bytes(static_cast<int64_t>(cuda->used_bytes()));
-    device->set_segments(static_cast<int64_t>(cuda->segment_count()));
-    device->set_largest_free_bytes(static_cast<int64_t>(cuda->largest_free_bytes()));
+    figures.pools.push_back(PoolFigures{
+        .device = DLDevice{kDLCUDA, cuda->ordinal()},
+        .capacity_bytes = static_cast<int64_t>(cuda->capacity_bytes()),
+        .used_bytes = static_cast<int64_t>(cuda->used_bytes()),
+        .segments = static_cast<int64_t>(cuda->segment_count()),
+        .largest_free_bytes = static_cast<int64_t>(cuda->largest_free_bytes()),
+    });
   }
   // Eviction (--evict lru) adds its figures here; metrics.cc exports them.
+  return figures;
 }
 
 }  // namespace tensorshm

@@ -23,10 +23,12 @@
 #include "server/catalog/catalog.h"
 #include "server/core/access.h"
 #include "server/core/channel_grants.h"
+#include "server/core/listings.h"
 #include "server/core/session.h"
 #include "server/core/wait_queue.h"
 #include "server/core/waiters.h"
 #include "server/ops/eviction.h"
+#include "server/ops/figures.h"
 #include "server/ops/metrics.h"
 #include "server/ops/uid_limits.h"
 #include "tensorshm/v1/tensorshm.pb.h"
@@ -91,8 +93,9 @@ class Store {
   // and creates, forgets it.
   void CloseSession(uint64_t session_id, const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
   // Every open session, for operators (SessionsRequest); `own_token` marks the caller's own.
-  absl::Status Sessions(const PeerCredentials& caller, const std::string& own_token,
-                        v1::SessionsResponse* response) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::vector<SessionListing>> Sessions(const PeerCredentials& caller,
+                                                       const std::string& own_token)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Calls of a session (store.cc, store_create.cc, store_acquire.cc) ----
 
@@ -117,8 +120,9 @@ class Store {
   absl::Status Publish(const PeerCredentials& peer, const std::optional<std::string>& token,
                        const v1::PublishRequest& request, v1::PublishResponse* response)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Unbinds `name` (its memory goes with its last lease).
   absl::Status Delete(const PeerCredentials& peer, const std::optional<std::string>& token,
-                      const v1::DeleteRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+                      const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   // An Acquire (waiter->deadline set): answered now (returned: a lease in waiter->response, or a
   // refusal), or listed and `*answered_later`: answered by a publish, its deadline, its
   // cancellation, its session's end or BeginShutdown.
@@ -132,12 +136,14 @@ class Store {
 
   // ---- Calls of anyone admitted ----
 
-  absl::Status List(const PeerCredentials& caller, const v1::ListRequest& request,
-                    v1::ListResponse* response) ABSL_LOCKS_EXCLUDED(mu_);
+  // The names bound under `prefix` ("" for all), by name.
+  absl::StatusOr<std::vector<TensorListing>> List(const PeerCredentials& caller,
+                                                  const std::string& prefix)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // What Stat answers, read under mu_ (briefly). Also folds the fast path acquires counted since
   // the last fold into metrics(), so that the figures rendered after it hold every acquire made
   // before the call.
-  v1::StatResponse StatSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
+  StoreFigures StatSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
 
   // One memory channel request (see ChannelRequest in the .proto) from a connection with
   // `peer`'s credentials bound to `*session_token` (empty: none; a bind sets it): binds, grants
@@ -210,7 +216,7 @@ class Store {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status NoSession(const std::string& token);
   // StatSnapshot's work, under mu_.
-  void StatLocked(v1::StatResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  StoreFigures StatLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Queues `call` to be answered with `status` once mu_ is released.
   void AnswerLater(PendingCall* call, absl::Status status, bool granted = false)
@@ -285,6 +291,8 @@ class Store {
   // CUDA and `uuid` 16 bytes, FAILED_PRECONDITION if no pool is on that device.
   absl::StatusOr<int> CudaOrdinalOf(const DLDevice& device, const std::string& uuid) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A tensor's layout as clients read it.
+  static DecodedTensor DescriptionOf(const Tensor& tensor);
   void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Create and Publish for `session`, whichever transport asked. A create that needs a new pool
@@ -326,7 +334,7 @@ class Store {
   void Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
              google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status DeleteFor(const tensorshm::Session& session, const v1::DeleteRequest& request)
+  absl::Status DeleteFor(const tensorshm::Session& session, const std::string& name)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- Creates that wait for memory (store_create_waiters.cc) ----

@@ -76,7 +76,7 @@ absl::StatusOr<UniqueFd> Store::Channel(const PeerCredentials& peer, std::string
         return PublishFor(*session, request.publish(), response->mutable_published());
       case v1::ChannelRequest::kDelete:
         response->mutable_deleted();
-        return DeleteFor(*session, request.delete_());
+        return DeleteFor(*session, request.delete_().name());
       default:
         return absl::InvalidArgumentError("kind: not a request this daemon knows");
     }

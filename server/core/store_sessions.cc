@@ -27,38 +27,37 @@ bool Store::SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const {
          caller.uid == 0;
 }
 
-absl::Status Store::Sessions(const PeerCredentials& caller, const std::string& own_token,
-                             v1::SessionsResponse* response) {
+absl::StatusOr<std::vector<SessionListing>> Store::Sessions(const PeerCredentials& caller,
+                                                            const std::string& own_token) {
   Lock lock(this);
   // Naming a session is for its own process only, as on every call (Session::CheckCaller); a
   // token that names no open session marks none as `own`.
   if (const tensorshm::Session* own = sessions_.Find(own_token); own != nullptr) {
     if (absl::Status s = own->CheckCaller(caller); !s.ok()) return s;
   }
+  std::vector<SessionListing> listed;
   for (const auto& [id, session] : sessions_.by_id()) {
-    v1::SessionInfo* info = response->add_sessions();
-    info->set_session_id(id);
-    info->set_uid(session->uid);
-    info->set_rpc_leases(static_cast<int64_t>(session->leases.size()));
-    info->set_page_leases(catalog_->PageLeasesOf(id));
-    info->set_unpublished_tensors(static_cast<int64_t>(session->unpublished.size()));
-    info->set_unpublished_bytes(static_cast<int64_t>(session->unpublished_bytes));
-    info->set_opened_unix_ms(absl::ToUnixMillis(session->opened_at));
-    info->set_own(!own_token.empty() && own_token == session->token);
-    if (const size_t waiting = acquires_waiting_.CountOfSession(id); waiting > 0) {
-      info->set_waiting_acquires(static_cast<int64_t>(waiting));
-    }
+    SessionListing& entry = listed.emplace_back();
+    entry.session_id = id;
+    entry.uid = session->uid;
+    entry.rpc_leases = static_cast<int64_t>(session->leases.size());
+    entry.page_leases = catalog_->PageLeasesOf(id);
+    entry.unpublished_tensors = static_cast<int64_t>(session->unpublished.size());
+    entry.unpublished_bytes = static_cast<int64_t>(session->unpublished_bytes);
+    entry.opened_unix_ms = absl::ToUnixMillis(session->opened_at);
+    entry.own = !own_token.empty() && own_token == session->token;
+    entry.waiting_acquires = static_cast<int64_t>(acquires_waiting_.CountOfSession(id));
     if (!SeesDetailsOf(caller, session->uid)) {
-      info->set_redacted(true);
+      entry.redacted = true;
       continue;
     }
-    info->set_pid(session->pid);
-    info->set_gid(session->gid);
+    entry.pid = session->pid;
+    entry.gid = session->gid;
     // Both at most kMaxClientText bytes (ValidateSessionOpen).
-    info->set_client_name(session->client_name);
-    info->set_client_version(session->client_version);
+    entry.client_name = session->client_name;
+    entry.client_version = session->client_version;
   }
-  return absl::OkStatus();
+  return listed;
 }
 
 absl::StatusOr<v1::SessionResponse> Store::OpenSession(const PeerCredentials& peer,

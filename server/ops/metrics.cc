@@ -202,7 +202,7 @@ std::string Bound(double bound) { return absl::StrFormat("%g", bound); }
 
 }  // namespace
 
-std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
+std::string RenderMetrics(const StoreFigures& stat, const Metrics& metrics,
                           const MetricsInfo& info) {
   Writer out;
   out.Family("tensorshm_build_info", "gauge", "tensorshmd's version, as a label; the value is 1.");
@@ -214,60 +214,58 @@ std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
   // ---- Gauges: what Stat answers, read the way Stat reads it ----
   out.Family("tensorshm_pool_capacity_bytes", "gauge",
              "Most memory the pool of a device may hold (--host-pool, --cuda-pool).");
-  for (const v1::PoolStats& pool : stat.pools()) {
-    out.Sample("tensorshm_pool_capacity_bytes", {{"device", DeviceName(FromWire(pool.device()))}},
-               pool.capacity_bytes());
+  for (const PoolFigures& pool : stat.pools) {
+    out.Sample("tensorshm_pool_capacity_bytes", {{"device", DeviceName(pool.device)}},
+               pool.capacity_bytes);
   }
   out.Family("tensorshm_pool_used_bytes", "gauge",
              "Bytes of the pool of a device that tensors (published or not) take; stocked "
              "buffers are tensorshm_pool_stock_bytes.");
-  for (const v1::PoolStats& pool : stat.pools()) {
-    out.Sample("tensorshm_pool_used_bytes", {{"device", DeviceName(FromWire(pool.device()))}},
-               pool.used_bytes());
+  for (const PoolFigures& pool : stat.pools) {
+    out.Sample("tensorshm_pool_used_bytes", {{"device", DeviceName(pool.device)}}, pool.used_bytes);
   }
   out.Family("tensorshm_pool_stock_bytes", "gauge",
              "Bytes of the pool of a device that stocked buffers take: made ahead of a "
              "producer's need, stock until published.");
-  for (const v1::PoolStats& pool : stat.pools()) {
-    out.Sample("tensorshm_pool_stock_bytes", {{"device", DeviceName(FromWire(pool.device()))}},
-               pool.stock_bytes());
+  for (const PoolFigures& pool : stat.pools) {
+    out.Sample("tensorshm_pool_stock_bytes", {{"device", DeviceName(pool.device)}},
+               pool.stock_bytes);
   }
   out.Family("tensorshm_pool_largest_free_bytes", "gauge",
              "The largest tensor the pool of a device could take now (uids' fair shares aside): "
              "its largest free block, or the room for a new segment.");
-  for (const v1::PoolStats& pool : stat.pools()) {
-    out.Sample("tensorshm_pool_largest_free_bytes",
-               {{"device", DeviceName(FromWire(pool.device()))}}, pool.largest_free_bytes());
+  for (const PoolFigures& pool : stat.pools) {
+    out.Sample("tensorshm_pool_largest_free_bytes", {{"device", DeviceName(pool.device)}},
+               pool.largest_free_bytes);
   }
   out.Family("tensorshm_pool_segments", "gauge",
              "Segments (shm objects, memfds or cuMemAlloc blocks) the pool of a device is made "
              "of.");
-  for (const v1::PoolStats& pool : stat.pools()) {
-    out.Sample("tensorshm_pool_segments", {{"device", DeviceName(FromWire(pool.device()))}},
-               pool.segments());
+  for (const PoolFigures& pool : stat.pools) {
+    out.Sample("tensorshm_pool_segments", {{"device", DeviceName(pool.device)}}, pool.segments);
   }
   out.Family("tensorshm_tensors", "gauge",
              "Tensors holding memory: published, unpublished, or unbound but still leased.");
-  out.Sample("tensorshm_tensors", {}, stat.tensors());
+  out.Sample("tensorshm_tensors", {}, stat.tensors);
   out.Family("tensorshm_stocked_tensors", "gauge",
              "Of tensorshm_tensors, the stocked buffers (unpublished, made ahead of need).");
-  out.Sample("tensorshm_stocked_tensors", {}, stat.stocked_tensors());
+  out.Sample("tensorshm_stocked_tensors", {}, stat.stocked_tensors);
   out.Family("tensorshm_names", "gauge", "Names bound to a published tensor.");
-  out.Sample("tensorshm_names", {}, stat.names());
+  out.Sample("tensorshm_names", {}, stat.names);
   out.Family("tensorshm_leases", "gauge",
              "Leases held: through the daemon, and in the fast path's lease pages.");
-  out.Sample("tensorshm_leases", {}, stat.leases());
+  out.Sample("tensorshm_leases", {}, stat.leases);
   out.Family("tensorshm_sessions", "gauge", "Client sessions open.");
-  out.Sample("tensorshm_sessions", {}, stat.sessions());
+  out.Sample("tensorshm_sessions", {}, stat.sessions);
   out.Family("tensorshm_creates_waiting", "gauge",
              "Creates waiting in the daemon for memory to be freed (CreateRequest.wait_ms).");
-  out.Sample("tensorshm_creates_waiting", {}, stat.creates_waiting());
+  out.Sample("tensorshm_creates_waiting", {}, stat.creates_waiting);
   out.Family("tensorshm_evicted_tensors_total", "counter",
              "Published tensors nobody leased that --evict lru evicted to make room for creates.");
-  out.Sample("tensorshm_evicted_tensors_total", {}, stat.evicted_tensors());
+  out.Sample("tensorshm_evicted_tensors_total", {}, stat.evicted_tensors);
   out.Family("tensorshm_evicted_bytes_total", "counter",
              "Bytes of the tensors --evict lru evicted.");
-  out.Sample("tensorshm_evicted_bytes_total", {}, stat.evicted_bytes());
+  out.Sample("tensorshm_evicted_bytes_total", {}, stat.evicted_bytes);
 
   // ---- What the service counted ----
   out.Family("tensorshm_acquire_waiting", "gauge",

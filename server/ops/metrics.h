@@ -17,6 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/base/mutex.h"
+#include "server/ops/figures.h"
 #include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {
@@ -157,7 +158,7 @@ std::string EscapeLabelValue(absl::string_view text);
 // The Prometheus text exposition format (0.0.4) of `stat` (the gauges, as Stat answers them)
 // and `metrics`, every family with its HELP and TYPE lines. Holds no tensor name nor anything
 // a client chose.
-std::string RenderMetrics(const v1::StatResponse& stat, const Metrics& metrics,
+std::string RenderMetrics(const StoreFigures& stat, const Metrics& metrics,
                           const MetricsInfo& info);
 
 }  // namespace tensorshm

@@ -9,6 +9,7 @@
 
 #include "absl/time/clock.h"
 #include "common/tensor/grpc_status.h"
+#include "server/rpc/wire_results.h"
 
 namespace tensorshm {
 
@@ -103,7 +104,7 @@ grpc::ServerUnaryReactor* TensorShmService::Delete(grpc::CallbackServerContext* 
                                                    const v1::DeleteRequest* request,
                                                    v1::DeleteResponse*) {
   return Unary(context, {.op = MetricOp::kDelete}, [&](const PeerCredentials& peer, bool*) {
-    return store_.Delete(peer, SessionToken(*context), *request);
+    return store_.Delete(peer, SessionToken(*context), request->name());
   });
 }
 
@@ -111,7 +112,10 @@ grpc::ServerUnaryReactor* TensorShmService::List(grpc::CallbackServerContext* co
                                                  const v1::ListRequest* request,
                                                  v1::ListResponse* response) {
   return Unary(context, {.op = MetricOp::kList}, [&](const PeerCredentials& peer, bool*) {
-    return store_.List(peer, *request, response);
+    absl::StatusOr<std::vector<TensorListing>> listed = store_.List(peer, request->prefix());
+    if (!listed.ok()) return listed.status();
+    ToWire(*listed, response);
+    return absl::OkStatus();
   });
 }
 
@@ -119,7 +123,7 @@ grpc::ServerUnaryReactor* TensorShmService::Stat(grpc::CallbackServerContext* co
                                                  const v1::StatRequest*,
                                                  v1::StatResponse* response) {
   return Unary(context, {.op = MetricOp::kStat}, [&](const PeerCredentials&, bool*) {
-    *response = store_.StatSnapshot();
+    ToWire(store_.StatSnapshot(), response);
     return absl::OkStatus();
   });
 }
@@ -129,7 +133,11 @@ grpc::ServerUnaryReactor* TensorShmService::Sessions(grpc::CallbackServerContext
                                                      v1::SessionsResponse* response) {
   return Unary(context, {.counted = false}, [&](const PeerCredentials& peer, bool*) {
     // The caller's own session, if it names one; a caller without one sees the same list.
-    return store_.Sessions(peer, SessionToken(*context).value_or(""), response);
+    absl::StatusOr<std::vector<SessionListing>> listed =
+        store_.Sessions(peer, SessionToken(*context).value_or(""));
+    if (!listed.ok()) return listed.status();
+    ToWire(*listed, response);
+    return absl::OkStatus();
   });
 }
 

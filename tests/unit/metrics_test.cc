@@ -19,23 +19,16 @@
 namespace tensorshm {
 namespace {
 
-v1::StatResponse SomeStat() {
-  v1::StatResponse stat;
-  stat.set_tensors(5);
-  stat.set_names(3);
-  stat.set_leases(7);
-  stat.set_sessions(2);
-  v1::PoolStats* cpu = stat.add_pools();
-  cpu->mutable_device()->set_type(kDLCPU);
-  cpu->set_capacity_bytes(1 << 30);
-  cpu->set_used_bytes(4096);
-  cpu->set_segments(1);
-  v1::PoolStats* cuda = stat.add_pools();
-  cuda->mutable_device()->set_type(kDLCUDA);
-  cuda->mutable_device()->set_id(0);
-  cuda->set_capacity_bytes(1 << 20);
-  cuda->set_used_bytes(256);
-  cuda->set_segments(2);
+StoreFigures SomeStat() {
+  StoreFigures stat;
+  stat.tensors = 5;
+  stat.names = 3;
+  stat.leases = 7;
+  stat.sessions = 2;
+  stat.pools.push_back(PoolFigures{
+      .device = {kDLCPU, 0}, .capacity_bytes = 1 << 30, .used_bytes = 4096, .segments = 1});
+  stat.pools.push_back(PoolFigures{
+      .device = {kDLCUDA, 0}, .capacity_bytes = 1 << 20, .used_bytes = 256, .segments = 2});
   return stat;
 }
 
@@ -175,9 +168,9 @@ TEST(MetricsRender, FastAcquiresAreAcquiresAnsweredOkAndCountedApart) {
 }
 
 TEST(MetricsRender, StockIsApartFromUsed) {
-  v1::StatResponse stat = SomeStat();
-  stat.set_stocked_tensors(3);
-  stat.mutable_pools(0)->set_stock_bytes(12288);
+  StoreFigures stat = SomeStat();
+  stat.stocked_tensors = 3;
+  stat.pools[0].stock_bytes = 12288;
   Metrics metrics;
   std::map<std::string, std::string> samples =
       Samples(RenderMetrics(stat, metrics, MetricsInfo{"v", 0}));

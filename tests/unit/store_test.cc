@@ -172,22 +172,20 @@ TEST_F(StoreTest, CreatePublishAcquireAndDeleteWithoutATransport) {
   EXPECT_NE(acquired.lease_id(), waited.lease_id());
   store_->WaiterDone(&at_once, false);
 
-  v1::ListResponse listed;
-  ASSERT_TRUE(store_->List(peer_, v1::ListRequest(), &listed).ok());
-  ASSERT_EQ(listed.tensors_size(), 1);
-  EXPECT_EQ(listed.tensors(0).name(), "store.t");
-  EXPECT_EQ(listed.tensors(0).leases(), 2);
-  EXPECT_EQ(store_->StatSnapshot().sessions(), 1);
+  absl::StatusOr<std::vector<TensorListing>> listed = store_->List(peer_, "");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].name, "store.t");
+  EXPECT_EQ((*listed)[0].leases, 2);
+  EXPECT_EQ(store_->StatSnapshot().sessions, 1);
 
-  v1::DeleteRequest remove;
-  remove.set_name("store.t");
-  EXPECT_TRUE(store_->Delete(peer_, token, remove).ok());
-  listed.Clear();
-  ASSERT_TRUE(store_->List(peer_, v1::ListRequest(), &listed).ok());
-  EXPECT_EQ(listed.tensors_size(), 0);
+  EXPECT_TRUE(store_->Delete(peer_, token, "store.t").ok());
+  listed = store_->List(peer_, "");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty());
 
   store_->CloseSession(ids_[token], token);
-  EXPECT_EQ(store_->StatSnapshot().sessions(), 0);
+  EXPECT_EQ(store_->StatSnapshot().sessions, 0);
 }
 
 TEST_F(StoreTest, RefusalsAreStatusesWithTheirMessages) {
