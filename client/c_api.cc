@@ -65,7 +65,10 @@ int Check(const tensorshm::Status& status) noexcept {
 
 // A C timeout in ms: TSM_WAIT_FOREVER waits without end.
 tensorshm::Duration Timeout(int64_t timeout_ms) {
-  if (timeout_ms == TSM_WAIT_FOREVER) return tensorshm::kForever;
+  // Past what nanoseconds hold (about 292 years): as good as forever, not an overflow.
+  constexpr int64_t kLongest =
+      std::chrono::duration_cast<std::chrono::milliseconds>(tensorshm::kForever).count();
+  if (timeout_ms == TSM_WAIT_FOREVER || timeout_ms >= kLongest) return tensorshm::kForever;
   return std::chrono::milliseconds(timeout_ms);
 }
 

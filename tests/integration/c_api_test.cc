@@ -3,6 +3,7 @@
 // program's own operator new) is an error return with a message, after which the client works on.
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <new>
 #include <string>
@@ -99,6 +100,22 @@ TEST_F(CApiTest, NdimOutOfRangeIsRefusedBeforeShapeIsRead) {
     EXPECT_TRUE(absl::StrContains(message, "0..32")) << message;
   }
   EXPECT_EQ(CreateAndPublish("c/after_ndim", 8), TSM_OK) << tsm_last_error();
+}
+
+// A timeout longer than the C++ API's nanoseconds hold waits as TSM_WAIT_FOREVER does, where a
+// conversion that overflowed would make it negative: NOT_FOUND at once.
+TEST_F(CApiTest, ATimeoutPastWhatNanosecondsHoldWaitsForThePublish) {
+  std::future<int> acquired = std::async(std::launch::async, [&] {
+    DLManagedTensorVersioned* t = nullptr;
+    const int code = tsm_acquire(client_, "c/later", std::numeric_limits<int64_t>::max(), &t);
+    if (code == TSM_OK) t->deleter(t);
+    return code;
+  });
+  // Nothing answers it while the name is unbound.
+  EXPECT_EQ(acquired.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  EXPECT_EQ(CreateAndPublish("c/later", 4), TSM_OK) << tsm_last_error();
+  ASSERT_EQ(acquired.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_EQ(acquired.get(), TSM_OK);
 }
 
 TEST_F(CApiTest, FailedAllocationIsAnErrorReturnNotAnException) {
