@@ -145,7 +145,9 @@ class [[nodiscard]] StatusOr {
 };
 
 // How long a call waits. Any std::chrono duration of whole units converts to it
-// (std::chrono::seconds(5), 250ms). Zero or less: the call does not wait.
+// (std::chrono::seconds(5), 250ms). Zero or less: the call does not wait. Nanoseconds hold about
+// 292 years: for longer, or without end, pass kForever (std::chrono::hours::max() would overflow
+// in the conversion).
 using Duration = std::chrono::nanoseconds;
 // Waits without end.
 inline constexpr Duration kForever = Duration::max();
