@@ -35,26 +35,15 @@ void SetLastError(absl::string_view message) noexcept {
   }
 }
 
-int Fail(const absl::Status& status) noexcept {
+// The library's absl::Status, or the C++ API's tensorshm::Status: same codes, as the C API's.
+template <typename AnyStatus>
+int Fail(const AnyStatus& status) noexcept {
   SetLastError(status.message());
   return static_cast<int>(status.code());
 }
 
-int Check(const absl::Status& status) noexcept {
-  if (status.ok()) {
-    last_error.clear();
-    last_error_fallback = nullptr;
-    return TSM_OK;
-  }
-  return Fail(status);
-}
-
-int Fail(const tensorshm::Status& status) noexcept {
-  SetLastError(status.message());
-  return static_cast<int>(status.code());
-}
-
-int Check(const tensorshm::Status& status) noexcept {
+template <typename AnyStatus>
+int Check(const AnyStatus& status) noexcept {
   if (status.ok()) {
     last_error.clear();
     last_error_fallback = nullptr;
