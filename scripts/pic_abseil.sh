@@ -44,8 +44,14 @@ fi
 work=.deps/abseil-src
 rm -rf "$work" "$out"
 mkdir -p "$work"
-(cd "$work" && apt-get source -qq --download-only "abseil=$version" 2>&1 | grep -v "^W: Download is performed unsandboxed" || true)
-dsc=$(ls "$work"/abseil_*.dsc)
+# As root apt warns that it downloads unsandboxed (the _apt user cannot write here): not news.
+(cd "$work" && apt-get source -qq --download-only "abseil=$version" 2>&1 |
+  grep -v "^W: Download is performed unsandboxed" || true)
+dsc=$(ls "$work"/abseil_*.dsc 2>/dev/null || true)
+if [ -z "$dsc" ]; then
+  echo "setup: could not download Debian's source of abseil $version (apt-get source abseil=$version)" >&2
+  exit 1
+fi
 # apt checked the files against the signed Sources index; the .dsc signature is not needed.
 dpkg-source -x "$dsc" "$work/src" >/dev/null 2>&1
 # As Debian builds it (debian/rules: C++17, static), plus -fPIC.
