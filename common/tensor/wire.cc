@@ -90,9 +90,13 @@ absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
 }
 
 absl::Status ValidateSessionOpen(const v1::SessionOpen& open) {
+  return ValidateClientText(open.client_name(), open.client_version());
+}
+
+absl::Status ValidateClientText(const std::string& client_name, const std::string& client_version) {
   for (const auto& [field, value] :
-       {std::pair<const char*, const std::string*>{"open.client_name", &open.client_name()},
-        {"open.client_version", &open.client_version()}}) {
+       {std::pair<const char*, const std::string*>{"open.client_name", &client_name},
+        {"open.client_version", &client_version}}) {
     if (value->size() > kMaxClientText) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": ", value->size(), " bytes; at most ", kMaxClientText));

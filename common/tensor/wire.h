@@ -49,6 +49,8 @@ inline constexpr size_t kMaxClientText = 256;
 // not ("open.client_name") and its length otherwise. The daemon refuses such a session before
 // it keeps anything of it.
 absl::Status ValidateSessionOpen(const v1::SessionOpen& open);
+// The same check of the two strings themselves.
+absl::Status ValidateClientText(const std::string& client_name, const std::string& client_version);
 
 }  // namespace tensorshm
 

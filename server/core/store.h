@@ -25,6 +25,7 @@
 #include "server/core/channel_grants.h"
 #include "server/core/listings.h"
 #include "server/core/session.h"
+#include "server/core/session_calls.h"
 #include "server/core/wait_queue.h"
 #include "server/core/waiters.h"
 #include "server/ops/eviction.h"
@@ -81,13 +82,11 @@ class Store {
 
   // A session stream's `open` from `peer` (connection `peer_address`): the new session's
   // SessionOpened, or the refusal; `session_id` and `token` name the new session.
-  absl::StatusOr<v1::SessionResponse> OpenSession(const PeerCredentials& peer,
-                                                  const std::string& peer_address,
-                                                  const v1::SessionOpen& open, uint64_t* session_id,
-                                                  std::string* token) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<OpenedSession> OpenSession(const PeerCredentials& peer,
+                                            const std::string& peer_address,
+                                            const SessionOpening& open) ABSL_LOCKS_EXCLUDED(mu_);
   // A session stream's `release`: the acknowledgement; nullopt if the session is gone.
-  std::optional<v1::SessionResponse> SessionRelease(const std::string& token,
-                                                    const v1::ReleaseBatch& batch)
+  std::optional<ReleasesDone> SessionRelease(const std::string& token, const Releases& batch)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the session: drops its leases, frees its unpublished tensors, fails its waiting acquires
   // and creates, forgets it.
@@ -263,10 +262,10 @@ class Store {
   bool SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const;
   // A reconnecting client's SessionOpen: leases and unpublished tensors it held before the
   // daemon restarted, taken back where the catalog allows; the outcome goes into `opened`.
-  void Reattach(tensorshm::Session& session, const v1::SessionOpen& open, v1::SessionOpened* opened)
+  void Reattach(tensorshm::Session& session, const SessionOpening& open, OpenedSession* opened)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
-                      v1::ReleaseAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ReleasesDone HandleReleases(tensorshm::Session& session, const Releases& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A settle (ReleaseBatch.settled_request_ids) of call `request_id` of `session`: gives back
   // what it granted, ends it CANCELLED if it waits, or remembers the id for when it arrives.
   void SettleRequest(tensorshm::Session& session, uint64_t request_id)

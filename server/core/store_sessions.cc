@@ -18,7 +18,7 @@ namespace {
 
 // Ids of each kind one ReleaseBatch may carry (clients send at most 4096): each refused id costs
 // a Rejection in the ack, many times its own size.
-constexpr int kMaxReleaseIds = 16384;
+constexpr size_t kMaxReleaseIds = 16384;
 
 }  // namespace
 
@@ -60,64 +60,59 @@ absl::StatusOr<std::vector<SessionListing>> Store::Sessions(const PeerCredential
   return listed;
 }
 
-absl::StatusOr<v1::SessionResponse> Store::OpenSession(const PeerCredentials& peer,
-                                                       const std::string& peer_address,
-                                                       const v1::SessionOpen& open,
-                                                       uint64_t* session_id, std::string* token) {
-  v1::SessionResponse opened;
+absl::StatusOr<OpenedSession> Store::OpenSession(const PeerCredentials& peer,
+                                                 const std::string& peer_address,
+                                                 const SessionOpening& open) {
+  OpenedSession opened;
   // The client's own words are kept for the session's life (Sessions, logs): bounded.
-  if (absl::Status s = ValidateSessionOpen(open); !s.ok()) return s;
+  if (absl::Status s = ValidateClientText(open.client_name, open.client_version); !s.ok()) {
+    return s;
+  }
   {
     Lock lock(this);
     if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
     // Per-uid limits: the reattach list is bounded, and the session counts against its uid.
-    if (absl::Status s = uid_limits_.CheckHeldList(open.held_tensor_ids_size()); !s.ok()) return s;
+    if (absl::Status s = uid_limits_.CheckHeldList(open.held_tensor_ids.size()); !s.ok()) {
+      return s;
+    }
     absl::StatusOr<UidLimits::SessionCharge> charge = uid_limits_.OpenSession(peer.uid);
     if (!charge.ok()) return charge.status();
-    tensorshm::Session& session = sessions_.Open(open.pid(), open.client_name(), peer_address);
-    session.client_version = open.client_version();
+    tensorshm::Session& session = sessions_.Open(open.pid, open.client_name, peer_address);
+    session.client_version = open.client_version;
     session.opened_at = absl::Now();
     session.uid_charge = *std::move(charge);
     session.uid = peer.uid;
     session.gid = peer.gid;
     if (peer.pid != 0) session.pid = peer.pid;  // the kernel's word over the client's
     session.peer_pid = peer.pid;
-    *session_id = session.id;
-    *token = session.token;
-    Reattach(session, open, opened.mutable_opened());
-    opened.mutable_opened()->set_instance_id(catalog_->instance_id());
+    opened.session_number = session.id;
+    opened.token = session.token;
+    Reattach(session, open, &opened);
+    opened.instance_id = catalog_->instance_id();
     const HostPool& pool = catalog_->host_pool();
     for (uint64_t id = 1; id <= pool.segment_count(); ++id) {
       if (!pool.HasSegment(id)) continue;  // lost in a restart
-      v1::SegmentRef* segment = opened.mutable_opened()->add_segments();
-      segment->set_segment_instance(pool.SegmentInstance(id));
-      segment->set_segment_id(id);
+      opened.segments.emplace_back(pool.SegmentInstance(id), id);
     }
   }
-  TSM_LOG(kInfo) << "session " << *session_id << " opened: pid " << open.pid() << ", uid "
-                 << peer.uid << ", client \"" << LogEscape(open.client_name()) << "\", "
+  TSM_LOG(kInfo) << "session " << opened.session_number << " opened: pid " << open.pid << ", uid "
+                 << peer.uid << ", client \"" << LogEscape(open.client_name) << "\", "
                  << peer_address;
-  opened.mutable_opened()->set_session_id(*token);
-  opened.mutable_opened()->set_session_number(*session_id);
-  opened.mutable_opened()->set_server_version(TENSORSHM_VERSION);
   return opened;
 }
 
-std::optional<v1::SessionResponse> Store::SessionRelease(const std::string& token,
-                                                         const v1::ReleaseBatch& batch) {
-  v1::SessionResponse response;
+std::optional<ReleasesDone> Store::SessionRelease(const std::string& token, const Releases& batch) {
   Lock lock(this);
   tensorshm::Session* session = sessions_.Find(token);
   if (session == nullptr) return std::nullopt;
-  HandleReleases(*session, batch, response.mutable_ack());
-  return response;
+  return HandleReleases(*session, batch);
 }
 
-void Store::Reattach(tensorshm::Session& session, const v1::SessionOpen& open,
-                     v1::SessionOpened* opened) {
-  if (open.held_tensor_ids_size() == 0 && open.unpublished_tensor_ids_size() == 0) return;
+void Store::Reattach(tensorshm::Session& session, const SessionOpening& open,
+                     OpenedSession* opened) {
+  if (open.held_tensor_ids.empty() && open.unpublished_tensor_ids.empty()) return;
   int leases = 0;
-  for (uint64_t tensor_id : open.held_tensor_ids()) {
+  for (uint64_t tensor_id : open.held_tensor_ids) {
     uint64_t lease = 0;
     // A lease past the uid's --uid-leases is not taken back (its client reports the loss).
     const bool room = session.uid_charge.AddLeases().ok();
@@ -128,10 +123,10 @@ void Store::Reattach(tensorshm::Session& session, const v1::SessionOpen& open,
     } else if (room) {
       session.uid_charge.DropLeases();
     }
-    opened->add_lease_ids(lease);
+    opened->lease_ids.push_back(lease);
   }
   int readopted = 0;
-  for (uint64_t tensor_id : open.unpublished_tensor_ids()) {
+  for (uint64_t tensor_id : open.unpublished_tensor_ids) {
     // Charged before it is taken back: a buffer past the uid's --uid-quota is not.
     const Tensor* tensor = catalog_->FindId(tensor_id);
     bool ok = tensor != nullptr && session.unpublished.count(tensor_id) == 0 &&
@@ -141,43 +136,41 @@ void Store::Reattach(tensorshm::Session& session, const v1::SessionOpen& open,
       ok = false;
     }
     if (ok) ++readopted;
-    opened->add_readopted(ok);
+    opened->readopted.push_back(ok);
   }
   TSM_LOG(kInfo) << "session " << session.id << " reconnected: " << leases << " of "
-                 << open.held_tensor_ids_size() << " leases and " << readopted << " of "
-                 << open.unpublished_tensor_ids_size() << " unpublished tensors taken back";
+                 << open.held_tensor_ids.size() << " leases and " << readopted << " of "
+                 << open.unpublished_tensor_ids.size() << " unpublished tensors taken back";
 }
 
-void Store::HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& batch,
-                           v1::ReleaseAck* ack) {
-  ack->set_sequence(batch.sequence());
-  if (batch.lease_ids_size() > kMaxReleaseIds ||
-      batch.abandoned_tensor_ids_size() > kMaxReleaseIds) {
-    v1::Rejection* rejection = ack->add_rejected();
-    rejection->set_code(static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
-    rejection->set_message(absl::StrCat(
-        "lease_ids: ", batch.lease_ids_size(), " ids, abandoned_tensor_ids: ",
-        batch.abandoned_tensor_ids_size(), " ids; at most ", kMaxReleaseIds,
-        " of each per batch: nothing in this batch was released; send it in smaller ones"));
-    return;
+ReleasesDone Store::HandleReleases(tensorshm::Session& session, const Releases& batch) {
+  ReleasesDone done;
+  done.sequence = batch.sequence;
+  if (batch.lease_ids.size() > kMaxReleaseIds ||
+      batch.abandoned_tensor_ids.size() > kMaxReleaseIds) {
+    done.refused.push_back(
+        {0, absl::InvalidArgumentError(
+                absl::StrCat("lease_ids: ", batch.lease_ids.size(), " ids, abandoned_tensor_ids: ",
+                             batch.abandoned_tensor_ids.size(), " ids; at most ", kMaxReleaseIds,
+                             " of each per batch: nothing in this batch was released; send "
+                             "it in smaller ones"))});
+    return done;
   }
-  for (int i = 0; i < batch.lease_ids_size(); ++i) {
-    const uint64_t lease = batch.lease_ids(i);
+  for (size_t i = 0; i < batch.lease_ids.size(); ++i) {
+    const uint64_t lease = batch.lease_ids[i];
     auto it = session.leases.find(lease);
     if (it == session.leases.end()) {
-      v1::Rejection* rejection = ack->add_rejected();
-      rejection->set_id(lease);
-      rejection->set_code(static_cast<int32_t>(absl::StatusCode::kFailedPrecondition));
-      rejection->set_message(
-          absl::StrCat("lease_ids[", i, "] = ", lease, ": not held by this session"));
+      done.refused.push_back(
+          {lease, absl::FailedPreconditionError(
+                      absl::StrCat("lease_ids[", i, "] = ", lease, ": not held by this session"))});
       continue;
     }
     catalog_->DropLease(it->second);
     session.leases.erase(it);
     session.uid_charge.DropLeases();
   }
-  for (int i = 0; i < batch.abandoned_tensor_ids_size(); ++i) {
-    const uint64_t tensor_id = batch.abandoned_tensor_ids(i);
+  for (size_t i = 0; i < batch.abandoned_tensor_ids.size(); ++i) {
+    const uint64_t tensor_id = batch.abandoned_tensor_ids[i];
     absl::Status status = session.unpublished.count(tensor_id) == 0
                               ? absl::FailedPreconditionError(
                                     absl::StrCat("abandoned_tensor_ids[", i, "] = ", tensor_id,
@@ -187,15 +180,13 @@ void Store::HandleReleases(tensorshm::Session& session, const v1::ReleaseBatch& 
       session.ForgetUnpublished(tensor_id);
       continue;
     }
-    v1::Rejection* rejection = ack->add_rejected();
-    rejection->set_id(tensor_id);
-    rejection->set_code(static_cast<int32_t>(status.code()));
-    rejection->set_message(std::string(status.message()));
+    done.refused.push_back({tensor_id, std::move(status)});
   }
-  for (uint64_t request_id : batch.settled_request_ids()) SettleRequest(session, request_id);
+  for (uint64_t request_id : batch.settled_request_ids) SettleRequest(session, request_id);
   // What the session's lease page let go of is freed by the time the batch is acknowledged
   // (Client::Flush relies on it).
   catalog_->Reclaim();
+  return done;
 }
 
 void Store::GiveBack(tensorshm::Session& session, const tensorshm::Session::RequestGrant& grant) {

@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/tensor/grpc_status.h"
 #include "server/rpc/service.h"
+#include "server/rpc/wire_results.h"
 
 namespace tensorshm {
 namespace {
@@ -55,15 +56,18 @@ class TensorShmService::SessionReactor final
                          "Session: the first message must be `open`"));
         return;
       }
-      absl::StatusOr<v1::SessionResponse> opened =
-          store_.OpenSession(peer_, context_->peer(), request_.open(), &session_id_, &token_);
+      absl::StatusOr<OpenedSession> opened =
+          store_.OpenSession(peer_, context_->peer(), FromWire(request_.open()));
       store_.metrics().CountOp(MetricOp::kSessionOpen, opened.status());
       if (!opened.ok()) {
         End(ToGrpcStatus(opened.status()));
         return;
       }
       opened_ = true;
-      response_ = *std::move(opened);
+      session_id_ = opened->session_number;
+      token_ = opened->token;
+      response_.Clear();
+      ToWire(*opened, response_.mutable_opened());
     } else {
       if (!request_.has_release()) {
         store_.metrics().CountOp(MetricOp::kRelease, absl::StatusCode::kInvalidArgument);
@@ -71,15 +75,17 @@ class TensorShmService::SessionReactor final
                          "Session: after `open`, only `release` messages are accepted"));
         return;
       }
-      std::optional<v1::SessionResponse> ack = store_.SessionRelease(token_, request_.release());
-      store_.metrics().CountOp(MetricOp::kRelease, ack.has_value()
+      std::optional<ReleasesDone> done =
+          store_.SessionRelease(token_, FromWire(request_.release()));
+      store_.metrics().CountOp(MetricOp::kRelease, done.has_value()
                                                        ? absl::StatusCode::kOk
                                                        : absl::StatusCode::kFailedPrecondition);
-      if (!ack.has_value()) {
+      if (!done.has_value()) {
         End(grpc::Status::OK);
         return;
       }
-      response_ = *std::move(ack);
+      response_.Clear();
+      ToWire(*done, response_.mutable_ack());
     }
     StartWrite(&response_);
   }

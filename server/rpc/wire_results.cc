@@ -57,4 +57,50 @@ void ToWire(const std::vector<SessionListing>& listed, v1::SessionsResponse* out
   }
 }
 
+SessionOpening FromWire(const v1::SessionOpen& open) {
+  return SessionOpening{
+      .client_name = open.client_name(),
+      .client_version = open.client_version(),
+      .pid = open.pid(),
+      .held_tensor_ids = {open.held_tensor_ids().begin(), open.held_tensor_ids().end()},
+      .unpublished_tensor_ids = {open.unpublished_tensor_ids().begin(),
+                                 open.unpublished_tensor_ids().end()},
+  };
+}
+
+void ToWire(const OpenedSession& opened, v1::SessionOpened* out) {
+  out->set_session_id(opened.token);
+  out->set_session_number(opened.session_number);
+  out->set_server_version(TENSORSHM_VERSION);
+  out->set_instance_id(opened.instance_id);
+  out->mutable_lease_ids()->Assign(opened.lease_ids.begin(), opened.lease_ids.end());
+  for (const bool readopted : opened.readopted) out->add_readopted(readopted);
+  for (const auto& [instance, id] : opened.segments) {
+    v1::SegmentRef* segment = out->add_segments();
+    segment->set_segment_instance(instance);
+    segment->set_segment_id(id);
+  }
+}
+
+Releases FromWire(const v1::ReleaseBatch& batch) {
+  return Releases{
+      .sequence = batch.sequence(),
+      .lease_ids = {batch.lease_ids().begin(), batch.lease_ids().end()},
+      .abandoned_tensor_ids = {batch.abandoned_tensor_ids().begin(),
+                               batch.abandoned_tensor_ids().end()},
+      .settled_request_ids = {batch.settled_request_ids().begin(),
+                              batch.settled_request_ids().end()},
+  };
+}
+
+void ToWire(const ReleasesDone& done, v1::ReleaseAck* out) {
+  out->set_sequence(done.sequence);
+  for (const ReleasesDone::Refused& refused : done.refused) {
+    v1::Rejection* rejection = out->add_rejected();
+    rejection->set_id(refused.id);
+    rejection->set_code(static_cast<int32_t>(refused.status.code()));
+    rejection->set_message(std::string(refused.status.message()));
+  }
+}
+
 }  // namespace tensorshm

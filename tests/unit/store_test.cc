@@ -84,18 +84,16 @@ class StoreTest : public ::testing::Test {
 
   // Opens a session for `peer`; its token.
   std::string Open(const PeerCredentials& peer) {
-    v1::SessionOpen open;
-    open.set_pid(peer.pid);
-    open.set_client_name("store_test");
-    uint64_t id = 0;
-    std::string token;
-    absl::StatusOr<v1::SessionResponse> opened =
-        store_->OpenSession(peer, "test", open, &id, &token);
+    SessionOpening open;
+    open.client_name = "store_test";
+    open.pid = peer.pid;
+    absl::StatusOr<OpenedSession> opened = store_->OpenSession(peer, "test", open);
     EXPECT_TRUE(opened.ok()) << opened.status();
-    EXPECT_NE(id, 0u);
-    EXPECT_EQ(opened->opened().session_id(), token);
-    ids_[token] = id;
-    return token;
+    if (!opened.ok()) return "";
+    EXPECT_NE(opened->session_number, 0u);
+    EXPECT_FALSE(opened->token.empty());
+    ids_[opened->token] = opened->session_number;
+    return opened->token;
   }
 
   // Creates a uint8 host tensor of `bytes` for the session `token`; its id. The first create
