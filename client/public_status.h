@@ -16,6 +16,7 @@ namespace tensorshm {
 
 // Both code sets are gRPC's canonical codes, value for value.
 inline Status ToPublic(const absl::Status& status) {
+  if (status.ok()) return Status();  // every successful call: no message to copy
   return Status(static_cast<StatusCode>(status.code()), std::string(status.message()));
 }
 

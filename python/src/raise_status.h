@@ -15,9 +15,11 @@
 
 namespace tensorshm::python {
 
-// Raises the tensorshm exception for `status` (tensorshm._errors maps codes to classes).
+// Raises the tensorshm exception for `status` (tensorshm._errors maps codes to classes): the
+// library's absl::Status or the Client API's tensorshm::Status, whose codes are the same.
 // REQUIRES the GIL.
-[[noreturn]] inline void Raise(const absl::Status& status) {
+template <typename AnyStatus>
+[[noreturn]] void Raise(const AnyStatus& status) {
   nanobind::module_::import_("tensorshm._errors")
       .attr("_raise_status")(static_cast<int>(status.code()), std::string(status.message()));
   throw std::runtime_error("tensorshm._errors._raise_status returned");  // unreachable
@@ -29,24 +31,15 @@ T Check(absl::StatusOr<T> value) {
   if (!value.ok()) Raise(value.status());
   return *std::move(value);
 }
-
-inline void Check(const absl::Status& status) {
-  if (!status.ok()) Raise(status);
-}
-
-// The same for the public types of the Client's API (tensorshm/status.h): same codes.
-[[noreturn]] inline void Raise(const Status& status) {
-  nanobind::module_::import_("tensorshm._errors")
-      .attr("_raise_status")(static_cast<int>(status.code()), status.message());
-  throw std::runtime_error("tensorshm._errors._raise_status returned");  // unreachable
-}
-
 template <typename T>
 T Check(StatusOr<T> value) {
   if (!value.ok()) Raise(value.status());
   return *std::move(value);
 }
 
+inline void Check(const absl::Status& status) {
+  if (!status.ok()) Raise(status);
+}
 inline void Check(const Status& status) {
   if (!status.ok()) Raise(status);
 }
