@@ -128,4 +128,16 @@ absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<c
   return layout;
 }
 
+std::string DeviceName(const DLDevice& device) {
+  switch (device.device_type) {
+    case kDLCPU:
+      return "cpu";
+    case kDLCUDA:
+      return absl::StrCat("cuda:", device.device_id);
+    default:
+      return absl::StrCat("device(type=", static_cast<int>(device.device_type),
+                          ",id=", device.device_id, ")");
+  }
+}
+
 }  // namespace tensorshm

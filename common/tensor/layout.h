@@ -5,6 +5,7 @@
 #include <dlpack/dlpack.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -36,6 +37,20 @@ absl::StatusOr<TensorLayout> ComputeLayout(const DLDataType& dtype, absl::Span<c
 
 // C-contiguous strides, in elements, for `shape`. REQUIRES: shape valid per ComputeLayout.
 std::vector<int64_t> ContiguousStrides(absl::Span<const int64_t> shape);
+
+// A tensor as clients read it: its dtype, device, and where its elements lie in its buffer.
+struct DecodedTensor {
+  DLDataType dtype{};
+  DLDevice device{};
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  uint64_t byte_offset = 0;
+  int64_t nbytes = 0;
+  uint64_t flags = 0;  // DLPack flags of the storage (IS_SUBBYTE_TYPE_PADDED or 0)
+};
+
+// "cpu", "cuda:1", or "device(type=..,id=..)".
+std::string DeviceName(const DLDevice& device);
 
 }  // namespace tensorshm
 

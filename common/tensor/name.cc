@@ -1,5 +1,7 @@
 #include "common/tensor/name.h"
 
+#include <utility>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -65,6 +67,18 @@ absl::Status ValidateName(absl::string_view name, absl::string_view field) {
 
 absl::Status ValidateNamePrefix(absl::string_view prefix, absl::string_view field) {
   return CheckAlphabet(prefix, field);
+}
+
+absl::Status ValidateClientText(const std::string& client_name, const std::string& client_version) {
+  for (const auto& [field, value] :
+       {std::pair<const char*, const std::string*>{"open.client_name", &client_name},
+        {"open.client_version", &client_version}}) {
+    if (value->size() > kMaxClientText) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": ", value->size(), " bytes; at most ", kMaxClientText));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace tensorshm

@@ -37,18 +37,6 @@ DLDevice FromWire(const v1::Device& device) {
   return DLDevice{static_cast<DLDeviceType>(device.type()), device.id()};
 }
 
-std::string DeviceName(const DLDevice& device) {
-  switch (device.device_type) {
-    case kDLCPU:
-      return "cpu";
-    case kDLCUDA:
-      return absl::StrCat("cuda:", device.device_id);
-    default:
-      return absl::StrCat("device(type=", static_cast<int>(device.device_type),
-                          ",id=", device.device_id, ")");
-  }
-}
-
 absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
                                                const v1::Location& location) {
   DecodedTensor out;
@@ -91,18 +79,6 @@ absl::StatusOr<DecodedTensor> DecodeDescriptor(const v1::TensorDesc& desc,
 
 absl::Status ValidateSessionOpen(const v1::SessionOpen& open) {
   return ValidateClientText(open.client_name(), open.client_version());
-}
-
-absl::Status ValidateClientText(const std::string& client_name, const std::string& client_version) {
-  for (const auto& [field, value] :
-       {std::pair<const char*, const std::string*>{"open.client_name", &client_name},
-        {"open.client_version", &client_version}}) {
-    if (value->size() > kMaxClientText) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": ", value->size(), " bytes; at most ", kMaxClientText));
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace tensorshm

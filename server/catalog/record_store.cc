@@ -12,7 +12,7 @@
 #include "common/shm/tensor_record.h"
 #include "common/tensor/dtype.h"
 #include "common/tensor/layout.h"
-#include "common/tensor/wire.h"
+#include "common/tensor/layout.h"
 #include "server/catalog/catalog.h"
 #include "server/ops/log.h"
 

@@ -5,11 +5,13 @@
 #ifndef TENSORSHM_SERVER_CORE_CHANNEL_GRANTS_H_
 #define TENSORSHM_SERVER_CORE_CHANNEL_GRANTS_H_
 
+#include <optional>
+
 #include "absl/status/statusor.h"
 #include "common/base/unique_fd.h"
 #include "server/catalog/catalog.h"
 #include "server/core/session.h"
-#include "tensorshm/v1/tensorshm.pb.h"
+#include "server/core/tensor_calls.h"
 
 namespace tensorshm {
 
@@ -22,21 +24,20 @@ class ChannelGrants {
   ChannelGrants(const ChannelGrants&) = delete;
   ChannelGrants& operator=(const ChannelGrants&) = delete;
 
-  // The descriptor of fast path part `request.part()` for `session`.
-  absl::StatusOr<UniqueFd> FastPath(const Session& session, const v1::FastPathRequest& request,
-                                    v1::FastPathGrant* grant);
-  // The descriptor of host segment `request.segment_id` for `session` (a writable grant is
-  // recorded in session.writable_segments), or of a VMM CUDA segment (request.cuda).
-  absl::StatusOr<UniqueFd> Segment(Session& session, const v1::SegmentRequest& request,
-                                   v1::SegmentGrant* grant);
-  // For a channel create's answer: the writable descriptor of the host segment at `location`
-  // when `session` has not been granted it yet, with its grant in response.attached_segment;
-  // none otherwise (or when the grant fails: the client then asks, and hears why).
-  UniqueFd AttachNewSegment(Session& session, const v1::Location& location,
-                            v1::ChannelResponse* response);
+  // The descriptor of fast path part `ask.part` for `session`, described in `*grant`.
+  absl::StatusOr<UniqueFd> FastPath(const Session& session, const FastPathAsk& ask,
+                                    FastPathGranted* grant);
+  // The descriptor of host segment `ask.segment_id` for `session` (a writable grant is recorded
+  // in session.writable_segments), or of a VMM CUDA segment (ask.cuda), described in `*grant`.
+  absl::StatusOr<UniqueFd> Segment(Session& session, const SegmentAsk& ask, SegmentGranted* grant);
+  // For a channel create's answer: the writable descriptor of the host segment at `place` when
+  // `session` has not been granted it yet, described in `*attached`; none otherwise (or when the
+  // grant fails: the client then asks, and hears why), and `*attached` is left unset.
+  UniqueFd AttachNewSegment(Session& session, const TensorPlace& place,
+                            std::optional<SegmentGranted>* attached);
 
  private:
-  absl::StatusOr<UniqueFd> CudaSegment(const v1::SegmentRequest& request, v1::SegmentGrant* grant);
+  absl::StatusOr<UniqueFd> CudaSegment(const SegmentAsk& ask, SegmentGranted* grant);
 
   Catalog& catalog_;
   const bool offer_fast_path_;

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/tensor/wire.h"
+#include "common/tensor/layout.h"
 
 namespace tensorshm {
 

@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/base/check.h"
+#include "common/tensor/layout.h"
 #include "common/tensor/name.h"
-#include "common/tensor/wire.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
@@ -141,45 +141,44 @@ DecodedTensor Store::DescriptionOf(const Tensor& tensor) {
       .flags = tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : uint64_t{0}};
 }
 
-void Store::Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const {
-  ToWire(DescriptionOf(tensor), desc);
-  if (location == nullptr) return;
-  location->set_segment_id(tensor.buffer.segment_id);
-  location->set_offset(tensor.buffer.offset);
-  location->set_length(tensor.buffer.length);
-  // CUDA segments are always this daemon's own (device memory does not survive it).
-  location->set_segment_instance(catalog_->instance_id());
+TensorPlace Store::PlaceOf(const Tensor& tensor) const {
+  TensorPlace place{.segment_id = tensor.buffer.segment_id,
+                    .offset = tensor.buffer.offset,
+                    .length = tensor.buffer.length,
+                    // CUDA segments are always this daemon's own (device memory does not survive
+                    // it).
+                    .segment_instance = catalog_->instance_id()};
   if (tensor.device.device_type == kDLCUDA) {
     const CudaPool* pool = catalog_->cuda_pool(tensor.device.device_id);
-    v1::CudaLocation* cuda = location->mutable_cuda();
-    cuda->set_device_ordinal(pool->ordinal());
-    cuda->set_device_uuid(pool->uuid().data(), pool->uuid().size());
+    CudaPlace& cuda = place.cuda.emplace();
+    cuda.ordinal = pool->ordinal();
+    cuda.uuid.assign(reinterpret_cast<const char*>(pool->uuid().data()), pool->uuid().size());
     if (tensor.buffer.length > 0) {
-      location->set_segment_size(pool->SegmentSize(tensor.buffer.segment_id));
+      place.segment_size = pool->SegmentSize(tensor.buffer.segment_id);
       if (pool->kind() == CudaPoolKind::kVmm) {
-        cuda->set_vmm(true);  // its descriptor comes over the memory channel
+        cuda.vmm = true;  // its descriptor comes over the memory channel
       } else {
         const CUipcMemHandle& handle = pool->SegmentHandle(tensor.buffer.segment_id);
-        cuda->set_ipc_handle(handle.reserved, sizeof(handle.reserved));
+        cuda.ipc_handle.assign(handle.reserved, sizeof(handle.reserved));
       }
     }
-    if (tensor.sealed) cuda->set_ready_event(tensor.ready_event);
+    if (tensor.sealed) cuda.ready_event = tensor.ready_event;
   } else if (tensor.buffer.length > 0) {
     const HostPool& pool = catalog_->host_pool();
-    location->set_segment_size(pool.SegmentSize(tensor.buffer.segment_id));
-    location->set_segment_instance(pool.SegmentInstance(tensor.buffer.segment_id));
+    place.segment_size = pool.SegmentSize(tensor.buffer.segment_id);
+    place.segment_instance = pool.SegmentInstance(tensor.buffer.segment_id);
     // Each segment's own backing: a pool of named segments gives other uids memfd ones.
     const ShmSegment& segment = pool.Segment(tensor.buffer.segment_id);
-    location->mutable_host()->set_shm_name(
-        segment.backing() == SegmentBacking::kNamed ? segment.name() : "");
+    place.shm_name = segment.backing() == SegmentBacking::kNamed ? segment.name() : "";
   }
+  return place;
 }
 
-void Store::Grant(tensorshm::Session& session, const Tensor& tensor,
-                  v1::AcquireResponse* response) {
-  response->set_lease_id(AddLease(session, tensor));
-  response->set_tensor_id(tensor.id);
-  Describe(tensor, response->mutable_desc(), response->mutable_location());
+LeaseGrant Store::Grant(tensorshm::Session& session, const Tensor& tensor) {
+  return LeaseGrant{.lease_id = AddLease(session, tensor),
+                    .tensor_id = tensor.id,
+                    .desc = DescriptionOf(tensor),
+                    .place = PlaceOf(tensor)};
 }
 
 uint64_t Store::AddLease(tensorshm::Session& session, const Tensor& tensor) {
@@ -189,25 +188,26 @@ uint64_t Store::AddLease(tensorshm::Session& session, const Tensor& tensor) {
   return lease;
 }
 
-absl::Status Store::Publish(const PeerCredentials& peer, const std::optional<std::string>& token,
-                            const v1::PublishRequest& request, v1::PublishResponse* response) {
+absl::StatusOr<Published> Store::Publish(const PeerCredentials& peer,
+                                         const std::optional<std::string>& token,
+                                         const PublishOrder& order) {
   Lock lock(this);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(token, peer);
   if (!session.ok()) return session.status();
-  return PublishFor(**session, request, response);
+  return PublishFor(**session, order);
 }
 
-absl::Status Store::PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
-                               v1::PublishResponse* response) {
-  if (absl::Status s = ValidateName(request.name()); !s.ok()) return s;
-  if (const Tensor* bound = catalog_->Find(request.name()); bound != nullptr && request.replace()) {
+absl::StatusOr<Published> Store::PublishFor(tensorshm::Session& session,
+                                            const PublishOrder& order) {
+  if (absl::Status s = ValidateName(order.name); !s.ok()) return s;
+  if (const Tensor* bound = catalog_->Find(order.name); bound != nullptr && order.replace) {
     if (absl::Status s = MayChange(session, *bound, "replace"); !s.ok()) return s;
   }
-  if (!request.ready_event().empty()) {
-    const Tensor* tensor = catalog_->FindId(request.tensor_id());
-    if (request.ready_event().size() != sizeof(CUipcEventHandle)) {
+  if (!order.ready_event.empty()) {
+    const Tensor* tensor = catalog_->FindId(order.tensor_id);
+    if (order.ready_event.size() != sizeof(CUipcEventHandle)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("ready_event: ", request.ready_event().size(), " bytes; must be empty or a ",
+          absl::StrCat("ready_event: ", order.ready_event.size(), " bytes; must be empty or a ",
                        sizeof(CUipcEventHandle), "-byte CUipcEventHandle"));
     }
     if (tensor != nullptr && tensor->device.device_type != kDLCUDA) {
@@ -216,41 +216,37 @@ absl::Status Store::PublishFor(tensorshm::Session& session, const v1::PublishReq
                                                      "; only CUDA tensors take one"));
     }
   }
-  if (request.has_desc()) {
-    const v1::TensorDesc& desc = request.desc();
-    absl::StatusOr<DLDataType> dtype = FromWire(desc.dtype());
-    if (!dtype.ok()) return dtype.status();
-    const std::vector<int64_t> shape(desc.shape().begin(), desc.shape().end());
-    const std::vector<int64_t> strides(desc.strides().begin(), desc.strides().end());
-    if (absl::Status s =
-            catalog_->Reshape(session.id, request.tensor_id(), *dtype, shape, strides,
-                              (desc.flags() & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED) != 0);
+  if (order.spec.has_value()) {
+    const TensorSpec& spec = *order.spec;
+    if (absl::Status s = catalog_->Reshape(session.id, order.tensor_id, spec.dtype, spec.shape,
+                                           spec.strides, spec.subbyte_padded);
         !s.ok()) {
       return s;
     }
   }
   // The lease of publish-and-acquire is charged first: over --uid-leases nothing is published.
-  if (request.acquire()) {
+  if (order.acquire) {
     if (absl::Status s = session.uid_charge.AddLeases(); !s.ok()) return s;
   }
-  absl::Status s = catalog_->Publish(session.id, request.tensor_id(), request.name(),
-                                     request.replace(), request.ready_event(), session.pid);
+  absl::Status s = catalog_->Publish(session.id, order.tensor_id, order.name, order.replace,
+                                     order.ready_event, session.pid);
   if (!s.ok()) {
-    if (request.acquire()) session.uid_charge.DropLeases();
+    if (order.acquire) session.uid_charge.DropLeases();
     return s;
   }
-  session.ForgetUnpublished(request.tensor_id());
-  if (request.acquire()) {
-    const Tensor* tensor = catalog_->FindId(request.tensor_id());
+  session.ForgetUnpublished(order.tensor_id);
+  Published published;
+  if (order.acquire) {
+    const Tensor* tensor = catalog_->FindId(order.tensor_id);
     TSM_CHECK(tensor != nullptr);
-    Grant(session, *tensor, response->mutable_acquired());
+    published.acquired = Grant(session, *tensor);
   }
-  WakeWaiters(request.name());
-  if (request.stock() > 0) {
-    Stock(session, request.stock_bytes(), request.stock(), response->mutable_stocked());
+  WakeWaiters(order.name);
+  if (order.stock > 0) {
+    published.stocked = Stock(session, order.stock_bytes, order.stock);
     GrowAhead(session.uid);
   }
-  return absl::OkStatus();
+  return published;
 }
 
 absl::Status Store::Delete(const PeerCredentials& peer, const std::optional<std::string>& token,

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -26,13 +25,13 @@
 #include "server/core/listings.h"
 #include "server/core/session.h"
 #include "server/core/session_calls.h"
+#include "server/core/tensor_calls.h"
 #include "server/core/wait_queue.h"
 #include "server/core/waiters.h"
 #include "server/ops/eviction.h"
 #include "server/ops/figures.h"
 #include "server/ops/metrics.h"
 #include "server/ops/uid_limits.h"
-#include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {
 
@@ -98,16 +97,14 @@ class Store {
 
   // ---- Calls of a session (store.cc, store_create.cc, store_acquire.cc) ----
 
-  // A create that does not wait for memory. If a pool must grow first, `later()` is queued for
-  // GrowPools, which answers it, and `*answered_later` is set (the return value means nothing
-  // then).
+  // A create that does not wait for memory: answered now (returned; OK: the answer is in
+  // call->created), or, if a pool must grow first, `call` is queued for GrowPools, which answers
+  // it, and `*answered_later` is set (the return value means nothing then).
   absl::Status Create(const PeerCredentials& peer, const std::optional<std::string>& token,
-                      const v1::CreateRequest& request, v1::CreateResponse* response,
-                      absl::FunctionRef<PendingCall*()> later, bool* answered_later)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // A create with wait_ms != 0 (store_create_waiters.cc): answered now (returned), or
-  // `*answered_later` and `waiter` is answered once it is served, queued for GrowPools or for
-  // memory.
+                      CreateCall* call, bool* answered_later) ABSL_LOCKS_EXCLUDED(mu_);
+  // A create with wait_ms != 0 (store_create_waiters.cc): answered now (returned; OK: the answer
+  // is in waiter->created), or `*answered_later` and `waiter` is answered once it is served,
+  // queued for GrowPools or for memory.
   absl::Status CreateWaiting(const PeerCredentials& peer, const std::optional<std::string>& token,
                              CreateWait* waiter, bool* answered_later) ABSL_LOCKS_EXCLUDED(mu_);
   // A waiting create's cancellation: CANCELLED, unless it was answered already.
@@ -116,13 +113,13 @@ class Store {
   // answer): a create that succeeded but whose client gave up frees its buffers.
   void CreateWaiterDone(CreateWait* waiter, bool cancelled) ABSL_LOCKS_EXCLUDED(mu_);
 
-  absl::Status Publish(const PeerCredentials& peer, const std::optional<std::string>& token,
-                       const v1::PublishRequest& request, v1::PublishResponse* response)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Published> Publish(const PeerCredentials& peer,
+                                    const std::optional<std::string>& token,
+                                    const PublishOrder& order) ABSL_LOCKS_EXCLUDED(mu_);
   // Unbinds `name` (its memory goes with its last lease).
   absl::Status Delete(const PeerCredentials& peer, const std::optional<std::string>& token,
                       const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
-  // An Acquire (waiter->deadline set): answered now (returned: a lease in waiter->response, or a
+  // An Acquire (waiter->deadline set): answered now (returned: a lease in waiter->granted, or a
   // refusal), or listed and `*answered_later`: answered by a publish, its deadline, its
   // cancellation, its session's end or BeginShutdown.
   absl::Status Acquire(const PeerCredentials& peer, const std::optional<std::string>& token,
@@ -144,14 +141,12 @@ class Store {
   // before the call.
   StoreFigures StatSnapshot() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // One memory channel request (see ChannelRequest in the .proto) from a connection with
-  // `peer`'s credentials bound to `*session_token` (empty: none; a bind sets it): binds, grants
-  // one host segment's descriptor or a fast path part (returned), or
-  // creates / publishes / deletes for the bound session (none returned). The answer goes into
-  // `response`; a refusal is returned. (store_channel.cc)
-  absl::StatusOr<UniqueFd> Channel(const PeerCredentials& peer, std::string* session_token,
-                                   const v1::ChannelRequest& request, v1::ChannelResponse* response)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // One memory channel request from a connection with `peer`'s credentials bound to
+  // `*session_token` (empty: none; a bind sets it): binds, grants one segment's descriptor or a
+  // fast path part, or creates / publishes / deletes for the bound session. Returns the answer
+  // with the descriptor it brings, or the refusal. (store_channel.cc)
+  absl::StatusOr<ChannelReplied> Channel(const PeerCredentials& peer, std::string* session_token,
+                                         const ChannelAsk& ask) ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- The daemon's life ----
 
@@ -236,8 +231,8 @@ class Store {
   // Fails every waiter of the session `session_id` (ending) as a call naming `token` would be.
   void FailSessionWaiters(uint64_t session_id, const std::string& token)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A lease of `session` on `tensor`, described in `response` (an Acquire's answer).
-  void Grant(tensorshm::Session& session, const Tensor& tensor, v1::AcquireResponse* response)
+  // A new lease of `session` on `tensor`, as an Acquire answers it.
+  LeaseGrant Grant(tensorshm::Session& session, const Tensor& tensor)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // CreateFor for the session with `token` that grows a pool when it must: the segment is made
@@ -245,9 +240,9 @@ class Store {
   // ended meanwhile: `gone` is returned then). Blocks while another caller grows the pool, and
   // while it grows one: for GrowPools only.
   // `pool_full`, if set, as CreateFor's.
-  absl::Status CreateGrowing(const std::string& token, const absl::Status& gone,
-                             const v1::CreateRequest& request, v1::CreateResponse* response,
-                             bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Created> CreateGrowing(const std::string& token, const absl::Status& gone,
+                                        const CreateOrder& order, bool* pool_full = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Adds the fast path acquires the lease pages counted since the last call to metrics_ (as
   // acquires answered OK). Called by every housekeeping round and every StatSnapshot.
@@ -277,11 +272,11 @@ class Store {
   // returns true), if there is one with `request_id`.
   bool CancelSettledCreate(uint64_t session_id, uint64_t request_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a create of call `request_id` by the session with `token` made what `response` carries:
+  // After a create of call `request_id` by the session with `token` made `created`:
   // kept for a settle (OK), or given back at once if the client settled the call already
   // (CANCELLED), or the session's `gone` if it ended.
   absl::Status KeepCreated(const std::string& token, const absl::Status& gone, uint64_t request_id,
-                           const v1::CreateResponse& response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                           const Created& created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a new lease of `session` on `tensor` (sealed) and returns its id.
   // REQUIRES: the lease is charged to session.uid_charge already.
   uint64_t AddLease(tensorshm::Session& session, const Tensor& tensor)
@@ -292,17 +287,17 @@ class Store {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A tensor's layout as clients read it.
   static DecodedTensor DescriptionOf(const Tensor& tensor);
-  void Describe(const Tensor& tensor, v1::TensorDesc* desc, v1::Location* location) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where a tensor's bytes lie, as clients map them.
+  TensorPlace PlaceOf(const Tensor& tensor) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Create and Publish for `session`, whichever transport asked. A create that needs a new pool
   // segment returns UNAVAILABLE with `growth` saying so (see SegmentGrowth): CreateGrowing.
   // With --evict lru a full pool evicts first (Catalog::CreateEvicting). A create that finds its
   // pool (or the record table) full, or creates waiting for that memory ahead of it (unless
   // `waited`: it is one of them), returns RESOURCE_EXHAUSTED and sets `*pool_full` (if given):
   // it may wait. Quota refusals do not set it.
-  absl::Status CreateFor(tensorshm::Session& session, const v1::CreateRequest& request,
-                         v1::CreateResponse* response, SegmentGrowth* growth, bool waited = false,
-                         bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Created> CreateFor(tensorshm::Session& session, const CreateOrder& order,
+                                    SegmentGrowth* growth, bool waited = false,
+                                    bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED naming the limit and its flag if a buffer for a tensor of `dtype`,
   // `shape`, `strides` on `device` would take `session` past --session-quota or its uid past
   // --uid-quota; OK otherwise, and when the layout is invalid (Catalog::Create says why). Takes
@@ -311,8 +306,8 @@ class Store {
                                  absl::Span<const int64_t> shape, absl::Span<const int64_t> strides,
                                  const DLDevice& device, bool subbyte_padded)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status PublishFor(tensorshm::Session& session, const v1::PublishRequest& request,
-                          v1::PublishResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Published> PublishFor(tensorshm::Session& session, const PublishOrder& order)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After an allocation in `uid`'s host segments: if the host pool plans growth ahead of need for
   // it (HostPool::PlanAhead), names it for GrowPools, which makes the segment in the background.
   void GrowAhead(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -328,10 +323,9 @@ class Store {
   void GiveBackIdleSegments() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
-  // need (CreateRequest.stock), fewer when the pool is short; none under a session quota. Stock
+  // need (CreateOrder.stock), fewer when the pool is short; none under a session quota. Stock
   // never grows a pool: it takes what the segments made so far hold.
-  void Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
-             google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked)
+  std::vector<Stocked> Stock(tensorshm::Session& session, uint64_t length, uint32_t count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status DeleteFor(const tensorshm::Session& session, const std::string& name)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -376,10 +370,8 @@ class Store {
   WaitQueue<std::string, AcquireWait> acquires_waiting_ ABSL_GUARDED_BY(mu_);
   // Creates waiting for GrowPools.
   struct PendingCreate {
-    PendingCall* call;
-    std::string token;  // the caller's session
-    const v1::CreateRequest* request;
-    v1::CreateResponse* response;
+    CreateCall* call;              // its order, and where its answer goes
+    std::string token;             // the caller's session
     CreateWait* waiter = nullptr;  // set when the create may wait for memory (it is `call`)
   };
   std::deque<PendingCreate> pending_creates_ ABSL_GUARDED_BY(mu_);

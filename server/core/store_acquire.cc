@@ -33,10 +33,9 @@ absl::Status Store::Acquire(const PeerCredentials& peer, const std::optional<std
     // A tensor whose record another process overwrote is DATA_LOSS, not served.
     if (absl::Status s = catalog_->Verify(tensor->id); !s.ok()) return s;
     if (absl::Status s = session.uid_charge.AddLeases(); !s.ok()) return s;
-    Grant(session, *tensor, waiter->response);
+    waiter->granted = Grant(session, *tensor);
     waiter->token = session.token;
-    waiter->lease_id = waiter->response->lease_id();
-    session.RecordGrant(waiter->request_id, {waiter->lease_id, {}});
+    session.RecordGrant(waiter->request_id, {waiter->granted.lease_id, {}});
     return absl::OkStatus();
   }
   if (waiter->wait_ms == 0) {
@@ -112,9 +111,8 @@ void Store::WakeWaiters(const std::string& name) {
       FinishLater(waiter, refused);
       continue;
     }
-    Grant(*session, *tensor, waiter->response);
-    waiter->lease_id = waiter->response->lease_id();
-    session->RecordGrant(waiter->request_id, {waiter->lease_id, {}});
+    waiter->granted = Grant(*session, *tensor);
+    session->RecordGrant(waiter->request_id, {waiter->granted.lease_id, {}});
     FinishLater(waiter, absl::OkStatus());
   }
 }
@@ -161,14 +159,14 @@ void Store::CancelWaiter(AcquireWait* waiter) {
 void Store::WaiterDone(AcquireWait* waiter, bool cancelled) {
   Lock lock(this);
   TSM_CHECK(!acquires_waiting_.Contains(waiter));
-  if (!cancelled || waiter->lease_id == 0) return;
+  if (!cancelled || waiter->granted.lease_id == 0) return;
   // The test hook plays an answer that crossed the cancel: only the client's settle gives back.
   if (waiter->request_id != 0 && cross_cancel_hold_ > absl::ZeroDuration()) return;
   // Granted, but the client gave up on the call before the answer reached it: nobody knows the
   // lease's id, so nobody would release it before its session ends.
   tensorshm::Session* session = sessions_.Find(waiter->token);
   if (session == nullptr) return;  // ended: its leases went with it
-  auto lease = session->leases.find(waiter->lease_id);
+  auto lease = session->leases.find(waiter->granted.lease_id);
   if (lease == session->leases.end()) return;
   catalog_->DropLease(lease->second);
   session->leases.erase(lease);

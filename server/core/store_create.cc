@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
-#include "common/tensor/wire.h"
+#include "common/tensor/layout.h"
 #include "server/core/store.h"
 #include "server/memory/pool_refusal.h"
 
@@ -39,46 +39,42 @@ absl::StatusOr<int> Store::CudaOrdinalOf(const DLDevice& device, const std::stri
 }
 
 absl::Status Store::Create(const PeerCredentials& peer, const std::optional<std::string>& token,
-                           const v1::CreateRequest& request, v1::CreateResponse* response,
-                           absl::FunctionRef<PendingCall*()> later, bool* answered_later) {
+                           CreateCall* call, bool* answered_later) {
   Lock lock(this);
   absl::StatusOr<tensorshm::Session*> caller = CallerSession(token, peer);
   if (!caller.ok()) return caller.status();
   tensorshm::Session& session = **caller;
-  if (session.TakeSettled(request.request_id())) {
+  if (session.TakeSettled(call->order.request_id)) {
     return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
   }
   SegmentGrowth growth;
-  absl::Status created = CreateFor(session, request, response, &growth);
+  absl::StatusOr<Created> created = CreateFor(session, call->order, &growth);
   if (!growth.needed() && !growth.busy()) {
-    if (!created.ok()) return created;
-    return KeepCreated(session.token, absl::OkStatus(), request.request_id(), *response);
+    if (!created.ok()) return created.status();
+    call->created = *std::move(created);
+    return KeepCreated(session.token, absl::OkStatus(), call->order.request_id, call->created);
   }
   // A pool must grow first: not on this thread, one of the transport's few.
   if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
-  pending_creates_.push_back(PendingCreate{later(), session.token, &request, response});
+  pending_creates_.push_back(PendingCreate{call, session.token});
   creates_pending_.Signal();
   *answered_later = true;
   return absl::OkStatus();
 }
 
-absl::Status Store::CreateFor(tensorshm::Session& session, const v1::CreateRequest& request,
-                              v1::CreateResponse* response, SegmentGrowth* growth, bool waited,
-                              bool* pool_full) {
-  absl::StatusOr<DLDataType> dtype = FromWire(request.dtype());
-  if (!dtype.ok()) return dtype.status();
-  DLDevice device = request.has_device() ? FromWire(request.device()) : DLDevice{kDLCPU, 0};
-  const std::vector<int64_t> shape(request.shape().begin(), request.shape().end());
-  const std::vector<int64_t> strides(request.strides().begin(), request.strides().end());
-  if (!request.device_uuid().empty()) {
-    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, request.device_uuid());
+absl::StatusOr<Created> Store::CreateFor(tensorshm::Session& session, const CreateOrder& order,
+                                         SegmentGrowth* growth, bool waited, bool* pool_full) {
+  const TensorSpec& spec = order.spec;
+  DLDevice device = order.device;
+  if (!order.device_uuid.empty()) {
+    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, order.device_uuid);
     if (!ordinal.ok()) return ordinal.status();
     device.device_id = *ordinal;
   }
   // Quotas before any memory is taken: a refused create costs no allocation, no pool growth and
   // no eviction.
-  if (absl::Status s =
-          CheckCreateQuotas(session, *dtype, shape, strides, device, request.subbyte_padded());
+  if (absl::Status s = CheckCreateQuotas(session, spec.dtype, spec.shape, spec.strides, device,
+                                         spec.subbyte_padded);
       !s.ok()) {
     return s;
   }
@@ -99,17 +95,18 @@ absl::Status Store::CreateFor(tensorshm::Session& session, const v1::CreateReque
   }
   // From its first host create on, the session's uid shares the host pool with the others.
   if (device.device_type == kDLCPU) session.uid_charge.MarkCreating();
-  absl::StatusOr<const Tensor*> tensor = catalog_->Create(
-      session.id, *dtype, shape, strides, device, request.subbyte_padded(), session.uid, growth);
+  absl::StatusOr<const Tensor*> tensor =
+      catalog_->Create(session.id, spec.dtype, spec.shape, spec.strides, device,
+                       spec.subbyte_padded, session.uid, growth);
   if (absl::IsResourceExhausted(tensor.status()) && catalog_->retired_count() > 0 &&
       catalog_->Reclaim() > 0) {
     // Memory that lease pages let go of since the last housekeeping round is free now.
-    tensor = catalog_->Create(session.id, *dtype, shape, strides, device, request.subbyte_padded(),
-                              session.uid, growth);
+    tensor = catalog_->Create(session.id, spec.dtype, spec.shape, spec.strides, device,
+                              spec.subbyte_padded, session.uid, growth);
   }
   if (absl::IsResourceExhausted(tensor.status()) && evict_ == EvictPolicy::kLru) {
-    tensor = catalog_->CreateEvicting(session.id, *dtype, shape, strides, device,
-                                      request.subbyte_padded(), session.uid, growth);
+    tensor = catalog_->CreateEvicting(session.id, spec.dtype, spec.shape, spec.strides, device,
+                                      spec.subbyte_padded, session.uid, growth);
   }
   if (absl::IsResourceExhausted(tensor.status())) {
     // A tensor larger than the whole pool never fits: said at once, not after a wait.
@@ -133,17 +130,17 @@ absl::Status Store::CreateFor(tensorshm::Session& session, const v1::CreateReque
     if (absl::IsResourceExhausted(s)) metrics_.CountAllocationFailure(AllocationFailure::kQuota);
     return s;  // --uid-quota
   }
-  response->set_tensor_id((*tensor)->id);
-  Describe(**tensor, response->mutable_desc(), response->mutable_location());
-  if (request.stock() > 0 && device.device_type == kDLCPU && length > 0) {
-    Stock(session, length, request.stock(), response->mutable_stocked());
+  Created created{
+      .tensor_id = (*tensor)->id, .desc = DescriptionOf(**tensor), .place = PlaceOf(**tensor)};
+  if (order.stock > 0 && device.device_type == kDLCPU && length > 0) {
+    created.stocked = Stock(session, length, order.stock);
   }
   if (device.device_type == kDLCPU && length > 0) GrowAhead(session.uid);
-  return absl::OkStatus();
+  return created;
 }
 
-void Store::Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
-                  google::protobuf::RepeatedPtrField<v1::StockedBuffer>* stocked) {
+std::vector<Stocked> Store::Stock(tensorshm::Session& session, uint64_t length, uint32_t count) {
+  std::vector<Stocked> stocked;
   // Stock is memory nobody uses yet: it never takes the last eighth of the pool, and a session
   // or uid with a quota gets none (its quota is for what it creates).
   const HostPool& pool = catalog_->host_pool();
@@ -152,14 +149,14 @@ void Store::Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
   if (!creates_waiting_.empty() || session_quota_bytes_ > 0 ||
       uid_limits_.config().unpublished_bytes > 0 || length == 0 || length > kMaxStockedBytes ||
       pool.used_bytes() + (count + 0ull) * length > pool.capacity_bytes() / 8 * 7) {
-    return;
+    return stocked;
   }
   // Nor past an eighth of the uid's fair share: stock keeps a segment from being given back to
   // another uid, and a client takes its stock without a call, so it cannot be taken back.
   const uint64_t stock_bound = pool.FairShare(session.uid) / 8;
   if ((count + 0ull) * length > stock_bound) {
     count = static_cast<uint32_t>(stock_bound / length);
-    if (count == 0) return;
+    if (count == 0) return stocked;
   }
   const int64_t elements = static_cast<int64_t>(length);
   for (uint32_t i = 0; i < count; ++i) {
@@ -167,17 +164,15 @@ void Store::Stock(tensorshm::Session& session, uint64_t length, uint32_t count,
     absl::StatusOr<const Tensor*> tensor =
         catalog_->Create(session.id, DLDataType{kDLUInt, 8, 1}, absl::MakeConstSpan(&elements, 1),
                          {}, DLDevice{kDLCPU, 0}, false, session.uid, &not_for_stock);
-    if (!tensor.ok()) return;
+    if (!tensor.ok()) break;
     if (!session.AddUnpublished((*tensor)->id, (*tensor)->buffer.length).ok()) {
       TSM_CHECK(catalog_->Abandon(session.id, (*tensor)->id).ok());
-      return;
+      break;
     }
     catalog_->MarkStocked((*tensor)->id);
-    v1::StockedBuffer* buffer = stocked->Add();
-    buffer->set_tensor_id((*tensor)->id);
-    v1::TensorDesc desc;
-    Describe(**tensor, &desc, buffer->mutable_location());
+    stocked.push_back(Stocked{.tensor_id = (*tensor)->id, .place = PlaceOf(**tensor)});
   }
+  return stocked;
 }
 
 }  // namespace tensorshm

@@ -1,4 +1,4 @@
-// Creates that wait for memory (CreateRequest.wait_ms): when the pool cannot hold the buffer,
+// Creates that wait for memory (CreateOrder.wait_ms): when the pool cannot hold the buffer,
 // the create (a CreateWait) waits on a first-come-first-served queue, tried again whenever
 // memory may have come free (UnlockAndFinish sees the catalog's release epoch move), and ended by
 // success, its deadline (ExpireWaiters), its cancellation, its session's end or BeginShutdown.
@@ -11,7 +11,6 @@
 #include "absl/time/clock.h"
 #include "common/base/check.h"
 #include "common/tensor/layout.h"
-#include "common/tensor/wire.h"
 #include "server/core/store.h"
 #include "server/memory/pool_refusal.h"
 #include "server/ops/log.h"
@@ -19,20 +18,21 @@
 namespace tensorshm {
 
 absl::Status CreateWait::Expired(const std::string& usage) const {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      refusal.message(), "; waited ",
-      absl::FormatDuration(absl::Trunc(absl::Now() - started, absl::Milliseconds(1))),
-      " for memory to be freed (",
-      wait_ms > 0 ? absl::StrCat("wait_ms = ", wait_ms) : std::string("until the call's deadline"),
-      "); ", usage, "; delete or release tensors, or raise the pool's size"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat(refusal.message(), "; waited ",
+                   absl::FormatDuration(absl::Trunc(absl::Now() - started, absl::Milliseconds(1))),
+                   " for memory to be freed (",
+                   order.wait_ms > 0 ? absl::StrCat("wait_ms = ", order.wait_ms)
+                                     : std::string("until the call's deadline"),
+                   "); ", usage, "; delete or release tensors, or raise the pool's size"));
 }
 
 namespace {
 
 // Ids of the tensors a create's answer carries (its own and the stocked ones).
-std::vector<uint64_t> CreatedIds(const v1::CreateResponse& response) {
-  std::vector<uint64_t> ids = {response.tensor_id()};
-  for (const v1::StockedBuffer& stocked : response.stocked()) ids.push_back(stocked.tensor_id());
+std::vector<uint64_t> CreatedIds(const Created& created) {
+  std::vector<uint64_t> ids = {created.tensor_id};
+  for (const Stocked& stocked : created.stocked) ids.push_back(stocked.tensor_id);
   return ids;
 }
 
@@ -41,45 +41,44 @@ std::vector<uint64_t> CreatedIds(const v1::CreateResponse& response) {
 absl::Status Store::CreateWaiting(const PeerCredentials& peer,
                                   const std::optional<std::string>& token, CreateWait* waiter,
                                   bool* answered_later) {
-  const v1::CreateRequest* request = waiter->request;
-  v1::CreateResponse* response = waiter->response;
   Lock lock(this);
   absl::StatusOr<tensorshm::Session*> caller = CallerSession(token, peer);
   if (!caller.ok()) return caller.status();
   tensorshm::Session& session = **caller;
   waiter->token = session.token;
-  if (session.TakeSettled(waiter->request_id)) {
+  if (session.TakeSettled(waiter->order.request_id)) {
     return absl::CancelledError("create: settled (cancelled) by the client before it arrived");
   }
   SegmentGrowth growth;
   bool pool_full = false;
-  absl::Status created =
-      CreateFor(session, *request, response, &growth, /*waited=*/false, &pool_full);
+  absl::StatusOr<Created> created =
+      CreateFor(session, waiter->order, &growth, /*waited=*/false, &pool_full);
   if (growth.needed() || growth.busy()) {
     // A pool must grow first: GrowPools answers it (or queues it if still full).
     if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
-    pending_creates_.push_back(PendingCreate{waiter, waiter->token, request, response, waiter});
+    pending_creates_.push_back(PendingCreate{waiter, waiter->token, waiter});
     creates_pending_.Signal();
     *answered_later = true;
     return absl::OkStatus();
   }
   if (created.ok()) {
-    waiter->created = CreatedIds(*response);
-    session.RecordGrant(waiter->request_id, {0, waiter->created});
+    waiter->created = *std::move(created);
+    waiter->created_ids = CreatedIds(waiter->created);
+    session.RecordGrant(waiter->order.request_id, {0, waiter->created_ids});
     return absl::OkStatus();
   }
-  if (!pool_full) return created;
+  if (!pool_full) return created.status();
   if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
   if (waiter->Cancelled()) return absl::CancelledError("create cancelled by the client");
-  if (absl::Now() >= waiter->deadline) return created;
-  if (absl::Status s = AddCreateWaiter(waiter, session, created); !s.ok()) return s;
+  if (absl::Now() >= waiter->deadline) return created.status();
+  if (absl::Status s = AddCreateWaiter(waiter, session, created.status()); !s.ok()) return s;
   *answered_later = true;  // queued: whoever takes it off the queue finishes it
   return absl::OkStatus();
 }
 
 void Store::FinishCreate(CreateWait* waiter, absl::Status status) {
   metrics_.CountOp(MetricOp::kCreate, status.code());
-  const bool granted = status.ok() && waiter->request_id != 0;
+  const bool granted = status.ok() && waiter->order.request_id != 0;
   AnswerLater(waiter, std::move(status), granted);
 }
 
@@ -88,10 +87,9 @@ absl::Status Store::AddCreateWaiter(CreateWait* waiter, const tensorshm::Session
   absl::StatusOr<UidLimits::WaitCharge> charge = uid_limits_.StartWait(session.uid);
   if (!charge.ok()) return charge.status();
   waiter->wait_charge = *std::move(charge);
-  DLDevice device =
-      waiter->request->has_device() ? FromWire(waiter->request->device()) : DLDevice{kDLCPU, 0};
-  if (!waiter->request->device_uuid().empty()) {
-    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, waiter->request->device_uuid());
+  DLDevice device = waiter->order.device;
+  if (!waiter->order.device_uuid.empty()) {
+    absl::StatusOr<int> ordinal = CudaOrdinalOf(device, waiter->order.device_uuid);
     TSM_CHECK(ordinal.ok());  // CreateFor resolved it
     device.device_id = *ordinal;
   }
@@ -191,25 +189,25 @@ void Store::RetryWaitingCreates() {
     TSM_CHECK(session != nullptr);
     SegmentGrowth growth;
     bool pool_full = false;
-    waiter->response->Clear();
-    const absl::Status status = CreateFor(*session, *waiter->request, waiter->response, &growth,
-                                          /*waited=*/true, &pool_full);
+    absl::StatusOr<Created> created =
+        CreateFor(*session, waiter->order, &growth, /*waited=*/true, &pool_full);
     if (growth.needed() || growth.busy()) {
       RemoveCreateWaiter(waiter);
-      pending_creates_.push_back(
-          PendingCreate{waiter, waiter->token, waiter->request, waiter->response, waiter});
+      pending_creates_.push_back(PendingCreate{waiter, waiter->token, waiter});
       creates_pending_.Signal();
       continue;
     }
     if (pool_full) {
-      waiter->refusal = status;
+      waiter->refusal = created.status();
       blocked.insert(waiter->key);
       continue;
     }
     RemoveCreateWaiter(waiter);
-    if (status.ok()) {
-      waiter->created = CreatedIds(*waiter->response);
-      session->RecordGrant(waiter->request_id, {0, waiter->created});
+    const absl::Status status = created.status();
+    if (created.ok()) {
+      waiter->created = *std::move(created);
+      waiter->created_ids = CreatedIds(waiter->created);
+      session->RecordGrant(waiter->order.request_id, {0, waiter->created_ids});
       TSM_LOG(kDebug) << "session " << waiter->session_id << ": waiting create served after "
                       << absl::FormatDuration(absl::Now() - waiter->started);
     }
@@ -256,14 +254,14 @@ void Store::CancelCreate(CreateWait* waiter) {
 void Store::CreateWaiterDone(CreateWait* waiter, bool cancelled) {
   Lock lock(this);
   TSM_CHECK(!creates_waiting_.Contains(waiter));
-  if (!cancelled || waiter->created.empty()) return;
+  if (!cancelled || waiter->created_ids.empty()) return;
   // The test hook plays an answer that crossed the cancel: only the client's settle gives back.
-  if (waiter->request_id != 0 && cross_cancel_hold_ > absl::ZeroDuration()) return;
+  if (waiter->order.request_id != 0 && cross_cancel_hold_ > absl::ZeroDuration()) return;
   // Created, but the client gave up on the call before the answer reached it: nobody knows the
   // buffers' ids, so nobody would publish or drop them before the session ends.
   tensorshm::Session* session = sessions_.Find(waiter->token);
   if (session == nullptr) return;  // ended: its unpublished tensors went with it
-  for (uint64_t id : waiter->created) {
+  for (uint64_t id : waiter->created_ids) {
     if (session->unpublished.count(id) == 0) continue;
     if (catalog_->Abandon(session->id, id).ok()) session->ForgetUnpublished(id);
   }
@@ -272,14 +270,14 @@ void Store::CreateWaiterDone(CreateWait* waiter, bool cancelled) {
 void Store::FinishGrownCreate(CreateWait* waiter, const absl::Status& grown, bool pool_full) {
   absl::Status status = grown;
   if (status.ok()) {
-    status =
-        KeepCreated(waiter->token, NoSession(waiter->token), waiter->request_id, *waiter->response);
-    if (status.ok()) waiter->created = CreatedIds(*waiter->response);
+    status = KeepCreated(waiter->token, NoSession(waiter->token), waiter->order.request_id,
+                         waiter->created);
+    if (status.ok()) waiter->created_ids = CreatedIds(waiter->created);
   } else if (pool_full && !shutting_down_ && absl::Now() < waiter->deadline &&
              !waiter->Cancelled()) {
     // The segment it waited for went to others: it waits for memory as any create.
     tensorshm::Session* session = sessions_.Find(waiter->token);
-    if (session != nullptr && session->TakeSettled(waiter->request_id)) {
+    if (session != nullptr && session->TakeSettled(waiter->order.request_id)) {
       FinishCreate(waiter, absl::CancelledError("create settled (cancelled) by the client"));
       return;
     }
@@ -295,7 +293,7 @@ void Store::FinishGrownCreate(CreateWait* waiter, const absl::Status& grown, boo
 
 bool Store::CancelSettledCreate(uint64_t session_id, uint64_t request_id) {
   for (CreateWait* waiter : creates_waiting_.OfSession(session_id)) {
-    if (waiter->request_id != request_id) continue;
+    if (waiter->order.request_id != request_id) continue;
     RemoveCreateWaiter(waiter);
     FinishCreate(waiter, absl::CancelledError("create settled (cancelled) by the client"));
     return true;
@@ -304,16 +302,16 @@ bool Store::CancelSettledCreate(uint64_t session_id, uint64_t request_id) {
 }
 
 absl::Status Store::KeepCreated(const std::string& token, const absl::Status& gone,
-                                uint64_t request_id, const v1::CreateResponse& response) {
+                                uint64_t request_id, const Created& created) {
   if (request_id == 0) return absl::OkStatus();
   tensorshm::Session* session = sessions_.Find(token);
   if (session == nullptr) return gone;  // its unpublished tensors went with it
   if (!session->TakeSettled(request_id)) {
-    session->RecordGrant(request_id, {0, CreatedIds(response)});
+    session->RecordGrant(request_id, {0, CreatedIds(created)});
     return absl::OkStatus();
   }
   // Settled while its segment was being made: nobody will take these buffers.
-  GiveBack(*session, {0, CreatedIds(response)});
+  GiveBack(*session, {0, CreatedIds(created)});
   return absl::CancelledError("create: settled (cancelled) by the client");
 }
 

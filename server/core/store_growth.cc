@@ -42,14 +42,17 @@ void Store::GrowPools() {
     const PendingCreate create = pending_creates_.front();
     pending_creates_.pop_front();
     bool pool_full = false;
-    absl::Status status = CreateGrowing(create.token, NoSession(create.token), *create.request,
-                                        create.response, &pool_full);
+    absl::StatusOr<Created> created =
+        CreateGrowing(create.token, NoSession(create.token), create.call->order, &pool_full);
+    absl::Status status = created.status();
+    if (created.ok()) create.call->created = *std::move(created);
     if (create.waiter != nullptr) {
       FinishGrownCreate(create.waiter, status, pool_full);  // counted when it is answered
     } else {
-      const uint64_t request_id = create.request->request_id();
+      const uint64_t request_id = create.call->order.request_id;
       if (status.ok()) {
-        status = KeepCreated(create.token, NoSession(create.token), request_id, *create.response);
+        status =
+            KeepCreated(create.token, NoSession(create.token), request_id, create.call->created);
       }
       metrics_.CountOp(MetricOp::kCreate, status);
       AnswerLater(create.call, status, status.ok() && request_id != 0);
@@ -57,21 +60,20 @@ void Store::GrowPools() {
   }  // `lock` goes: the create is answered
 }
 
-absl::Status Store::CreateGrowing(const std::string& token, const absl::Status& gone,
-                                  const v1::CreateRequest& request, v1::CreateResponse* response,
-                                  bool* pool_full) {
+absl::StatusOr<Created> Store::CreateGrowing(const std::string& token, const absl::Status& gone,
+                                             const CreateOrder& order, bool* pool_full) {
   while (true) {
     tensorshm::Session* session = sessions_.Find(token);
     if (session == nullptr) return gone;
     SegmentGrowth growth;
-    absl::Status status =
-        CreateFor(*session, request, response, &growth, /*waited=*/false, pool_full);
+    absl::StatusOr<Created> created =
+        CreateFor(*session, order, &growth, /*waited=*/false, pool_full);
     if (growth.busy()) {
       // Another call is making a segment of that pool: it may be the one this create needs.
       grown_.Wait(&mu_);
       continue;
     }
-    if (!growth.needed()) return status;
+    if (!growth.needed()) return created;
     const absl::Status grown = GrowUnlocked(growth);
     if (absl::IsResourceExhausted(grown)) metrics_.CountAllocationFailure(AllocationFailure::kPool);
     if (!grown.ok()) return grown;

@@ -9,7 +9,6 @@
 #include "absl/time/time.h"
 #include "common/base/check.h"
 #include "common/tensor/name.h"
-#include "common/tensor/wire.h"
 #include "server/core/store.h"
 #include "server/ops/log.h"
 

@@ -14,8 +14,8 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/core/tensor_calls.h"
 #include "server/ops/uid_limits.h"
-#include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {
 
@@ -38,11 +38,8 @@ class PendingCall {
 // transport owns it; it outlives its answer until the transport calls WaiterDone.
 class AcquireWait : public PendingCall {
  public:
-  AcquireWait(const v1::AcquireRequest& request, v1::AcquireResponse* response)
-      : name(request.name()),
-        wait_ms(request.wait_ms()),
-        request_id(request.request_id()),
-        response(response) {}
+  explicit AcquireWait(AcquireOrder order)
+      : name(std::move(order.name)), wait_ms(order.wait_ms), request_id(order.request_id) {}
   // Whether the caller gave up on the call (its cancellation).
   virtual bool Cancelled() const = 0;
 
@@ -51,8 +48,7 @@ class AcquireWait : public PendingCall {
 
   const std::string name;
   const int64_t wait_ms;
-  const uint64_t request_id;                     // AcquireRequest.request_id: 0 if none
-  v1::AcquireResponse* const response;           // the transport's, until the call is answered
+  const uint64_t request_id;                     // AcquireOrder.request_id: 0 if none
   absl::Time deadline = absl::InfiniteFuture();  // set by the transport before Acquire
   absl::Time waiting_since;  // when it was listed (tensorshm_acquire_wait_seconds)
   // Counted against --uid-waiters while listed (UidLimits has its own lock).
@@ -61,7 +57,7 @@ class AcquireWait : public PendingCall {
   // Under the Store's lock (set by AddWaiter, and Grant).
   uint64_t session_id = 0;
   std::string token;
-  uint64_t lease_id = 0;  // the lease granted in `response`, if any
+  LeaseGrant granted;  // the answer's lease, once granted (lease_id 0: none)
 };
 
 // The memory a create draws from: a pool, and on the host pool the uid (each uid's buffers take
@@ -83,18 +79,23 @@ struct PoolKey {
   }
 };
 
-// A create with wait_ms != 0 (CreateRequest.wait_ms): when the pool cannot hold the buffer, it
+// A create the Store may answer later (one whose pool must grow first): the order, and the
+// answer once it is made. The transport owns it until the Store has answered it.
+class CreateCall : public PendingCall {
+ public:
+  explicit CreateCall(CreateOrder order) : order(std::move(order)) {}
+
+  const CreateOrder order;
+  Created created;  // an OK answer's, written under the Store's lock before Answer
+};
+
+// A create with wait_ms != 0 (CreateOrder.wait_ms): when the pool cannot hold the buffer, it
 // waits on a first-come-first-served queue, tried again whenever memory may have come free, and
 // is answered by success, its deadline, its cancellation (CancelCreate), its session's end or
-// BeginShutdown. The transport owns it (and its request and response) until CreateWaiterDone.
-class CreateWait : public PendingCall {
+// BeginShutdown. The transport owns it until CreateWaiterDone.
+class CreateWait : public CreateCall {
  public:
-  CreateWait(const v1::CreateRequest* request, v1::CreateResponse* response)
-      : request(request),
-        response(response),
-        wait_ms(request->wait_ms()),
-        request_id(request->request_id()),
-        started(absl::Now()) {}
+  explicit CreateWait(CreateOrder order) : CreateCall(std::move(order)), started(absl::Now()) {}
   // Whether the caller gave up on the call (its cancellation).
   virtual bool Cancelled() const = 0;
 
@@ -102,10 +103,6 @@ class CreateWait : public PendingCall {
   // waited and the pool's usage now (`usage`).
   absl::Status Expired(const std::string& usage) const;
 
-  const v1::CreateRequest* const request;  // the transport's, until the call is answered
-  v1::CreateResponse* const response;
-  const int64_t wait_ms;
-  const uint64_t request_id;  // CreateRequest.request_id: 0 if none
   const absl::Time started;
   absl::Time deadline = absl::InfiniteFuture();  // set by the transport before CreateWaiting
   // Counted against --uid-waiters while queued (UidLimits has its own lock).
@@ -115,8 +112,8 @@ class CreateWait : public PendingCall {
   PoolKey key;
   uint64_t session_id = 0;
   std::string token;
-  absl::Status refusal;           // the last RESOURCE_EXHAUSTED the create got
-  std::vector<uint64_t> created;  // the buffers the answer carried, once created
+  absl::Status refusal;               // the last RESOURCE_EXHAUSTED the create got
+  std::vector<uint64_t> created_ids;  // the buffers the answer carried, once created
 };
 
 }  // namespace tensorshm

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/tensor/wire.h"
+#include "common/tensor/layout.h"
 
 namespace tensorshm {
 
@@ -37,25 +37,6 @@ absl::string_view MetricOpName(MetricOp op) {
       break;
   }
   return "unknown";
-}
-
-MetricOp ChannelRequestOp(const v1::ChannelRequest& request) {
-  switch (request.kind_case()) {
-    case v1::ChannelRequest::kBind:
-      return MetricOp::kBind;
-    case v1::ChannelRequest::kSegment:
-      return MetricOp::kSegment;
-    case v1::ChannelRequest::kFastPath:
-      return MetricOp::kFastPath;
-    case v1::ChannelRequest::kCreate:
-      return MetricOp::kCreate;
-    case v1::ChannelRequest::kPublish:
-      return MetricOp::kPublish;
-    case v1::ChannelRequest::kDelete:
-      return MetricOp::kDelete;
-    default:
-      return MetricOp::kUnknown;
-  }
 }
 
 absl::string_view AllocationFailureName(AllocationFailure why) {

@@ -18,7 +18,6 @@
 #include "absl/time/time.h"
 #include "common/base/mutex.h"
 #include "server/ops/figures.h"
-#include "tensorshm/v1/tensorshm.pb.h"
 
 namespace tensorshm {
 
@@ -44,8 +43,6 @@ enum class MetricOp : int {
 };
 // The `op` label: "create", "session_open", "fast_path", ...
 absl::string_view MetricOpName(MetricOp op);
-// The operation a memory channel request asks for.
-MetricOp ChannelRequestOp(const v1::ChannelRequest& request);
 
 // Why a create found no memory (the `reason` label of tensorshm_allocation_failures_total).
 enum class AllocationFailure : int {

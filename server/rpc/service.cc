@@ -4,21 +4,26 @@
 // channel_handler.cc.
 #include "server/rpc/service.h"
 
+#include <memory>
 #include <thread>
 #include <utility>
 
 #include "absl/time/clock.h"
 #include "common/tensor/grpc_status.h"
+#include "server/rpc/wire_calls.h"
 #include "server/rpc/wire_results.h"
 
 namespace tensorshm {
 
-// A create answered by GrowPools on the call's default reactor: answers it, then goes.
-class TensorShmService::LaterAnswer final : public PendingCall {
+// A create on the call's default reactor: answered at once by the handler, or by GrowPools once
+// the pool has grown (then it answers the call, and goes).
+class TensorShmService::LaterAnswer final : public CreateCall {
  public:
-  LaterAnswer(TensorShmService* service, grpc::ServerUnaryReactor* reactor)
-      : service_(service), reactor_(reactor) {}
+  LaterAnswer(TensorShmService* service, grpc::ServerUnaryReactor* reactor, CreateOrder order,
+              v1::CreateResponse* response)
+      : CreateCall(std::move(order)), service_(service), reactor_(reactor), response_(response) {}
   void Answer(absl::Status status, bool granted) override {
+    if (status.ok()) ToWire(created, response_);
     service_->FinishGranting(reactor_, ToGrpcStatus(status), granted);
     delete this;
   }
@@ -26,6 +31,7 @@ class TensorShmService::LaterAnswer final : public PendingCall {
  private:
   TensorShmService* const service_;
   grpc::ServerUnaryReactor* const reactor_;
+  v1::CreateResponse* const response_;
 };
 
 TensorShmService::TensorShmService(Store& store) : store_(store) {}
@@ -85,10 +91,17 @@ grpc::ServerUnaryReactor* TensorShmService::Create(grpc::CallbackServerContext* 
   const UnaryFrame frame{
       .op = MetricOp::kCreate, .reactor = reactor, .request_id = request->request_id()};
   return Unary(context, frame, [&](const PeerCredentials& peer, bool* answered_later) {
-    // A create whose pool must grow first is answered by GrowPools.
-    return store_.Create(
-        peer, SessionToken(*context), *request, response,
-        [&]() -> PendingCall* { return new LaterAnswer(this, reactor); }, answered_later);
+    absl::StatusOr<CreateOrder> order = FromWire(*request);
+    if (!order.ok()) return order.status();
+    auto call = std::make_unique<LaterAnswer>(this, reactor, *std::move(order), response);
+    const absl::Status status =
+        store_.Create(peer, SessionToken(*context), call.get(), answered_later);
+    if (*answered_later) {
+      call.release();  // a create whose pool must grow first: GrowPools answers it
+    } else if (status.ok()) {
+      ToWire(call->created, response);
+    }
+    return status;
   });
 }
 
@@ -96,7 +109,12 @@ grpc::ServerUnaryReactor* TensorShmService::Publish(grpc::CallbackServerContext*
                                                     const v1::PublishRequest* request,
                                                     v1::PublishResponse* response) {
   return Unary(context, {.op = MetricOp::kPublish}, [&](const PeerCredentials& peer, bool*) {
-    return store_.Publish(peer, SessionToken(*context), *request, response);
+    absl::StatusOr<PublishOrder> order = FromWire(*request);
+    if (!order.ok()) return order.status();
+    absl::StatusOr<Published> published = store_.Publish(peer, SessionToken(*context), *order);
+    if (!published.ok()) return published.status();
+    ToWire(*published, response);
+    return absl::OkStatus();
   });
 }
 

@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/tensor/grpc_status.h"
 #include "server/rpc/service.h"
+#include "server/rpc/wire_calls.h"
 #include "server/rpc/wire_results.h"
 
 namespace tensorshm {
@@ -123,10 +124,11 @@ class TensorShmService::Waiter final : public grpc::ServerUnaryReactor, public A
  public:
   Waiter(TensorShmService* service, grpc::CallbackServerContext* context,
          const v1::AcquireRequest& request, v1::AcquireResponse* response)
-      : AcquireWait(request, response), service_(service), context_(context) {}
+      : AcquireWait(FromWire(request)), service_(service), context_(context), response_(response) {}
 
-  void Answer(absl::Status status, bool granted) override {
-    service_->FinishGranting(this, ToGrpcStatus(status), granted);
+  void Answer(absl::Status status, bool carries_grant) override {
+    if (status.ok()) ToWire(granted, response_);
+    service_->FinishGranting(this, ToGrpcStatus(status), carries_grant);
   }
   bool Cancelled() const override { return context_->IsCancelled(); }
   void OnCancel() override { service_->store_.CancelWaiter(this); }
@@ -138,17 +140,19 @@ class TensorShmService::Waiter final : public grpc::ServerUnaryReactor, public A
  private:
   TensorShmService* const service_;
   grpc::CallbackServerContext* const context_;
+  v1::AcquireResponse* const response_;
 };
 
 // A create with wait_ms != 0 as a reactor: the Store answers it at once or once it is served
 // (CreateWait). Deletes itself in OnDone.
 class TensorShmService::CreateWaiter final : public grpc::ServerUnaryReactor, public CreateWait {
  public:
-  CreateWaiter(TensorShmService* service, grpc::CallbackServerContext* context,
-               const v1::CreateRequest* request, v1::CreateResponse* response)
-      : CreateWait(request, response), service_(service), context_(context) {}
+  CreateWaiter(TensorShmService* service, grpc::CallbackServerContext* context, CreateOrder order,
+               v1::CreateResponse* response)
+      : CreateWait(std::move(order)), service_(service), context_(context), response_(response) {}
 
   void Answer(absl::Status status, bool granted) override {
+    if (status.ok()) ToWire(created, response_);
     service_->FinishGranting(this, ToGrpcStatus(status), granted);
   }
   bool Cancelled() const override { return context_->IsCancelled(); }
@@ -161,6 +165,7 @@ class TensorShmService::CreateWaiter final : public grpc::ServerUnaryReactor, pu
  private:
   TensorShmService* const service_;
   grpc::CallbackServerContext* const context_;
+  v1::CreateResponse* const response_;
 };
 
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* TensorShmService::Session(
@@ -182,25 +187,36 @@ grpc::ServerUnaryReactor* TensorShmService::Acquire(grpc::CallbackServerContext*
   const UnaryFrame frame{
       .op = MetricOp::kAcquire, .reactor = waiter, .request_id = waiter->request_id};
   return Unary(context, frame, [&](const PeerCredentials& peer, bool* answered_later) {
-    return store_.Acquire(peer, SessionToken(*context), waiter, answered_later);
+    const absl::Status status =
+        store_.Acquire(peer, SessionToken(*context), waiter, answered_later);
+    if (status.ok() && !*answered_later) ToWire(waiter->granted, response);
+    return status;
   });
 }
 
 grpc::ServerUnaryReactor* TensorShmService::CreateWaiting(grpc::CallbackServerContext* context,
                                                           const v1::CreateRequest* request,
                                                           v1::CreateResponse* response) {
+  absl::StatusOr<CreateOrder> order = FromWire(*request);
+  if (!order.ok()) {
+    return Unary(context, {.op = MetricOp::kCreate},
+                 [&](const PeerCredentials&, bool*) { return order.status(); });
+  }
   // Finished or not, the waiter lives until gRPC calls its OnDone, which it does only after
   // this returns.
-  auto* waiter = new CreateWaiter(this, context, request, response);
+  auto* waiter = new CreateWaiter(this, context, *std::move(order), response);
   const absl::Time call_deadline = CallDeadline(*context);
-  waiter->deadline =
-      waiter->wait_ms > 0
-          ? std::min(call_deadline, waiter->started + absl::Milliseconds(waiter->wait_ms))
-          : call_deadline;
+  const int64_t wait_ms = waiter->order.wait_ms;
+  waiter->deadline = wait_ms > 0
+                         ? std::min(call_deadline, waiter->started + absl::Milliseconds(wait_ms))
+                         : call_deadline;
   const UnaryFrame frame{
-      .op = MetricOp::kCreate, .reactor = waiter, .request_id = waiter->request_id};
+      .op = MetricOp::kCreate, .reactor = waiter, .request_id = waiter->order.request_id};
   return Unary(context, frame, [&](const PeerCredentials& peer, bool* answered_later) {
-    return store_.CreateWaiting(peer, SessionToken(*context), waiter, answered_later);
+    const absl::Status status =
+        store_.CreateWaiting(peer, SessionToken(*context), waiter, answered_later);
+    if (status.ok() && !*answered_later) ToWire(waiter->created, response);
+    return status;
   });
 }
 

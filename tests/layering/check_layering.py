@@ -23,6 +23,10 @@ The daemon's state and rules (server/rpc, server/core, server/catalog, server/me
 environment variable: what they need, test hooks included, comes through their constructors
 from the daemon (server/daemon.cc, server/ops' options).
 
+The Store and what it stands on (server/core, server/catalog, server/memory, server/ops) know no
+wire format: they include no generated message header and no conversion to messages
+(common/tensor/wire.h, grpc_status.h). server/rpc's adapters translate (docs/design.md).
+
     python3 tests/layering/check_layering.py [ROOT]
     python3 tests/layering/check_layering.py --self-test   (it must catch a planted violation)
 """
@@ -46,6 +50,9 @@ ADMIN = "client/admin.h"
 # Rooms that may not call getenv (see the docstring).
 NO_ENVIRONMENT = ("server/rpc", "server/core", "server/catalog", "server/memory")
 GETENV = re.compile(r"\b(?:secure_)?getenv\s*\(")
+# Rooms that may not see the wire's messages (see the docstring), and the headers that bring them.
+NO_WIRE = ("server/core", "server/catalog", "server/memory", "server/ops")
+WIRE_HEADERS = ("common/tensor/wire.h", "common/tensor/grpc_status.h")
 # Generated protobuf headers are a dependency of common/tensor (wire) and up, like a library.
 GENERATED = ("tensorshm/v1/",)
 
@@ -108,6 +115,11 @@ def check(root: pathlib.Path) -> int:
             if not match:
                 continue
             target = header_room(match.group(1))
+            if room in NO_WIRE and (target == "generated" or match.group(1) in WIRE_HEADERS):
+                problems.append(f"{relative}:{number}: {room} includes {match.group(1)}, a wire "
+                                f"format: take and return the Store's own types; server/rpc "
+                                f"translates")
+                continue
             if target is None or target == "generated":
                 continue
             if target not in allowed(room):
@@ -120,7 +132,7 @@ def check(root: pathlib.Path) -> int:
         print(f"no source files under {root}: nothing was checked")
         return 1
     print(f"layering: {checked} files checked, {len(problems)} problems (includes against the "
-          f"rooms' order, environment reads)")
+          f"rooms' order, environment reads, wire formats below server/rpc)")
     return 1 if problems else 0
 
 
@@ -135,6 +147,8 @@ def self_test() -> int:
         "common/base/check.h": '#include "common/shm/layout.h"\n',           # base -> shm
         "tools/ctl/health.cc": '#include "client/daemon_connection.h"\n',  # ctl -> private
         "server/core/store.cc": 'const char* v = std::getenv("X");\n',      # environment
+        "server/core/grants.cc": '#include "tensorshm/v1/tensorshm.pb.h"\n',  # wire in core
+        "server/catalog/list.cc": '#include "common/tensor/wire.h"\n',  # wire below core
         "server/rpc/service.cc": '#include "server/memory/pool.h"\n',       # allowed
     }
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "server/ops/metrics_http.h"
+#include "server/rpc/channel_handler.h"
 
 namespace tensorshm {
 namespace {

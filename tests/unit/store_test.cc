@@ -3,6 +3,11 @@
 // shutdown, on an in-process Store over a small host pool. No gRPC, no memory channel.
 #include "server/core/store.h"
 
+// The Store knows no wire format (docs/design.md): nothing it includes brings in the messages.
+#ifdef GOOGLE_PROTOBUF_INCLUDED_tensorshm_2fv1_2ftensorshm_2eproto
+#error "server/core/store.h includes tensorshm.pb.h; the Store must work in its own terms"
+#endif
+
 #include <unistd.h>
 
 #include <boost/interprocess/shared_memory_object.hpp>
@@ -10,11 +15,11 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "common/tensor/wire.h"
 #include "gtest/gtest.h"
 
 namespace tensorshm {
@@ -44,16 +49,16 @@ class Answered {
   bool granted_ = false;
 };
 
-class TestCall final : public PendingCall {
+class TestCreate final : public CreateCall {
  public:
+  explicit TestCreate(CreateOrder order) : CreateCall(std::move(order)) {}
   void Answer(absl::Status status, bool granted) override { answered.Set(status, granted); }
   Answered answered;
 };
 
 class TestAcquire final : public AcquireWait {
  public:
-  TestAcquire(const v1::AcquireRequest& request, v1::AcquireResponse* response)
-      : AcquireWait(request, response) {}
+  explicit TestAcquire(AcquireOrder order) : AcquireWait(std::move(order)) {}
   void Answer(absl::Status status, bool granted) override { answered.Set(status, granted); }
   bool Cancelled() const override { return false; }
   Answered answered;
@@ -99,30 +104,24 @@ class StoreTest : public ::testing::Test {
   // Creates a uint8 host tensor of `bytes` for the session `token`; its id. The first create
   // grows the pool, on GrowPools' thread, and is answered there.
   absl::StatusOr<uint64_t> Create(const std::string& token, int64_t bytes) {
-    v1::CreateRequest request;
-    ToWire(DLDataType{kDLUInt, 8, 1}, request.mutable_dtype());
-    request.add_shape(bytes);
-    v1::CreateResponse response;
-    TestCall later;
+    TestCreate call(CreateOrder{.spec = {.dtype = DLDataType{kDLUInt, 8, 1}, .shape = {bytes}}});
     bool answered_later = false;
-    absl::Status status = store_->Create(
-        peer_, token, request, &response, [&]() -> PendingCall* { return &later; },
-        &answered_later);
+    absl::Status status = store_->Create(peer_, token, &call, &answered_later);
     if (answered_later) {
-      std::optional<absl::Status> answer = later.answered.Wait();
+      std::optional<absl::Status> answer = call.answered.Wait();
       if (!answer.has_value()) return absl::DeadlineExceededError("GrowPools never answered");
       status = *answer;
     }
     if (!status.ok()) return status;
-    return response.tensor_id();
+    EXPECT_EQ(call.created.desc.nbytes, bytes);
+    EXPECT_EQ(call.created.place.length, static_cast<uint64_t>(bytes));
+    EXPECT_TRUE(call.created.place.shm_name.has_value());  // a host segment's span
+    return call.created.tensor_id;
   }
 
   absl::Status Publish(const std::string& token, uint64_t tensor_id, const std::string& name) {
-    v1::PublishRequest request;
-    request.set_tensor_id(tensor_id);
-    request.set_name(name);
-    v1::PublishResponse response;
-    return store_->Publish(peer_, token, request, &response);
+    return store_->Publish(peer_, token, PublishOrder{.tensor_id = tensor_id, .name = name})
+        .status();
   }
 
   const PeerCredentials peer_{.pid = getpid(), .uid = getuid(), .gid = getgid()};
@@ -139,11 +138,7 @@ TEST_F(StoreTest, CreatePublishAcquireAndDeleteWithoutATransport) {
   ASSERT_TRUE(tensor.ok()) << tensor.status();
 
   // An acquire that may wait is listed until the publish, which answers it with a lease.
-  v1::AcquireRequest wait_for;
-  wait_for.set_name("store.t");
-  wait_for.set_wait_ms(60000);
-  v1::AcquireResponse waited;
-  TestAcquire waiter(wait_for, &waited);
+  TestAcquire waiter(AcquireOrder{.name = "store.t", .wait_ms = 60000});
   waiter.deadline = absl::Now() + absl::Minutes(1);
   bool answered_later = false;
   ASSERT_TRUE(store_->Acquire(peer_, token, &waiter, &answered_later).ok());
@@ -153,21 +148,20 @@ TEST_F(StoreTest, CreatePublishAcquireAndDeleteWithoutATransport) {
   std::optional<absl::Status> woken = waiter.answered.Wait();
   ASSERT_TRUE(woken.has_value());
   EXPECT_TRUE(woken->ok()) << *woken;
-  EXPECT_NE(waited.lease_id(), 0u);
-  EXPECT_EQ(waited.tensor_id(), *tensor);
-  EXPECT_EQ(waited.desc().nbytes(), 4096);
+  const LeaseGrant& waited = waiter.granted;
+  EXPECT_NE(waited.lease_id, 0u);
+  EXPECT_EQ(waited.tensor_id, *tensor);
+  EXPECT_EQ(waited.desc.nbytes, 4096);
+  EXPECT_EQ(waited.place.length, 4096u);
   store_->WaiterDone(&waiter, /*cancelled=*/false);
 
   // An acquire of a published name is answered at once.
-  v1::AcquireRequest now;
-  now.set_name("store.t");
-  v1::AcquireResponse acquired;
-  TestAcquire at_once(now, &acquired);
+  TestAcquire at_once(AcquireOrder{.name = "store.t"});
   answered_later = false;
   ASSERT_TRUE(store_->Acquire(peer_, token, &at_once, &answered_later).ok());
   EXPECT_FALSE(answered_later);
-  EXPECT_EQ(acquired.tensor_id(), *tensor);
-  EXPECT_NE(acquired.lease_id(), waited.lease_id());
+  EXPECT_EQ(at_once.granted.tensor_id, *tensor);
+  EXPECT_NE(at_once.granted.lease_id, waited.lease_id);
   store_->WaiterDone(&at_once, false);
 
   absl::StatusOr<std::vector<TensorListing>> listed = store_->List(peer_, "");
@@ -188,10 +182,7 @@ TEST_F(StoreTest, CreatePublishAcquireAndDeleteWithoutATransport) {
 
 TEST_F(StoreTest, RefusalsAreStatusesWithTheirMessages) {
   const std::string token = Open(peer_);
-  v1::AcquireRequest missing;
-  missing.set_name("store.missing");
-  v1::AcquireResponse response;
-  TestAcquire at_once(missing, &response);
+  TestAcquire at_once(AcquireOrder{.name = "store.missing"});
   bool answered_later = false;
   absl::Status refused = store_->Acquire(peer_, token, &at_once, &answered_later);
   EXPECT_FALSE(answered_later);
@@ -199,24 +190,18 @@ TEST_F(StoreTest, RefusalsAreStatusesWithTheirMessages) {
   store_->WaiterDone(&at_once, false);
 
   // A call that names no session, or a session nobody opened.
-  v1::PublishRequest publish;
-  publish.set_name("store.x");
-  v1::PublishResponse published;
-  EXPECT_EQ(store_->Publish(peer_, std::nullopt, publish, &published),
+  const PublishOrder publish{.name = "store.x"};
+  EXPECT_EQ(store_->Publish(peer_, std::nullopt, publish).status(),
             absl::InvalidArgumentError("metadata tensorshm-session: missing; open a Session "
                                        "stream and send its id"));
-  EXPECT_EQ(store_->Publish(peer_, std::string("nope"), publish, &published).code(),
+  EXPECT_EQ(store_->Publish(peer_, std::string("nope"), publish).status().code(),
             absl::StatusCode::kFailedPrecondition);
   store_->CloseSession(ids_[token], token);
 }
 
 TEST_F(StoreTest, AWaitingAcquireEndsAtItsDeadlineOrWithItsSession) {
   const std::string token = Open(peer_);
-  v1::AcquireRequest request;
-  request.set_name("store.late");
-  request.set_wait_ms(50);
-  v1::AcquireResponse response;
-  TestAcquire expiring(request, &response);
+  TestAcquire expiring(AcquireOrder{.name = "store.late", .wait_ms = 50});
   expiring.deadline = absl::Now() + absl::Milliseconds(50);
   bool answered_later = false;
   ASSERT_TRUE(store_->Acquire(peer_, token, &expiring, &answered_later).ok());
@@ -227,8 +212,7 @@ TEST_F(StoreTest, AWaitingAcquireEndsAtItsDeadlineOrWithItsSession) {
                           "name = \"store.late\": not published within wait_ms = 50"));
   store_->WaiterDone(&expiring, false);
 
-  request.set_wait_ms(-1);
-  TestAcquire orphan(request, &response);
+  TestAcquire orphan(AcquireOrder{.name = "store.late", .wait_ms = -1});
   answered_later = false;
   ASSERT_TRUE(store_->Acquire(peer_, token, &orphan, &answered_later).ok());
   ASSERT_TRUE(answered_later);
