@@ -277,11 +277,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   for (gid_t gid : options.allow_gids) admitted_groups[gid] = GroupName(gid);
   daemon->policy_ =
       std::make_unique<AccessPolicy>(geteuid(), options.allow_uids, std::move(admitted_groups));
-  daemon->store_ = std::make_unique<Store>(*std::move(catalog), options.session_quota_bytes,
-                                           daemon->policy_.get(), &daemon->peers_,
-                                           options.uid_limits, TestHooksFromEnvironment());
+  const StoreTestHooks hooks = TestHooksFromEnvironment();
+  daemon->store_ =
+      std::make_unique<Store>(*std::move(catalog), options.session_quota_bytes,
+                              daemon->policy_.get(), &daemon->peers_, options.uid_limits, hooks);
   daemon->store_->set_evict_policy(options.evict);
-  daemon->service_ = std::make_unique<TensorShmService>(*daemon->store_);
+  daemon->service_ = std::make_unique<TensorShmService>(*daemon->store_, hooks.cross_cancel_hold);
   if (absl::Status s = daemon->StartServing(started); !s.ok()) return s;
   return daemon;
 }

@@ -13,6 +13,10 @@
 
 namespace tensorshm {
 
+bool SeesDetailsOf(const AccessPolicy* policy, const PeerCredentials& caller, uint32_t uid) {
+  return policy == nullptr || caller.uid == uid || caller.uid == policy->owner() || caller.uid == 0;
+}
+
 absl::Status AccessPolicy::Admit(const PeerCredentials& peer) const {
   if (peer.uid == owner_ || uids_.count(peer.uid) > 0 || gids_.count(peer.gid) > 0) {
     return absl::OkStatus();

@@ -41,6 +41,11 @@ class AccessPolicy {
   std::map<gid_t, std::string> gids_;
 };
 
+// Whether `caller` sees every detail of what uid `uid`'s processes do (their pids, client names):
+// true for that uid itself, the policy's owner and root, and without a policy (null). See
+// SessionsRequest in the .proto for why others see less.
+bool SeesDetailsOf(const AccessPolicy* policy, const PeerCredentials& caller, uint32_t uid);
+
 // The credentials of every accepted gRPC connection, by its descriptor, which gRPC reports as
 // the peer "fd:N". gRPC closes the descriptor when the connection ends, and the number is then
 // reused: so each entry also holds the socket the descriptor was (device and inode), and answers

@@ -3,8 +3,11 @@
 #include <iterator>
 #include <random>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/base/check.h"
+#include "server/core/waiters.h"
 
 namespace tensorshm {
 namespace {
@@ -17,6 +20,12 @@ std::string RandomToken() {
 }
 
 }  // namespace
+
+absl::Status NoSessionError(const std::string& token) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("metadata ", kSessionMetadataKey, " = \"", absl::CHexEscape(token.substr(0, 64)),
+                   "\": no open session has this id (its stream ended, or it never existed)"));
+}
 
 absl::Status Session::CheckCaller(const PeerCredentials& caller, absl::string_view field) const {
   constexpr char kRule[] = "a session serves only the process that opened it";

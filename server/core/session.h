@@ -94,6 +94,10 @@ struct Session {
   }
 };
 
+// FAILED_PRECONDITION for a call naming session `token`, which no open session has (its stream
+// ended, or it never existed); the message shows the token's first 64 bytes, escaped.
+absl::Status NoSessionError(const std::string& token);
+
 // Settles remembered per session before their call arrives (Session::NoteSettled).
 inline constexpr size_t kMaxSettledRequests = 1024;
 

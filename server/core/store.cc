@@ -1,8 +1,8 @@
-// The Store's frame (Admit, the lock, the caller's session), its housekeeping, and the calls on
-// published tensors: Publish, Delete, List, Stat. The rest of the Store lives in
-// store_create.cc (Create), store_create_waiters.cc (creates that wait for memory),
-// store_growth.cc (GrowPools), store_acquire.cc (waiting acquires, shutdown),
-// store_sessions.cc (sessions) and store_channel.cc (the memory channel's requests).
+// The Store's frame (its parts, Admit, the lock, the caller's session), its housekeeping, and
+// the calls on names: Publish, Delete, List, Stat. The rest of the Store lives in
+// store_create.cc (creates), store_growth.cc (GrowPools), store_acquire.cc (acquires, shutdown,
+// the waiters' timer), store_sessions.cc (sessions) and store_channel.cc (the memory channel's
+// requests); the work itself is its parts' (see store.h).
 #include "server/core/store.h"
 
 #include <cstring>
@@ -32,11 +32,22 @@ Store::Store(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
       cross_cancel_hold_(test_hooks.cross_cancel_hold),
       growth_delay_(test_hooks.growth_delay),
       catalog_(std::move(catalog)),
-      grants_(*catalog_, /*offer_fast_path=*/cross_cancel_hold_ == absl::ZeroDuration()),
-      session_quota_bytes_(session_quota_bytes),
       policy_(policy),
       peers_(peers),
-      uid_limits_(uid_limits) {
+      uid_limits_(uid_limits),
+      leasing_(*catalog_, sessions_),
+      acquire_waits_(*catalog_, sessions_, leasing_, uid_limits_, metrics_, answers_,
+                     next_deadline_, cross_cancel_hold_),
+      growth_(*catalog_),
+      creator_(*catalog_, leasing_, uid_limits_, metrics_, create_queue_, growth_,
+               session_quota_bytes),
+      create_queue_(*catalog_, sessions_, creator_, leasing_, uid_limits_, metrics_, answers_,
+                    growth_, next_deadline_, cross_cancel_hold_),
+      session_desk_(*catalog_, sessions_, leasing_, acquire_waits_, create_queue_, uid_limits_,
+                    metrics_, policy),
+      publisher_(*catalog_, leasing_, acquire_waits_, creator_, growth_, policy),
+      channel_(*catalog_, sessions_, creator_, publisher_,
+               /*offer_fast_path=*/cross_cancel_hold_ == absl::ZeroDuration()) {
   // The host pool is shared evenly between the uids creating tensors (HostPool::FairShare).
   catalog_->mutable_host_pool().set_creating_uids([this] { return uid_limits_.CreatingUids(); });
   // Tensor records outlive sessions: the catalog counts them per uid (--uid-tensors).
@@ -48,16 +59,6 @@ Store::Store(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
 Store::~Store() {
   // uid_limits_ goes before catalog_, whose lease pages may still count slots in it.
   catalog_->CountPageLeasesIn(nullptr);
-}
-
-absl::Status Store::MayChange(const tensorshm::Session& session, const Tensor& tensor,
-                              absl::string_view verb) const {
-  if (policy_ == nullptr || session.uid == tensor.owner_uid || session.uid == policy_->owner()) {
-    return absl::OkStatus();
-  }
-  return absl::PermissionDeniedError(absl::StrCat(
-      "name = \"", tensor.name, "\": published by uid ", tensor.owner_uid, "; uid ", session.uid,
-      " may not ", verb, " it (only its publisher and the daemon's uid may)"));
 }
 
 int Store::ExpireUnbound() {
@@ -112,12 +113,6 @@ void Store::FoldFastAcquires() {
   fast_acquires_counted_ = total;
 }
 
-absl::Status Store::NoSession(const std::string& token) {
-  return absl::FailedPreconditionError(
-      absl::StrCat("metadata ", kSessionMetadataKey, " = \"", absl::CHexEscape(token.substr(0, 64)),
-                   "\": no open session has this id (its stream ended, or it never existed)"));
-}
-
 absl::StatusOr<Session*> Store::CallerSession(const std::optional<std::string>& token,
                                               const PeerCredentials& caller) {
   if (!token.has_value()) {
@@ -125,67 +120,9 @@ absl::StatusOr<Session*> Store::CallerSession(const std::optional<std::string>& 
         "metadata ", kSessionMetadataKey, ": missing; open a Session stream and send its id"));
   }
   tensorshm::Session* session = sessions_.Find(*token);
-  if (session == nullptr) return NoSession(*token);
+  if (session == nullptr) return NoSessionError(*token);
   if (absl::Status s = session->CheckCaller(caller); !s.ok()) return s;
   return session;
-}
-
-DecodedTensor Store::DescriptionOf(const Tensor& tensor) {
-  return DecodedTensor{
-      .dtype = tensor.dtype,
-      .device = tensor.device,
-      .shape = tensor.shape,
-      .strides = tensor.strides,
-      .byte_offset = tensor.byte_offset,
-      .nbytes = tensor.nbytes,
-      .flags = tensor.subbyte_padded ? DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED : uint64_t{0}};
-}
-
-TensorPlace Store::PlaceOf(const Tensor& tensor) const {
-  TensorPlace place{.segment_id = tensor.buffer.segment_id,
-                    .offset = tensor.buffer.offset,
-                    .length = tensor.buffer.length,
-                    // CUDA segments are always this daemon's own (device memory does not survive
-                    // it).
-                    .segment_instance = catalog_->instance_id()};
-  if (tensor.device.device_type == kDLCUDA) {
-    const CudaPool* pool = catalog_->cuda_pool(tensor.device.device_id);
-    CudaPlace& cuda = place.cuda.emplace();
-    cuda.ordinal = pool->ordinal();
-    cuda.uuid.assign(reinterpret_cast<const char*>(pool->uuid().data()), pool->uuid().size());
-    if (tensor.buffer.length > 0) {
-      place.segment_size = pool->SegmentSize(tensor.buffer.segment_id);
-      if (pool->kind() == CudaPoolKind::kVmm) {
-        cuda.vmm = true;  // its descriptor comes over the memory channel
-      } else {
-        const CUipcMemHandle& handle = pool->SegmentHandle(tensor.buffer.segment_id);
-        cuda.ipc_handle.assign(handle.reserved, sizeof(handle.reserved));
-      }
-    }
-    if (tensor.sealed) cuda.ready_event = tensor.ready_event;
-  } else if (tensor.buffer.length > 0) {
-    const HostPool& pool = catalog_->host_pool();
-    place.segment_size = pool.SegmentSize(tensor.buffer.segment_id);
-    place.segment_instance = pool.SegmentInstance(tensor.buffer.segment_id);
-    // Each segment's own backing: a pool of named segments gives other uids memfd ones.
-    const ShmSegment& segment = pool.Segment(tensor.buffer.segment_id);
-    place.shm_name = segment.backing() == SegmentBacking::kNamed ? segment.name() : "";
-  }
-  return place;
-}
-
-LeaseGrant Store::Grant(tensorshm::Session& session, const Tensor& tensor) {
-  return LeaseGrant{.lease_id = AddLease(session, tensor),
-                    .tensor_id = tensor.id,
-                    .desc = DescriptionOf(tensor),
-                    .place = PlaceOf(tensor)};
-}
-
-uint64_t Store::AddLease(tensorshm::Session& session, const Tensor& tensor) {
-  const uint64_t lease = sessions_.NextLeaseId();
-  session.leases.emplace(lease, tensor.id);
-  catalog_->AddLease(tensor.id);
-  return lease;
 }
 
 absl::StatusOr<Published> Store::Publish(const PeerCredentials& peer,
@@ -194,59 +131,7 @@ absl::StatusOr<Published> Store::Publish(const PeerCredentials& peer,
   Lock lock(this);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(token, peer);
   if (!session.ok()) return session.status();
-  return PublishFor(**session, order);
-}
-
-absl::StatusOr<Published> Store::PublishFor(tensorshm::Session& session,
-                                            const PublishOrder& order) {
-  if (absl::Status s = ValidateName(order.name); !s.ok()) return s;
-  if (const Tensor* bound = catalog_->Find(order.name); bound != nullptr && order.replace) {
-    if (absl::Status s = MayChange(session, *bound, "replace"); !s.ok()) return s;
-  }
-  if (!order.ready_event.empty()) {
-    const Tensor* tensor = catalog_->FindId(order.tensor_id);
-    if (order.ready_event.size() != sizeof(CUipcEventHandle)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ready_event: ", order.ready_event.size(), " bytes; must be empty or a ",
-                       sizeof(CUipcEventHandle), "-byte CUipcEventHandle"));
-    }
-    if (tensor != nullptr && tensor->device.device_type != kDLCUDA) {
-      return absl::InvalidArgumentError(absl::StrCat("ready_event: set for tensor ", tensor->id,
-                                                     " on ", DeviceName(tensor->device),
-                                                     "; only CUDA tensors take one"));
-    }
-  }
-  if (order.spec.has_value()) {
-    const TensorSpec& spec = *order.spec;
-    if (absl::Status s = catalog_->Reshape(session.id, order.tensor_id, spec.dtype, spec.shape,
-                                           spec.strides, spec.subbyte_padded);
-        !s.ok()) {
-      return s;
-    }
-  }
-  // The lease of publish-and-acquire is charged first: over --uid-leases nothing is published.
-  if (order.acquire) {
-    if (absl::Status s = session.uid_charge.AddLeases(); !s.ok()) return s;
-  }
-  absl::Status s = catalog_->Publish(session.id, order.tensor_id, order.name, order.replace,
-                                     order.ready_event, session.pid);
-  if (!s.ok()) {
-    if (order.acquire) session.uid_charge.DropLeases();
-    return s;
-  }
-  session.ForgetUnpublished(order.tensor_id);
-  Published published;
-  if (order.acquire) {
-    const Tensor* tensor = catalog_->FindId(order.tensor_id);
-    TSM_CHECK(tensor != nullptr);
-    published.acquired = Grant(session, *tensor);
-  }
-  WakeWaiters(order.name);
-  if (order.stock > 0) {
-    published.stocked = Stock(session, order.stock_bytes, order.stock);
-    GrowAhead(session.uid);
-  }
-  return published;
+  return publisher_.Publish(**session, order);
 }
 
 absl::Status Store::Delete(const PeerCredentials& peer, const std::optional<std::string>& token,
@@ -255,34 +140,14 @@ absl::Status Store::Delete(const PeerCredentials& peer, const std::optional<std:
   Lock lock(this);
   absl::StatusOr<tensorshm::Session*> session = CallerSession(token, peer);
   if (!session.ok()) return session.status();
-  return DeleteFor(**session, name);
-}
-
-absl::Status Store::DeleteFor(const tensorshm::Session& session, const std::string& name) {
-  if (absl::Status s = ValidateName(name); !s.ok()) return s;
-  if (const Tensor* bound = catalog_->Find(name); bound != nullptr) {
-    if (absl::Status s = MayChange(session, *bound, "delete"); !s.ok()) return s;
-  }
-  return catalog_->Delete(name);
+  return publisher_.Delete(**session, name);
 }
 
 absl::StatusOr<std::vector<TensorListing>> Store::List(const PeerCredentials& caller,
                                                        const std::string& prefix) {
   if (absl::Status s = ValidateNamePrefix(prefix); !s.ok()) return s;
   Lock lock(this);
-  catalog_->ReadLeasePages();  // once: each entry's page leases are then a look-up
-  std::vector<TensorListing> listed;
-  for (const Tensor* tensor : catalog_->List(prefix)) {
-    TensorListing& entry = listed.emplace_back();
-    entry.name = tensor->name;
-    entry.tensor_id = tensor->id;
-    entry.desc = DescriptionOf(*tensor);
-    entry.leases = catalog_->LeaseCount(*tensor);
-    entry.published_unix_ms = tensor->published_unix_ms;
-    entry.publisher_uid = tensor->owner_uid;
-    if (SeesDetailsOf(caller, tensor->owner_uid)) entry.publisher_pid = tensor->publisher_pid;
-  }
-  return listed;
+  return publisher_.List(caller, prefix);
 }
 
 StoreFigures Store::StatSnapshot() {
@@ -300,7 +165,7 @@ StoreFigures Store::StatLocked() {
   figures.sessions = sessions_.size();
   figures.evicted_tensors = catalog_->evicted_tensors();
   figures.evicted_bytes = catalog_->evicted_bytes();
-  figures.creates_waiting = static_cast<int64_t>(creates_waiting_.size());
+  figures.creates_waiting = static_cast<int64_t>(create_queue_.size());
   figures.stocked_tensors = catalog_->stocked_tensors();
   const HostPool& pool = catalog_->host_pool();
   figures.pools.push_back(PoolFigures{

@@ -1,13 +1,18 @@
 // The daemon's state and its rules, with no transport: sessions, create / publish / acquire /
 // delete, the waiting acquires and creates, pool growth. Each transport (the gRPC service, the
-// memory channel, a test) is a thin adapter that calls these operations with plain arguments.
+// memory channel, a test) is a thin adapter that calls these operations in the Store's own terms
+// (session_calls.h, tensor_calls.h).
+//
+// The Store holds the lock and the state; the work is done by its parts, each a class of one
+// concern, thread-compatible under the Store's lock (as WaitQueue is): Leasing (leases, what an
+// answer says of a tensor, grants kept for settles), AcquireWaits, Creator (a create, its quotas
+// and stock), CreateQueue (creates waiting for memory), GrowthQueue (what GrowPools is to grow),
+// SessionDesk (sessions), Publisher (names) and ChannelDesk (the memory channel's requests).
 #ifndef TENSORSHM_SERVER_CORE_STORE_H_
 #define TENSORSHM_SERVER_CORE_STORE_H_
 
-#include <deque>
 #include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -21,10 +26,18 @@
 #include "common/base/unique_fd.h"
 #include "server/catalog/catalog.h"
 #include "server/core/access.h"
-#include "server/core/channel_grants.h"
+#include "server/core/acquire_waits.h"
+#include "server/core/answers.h"
+#include "server/core/channel_desk.h"
+#include "server/core/create_queue.h"
+#include "server/core/creator.h"
+#include "server/core/growth_queue.h"
+#include "server/core/leasing.h"
 #include "server/core/listings.h"
+#include "server/core/publisher.h"
 #include "server/core/session.h"
 #include "server/core/session_calls.h"
+#include "server/core/session_desk.h"
 #include "server/core/tensor_calls.h"
 #include "server/core/wait_queue.h"
 #include "server/core/waiters.h"
@@ -69,7 +82,11 @@ class Store {
   Store& operator=(const Store&) = delete;
 
   // --evict: what a create that finds its pool full may do first. Call before serving.
-  void set_evict_policy(EvictPolicy policy) { evict_ = policy; }
+  void set_evict_policy(EvictPolicy policy) ABSL_LOCKS_EXCLUDED(mu_) {
+    Lock lock(this);
+    evict_ = policy;
+    creator_.set_evict_policy(policy);
+  }
 
   // ---- Admission ----
 
@@ -102,7 +119,7 @@ class Store {
   // it, and `*answered_later` is set (the return value means nothing then).
   absl::Status Create(const PeerCredentials& peer, const std::optional<std::string>& token,
                       CreateCall* call, bool* answered_later) ABSL_LOCKS_EXCLUDED(mu_);
-  // A create with wait_ms != 0 (store_create_waiters.cc): answered now (returned; OK: the answer
+  // A create with wait_ms != 0 (CreateQueue::Wait): answered now (returned; OK: the answer
   // is in waiter->created), or `*answered_later` and `waiter` is answered once it is served,
   // queued for GrowPools or for memory.
   absl::Status CreateWaiting(const PeerCredentials& peer, const std::optional<std::string>& token,
@@ -180,11 +197,8 @@ class Store {
   const Metrics& metrics() const { return metrics_; }
   Metrics& metrics() { return metrics_; }
 
-  // StoreTestHooks::cross_cancel_hold: zero in production.
-  absl::Duration cross_cancel_hold() const { return cross_cancel_hold_; }
-
  private:
-  // Holds mu_ for its scope; on release, answers the calls queued in finishing_ meanwhile, after
+  // Holds mu_ for its scope; on release, answers the calls queued in answers_ meanwhile, after
   // unlocking.
   class ABSL_SCOPED_LOCKABLE Lock {
    public:
@@ -198,119 +212,31 @@ class Store {
    private:
     Store* store_;
   };
-  // Releases mu_, then answers what was queued in finishing_.
+  // Releases mu_, then answers what was queued in answers_.
   void UnlockAndFinish() ABSL_UNLOCK_FUNCTION(mu_);
 
   // The session named by `token` (nullopt: the call named none), for `caller` (what Admit
   // returned for the call). INVALID_ARGUMENT if it named none, FAILED_PRECONDITION if no open
-  // session has that token (NoSession), PERMISSION_DENIED if `caller` is not the process that
-  // opened it (Session::CheckCaller).
+  // session has that token (NoSessionError), PERMISSION_DENIED if `caller` is not the process
+  // that opened it (Session::CheckCaller).
   absl::StatusOr<tensorshm::Session*> CallerSession(const std::optional<std::string>& token,
                                                     const PeerCredentials& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static absl::Status NoSession(const std::string& token);
   // StatSnapshot's work, under mu_.
   StoreFigures StatLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // Queues `call` to be answered with `status` once mu_ is released.
-  void AnswerLater(PendingCall* call, absl::Status status, bool granted = false)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queues `waiter`, already off every list, to be answered with `status` once mu_ is released,
-  // and counts its answer (metrics_).
-  void FinishLater(AcquireWait* waiter, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // Waiting acquires (store_acquire.cc). AddWaiter puts a waiter of `session` on its name's list,
-  // its session's list and (with a finite deadline) the deadline queue; RemoveWaiter takes it off
-  // all three. AddWaiter is where a limit on waiting acquires (per uid) is checked: an error
-  // refuses the wait and the waiter is not added.
-  absl::Status AddWaiter(AcquireWait* waiter, const tensorshm::Session& session)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemoveWaiter(AcquireWait* waiter) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Gives every waiter for `name` (just published) a lease on it and queues it to finish.
-  void WakeWaiters(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Fails every waiter of the session `session_id` (ending) as a call naming `token` would be.
-  void FailSessionWaiters(uint64_t session_id, const std::string& token)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A new lease of `session` on `tensor`, as an Acquire answers it.
-  LeaseGrant Grant(tensorshm::Session& session, const Tensor& tensor)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // CreateFor for the session with `token` that grows a pool when it must: the segment is made
-  // with mu_ released, then the create is tried again, the session looked up again (it may have
-  // ended meanwhile: `gone` is returned then). Blocks while another caller grows the pool, and
-  // while it grows one: for GrowPools only.
-  // `pool_full`, if set, as CreateFor's.
-  absl::StatusOr<Created> CreateGrowing(const std::string& token, const absl::Status& gone,
-                                        const CreateOrder& order, bool* pool_full = nullptr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   // Adds the fast path acquires the lease pages counted since the last call to metrics_ (as
   // acquires answered OK). Called by every housekeeping round and every StatSnapshot.
   void FoldFastAcquires() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // OK if `session` may delete or replace `tensor`: its publisher's uid, or the daemon's.
-  absl::Status MayChange(const tensorshm::Session& session, const Tensor& tensor,
-                         absl::string_view verb) const;
-  // Whether `caller` sees every detail of what uid `uid`'s processes do (their pids, client
-  // names): true for that uid itself, the daemon's uid and root, and without a policy. See
-  // SessionsRequest in the .proto for why others see less.
-  bool SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const;
-  // A reconnecting client's SessionOpen: leases and unpublished tensors it held before the
-  // daemon restarted, taken back where the catalog allows; the outcome goes into `opened`.
-  void Reattach(tensorshm::Session& session, const SessionOpening& open, OpenedSession* opened)
+  // ---- Pool growth, GrowPools' (store_growth.cc) ----
+
+  // Creator::Create for the session with `token` that grows a pool when it must: the segment is
+  // made with mu_ released, then the create is tried again, the session looked up again (it may
+  // have ended meanwhile: `gone` is returned then). Blocks while another caller grows the pool,
+  // and while it grows one: for GrowPools only. `pool_full`, if set, as Creator::Create's.
+  absl::StatusOr<Created> CreateGrowing(const std::string& token, const absl::Status& gone,
+                                        const CreateOrder& order, bool* pool_full = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  ReleasesDone HandleReleases(tensorshm::Session& session, const Releases& batch)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A settle (ReleaseBatch.settled_request_ids) of call `request_id` of `session`: gives back
-  // what it granted, ends it CANCELLED if it waits, or remembers the id for when it arrives.
-  void SettleRequest(tensorshm::Session& session, uint64_t request_id)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Gives back what `grant` holds that `session` still holds: the lease, unpublished tensors.
-  void GiveBack(tensorshm::Session& session, const tensorshm::Session::RequestGrant& grant)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A settle of a create of session `session_id` waiting for memory: finishes it CANCELLED (and
-  // returns true), if there is one with `request_id`.
-  bool CancelSettledCreate(uint64_t session_id, uint64_t request_id)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a create of call `request_id` by the session with `token` made `created`:
-  // kept for a settle (OK), or given back at once if the client settled the call already
-  // (CANCELLED), or the session's `gone` if it ended.
-  absl::Status KeepCreated(const std::string& token, const absl::Status& gone, uint64_t request_id,
-                           const Created& created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Records a new lease of `session` on `tensor` (sealed) and returns its id.
-  // REQUIRES: the lease is charged to session.uid_charge already.
-  uint64_t AddLease(tensorshm::Session& session, const Tensor& tensor)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The daemon's ordinal of the CUDA device with `uuid`. INVALID_ARGUMENT unless `device` is
-  // CUDA and `uuid` 16 bytes, FAILED_PRECONDITION if no pool is on that device.
-  absl::StatusOr<int> CudaOrdinalOf(const DLDevice& device, const std::string& uuid) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A tensor's layout as clients read it.
-  static DecodedTensor DescriptionOf(const Tensor& tensor);
-  // Where a tensor's bytes lie, as clients map them.
-  TensorPlace PlaceOf(const Tensor& tensor) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Create and Publish for `session`, whichever transport asked. A create that needs a new pool
-  // segment returns UNAVAILABLE with `growth` saying so (see SegmentGrowth): CreateGrowing.
-  // With --evict lru a full pool evicts first (Catalog::CreateEvicting). A create that finds its
-  // pool (or the record table) full, or creates waiting for that memory ahead of it (unless
-  // `waited`: it is one of them), returns RESOURCE_EXHAUSTED and sets `*pool_full` (if given):
-  // it may wait. Quota refusals do not set it.
-  absl::StatusOr<Created> CreateFor(tensorshm::Session& session, const CreateOrder& order,
-                                    SegmentGrowth* growth, bool waited = false,
-                                    bool* pool_full = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // RESOURCE_EXHAUSTED naming the limit and its flag if a buffer for a tensor of `dtype`,
-  // `shape`, `strides` on `device` would take `session` past --session-quota or its uid past
-  // --uid-quota; OK otherwise, and when the layout is invalid (Catalog::Create says why). Takes
-  // and counts nothing: CreateFor asks before it allocates.
-  absl::Status CheckCreateQuotas(tensorshm::Session& session, const DLDataType& dtype,
-                                 absl::Span<const int64_t> shape, absl::Span<const int64_t> strides,
-                                 const DLDevice& device, bool subbyte_padded)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<Published> PublishFor(tensorshm::Session& session, const PublishOrder& order)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After an allocation in `uid`'s host segments: if the host pool plans growth ahead of need for
-  // it (HostPool::PlanAhead), names it for GrowPools, which makes the segment in the background.
-  void GrowAhead(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // GrowPools' growth ahead for `uid`, if the pool still plans it: makes the segment with mu_
   // released (no create waits for it, so a failure is logged, not answered).
   void GrowAheadNow(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -322,42 +248,6 @@ class Store {
   // them with mu_ released (as GrowUnlocked): for GrowPools only.
   void GiveBackIdleSegments() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Makes up to `count` unpublished uint8 buffers of `length` bytes for `session` ahead of its
-  // need (CreateOrder.stock), fewer when the pool is short; none under a session quota. Stock
-  // never grows a pool: it takes what the segments made so far hold.
-  std::vector<Stocked> Stock(tensorshm::Session& session, uint64_t length, uint32_t count)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status DeleteFor(const tensorshm::Session& session, const std::string& name)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // ---- Creates that wait for memory (store_create_waiters.cc) ----
-
-  // Queues `waiter` of `session` (whose create found its pool full with `refusal`), charged to
-  // its uid's --uid-waiters; an error refuses the wait and queues nothing.
-  absl::Status AddCreateWaiter(CreateWait* waiter, const tensorshm::Session& session,
-                               const absl::Status& refusal) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemoveCreateWaiter(CreateWait* waiter) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Tries the waiting creates again, in order; once one for a PoolKey still does not fit, the
-  // later ones for that key wait on (first come, first served). Finishes those that are done.
-  void RetryWaitingCreates() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Finishes the waiting creates whose deadline is not after `now`; true if there were any.
-  bool ExpireCreates(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Finishes the waiting creates of session `session_id` (ending), or all of them, with `status`.
-  void FailSessionCreates(uint64_t session_id, const std::string& token)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailWaitingCreates(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queues `waiter`, off the queue, to be finished with `status` once mu_ is released, and counts
-  // its answer (metrics_).
-  void FinishCreate(CreateWait* waiter, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // GrowPools' answer `status` to `waiter`: finished, or queued if its pool was full.
-  void FinishGrownCreate(CreateWait* waiter, const absl::Status& status, bool pool_full)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // RESOURCE_EXHAUSTED if creates wait for the memory of `key` (a new create queues behind
-  // them); OK otherwise.
-  absl::Status CheckCreateQueue(const PoolKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // "cpu pool: U of C bytes used" for `key`'s pool.
-  std::string PoolUsage(const PoolKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   // The catalog's index, for the heartbeat, which needs no lock (header atomics only).
   CatalogIndex& index_;
   Mutex mu_;
@@ -365,47 +255,32 @@ class Store {
   CondVar grown_;          // signalled when a pool's growth ends
   CondVar next_deadline_;  // signalled when the earliest waiter deadline moves closer, or shutdown
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
-  bool keep_held_on_stop_ ABSL_GUARDED_BY(mu_) = false;  // KeepHeldOnStop
-  // Waiting acquires, keyed by the name they wait for.
-  WaitQueue<std::string, AcquireWait> acquires_waiting_ ABSL_GUARDED_BY(mu_);
-  // Creates waiting for GrowPools.
-  struct PendingCreate {
-    CreateCall* call;              // its order, and where its answer goes
-    std::string token;             // the caller's session
-    CreateWait* waiter = nullptr;  // set when the create may wait for memory (it is `call`)
-  };
-  std::deque<PendingCreate> pending_creates_ ABSL_GUARDED_BY(mu_);
-  CondVar creates_pending_;  // signalled when a create or a growth ahead is queued, and on shutdown
-  // Uids whose host segments GrowPools is to grow ahead of need (GrowAhead).
-  std::set<uint32_t> grow_ahead_ ABSL_GUARDED_BY(mu_);
+  bool keep_held_on_stop_ ABSL_GUARDED_BY(mu_) = false;    // KeepHeldOnStop
   bool warned_growth_ahead_ ABSL_GUARDED_BY(mu_) = false;  // a failed growth ahead was logged
-  // Calls to answer once mu_ is released (Lock), with their status.
-  struct Finishing {
-    PendingCall* call;
-    absl::Status status;
-    bool granted = false;  // it carries a grant of a call with a request id (PendingCall::Answer)
-  };
-  std::vector<Finishing> finishing_ ABSL_GUARDED_BY(mu_);
+  // Calls to answer once mu_ is released (Lock).
+  Answers answers_ ABSL_GUARDED_BY(mu_);
   const absl::Duration cross_cancel_hold_;  // StoreTestHooks::cross_cancel_hold
   const absl::Duration growth_delay_;       // StoreTestHooks::growth_delay
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
-  ChannelGrants grants_ ABSL_GUARDED_BY(mu_);  // of catalog_
-  // Creates waiting for memory, keyed by the memory they wait for, first come first served.
-  WaitQueue<PoolKey, CreateWait> creates_waiting_ ABSL_GUARDED_BY(mu_);
-  // The catalog's release_epoch() at the last retry, and whether a waiting create left the queue
-  // since (those behind it may fit now): either makes UnlockAndFinish retry them.
-  uint64_t retried_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  bool retry_creates_ ABSL_GUARDED_BY(mu_) = false;
   // catalog_->FastAcquires() at the last FoldFastAcquires: what metrics_ holds of them.
   uint64_t fast_acquires_counted_ ABSL_GUARDED_BY(mu_) = 0;
   EvictPolicy evict_ = EvictPolicy::kNone;  // set before serving
-  const uint64_t session_quota_bytes_;
   const AccessPolicy* const policy_;
   const PeerTable* const peers_;
   // Thread-safe on its own; declared before sessions_, whose charges it must outlive.
   UidLimits uid_limits_;
   SessionTable sessions_ ABSL_GUARDED_BY(mu_);
   Metrics metrics_;  // thread-safe on its own
+  // The Store's parts, each thread-compatible under mu_ (they refer to the members above and to
+  // each other; declared in the order they are built).
+  Leasing leasing_ ABSL_GUARDED_BY(mu_);
+  AcquireWaits acquire_waits_ ABSL_GUARDED_BY(mu_);
+  GrowthQueue growth_ ABSL_GUARDED_BY(mu_);
+  Creator creator_ ABSL_GUARDED_BY(mu_);  // queues behind create_queue_ (built after it)
+  CreateQueue create_queue_ ABSL_GUARDED_BY(mu_);
+  SessionDesk session_desk_ ABSL_GUARDED_BY(mu_);
+  Publisher publisher_ ABSL_GUARDED_BY(mu_);
+  ChannelDesk channel_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tensorshm

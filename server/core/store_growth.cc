@@ -16,46 +16,42 @@ void Store::GrowPools() {
     Lock lock(this);
     // Between growths, the segments of uids that have gone are given back (looked for once a
     // second: a uid's last session may have ended).
-    while (pending_creates_.empty() && grow_ahead_.empty() && !shutting_down_ &&
+    while (!growth_.has_creates() && !growth_.has_ahead() && !shutting_down_ &&
            !catalog_->host_pool().HasIdleSegments()) {
-      creates_pending_.WaitWithTimeout(&mu_, absl::Seconds(1));
+      growth_.wake().WaitWithTimeout(&mu_, absl::Seconds(1));
     }
     if (shutting_down_) {
-      for (const PendingCreate& create : pending_creates_) {
+      for (const GrowthQueue::PendingCreate& create : growth_.TakeCreates()) {
         metrics_.CountOp(MetricOp::kCreate, absl::StatusCode::kUnavailable);
-        AnswerLater(create.call, absl::UnavailableError("tensorshmd is stopping"));
+        answers_.Later(create.call, absl::UnavailableError("tensorshmd is stopping"));
       }
-      pending_creates_.clear();
       return;
     }
-    if (pending_creates_.empty() && grow_ahead_.empty()) {
-      GiveBackIdleSegments();
+    if (!growth_.has_creates()) {
+      if (growth_.has_ahead()) {
+        GrowAheadNow(growth_.PopAhead());  // nothing waits for a segment now: grow ahead of need
+      } else {
+        GiveBackIdleSegments();
+      }
       continue;
     }
-    if (pending_creates_.empty()) {
-      // Nothing waits for a segment now: grow ahead of need.
-      const uint32_t uid = *grow_ahead_.begin();
-      grow_ahead_.erase(grow_ahead_.begin());
-      GrowAheadNow(uid);
-      continue;
-    }
-    const PendingCreate create = pending_creates_.front();
-    pending_creates_.pop_front();
+    const GrowthQueue::PendingCreate create = growth_.PopCreate();
+    const absl::Status gone = NoSessionError(create.token);
     bool pool_full = false;
     absl::StatusOr<Created> created =
-        CreateGrowing(create.token, NoSession(create.token), create.call->order, &pool_full);
+        CreateGrowing(create.token, gone, create.call->order, &pool_full);
     absl::Status status = created.status();
     if (created.ok()) create.call->created = *std::move(created);
     if (create.waiter != nullptr) {
-      FinishGrownCreate(create.waiter, status, pool_full);  // counted when it is answered
+      // Counted when it is answered.
+      create_queue_.FinishGrown(create.waiter, status, pool_full, shutting_down_);
     } else {
       const uint64_t request_id = create.call->order.request_id;
       if (status.ok()) {
-        status =
-            KeepCreated(create.token, NoSession(create.token), request_id, create.call->created);
+        status = leasing_.KeepCreated(create.token, gone, request_id, create.call->created);
       }
       metrics_.CountOp(MetricOp::kCreate, status);
-      AnswerLater(create.call, status, status.ok() && request_id != 0);
+      answers_.Later(create.call, status, status.ok() && request_id != 0);
     }
   }  // `lock` goes: the create is answered
 }
@@ -67,7 +63,7 @@ absl::StatusOr<Created> Store::CreateGrowing(const std::string& token, const abs
     if (session == nullptr) return gone;
     SegmentGrowth growth;
     absl::StatusOr<Created> created =
-        CreateFor(*session, order, &growth, /*waited=*/false, pool_full);
+        creator_.Create(*session, order, &growth, /*waited=*/false, pool_full);
     if (growth.busy()) {
       // Another call is making a segment of that pool: it may be the one this create needs.
       grown_.Wait(&mu_);
@@ -105,11 +101,6 @@ void Store::GiveBackIdleSegments() {
   mu_.lock();
 }
 
-void Store::GrowAhead(uint32_t uid) {
-  if (shutting_down_ || !catalog_->host_pool().PlanAhead(uid).has_value()) return;
-  if (grow_ahead_.insert(uid).second) creates_pending_.Signal();
-}
-
 void Store::GrowAheadNow(uint32_t uid) {
   std::optional<GrowthRequest> plan = catalog_->host_pool().PlanAhead(uid);
   if (!plan.has_value()) return;  // grown meanwhile, or room was freed or taken
@@ -118,7 +109,7 @@ void Store::GrowAheadNow(uint32_t uid) {
   growth.request = *plan;
   const absl::Status grown = GrowUnlocked(growth);
   if (grown.ok()) {
-    retry_creates_ = true;  // a waiting create of that uid may fit now
+    create_queue_.RoomAdded();  // a waiting create of that uid may fit now
     return;
   }
   // Creates still grow the pool on demand; an operator hears of this once (e.g. /dev/shm full).

@@ -1,100 +1,36 @@
-// Sessions: a Session stream's open (and a reconnecting client's reattach), its release batches
-// and settles, its close; and every open session for operators (the Sessions RPC, tensorshmctl
-// sessions).
+// Sessions, as the Store serves them (the work is SessionDesk's): a Session stream's open, its
+// release batches, its close; and every open session for operators (the Sessions RPC,
+// tensorshmctl sessions).
 #include <optional>
 #include <string>
 
-#include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
-#include "common/base/check.h"
 #include "common/tensor/name.h"
 #include "server/core/store.h"
 #include "server/ops/log.h"
 
 namespace tensorshm {
-namespace {
-
-// Ids of each kind one ReleaseBatch may carry (clients send at most 4096): each refused id costs
-// a Rejection in the ack, many times its own size.
-constexpr size_t kMaxReleaseIds = 16384;
-
-}  // namespace
-
-bool Store::SeesDetailsOf(const PeerCredentials& caller, uint32_t uid) const {
-  return policy_ == nullptr || caller.uid == uid || caller.uid == policy_->owner() ||
-         caller.uid == 0;
-}
 
 absl::StatusOr<std::vector<SessionListing>> Store::Sessions(const PeerCredentials& caller,
                                                             const std::string& own_token) {
   Lock lock(this);
-  // Naming a session is for its own process only, as on every call (Session::CheckCaller); a
-  // token that names no open session marks none as `own`.
-  if (const tensorshm::Session* own = sessions_.Find(own_token); own != nullptr) {
-    if (absl::Status s = own->CheckCaller(caller); !s.ok()) return s;
-  }
-  std::vector<SessionListing> listed;
-  for (const auto& [id, session] : sessions_.by_id()) {
-    SessionListing& entry = listed.emplace_back();
-    entry.session_id = id;
-    entry.uid = session->uid;
-    entry.rpc_leases = static_cast<int64_t>(session->leases.size());
-    entry.page_leases = catalog_->PageLeasesOf(id);
-    entry.unpublished_tensors = static_cast<int64_t>(session->unpublished.size());
-    entry.unpublished_bytes = static_cast<int64_t>(session->unpublished_bytes);
-    entry.opened_unix_ms = absl::ToUnixMillis(session->opened_at);
-    entry.own = !own_token.empty() && own_token == session->token;
-    entry.waiting_acquires = static_cast<int64_t>(acquires_waiting_.CountOfSession(id));
-    if (!SeesDetailsOf(caller, session->uid)) {
-      entry.redacted = true;
-      continue;
-    }
-    entry.pid = session->pid;
-    entry.gid = session->gid;
-    // Both at most kMaxClientText bytes (ValidateSessionOpen).
-    entry.client_name = session->client_name;
-    entry.client_version = session->client_version;
-  }
-  return listed;
+  return session_desk_.List(caller, own_token);
 }
 
 absl::StatusOr<OpenedSession> Store::OpenSession(const PeerCredentials& peer,
                                                  const std::string& peer_address,
                                                  const SessionOpening& open) {
-  OpenedSession opened;
   // The client's own words are kept for the session's life (Sessions, logs): bounded.
   if (absl::Status s = ValidateClientText(open.client_name, open.client_version); !s.ok()) {
     return s;
   }
+  absl::StatusOr<OpenedSession> opened;
   {
     Lock lock(this);
     if (shutting_down_) return absl::UnavailableError("tensorshmd is stopping");
-    // Per-uid limits: the reattach list is bounded, and the session counts against its uid.
-    if (absl::Status s = uid_limits_.CheckHeldList(open.held_tensor_ids.size()); !s.ok()) {
-      return s;
-    }
-    absl::StatusOr<UidLimits::SessionCharge> charge = uid_limits_.OpenSession(peer.uid);
-    if (!charge.ok()) return charge.status();
-    tensorshm::Session& session = sessions_.Open(open.pid, open.client_name, peer_address);
-    session.client_version = open.client_version;
-    session.opened_at = absl::Now();
-    session.uid_charge = *std::move(charge);
-    session.uid = peer.uid;
-    session.gid = peer.gid;
-    if (peer.pid != 0) session.pid = peer.pid;  // the kernel's word over the client's
-    session.peer_pid = peer.pid;
-    opened.session_number = session.id;
-    opened.token = session.token;
-    Reattach(session, open, &opened);
-    opened.instance_id = catalog_->instance_id();
-    const HostPool& pool = catalog_->host_pool();
-    for (uint64_t id = 1; id <= pool.segment_count(); ++id) {
-      if (!pool.HasSegment(id)) continue;  // lost in a restart
-      opened.segments.emplace_back(pool.SegmentInstance(id), id);
-    }
+    opened = session_desk_.Open(peer, peer_address, open);
   }
-  TSM_LOG(kInfo) << "session " << opened.session_number << " opened: pid " << open.pid << ", uid "
+  if (!opened.ok()) return opened;
+  TSM_LOG(kInfo) << "session " << opened->session_number << " opened: pid " << open.pid << ", uid "
                  << peer.uid << ", client \"" << LogEscape(open.client_name) << "\", "
                  << peer_address;
   return opened;
@@ -104,148 +40,25 @@ std::optional<ReleasesDone> Store::SessionRelease(const std::string& token, cons
   Lock lock(this);
   tensorshm::Session* session = sessions_.Find(token);
   if (session == nullptr) return std::nullopt;
-  return HandleReleases(*session, batch);
-}
-
-void Store::Reattach(tensorshm::Session& session, const SessionOpening& open,
-                     OpenedSession* opened) {
-  if (open.held_tensor_ids.empty() && open.unpublished_tensor_ids.empty()) return;
-  int leases = 0;
-  for (uint64_t tensor_id : open.held_tensor_ids) {
-    uint64_t lease = 0;
-    // A lease past the uid's --uid-leases is not taken back (its client reports the loss).
-    const bool room = session.uid_charge.AddLeases().ok();
-    if (room && catalog_->ReattachLease(tensor_id).ok()) {
-      lease = sessions_.NextLeaseId();
-      session.leases.emplace(lease, tensor_id);
-      ++leases;
-    } else if (room) {
-      session.uid_charge.DropLeases();
-    }
-    opened->lease_ids.push_back(lease);
-  }
-  int readopted = 0;
-  for (uint64_t tensor_id : open.unpublished_tensor_ids) {
-    // Charged before it is taken back: a buffer past the uid's --uid-quota is not.
-    const Tensor* tensor = catalog_->FindId(tensor_id);
-    bool ok = tensor != nullptr && session.unpublished.count(tensor_id) == 0 &&
-              session.AddUnpublished(tensor_id, tensor->buffer.length).ok();
-    if (ok && !catalog_->Readopt(session.id, session.uid, tensor_id).ok()) {
-      session.ForgetUnpublished(tensor_id);
-      ok = false;
-    }
-    if (ok) ++readopted;
-    opened->readopted.push_back(ok);
-  }
-  TSM_LOG(kInfo) << "session " << session.id << " reconnected: " << leases << " of "
-                 << open.held_tensor_ids.size() << " leases and " << readopted << " of "
-                 << open.unpublished_tensor_ids.size() << " unpublished tensors taken back";
-}
-
-ReleasesDone Store::HandleReleases(tensorshm::Session& session, const Releases& batch) {
-  ReleasesDone done;
-  done.sequence = batch.sequence;
-  if (batch.lease_ids.size() > kMaxReleaseIds ||
-      batch.abandoned_tensor_ids.size() > kMaxReleaseIds) {
-    done.refused.push_back(
-        {0, absl::InvalidArgumentError(
-                absl::StrCat("lease_ids: ", batch.lease_ids.size(), " ids, abandoned_tensor_ids: ",
-                             batch.abandoned_tensor_ids.size(), " ids; at most ", kMaxReleaseIds,
-                             " of each per batch: nothing in this batch was released; send "
-                             "it in smaller ones"))});
-    return done;
-  }
-  for (size_t i = 0; i < batch.lease_ids.size(); ++i) {
-    const uint64_t lease = batch.lease_ids[i];
-    auto it = session.leases.find(lease);
-    if (it == session.leases.end()) {
-      done.refused.push_back(
-          {lease, absl::FailedPreconditionError(
-                      absl::StrCat("lease_ids[", i, "] = ", lease, ": not held by this session"))});
-      continue;
-    }
-    catalog_->DropLease(it->second);
-    session.leases.erase(it);
-    session.uid_charge.DropLeases();
-  }
-  for (size_t i = 0; i < batch.abandoned_tensor_ids.size(); ++i) {
-    const uint64_t tensor_id = batch.abandoned_tensor_ids[i];
-    absl::Status status = session.unpublished.count(tensor_id) == 0
-                              ? absl::FailedPreconditionError(
-                                    absl::StrCat("abandoned_tensor_ids[", i, "] = ", tensor_id,
-                                                 ": not an unpublished tensor of this session"))
-                              : catalog_->Abandon(session.id, tensor_id);
-    if (status.ok()) {
-      session.ForgetUnpublished(tensor_id);
-      continue;
-    }
-    done.refused.push_back({tensor_id, std::move(status)});
-  }
-  for (uint64_t request_id : batch.settled_request_ids) SettleRequest(session, request_id);
-  // What the session's lease page let go of is freed by the time the batch is acknowledged
-  // (Client::Flush relies on it).
-  catalog_->Reclaim();
-  return done;
-}
-
-void Store::GiveBack(tensorshm::Session& session, const tensorshm::Session::RequestGrant& grant) {
-  if (auto lease = session.leases.find(grant.lease_id); lease != session.leases.end()) {
-    catalog_->DropLease(lease->second);
-    session.leases.erase(lease);
-    session.uid_charge.DropLeases();
-  }
-  for (uint64_t tensor_id : grant.tensor_ids) {
-    if (session.unpublished.count(tensor_id) == 0) continue;  // published, or dropped already
-    if (catalog_->Abandon(session.id, tensor_id).ok()) session.ForgetUnpublished(tensor_id);
-  }
+  return session_desk_.Release(*session, batch);
 }
 
 void Store::CloseSession(uint64_t session_id, const std::string& token) {
-  size_t leases = 0;
-  size_t unpublished = 0;
-  bool kept = false;
+  SessionDesk::Ended ended;
   {
     Lock lock(this);
     tensorshm::Session* session = sessions_.Find(token);
     if (session == nullptr) return;
-    FailSessionWaiters(session_id, token);
-    FailSessionCreates(session_id, token);
-    leases = session->leases.size();
-    unpublished = session->unpublished.size();
-    kept = keep_held_on_stop_;
-    if (kept) {
-      // The segments stay for the next daemon: nothing the session held is freed, as if the
-      // daemon had crashed (its records stay unbound or unpublished, its lease page untouched).
-      // Its client re-registers the leases and takes back the unpublished buffers in the next
-      // daemon's grace period; that daemon frees what nobody took back.
-      leases += static_cast<size_t>(catalog_->PageLeasesOf(session_id));
-      session->leases.clear();
-      session->unpublished.clear();
-    } else {
-      uint64_t unpublished_bytes = 0;
-      for (const auto& [tensor_id, bytes] : session->unpublished) unpublished_bytes += bytes;
-      for (const auto& [lease, tensor_id] : session->leases) catalog_->DropLease(tensor_id);
-      session->leases.clear();
-      for (const auto& [tensor_id, bytes] : session->unpublished) {
-        absl::Status s = catalog_->Abandon(session_id, tensor_id);
-        TSM_CHECK(s.ok());
-      }
-      session->unpublished.clear();
-      // Its lease page goes whole: what only it held is freed now.
-      const int64_t page_leases = catalog_->DropLeasePage(session_id);
-      metrics_.CountReclaimed(unpublished_bytes, unpublished, leases + page_leases);
-      catalog_->Reclaim();
-    }
-    sessions_.Close(session_id);
+    ended = session_desk_.Close(*session, keep_held_on_stop_);
   }
-  if (kept) {
-    TSM_LOG(kInfo) << "session " << session_id << " ended by the stop: kept its " << leases
-                   << " leases and " << unpublished
+  if (ended.kept) {
+    TSM_LOG(kInfo) << "session " << session_id << " ended by the stop: kept its " << ended.leases
+                   << " leases and " << ended.unpublished
                    << " unpublished tensors for the next daemon (--keep-segments)";
     return;
   }
-  TSM_LOG(kInfo) << "session " << session_id << " closed: released " << leases << " leases, freed "
-                 << unpublished << " unpublished tensors";
+  TSM_LOG(kInfo) << "session " << session_id << " closed: released " << ended.leases
+                 << " leases, freed " << ended.unpublished << " unpublished tensors";
 }
 
 }  // namespace tensorshm

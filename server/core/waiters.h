@@ -54,7 +54,7 @@ class AcquireWait : public PendingCall {
   // Counted against --uid-waiters while listed (UidLimits has its own lock).
   std::optional<UidLimits::WaitCharge> wait_charge;
 
-  // Under the Store's lock (set by AddWaiter, and Grant).
+  // Under the Store's lock (set by AcquireWaits).
   uint64_t session_id = 0;
   std::string token;
   LeaseGrant granted;  // the answer's lease, once granted (lease_id 0: none)

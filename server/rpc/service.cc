@@ -34,13 +34,14 @@ class TensorShmService::LaterAnswer final : public CreateCall {
   v1::CreateResponse* const response_;
 };
 
-TensorShmService::TensorShmService(Store& store) : store_(store) {}
+TensorShmService::TensorShmService(Store& store, absl::Duration cross_cancel_hold)
+    : store_(store), cross_cancel_hold_(cross_cancel_hold) {}
 
 TensorShmService::~TensorShmService() = default;
 
 void TensorShmService::FinishGranting(grpc::ServerUnaryReactor* reactor, grpc::Status status,
                                       bool granted) {
-  const absl::Duration hold = store_.cross_cancel_hold();
+  const absl::Duration hold = cross_cancel_hold_;
   if (!granted || hold == absl::ZeroDuration() || !status.ok()) {
     reactor->Finish(std::move(status));
     return;

@@ -23,8 +23,10 @@ namespace tensorshm {
 // are always finished with the Store's lock released (gRPC may run OnCancel and OnDone inline).
 class TensorShmService final : public v1::TensorShm::CallbackService {
  public:
-  // Serves `store`, which outlives the service.
-  explicit TensorShmService(Store& store);
+  // Serves `store`, which outlives the service. `cross_cancel_hold`: the store's
+  // StoreTestHooks::cross_cancel_hold (zero in production): answers carrying a grant leave this
+  // much later.
+  TensorShmService(Store& store, absl::Duration cross_cancel_hold);
   ~TensorShmService();
 
   grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
@@ -83,10 +85,11 @@ class TensorShmService final : public v1::TensorShm::CallbackService {
   // The session token the call's metadata names; nullopt if none.
   static std::optional<std::string> SessionToken(const grpc::ServerContextBase& context);
   // Finishes `reactor` with `status`; `granted`: it carries a grant of a call with a request id
-  // (held back by Store::cross_cancel_hold() in tests).
+  // (held back by cross_cancel_hold_ in tests).
   void FinishGranting(grpc::ServerUnaryReactor* reactor, grpc::Status status, bool granted);
 
   Store& store_;
+  const absl::Duration cross_cancel_hold_;
 };
 
 }  // namespace tensorshm

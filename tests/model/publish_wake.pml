@@ -13,8 +13,8 @@
  *   proctype Producer   Client::Publish over the memory channel: sends the request and waits
  *                       for the answer. Its first publish may be refused by the daemon (name
  *                       taken, say); the second is accepted.
- *   proctype Daemon     TensorShmService::HandleChannel: as a publish arrives, before anything
- *                       else, CatalogIndex::WakeWaiters (FUTEX_WAKE, no bump). Then PublishFor ->
+ *   proctype Daemon     Store::Channel: as a publish arrives, before anything else,
+ *                       CatalogIndex::WakeWaiters (FUTEX_WAKE, no bump). Then Publisher::Publish ->
  *                       Catalog::Publish: an accepted publish is committed (record, then index),
  *                       then CatalogIndex::NotifyPublished bumps the word and wakes every sleeper;
  *                       a refused one changes nothing more. Then it answers.

@@ -1,14 +1,78 @@
-#include "server/core/channel_grants.h"
+#include "server/core/channel_desk.h"
 
+#include <string>
 #include <utility>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "server/memory/cuda_pool.h"
 
 namespace tensorshm {
 
-absl::StatusOr<UniqueFd> ChannelGrants::FastPath(const Session& session, const FastPathAsk& ask,
-                                                 FastPathGranted* grant) {
+absl::StatusOr<ChannelReplied> ChannelDesk::Carry(const PeerCredentials& peer,
+                                                  std::string* session_token,
+                                                  const ChannelAsk& ask) {
+  if (const auto* bind = std::get_if<ChannelBind>(&ask)) {
+    if (!session_token->empty()) {
+      return absl::FailedPreconditionError("bind: this channel is bound to a session already");
+    }
+    const Session* session = sessions_.Find(bind->session_token);
+    if (session == nullptr) {
+      return absl::FailedPreconditionError(
+          "bind.session_id: no open session has this id (its stream ended, or it never existed)");
+    }
+    // Only the process that opened the session may bind to it, as on every gRPC call.
+    if (absl::Status s = session->CheckCaller(peer, "bind.session_id"); !s.ok()) return s;
+    *session_token = bind->session_token;
+    return ChannelReplied{ChannelBound{catalog_.instance_id()}, UniqueFd()};
+  }
+  if (session_token->empty()) {
+    return absl::FailedPreconditionError("kind: bind the channel to a session first");
+  }
+  Session* session = sessions_.Find(*session_token);
+  if (session == nullptr) {
+    return absl::FailedPreconditionError(
+        "kind: the session this channel is bound to has ended; reconnect");
+  }
+  if (const auto* segment = std::get_if<SegmentAsk>(&ask)) {
+    SegmentGranted grant;
+    absl::StatusOr<UniqueFd> fd = Segment(*session, *segment, &grant);
+    if (!fd.ok()) return fd.status();
+    return ChannelReplied{std::move(grant), *std::move(fd)};
+  }
+  if (const auto* part = std::get_if<FastPathAsk>(&ask)) {
+    FastPathGranted grant;
+    absl::StatusOr<UniqueFd> fd = FastPath(*session, *part, &grant);
+    if (!fd.ok()) return fd.status();
+    return ChannelReplied{grant, *std::move(fd)};
+  }
+  if (const auto* order = std::get_if<CreateOrder>(&ask)) {
+    SegmentGrowth growth;
+    absl::StatusOr<Created> created = creator_.Create(*session, *order, &growth);
+    if (created.ok()) {
+      ChannelCreated answer{.created = *std::move(created)};
+      UniqueFd fd = AttachNewSegment(*session, answer.created.place, &answer.attached);
+      return ChannelReplied{std::move(answer), std::move(fd)};
+    }
+    if (!growth.needed() && !growth.busy()) return created.status();
+    // This thread serves every client's channel: it never makes a segment (posix_fallocate,
+    // cuMemAlloc), nor waits for one. UNAVAILABLE sends the client to the gRPC Create, which
+    // GrowPools answers once the pool has grown.
+    return absl::UnavailableError(
+        "create: the pool must grow first; the gRPC Create waits for that");
+  }
+  if (const auto* order = std::get_if<PublishOrder>(&ask)) {
+    absl::StatusOr<Published> published = publisher_.Publish(*session, *order);
+    if (!published.ok()) return published.status();
+    return ChannelReplied{*std::move(published), UniqueFd()};
+  }
+  const auto& order = std::get<DeleteOrder>(ask);
+  if (absl::Status s = publisher_.Delete(*session, order.name); !s.ok()) return s;
+  return ChannelReplied{Deleted{}, UniqueFd()};
+}
+
+absl::StatusOr<UniqueFd> ChannelDesk::FastPath(const Session& session, const FastPathAsk& ask,
+                                               FastPathGranted* grant) {
   if (!offer_fast_path_) {
     return absl::FailedPreconditionError(
         "fast_path: not offered under TENSORSHMD_TEST_CROSS_CANCEL_MS (test mode)");
@@ -38,8 +102,8 @@ absl::StatusOr<UniqueFd> ChannelGrants::FastPath(const Session& session, const F
   return fd;
 }
 
-absl::StatusOr<UniqueFd> ChannelGrants::Segment(Session& session, const SegmentAsk& ask,
-                                                SegmentGranted* grant) {
+absl::StatusOr<UniqueFd> ChannelDesk::Segment(Session& session, const SegmentAsk& ask,
+                                              SegmentGranted* grant) {
   if (ask.cuda) return CudaSegment(ask, grant);
   const HostPool& pool = catalog_.host_pool();
   const uint64_t id = ask.segment_id;
@@ -71,8 +135,8 @@ absl::StatusOr<UniqueFd> ChannelGrants::Segment(Session& session, const SegmentA
   return fd;
 }
 
-UniqueFd ChannelGrants::AttachNewSegment(Session& session, const TensorPlace& place,
-                                         std::optional<SegmentGranted>* attached) {
+UniqueFd ChannelDesk::AttachNewSegment(Session& session, const TensorPlace& place,
+                                       std::optional<SegmentGranted>* attached) {
   if (!place.shm_name.has_value() || place.length == 0 ||
       session.writable_segments.count({place.segment_instance, place.segment_id}) > 0) {
     return UniqueFd();
@@ -87,7 +151,7 @@ UniqueFd ChannelGrants::AttachNewSegment(Session& session, const TensorPlace& pl
   return *std::move(fd);
 }
 
-absl::StatusOr<UniqueFd> ChannelGrants::CudaSegment(const SegmentAsk& ask, SegmentGranted* grant) {
+absl::StatusOr<UniqueFd> ChannelDesk::CudaSegment(const SegmentAsk& ask, SegmentGranted* grant) {
   // Every admitted session may read every published tensor (as host segments are granted
   // read-only to all), so a CUDA segment is granted to any bound session; clients map it
   // read-only. The descriptor itself carries no access mode (see docs/security.md).
