@@ -89,7 +89,7 @@ absl::Status ClientCore::Open(bool reattach, absl::Time deadline, CancelState* c
   std::vector<uint64_t> unpublished_keys;
   if (reattach) {
     RetireFastPath();
-    DropStock();
+    stock_.Drop();
     MutexLock lock(&mu_);
     for (const auto& [key, held] : held_) {
       // A lease the last daemon already refused stays refused.
@@ -138,7 +138,7 @@ absl::Status ClientCore::Open(bool reattach, absl::Time deadline, CancelState* c
   for (const v1::SegmentRef& segment : answer.segments()) {
     live.emplace(segment.segment_instance(), segment.segment_id());
   }
-  segments_.Retain(live);
+  segments().Retain(live);
   {
     MutexLock lock(&mu_);
     session_id_ = answer.session_id();
@@ -219,11 +219,11 @@ void ClientCore::SweepReadyEvents() {
   // Only when enough events piled up: one look reads every record of the catalog, so at least
   // record_count / kRecordsPerSweptEvent events must be there to pay for it.
   constexpr size_t kRecordsPerSweptEvent = 256;
-  if (cuda_.ready_event_count() < kMinReadyEventSweep) return;
+  if (cuda().ready_event_count() < kMinReadyEventSweep) return;
   std::shared_ptr<FastPath> fast = fast_path();
   if (fast == nullptr) return;
-  cuda_.SweepReadyEvents(fast->record_count() / kRecordsPerSweptEvent,
-                         [&](std::vector<uint64_t>* ids) { fast->HeldTensorIds(ids); });
+  cuda().SweepReadyEvents(fast->record_count() / kRecordsPerSweptEvent,
+                          [&](std::vector<uint64_t>* ids) { fast->HeldTensorIds(ids); });
 }
 
 std::shared_ptr<FastPath> ClientCore::fast_path() const {

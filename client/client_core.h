@@ -1,5 +1,6 @@
 // ClientCore: what a Client and the tensors it handed out share (the session, the release queue,
-// the fast path, stock and segment mappings). Private to the client library.
+// the fast path; the stock shelf and the mappings are parts of their own). Private to the client
+// library.
 #ifndef TENSORSHM_CLIENT_CLIENT_CORE_H_
 #define TENSORSHM_CLIENT_CLIENT_CORE_H_
 
@@ -27,8 +28,10 @@
 #include "client/daemon_connection.h"
 #include "client/fast_path.h"
 #include "client/fork.h"
+#include "client/mappings.h"
 #include "client/memory_channel.h"
 #include "client/segment_map.h"
+#include "client/stock_shelf.h"
 #include "common/base/mutex.h"
 #include "tensorshm/v1/tensorshm.grpc.pb.h"
 
@@ -67,8 +70,11 @@ class ClientCore {
         fork_generation_(ForkGeneration()),
         pid_(getpid()),
         memory_(socket_, server_uid_),
-        connection_(std::move(connection)) {}
-  ~ClientCore() { DropStock(); }
+        connection_(std::move(connection)),
+        mappings_(
+            memory_, [this] { return session_id(); },
+            [this](std::function<void()> work) { PopulateLater(std::move(work)); }) {}
+  ~ClientCore() { stock_.Drop(); }
 
   // True in a child process fork() made after this core: nothing of it may be used there.
   bool forked() const { return ForkGeneration() != fork_generation_; }
@@ -134,68 +140,26 @@ class ClientCore {
   // A memory channel request for the current session (Create, Publish); UNAVAILABLE when the
   // channel cannot be had (the caller then uses the RPC), else the daemon's answer.
   // A create's answer may carry the writable descriptor of a segment this session had not been
-  // granted (ChannelResponse.attached_segment): it is mapped here, as MapHostBuffer would have
+  // granted (ChannelResponse.attached_segment): it is mapped here, as Mappings::Buffer would have
   // asked for it. Any other descriptor that came with the answer is closed.
   absl::StatusOr<v1::ChannelResponse> Exchange(v1::ChannelRequest& request) {
     UniqueFd attached;
     absl::StatusOr<v1::ChannelResponse> answer = memory_.Exchange(session_id(), request, &attached);
     if (answer.ok() && answer->has_attached_segment() && attached.valid()) {
-      AdoptWritableSegment(answer->attached_segment(), std::move(attached));
+      mappings_.AdoptWritable(answer->attached_segment(), std::move(attached));
     }
     return answer;
   }
-  // Maps the writable segment `grant` names from `fd` (as MapHostBuffer does with a descriptor it
-  // asked for), unless it is mapped already. A failure is not reported: the next MapHostBuffer
-  // of the segment asks the daemon, and hears why.
-  void AdoptWritableSegment(const v1::SegmentGrant& grant, UniqueFd fd);
-
   // Tells the daemon that a publish follows once `length` bytes are filled (ChannelExpect).
   void ExpectFill(uint64_t length);
 
-  // The read-only mapping of the whole host segment `key` (as many bytes as the daemon grants),
-  // made on first use from a descriptor the memory channel brings, and shared by every tensor in
-  // it. An error if the segment is smaller than `size` bytes. A new mapping is populated: the
-  // tensor at [offset, offset + length) at once, the rest in the background (SegmentMap::Insert).
-  absl::StatusOr<std::shared_ptr<const SegmentMapping>> MapHostSegment(const SegmentKey& key,
-                                                                       uint64_t size,
-                                                                       uint64_t offset,
-                                                                       uint64_t length);
-  // The base address, in this process's device `ordinal`, of the VMM CUDA segment `location`
-  // names: mapped read-only on first use from a descriptor the memory channel brings
-  // (CudaState::MapVmmSegment), and kept while the client lives.
-  absl::StatusOr<CUdeviceptr> MapCudaSegment(int ordinal, const v1::Location& location);
-  // `location`'s buffer (this session's own) in the writable mapping of its segment, made on
-  // first use and kept: readied for writing (WritableSegment::Prepare). `segment` keeps the
-  // mapping alive.
-  struct HostBuffer {
-    std::shared_ptr<WritableSegment> segment;
-    char* data = nullptr;
-  };
-  // `populate` false: the pages are left for WritableSegment::Populate.
-  absl::StatusOr<HostBuffer> MapHostBuffer(const v1::Location& location, bool populate = true);
-
-  // Stock: buffers the daemon made ahead of need, mapped writable, by buffer length.
-  struct StockedBuffer {
-    uint64_t tensor_id = 0;
-    HostBuffer buffer;  // `length` bytes
-    v1::Location location;
-  };
-  // A stocked buffer of `length` bytes, taken out of the stock; nullopt if there is none.
-  std::optional<StockedBuffer> TakeStock(uint64_t length) ABSL_LOCKS_EXCLUDED(stock_mu_);
-  // How many buffers of `length` bytes to ask for now (0: enough in stock, not stockable, or
-  // not created often enough yet).
-  uint32_t StockWanted(uint64_t length) const ABSL_LOCKS_EXCLUDED(stock_mu_);
-  // Counts a create of a tensor with a buffer of `length` bytes.
-  void NoteCreate(uint64_t length) ABSL_LOCKS_EXCLUDED(stock_mu_) {
-    MutexLock lock(&stock_mu_);
-    ++creates_[length];
-  }
-  // Maps and keeps what the daemon stocked for the current session; what cannot be mapped is
-  // left to the session's end.
-  void AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked)
-      ABSL_LOCKS_EXCLUDED(stock_mu_);
-  // Forgets the stock (the session it belonged to ended, and the daemon frees it).
-  void DropStock() ABSL_LOCKS_EXCLUDED(stock_mu_);
+  // Maps and puts on the shelf what the daemon stocked for the current session (populated in
+  // the background); what cannot be mapped is left to the session's end.
+  void AddStock(const google::protobuf::RepeatedPtrField<v1::StockedBuffer>& stocked);
+  // Buffers the daemon made ahead of need, mapped writable (AddStock puts them there).
+  StockShelf& stock() { return stock_; }
+  // This client's views of the daemon's memory.
+  Mappings& mappings() { return mappings_; }
 
   // Starts the sender thread (SendReleases), which holds `self` (this core) until it ends. Called
   // once, by Connect, after the session opened.
@@ -234,8 +198,8 @@ class ClientCore {
   std::shared_ptr<v1::TensorShm::Stub> stub() const ABSL_LOCKS_EXCLUDED(connection_mu_) {
     return connection()->stub();
   }
-  SegmentMap& segments() { return segments_; }
-  CudaState& cuda() { return cuda_; }
+  SegmentMap& segments() { return mappings_.segments(); }
+  CudaState& cuda() { return mappings_.cuda(); }
   // Destroys the ready events of tensors the daemon no longer holds, once there are enough of
   // them to be worth a look through the fast path's view of the catalog (without a fast path,
   // they wait for the next session that has one). Cheap when there are few.
@@ -256,6 +220,12 @@ class ClientCore {
   bool SenderDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return client_closed_ && outstanding_ == 0 && pending_leases_.empty() &&
            pending_abandons_.empty() && page_leases_.load(std::memory_order_acquire) == 0;
+  }
+  // Queues `work` (populating pages) for the sender thread.
+  void PopulateLater(std::function<void()> work) ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
+    to_populate_.push_back(std::move(work));
+    work_.Signal();
   }
   // After a session opened: maps its fast path (without one, acquires use the RPC).
   void SetUpFastPath() ABSL_LOCKS_EXCLUDED(mu_);
@@ -319,8 +289,7 @@ class ClientCore {
   // The session stream; replaced only by the thread that opens sessions (Connect, then sender).
   std::unique_ptr<grpc::ClientContext> session_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
-  SegmentMap segments_;
-  CudaState cuda_;
+  Mappings mappings_;
 
   mutable Mutex mu_;
   CondVar work_;   // the sender has something to do
@@ -361,12 +330,9 @@ class ClientCore {
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;       // leases in held_ and unpublished tensors
   std::shared_ptr<FastPath> fast_ ABSL_GUARDED_BY(mu_);
   // Populating for the sender thread to do, off the callers' paths: new read-only segment
-  // mappings (MapHostSegment) and stocked buffers (AddStock).
+  // mappings (Mappings::HostSegment) and stocked buffers (AddStock).
   std::vector<std::function<void()>> to_populate_ ABSL_GUARDED_BY(mu_);
-  mutable Mutex stock_mu_;
-  std::map<uint64_t, std::vector<StockedBuffer>> stock_ ABSL_GUARDED_BY(stock_mu_);
-  uint64_t stock_bytes_ ABSL_GUARDED_BY(stock_mu_) = 0;
-  std::map<uint64_t, uint64_t> creates_ ABSL_GUARDED_BY(stock_mu_);  // by buffer length
+  StockShelf stock_;
   // Leases held in lease page slots: counted without the mutex (a release is one store).
   std::atomic<int64_t> page_leases_{0};
   std::atomic<bool> closing_{false};  // client_closed_, for releases that do not lock

@@ -67,8 +67,8 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
     if (layout.ok() && layout->nbytes > 0) {
       const uint64_t page = static_cast<uint64_t>(getpagesize());
       stock_length = (layout->byte_offset + layout->nbytes + page - 1) / page * page;
-      core->NoteCreate(stock_length);
-      if (std::optional<ClientCore::StockedBuffer> stocked = core->TakeStock(stock_length)) {
+      core->stock().NoteCreate(stock_length);
+      if (std::optional<StockShelf::Stocked> stocked = core->stock().Take(stock_length)) {
         auto tensor = std::make_unique<WritableTensorState>();
         tensor->core = core;
         tensor->tensor_id = stocked->tensor_id;
@@ -88,7 +88,7 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
   }
   v1::ChannelRequest call;
   v1::CreateRequest& request = *call.mutable_create();
-  request.set_stock(core->StockWanted(stock_length));
+  request.set_stock(core->stock().Wanted(stock_length));
   ToWire(spec.dtype, request.mutable_dtype());
   request.mutable_shape()->Assign(spec.shape.begin(), spec.shape.end());
   request.mutable_strides()->Assign(spec.strides.begin(), spec.strides.end());
@@ -144,7 +144,7 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
       tensor.cuda_length = location.length();
     }
   } else if (location.length() > 0) {
-    absl::StatusOr<ClientCore::HostBuffer> mapped = core->MapHostBuffer(location);
+    absl::StatusOr<HostBuffer> mapped = core->mappings().Buffer(location);
     if (!mapped.ok()) return mapped.status();
     tensor.SetHostBuffer(*mapped, location);
     data = mapped->data;

@@ -90,7 +90,7 @@ absl::StatusOr<CudaBuffer> OpenCudaLocation(ClientCore& core, const v1::Location
   CudaBuffer buffer{*ordinal, nullptr};
   if (location.length() > 0) {
     absl::StatusOr<CUdeviceptr> base =
-        cuda.vmm() ? core.MapCudaSegment(*ordinal, location)
+        cuda.vmm() ? core.mappings().CudaSegment(*ordinal, location)
                    : core.cuda().OpenSegment(
                          *ordinal, SegmentKey{location.segment_instance(), location.segment_id()},
                          location.segment_size(), cuda.ipc_handle());
@@ -150,8 +150,8 @@ absl::StatusOr<std::unique_ptr<Lease>> MakeLease(const std::shared_ptr<ClientCor
         absl::StrCat("device = ", DeviceName(decoded->device), ": not supported by this client")));
   } else if (location.length() > 0) {
     absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
-        core->MapHostSegment(SegmentKey{location.segment_instance(), location.segment_id()},
-                             location.segment_size(), location.offset(), location.length());
+        core->mappings().HostSegment(SegmentKey{location.segment_instance(), location.segment_id()},
+                                     location.segment_size(), location.offset(), location.length());
     if (!mapping.ok()) return give_back(mapping.status());
     data = (*mapping)->address() + location.offset();
     lease->bytes = HostBytes{*std::move(mapping)};
@@ -200,9 +200,9 @@ absl::StatusOr<std::unique_ptr<Lease>> MakePageLease(const std::shared_ptr<Clien
     place.cuda_ipc_handle = std::move(mapped.ipc_handle);
   } else if (leased.length > 0) {
     // The mapping covers what the daemon says the segment holds; the record's byte range must
-    // lie inside it (MapHostSegment refuses a segment smaller than `end`).
+    // lie inside it (Mappings::HostSegment refuses a segment smaller than `end`).
     const uint64_t end = leased.offset + leased.length;  // no overflow: TryAcquire checked
-    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->MapHostSegment(
+    absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->mappings().HostSegment(
         SegmentKey{leased.segment_instance, leased.segment_id}, end, leased.offset, leased.length);
     if (mapping.ok() && (*mapping)->size() < end) {
       mapping = absl::FailedPreconditionError("the record's range is outside its segment");

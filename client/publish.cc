@@ -47,7 +47,7 @@ absl::Status PublishTensor(ClientCore& core, WritableTensor& writable, std::stri
     desc->set_flags(tensor.flags);
   }
   if (tensor.tensor.device.device_type == kDLCPU) {
-    request.set_stock(core.StockWanted(tensor.buffer_length));
+    request.set_stock(core.stock().Wanted(tensor.buffer_length));
     request.set_stock_bytes(tensor.buffer_length);
   }
   if (tensor.tensor.device.device_type == kDLCUDA) {
@@ -111,9 +111,9 @@ absl::StatusOr<DLManagedTensorVersioned*> PublishAndLease(const std::shared_ptr<
     lease->held = PageLease{fast, page_slot};
     const char* data = kEmptyData;
     if (state->buffer_length > 0) {
-      absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping =
-          core->MapHostSegment(SegmentKey{state->segment_instance, state->segment_id},
-                               state->segment_size, state->buffer_offset, state->buffer_length);
+      absl::StatusOr<std::shared_ptr<const SegmentMapping>> mapping = core->mappings().HostSegment(
+          SegmentKey{state->segment_instance, state->segment_id}, state->segment_size,
+          state->buffer_offset, state->buffer_length);
       if (!mapping.ok()) {
         lease->GiveBack();
         return mapping.status();

@@ -11,8 +11,7 @@
 
 namespace tensorshm {
 
-void WritableTensorState::SetHostBuffer(const ClientCore::HostBuffer& buffer,
-                                        const v1::Location& location) {
+void WritableTensorState::SetHostBuffer(const HostBuffer& buffer, const v1::Location& location) {
   segment_mapping = buffer.segment;
   buffer_address = buffer.data;
   buffer_length = location.length();

@@ -34,7 +34,7 @@ class WritableTensorState {
   // daemon's answer to a create, or a stocked buffer):
   // its host buffer, `buffer` in this process's writable mapping of the segment, lying where
   // `location` says...
-  void SetHostBuffer(const ClientCore::HostBuffer& buffer, const v1::Location& location);
+  void SetHostBuffer(const HostBuffer& buffer, const v1::Location& location);
   // ... and its DLPack description, the data at `data` (the buffer's address, a CUDA pointer,
   // or kEmptyData).
   void SetTensor(void* data, DLDevice device, DLDataType dtype, std::vector<int64_t> shape,
