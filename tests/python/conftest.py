@@ -7,6 +7,7 @@ import inspect
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,9 @@ def _tensorshmd() -> str:
 # Every shm prefix a Daemon of this process used: pytest_sessionfinish fails the run on what
 # any of them left in /dev/shm.
 PREFIXES: set[str] = set()
+# Every directory a Daemon of this process made (its socket, its log): pytest_sessionfinish
+# removes them; a restart reuses its predecessor's socket, so none goes earlier.
+DIRS: set[str] = set()
 
 
 class Daemon:
@@ -51,6 +55,7 @@ class Daemon:
                  env: dict | None = None, socket: str | None = None,
                  prefix: str | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix=f"tsm-py-{name}-")
+        DIRS.add(self.dir)
         self.socket = socket or os.path.join(self.dir, "tensorshm.sock")
         self.prefix = prefix or f"tsmpy-{name}-{os.getpid()}"
         if prefix is None:
@@ -106,6 +111,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     /dev/shm/tsmfakecu.<pid>.*; a process that exits holding one (a producer child whose event
     outlives it, as a real driver's would not) leaves the file behind. Remove those of this
     process and of processes that are gone."""
+    for directory in DIRS:
+        shutil.rmtree(directory, ignore_errors=True)
     left = sorted(p for prefix in PREFIXES for p in pathlib.Path("/dev/shm").glob(prefix + ".*"))
     if left:
         for path in left:
