@@ -61,7 +61,7 @@ class OpenDeadline {
   bool fired_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// The lease id a page lease carries in held_ after a restart turned it into a reattached one,
+// The lease id a page lease carries in holdings_ after a restart turned it into a reattached one,
 // until the new daemon answers with the real id.
 constexpr uint64_t kPageLeaseId = ~uint64_t{0};
 
@@ -85,22 +85,12 @@ absl::Status ClientCore::Open(bool reattach, absl::Time deadline, CancelState* c
   open.mutable_open()->set_client_version(TENSORSHM_VERSION);
   open.mutable_open()->set_pid(getpid());
   open.mutable_open()->set_client_name(client_name_);
-  std::vector<uint64_t> keys;
-  std::vector<uint64_t> unpublished_keys;
+  Holdings::Reattach asked;
   if (reattach) {
     RetireFastPath();
     stock_.Drop();
     MutexLock lock(&mu_);
-    for (const auto& [key, held] : held_) {
-      // A lease the last daemon already refused stays refused.
-      if (held.lease_id == 0) continue;
-      keys.push_back(key);
-      open.mutable_open()->add_held_tensor_ids(held.tensor_id);
-    }
-    for (const auto& [key, tensor_id] : unpublished_) {
-      unpublished_keys.push_back(key);
-      open.mutable_open()->add_unpublished_tensor_ids(tensor_id);
-    }
+    asked = holdings_.ForReattach(open.mutable_open());
   }
   ScopedWait waiting(cancel, CancelState::Wait{context.get(), nullptr});
   if (!waiting.registered()) return absl::CancelledError("connect: the wait was cancelled");
@@ -153,20 +143,7 @@ absl::Status ClientCore::Open(bool reattach, absl::Time deadline, CancelState* c
       acked_.SignalAll();
       // Leases and tensors the daemon did not take back are gone: their releases are dropped, and
       // Flush reports the loss (the memory is no longer reserved for them).
-      std::vector<uint64_t> lost;
-      for (size_t i = 0; i < keys.size(); ++i) {
-        const uint64_t lease =
-            static_cast<int>(i) < answer.lease_ids_size() ? answer.lease_ids(i) : 0;
-        HeldLease& held = held_.at(keys[i]);
-        held.lease_id = lease;
-        if (lease == 0) lost.push_back(held.tensor_id);
-      }
-      for (size_t i = 0; i < unpublished_keys.size(); ++i) {
-        if (static_cast<int>(i) >= answer.readopted_size() || !answer.readopted(i)) {
-          lost.push_back(unpublished_.at(unpublished_keys[i]));
-          unpublished_.erase(unpublished_keys[i]);
-        }
-      }
+      const std::vector<uint64_t> lost = holdings_.Reattached(asked, answer);
       // A loss outranks a refused release: it is what the caller must not miss.
       if (!lost.empty() && !absl::IsDataLoss(rejection_)) {
         rejection_ = absl::DataLossError(absl::StrCat(
@@ -207,10 +184,7 @@ void ClientCore::RetireFastPath() {
   if (old == nullptr) return;
   const int converted = old->Retire([this](uint64_t tensor_id) {
     MutexLock lock(&mu_);
-    const uint64_t key = next_key_++;
-    held_.emplace(key, HeldLease{tensor_id, kPageLeaseId});
-    ++outstanding_;
-    return key;
+    return holdings_.AddLease(tensor_id, kPageLeaseId);
   });
   page_leases_.fetch_sub(converted, std::memory_order_acq_rel);
 }
@@ -263,7 +237,7 @@ std::string ClientCore::PrepareContext(grpc::ClientContext& context, absl::Durat
 void ClientCore::QueueSettle(const std::string& session, uint64_t request_id) noexcept {
   MutexLock lock(&mu_);
   if (session != session_id_) return;  // that session ended, and its grants with it
-  pending_settles_.push_back(request_id);
+  holdings_.QueueSettle(request_id);
   work_.Signal();
 }
 
@@ -343,35 +317,28 @@ absl::Status ClientCore::CheckProcess() const {
 
 uint64_t ClientCore::AddLease(uint64_t tensor_id, uint64_t lease_id) {
   MutexLock lock(&mu_);
-  const uint64_t key = next_key_++;
-  held_.emplace(key, HeldLease{tensor_id, lease_id});
-  ++outstanding_;
-  return key;
+  return holdings_.AddLease(tensor_id, lease_id);
 }
 
 uint64_t ClientCore::AddUnpublished(uint64_t tensor_id) {
   MutexLock lock(&mu_);
-  const uint64_t key = next_key_++;
-  unpublished_.emplace(key, tensor_id);
-  ++outstanding_;
-  return key;
+  return holdings_.AddUnpublished(tensor_id);
 }
 
 absl::StatusOr<uint64_t> ClientCore::UnpublishedId(uint64_t key) const {
   MutexLock lock(&mu_);
-  auto it = unpublished_.find(key);
-  if (it == unpublished_.end()) {
+  std::optional<uint64_t> id = holdings_.UnpublishedId(key);
+  if (!id.has_value()) {
     return absl::DataLossError(
         absl::StrCat("this writable tensor was lost when tensorshmd at unix:", socket_,
                      " restarted (not taken back in its --recovery-grace); create it again"));
   }
-  return it->second;
+  return *id;
 }
 
 void ClientCore::Published(uint64_t key) {
   MutexLock lock(&mu_);
-  unpublished_.erase(key);
-  --outstanding_;
+  holdings_.Published(key);
   // Nothing to send: only a closed client's sender waits for this (a wake-up per publish would
   // cost a context switch on the hot path).
   if (client_closed_) work_.Signal();
@@ -379,28 +346,23 @@ void ClientCore::Published(uint64_t key) {
 
 absl::Status ClientCore::LeaseStatus(uint64_t key) const {
   MutexLock lock(&mu_);
-  auto it = held_.find(key);
-  if (it != held_.end() && it->second.lease_id != 0) return absl::OkStatus();
+  const Holdings::Lease* lease = holdings_.FindLease(key);
+  if (lease != nullptr && lease->lease_id != 0) return absl::OkStatus();
   return absl::DataLossError(absl::StrCat(
-      it == held_.end() ? std::string("this tensor")
-                        : absl::StrCat("tensor ", it->second.tensor_id),
+      lease == nullptr ? std::string("this tensor") : absl::StrCat("tensor ", lease->tensor_id),
       ": tensorshmd at unix:", socket_,
       " restarted and did not take its lease back; the memory is no longer reserved for it"));
 }
 
 void ClientCore::QueueRelease(uint64_t key) noexcept {
   MutexLock lock(&mu_);
-  pending_leases_.push_back(key);
-  ++queued_releases_;
-  --outstanding_;
+  holdings_.QueueRelease(key);
   work_.Signal();
 }
 
 void ClientCore::QueueAbandon(uint64_t key) noexcept {
   MutexLock lock(&mu_);
-  pending_abandons_.push_back(key);
-  ++queued_abandons_;
-  --outstanding_;
+  holdings_.QueueAbandon(key);
   work_.Signal();
 }
 

@@ -28,6 +28,7 @@
 #include "client/daemon_connection.h"
 #include "client/fast_path.h"
 #include "client/fork.h"
+#include "client/holdings.h"
 #include "client/mappings.h"
 #include "client/memory_channel.h"
 #include "client/segment_map.h"
@@ -212,14 +213,9 @@ class ClientCore {
   const std::string& socket() const { return socket_; }
 
  private:
-  struct HeldLease {
-    uint64_t tensor_id;
-    uint64_t lease_id;  // in the current session; 0: the daemon no longer knows it
-  };
-
   bool SenderDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return client_closed_ && outstanding_ == 0 && pending_leases_.empty() &&
-           pending_abandons_.empty() && page_leases_.load(std::memory_order_acquire) == 0;
+    return client_closed_ && holdings_.Drained() &&
+           page_leases_.load(std::memory_order_acquire) == 0;
   }
   // Queues `work` (populating pages) for the sender thread.
   void PopulateLater(std::function<void()> work) ABSL_LOCKS_EXCLUDED(mu_) {
@@ -230,7 +226,7 @@ class ClientCore {
   // After a session opened: maps its fast path (without one, acquires use the RPC).
   void SetUpFastPath() ABSL_LOCKS_EXCLUDED(mu_);
   // Before re-registering with a restarted daemon: the old session's page leases become
-  // leases in held_, re-registered like the others.
+  // leases in holdings_, re-registered like the others.
   void RetireFastPath() ABSL_LOCKS_EXCLUDED(mu_);
   // Opens a session stream; with `reattach`, asks the daemon to take back what this client holds.
   // UNAVAILABLE if the daemon has not answered by `deadline`; CANCELLED when `cancel` (may be
@@ -268,9 +264,6 @@ class ClientCore {
   absl::Status NoSession(std::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);
   // After the stream broke: reopens a session, with backoff. False if the sender should exit.
   bool Reconnect() ABSL_LOCKS_EXCLUDED(mu_);
-  // Fills `batch` from the queues (ids the daemon no longer knows are dropped); false if empty.
-  bool TakeBatch(v1::ReleaseBatch* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   std::shared_ptr<DaemonConnection> connection() const ABSL_LOCKS_EXCLUDED(connection_mu_) {
     MutexLock lock(&connection_mu_);
     return connection_;
@@ -299,25 +292,9 @@ class ClientCore {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // sessions opened so far
   CondVar session_opened_;  // generation_ changed, or a reconnect attempt failed
   uint64_t daemon_instance_ ABSL_GUARDED_BY(mu_) = 0;
-  std::unordered_map<uint64_t, HeldLease> held_ ABSL_GUARDED_BY(mu_);  // by client-side key
-  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
-  // Unpublished tensors the daemon knows as ours: client-side key -> tensor id.
-  std::unordered_map<uint64_t, uint64_t> unpublished_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> pending_leases_ ABSL_GUARDED_BY(mu_);    // keys
-  std::vector<uint64_t> pending_abandons_ ABSL_GUARDED_BY(mu_);  // keys
-  std::vector<uint64_t> pending_settles_ ABSL_GUARDED_BY(mu_);   // request ids
+  // Leases and unpublished tensors by client-side key, and what is queued for the sender.
+  Holdings holdings_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> next_request_id_{1};
-  // Releases (leases) and abandons queued so far, counted over the client's life, and how many
-  // of each are settled: sent in a batch the daemon acknowledged, or dropped (their daemon is
-  // gone, or it no longer knew them). The queues are FIFO, so Flush waits until the settled
-  // counts reach the queued counts it saw, however many batches that takes.
-  uint64_t queued_releases_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t queued_abandons_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t settled_releases_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t settled_abandons_ ABSL_GUARDED_BY(mu_) = 0;
-  // Taken off the queues into batches not yet acknowledged (settled when they are).
-  uint64_t taken_releases_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t taken_abandons_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t acked_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status rejection_ ABSL_GUARDED_BY(mu_);
@@ -327,7 +304,6 @@ class ClientCore {
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   bool client_closed_ ABSL_GUARDED_BY(mu_) = false;
   bool flush_requested_ ABSL_GUARDED_BY(mu_) = false;  // send a batch even if empty
-  int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;       // leases in held_ and unpublished tensors
   std::shared_ptr<FastPath> fast_ ABSL_GUARDED_BY(mu_);
   // Populating for the sender thread to do, off the callers' paths: new read-only segment
   // mappings (Mappings::HostSegment) and stocked buffers (AddStock).

@@ -30,16 +30,7 @@ bool ClientCore::Reconnect() {
       MutexLock lock(&mu_);
       // What was queued for the dead session needs no sending: the daemon that held those
       // leases is gone, and they must not be re-registered.
-      for (uint64_t key : pending_leases_) held_.erase(key);
-      for (uint64_t key : pending_abandons_) unpublished_.erase(key);
-      // Settled, as is the batch the broken stream lost: nothing is left to send for them.
-      taken_releases_ += pending_leases_.size();
-      taken_abandons_ += pending_abandons_.size();
-      settled_releases_ = taken_releases_;
-      settled_abandons_ = taken_abandons_;
-      pending_leases_.clear();
-      pending_abandons_.clear();
-      pending_settles_.clear();  // the dead session's grants went with it
+      holdings_.DropQueued();
       if (SenderDone()) return false;
     }
     absl::Status opened = Open(/*reattach=*/true, absl::Now() + connect_timeout_, nullptr);
@@ -59,7 +50,7 @@ bool ClientCore::CloseClient() {
   client_closed_ = true;
   closing_.store(true, std::memory_order_release);
   work_.Signal();
-  return outstanding_ == 0 && page_leases_.load(std::memory_order_acquire) == 0;
+  return holdings_.outstanding() == 0 && page_leases_.load(std::memory_order_acquire) == 0;
 }
 
 absl::Status ClientCore::Flush() {
@@ -69,13 +60,11 @@ absl::Status ClientCore::Flush() {
   // to send everything queued before now: a batch holds at most kMaxBatch ids of each kind, and
   // the sender keeps sending while the queues are not empty.
   const uint64_t target = next_sequence_;
-  const uint64_t releases = queued_releases_;
-  const uint64_t abandons = queued_abandons_;
+  const Holdings::Mark queued = holdings_.Queued();
   flush_requested_ = true;
   work_.Signal();
   auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return acked_sequence_ >= target && settled_releases_ >= releases &&
-           settled_abandons_ >= abandons;
+    return acked_sequence_ >= target && holdings_.SettledUpTo(queued);
   };
   while (!done() && connected_) acked_.Wait(&mu_);
   if (!done()) {
@@ -89,34 +78,6 @@ absl::Status ClientCore::Flush() {
   return result;
 }
 
-bool ClientCore::TakeBatch(v1::ReleaseBatch* batch) {
-  size_t taken = 0;
-  for (; taken < pending_leases_.size() && batch->lease_ids_size() < kMaxBatch; ++taken) {
-    auto it = held_.find(pending_leases_[taken]);
-    if (it == held_.end()) continue;
-    if (it->second.lease_id != 0) batch->add_lease_ids(it->second.lease_id);
-    held_.erase(it);
-  }
-  pending_leases_.erase(pending_leases_.begin(), pending_leases_.begin() + taken);
-  taken_releases_ += taken;
-  taken = 0;
-  for (; taken < pending_abandons_.size() && batch->abandoned_tensor_ids_size() < kMaxBatch;
-       ++taken) {
-    auto it = unpublished_.find(pending_abandons_[taken]);
-    if (it == unpublished_.end()) continue;
-    batch->add_abandoned_tensor_ids(it->second);
-    unpublished_.erase(it);
-  }
-  pending_abandons_.erase(pending_abandons_.begin(), pending_abandons_.begin() + taken);
-  taken_abandons_ += taken;
-  taken = std::min<size_t>(pending_settles_.size(), kMaxBatch);
-  batch->mutable_settled_request_ids()->Add(pending_settles_.begin(),
-                                            pending_settles_.begin() + taken);
-  pending_settles_.erase(pending_settles_.begin(), pending_settles_.begin() + taken);
-  return batch->lease_ids_size() > 0 || batch->abandoned_tensor_ids_size() > 0 ||
-         batch->settled_request_ids_size() > 0;
-}
-
 void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
   while (true) {
     v1::SessionRequest request;
@@ -125,8 +86,7 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
     {
       MutexLock lock(&mu_);
       bool probe = false;
-      while (connected_ && pending_leases_.empty() && pending_abandons_.empty() &&
-             pending_settles_.empty() && to_populate_.empty() && !flush_requested_ &&
+      while (connected_ && !holdings_.HasQueued() && to_populate_.empty() && !flush_requested_ &&
              !SenderDone()) {
         // The sync stream says nothing until used, so a daemon gone while this client is idle
         // shows as its connection hung up, or sooner as the index's heartbeat going stale: an
@@ -145,11 +105,10 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
         request.mutable_release()->set_sequence(sequence);
         const bool flush = flush_requested_;
         flush_requested_ = false;
-        if (!TakeBatch(request.mutable_release()) && !probe && !flush) {
+        if (!holdings_.TakeBatch(request.mutable_release(), kMaxBatch) && !probe && !flush) {
           // Only ids the daemon no longer knows: nothing to send.
           acked_sequence_ = sequence;
-          settled_releases_ = taken_releases_;
-          settled_abandons_ = taken_abandons_;
+          holdings_.SettleTaken();
           acked_.SignalAll();
           continue;
         }
@@ -184,8 +143,7 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
     }
     acked_sequence_ = sequence;
     // One batch is in flight at a time: what was taken is what this ack settles.
-    settled_releases_ = taken_releases_;
-    settled_abandons_ = taken_abandons_;
+    holdings_.SettleTaken();
     acked_.SignalAll();
   }
   // Tensors released while the process exits (Python's finalization) end a detached sender in

@@ -32,7 +32,7 @@ class PendingCall {
   virtual void Answer(absl::Status status, bool granted) = 0;
 };
 
-// An Acquire: answered at once when it can be, else kept in the Store's acquires_waiting_ until
+// An Acquire: answered at once when it can be, else kept in the Store's AcquireWaits until
 // one of a publish of its name, its deadline, its cancellation (CancelWaiter), its session's end
 // or shutdown takes it off (under the Store's lock, so exactly one does) and answers it. The
 // transport owns it; it outlives its answer until the transport calls WaiterDone.
