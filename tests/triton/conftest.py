@@ -66,3 +66,9 @@ def triton_client(request, triton):
         client = protocol.InferenceServerClient(triton.grpc_url)
     yield client
     client.close()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """As tests/python's: the daemons' directories go, and what they left in /dev/shm fails the
+    run."""
+    python_conftest.pytest_sessionfinish(session, exitstatus)
