@@ -17,7 +17,6 @@
 #include "common/tensor/dtype.h"
 #include "common/tensor/layout.h"
 #include "common/tensor/name.h"
-#include "common/tensor/layout.h"
 #include "server/ops/log.h"
 #include "server/ops/uid_limits.h"
 

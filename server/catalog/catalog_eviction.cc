@@ -8,7 +8,6 @@
 #include "common/base/check.h"
 #include "common/tensor/layout.h"
 #include "common/tensor/name.h"
-#include "common/tensor/layout.h"
 #include "server/catalog/catalog.h"
 #include "server/ops/log.h"
 #include "server/ops/uid_limits.h"

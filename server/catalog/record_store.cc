@@ -12,7 +12,6 @@
 #include "common/shm/tensor_record.h"
 #include "common/tensor/dtype.h"
 #include "common/tensor/layout.h"
-#include "common/tensor/layout.h"
 #include "server/catalog/catalog.h"
 #include "server/ops/log.h"
 

@@ -13,7 +13,6 @@
 #include "common/tensor/dtype.h"
 #include "common/tensor/layout.h"
 #include "common/tensor/name.h"
-#include "common/tensor/layout.h"
 #include "server/catalog/catalog.h"
 #include "server/ops/log.h"
 
