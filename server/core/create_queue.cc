@@ -83,9 +83,9 @@ absl::Status CreateQueue::Add(CreateWait* waiter, const Session& session,
   absl::StatusOr<UidLimits::WaitCharge> charge = uid_limits_.StartWait(session.uid);
   if (!charge.ok()) return charge.status();
   waiter->wait_charge = *std::move(charge);
-  absl::StatusOr<PoolKey> key = creator_.KeyOf(session, waiter->order);
-  TSM_CHECK(key.ok());  // its create resolved it
-  waiter->key = *key;
+  absl::StatusOr<DLDevice> device = creator_.DeviceOf(waiter->order);
+  TSM_CHECK(device.ok());  // its create resolved it
+  waiter->key = Creator::KeyOf(session, *device);
   waiter->session_id = session.id;
   waiter->token = session.token;
   waiter->refusal = refusal;

@@ -49,23 +49,22 @@ absl::StatusOr<int> Creator::CudaOrdinalOf(const DLDevice& device, const std::st
       pools.empty() ? "no CUDA pools" : "CUDA pools on " + pools, "; see --cuda-pool)"));
 }
 
-absl::StatusOr<PoolKey> Creator::KeyOf(const Session& session, const CreateOrder& order) const {
+absl::StatusOr<DLDevice> Creator::DeviceOf(const CreateOrder& order) const {
   DLDevice device = order.device;
   if (!order.device_uuid.empty()) {
     absl::StatusOr<int> ordinal = CudaOrdinalOf(device, order.device_uuid);
     if (!ordinal.ok()) return ordinal.status();
     device.device_id = *ordinal;
   }
-  return PoolKey{device.device_type, device.device_id,
-                 device.device_type == kDLCPU ? session.uid : 0};
+  return device;
 }
 
 absl::StatusOr<Created> Creator::Create(Session& session, const CreateOrder& order,
                                         SegmentGrowth* growth, bool waited, bool* pool_full) {
   const TensorSpec& spec = order.spec;
-  absl::StatusOr<PoolKey> key = KeyOf(session, order);
-  if (!key.ok()) return key.status();
-  const DLDevice device{static_cast<DLDeviceType>(key->device_type), key->device_id};
+  absl::StatusOr<DLDevice> resolved = DeviceOf(order);
+  if (!resolved.ok()) return resolved.status();
+  const DLDevice device = *resolved;
   // Quotas before any memory is taken: a refused create costs no allocation, no pool growth and
   // no eviction.
   if (absl::Status s = CheckQuotas(session, spec, device); !s.ok()) return s;
@@ -77,7 +76,7 @@ absl::StatusOr<Created> Creator::Create(Session& session, const CreateOrder& ord
   }
   // Waiting creates come first: a new one for the same memory queues behind them.
   if (!waited) {
-    if (absl::Status s = queue_.Blocking(*key); !s.ok()) {
+    if (absl::Status s = queue_.Blocking(KeyOf(session, device)); !s.ok()) {
       if (pool_full != nullptr) *pool_full = true;
       return s;
     }

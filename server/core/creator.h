@@ -36,6 +36,7 @@ class Creator {
 
   // --evict: what a create that finds its pool full may do first. Set before serving.
   void set_evict_policy(EvictPolicy policy) { evict_ = policy; }
+  EvictPolicy evict_policy() const { return evict_; }
 
   // A create for `session`. A create that needs a new pool segment fails with `growth` saying so
   // (see SegmentGrowth), to be made by the grower. A create that finds its pool (or the record
@@ -49,9 +50,14 @@ class Creator {
   // quota. Stock never grows a pool: it takes what the segments made so far hold.
   std::vector<Stocked> Stock(Session& session, uint64_t length, uint32_t count);
 
-  // The memory `order` of `session` draws from, its device's uuid resolved to the daemon's
-  // ordinal: INVALID_ARGUMENT or FAILED_PRECONDITION (CudaOrdinalOf) if it names none.
-  absl::StatusOr<PoolKey> KeyOf(const Session& session, const CreateOrder& order) const;
+  // The device `order` names, its uuid (if any) resolved to the daemon's ordinal:
+  // INVALID_ARGUMENT or FAILED_PRECONDITION (CudaOrdinalOf) if it names none.
+  absl::StatusOr<DLDevice> DeviceOf(const CreateOrder& order) const;
+  // The memory a create on `device` by `session` draws from.
+  static PoolKey KeyOf(const Session& session, const DLDevice& device) {
+    return PoolKey{device.device_type, device.device_id,
+                   device.device_type == kDLCPU ? session.uid : 0};
+  }
 
  private:
   // The daemon's ordinal of the CUDA device with `uuid`. INVALID_ARGUMENT unless `device` is

@@ -97,7 +97,7 @@ void Store::Housekeep() {
     catalog_->ReadLeasePages();
     catalog_->Reclaim();
     // --evict lru learns of fast path acquires from the lease pages (Catalog::TouchHeld).
-    if (evict_ == EvictPolicy::kLru) catalog_->TouchHeld();
+    if (creator_.evict_policy() == EvictPolicy::kLru) catalog_->TouchHeld();
     FoldFastAcquires();
     catalog_->CheckRecords(kRecordsCheckedPerRound);
     stopping_.WaitWithTimeout(&mu_, absl::Nanoseconds(kHeartbeatIntervalNs));

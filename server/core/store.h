@@ -84,7 +84,6 @@ class Store {
   // --evict: what a create that finds its pool full may do first. Call before serving.
   void set_evict_policy(EvictPolicy policy) ABSL_LOCKS_EXCLUDED(mu_) {
     Lock lock(this);
-    evict_ = policy;
     creator_.set_evict_policy(policy);
   }
 
@@ -264,7 +263,6 @@ class Store {
   std::unique_ptr<Catalog> catalog_ ABSL_GUARDED_BY(mu_);
   // catalog_->FastAcquires() at the last FoldFastAcquires: what metrics_ holds of them.
   uint64_t fast_acquires_counted_ ABSL_GUARDED_BY(mu_) = 0;
-  EvictPolicy evict_ = EvictPolicy::kNone;  // set before serving
   const AccessPolicy* const policy_;
   const PeerTable* const peers_;
   // Thread-safe on its own; declared before sessions_, whose charges it must outlive.
