@@ -42,7 +42,7 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
     // Registered for the loop: Cancel wakes the futex sleep (a wake-up lost just before the
     // sleep begins costs at most one sleep, kLongestSleep in fast_path.cc).
     ScopedWait waiting(timeout == absl::ZeroDuration() ? nullptr : cancel,
-                       CancelState::Wait{nullptr, fast.get()});
+                       CancelState::Wait{.fast = fast.get()});
     const std::string what = absl::StrCat("name = \"", View(name), "\"");
     if (!waiting.registered()) return Cancelled(what);
     while (true) {
@@ -100,7 +100,7 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
   v1::AcquireResponse response;
   {
     ScopedWait waiting(timeout == absl::ZeroDuration() ? nullptr : cancel,
-                       CancelState::Wait{&context, nullptr});
+                       CancelState::Wait{.context = &context});
     if (!waiting.registered()) return Cancelled(absl::StrCat("name = \"", View(name), "\""));
     absl::Status s = FromGrpcStatus(core->stub()->Acquire(&context, request, &response));
     if (!s.ok() && MayHaveBeenGranted(s, context)) core->QueueSettle(session, request_id);

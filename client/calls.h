@@ -61,9 +61,7 @@ absl::Status ChannelOrRpc(ClientCore& core, v1::ChannelRequest& call,
     return absl::OkStatus();
   }
   // The RPC only if the channel cannot be had: not after the daemon may have seen the request.
-  if (!absl::IsUnavailable(answer.status()) || SentWithoutAnswer(answer.status())) {
-    return answer.status();
-  }
+  if (!ChannelNotHad(answer.status())) return answer.status();
   grpc::ClientContext context;
   core.PrepareContext(context, kCallTimeout);
   return FromGrpcStatus(((*core.stub()).*rpc)(&context, request, response));

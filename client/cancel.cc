@@ -24,6 +24,7 @@ void CancelState::Cancel() {
   for (Wait* wait : waits_) {
     if (wait->context != nullptr) wait->context->TryCancel();
     if (wait->fast != nullptr) wait->fast->WakePublishWaiters();
+    if (wait->call) wait->call();
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <grpcpp/client_context.h>
 
+#include <functional>
 #include <set>
 
 #include "absl/base/thread_annotations.h"
@@ -16,10 +17,12 @@ class FastPath;
 
 class CancelState {
  public:
-  // A wait in progress, registered while it may block. Exactly one of the two is set.
+  // A wait in progress, registered while it may block. Exactly one of the three is set.
   struct Wait {
     grpc::ClientContext* context = nullptr;  // a waiting RPC: Cancel TryCancel()s it
     const FastPath* fast = nullptr;          // a fast path wait: Cancel wakes its futex word
+    // Anything else (a memory channel request): Cancel calls it, under this state's lock.
+    std::function<void()> call{};
   };
 
   // Registers `wait` until Remove; false (nothing registered) if already cancelled.

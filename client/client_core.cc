@@ -92,7 +92,7 @@ absl::Status ClientCore::Open(bool reattach, absl::Time deadline, CancelState* c
     MutexLock lock(&mu_);
     asked = holdings_.ForReattach(open.mutable_open());
   }
-  ScopedWait waiting(cancel, CancelState::Wait{context.get(), nullptr});
+  ScopedWait waiting(cancel, CancelState::Wait{.context = context.get()});
   if (!waiting.registered()) return absl::CancelledError("connect: the wait was cancelled");
   auto stream = connection->stub()->Session(context.get());
   v1::SessionResponse opened;

@@ -138,14 +138,18 @@ class ClientCore {
   void ReleasePageLease(FastPath& fast, uint32_t page_slot) noexcept ABSL_LOCKS_EXCLUDED(mu_);
   // LeaseStatus of a page lease.
   absl::Status PageLeaseStatus(const FastPath& fast, uint32_t page_slot) const;
-  // A memory channel request for the current session (Create, Publish); UNAVAILABLE when the
-  // channel cannot be had (the caller then uses the RPC), else the daemon's answer.
-  // A create's answer may carry the writable descriptor of a segment this session had not been
-  // granted (ChannelResponse.attached_segment): it is mapped here, as Mappings::Buffer would have
-  // asked for it. Any other descriptor that came with the answer is closed.
-  absl::StatusOr<v1::ChannelResponse> Exchange(v1::ChannelRequest& request) {
+  // A memory channel request for the current session (Create, Publish); failing ChannelNotHad when
+  // the channel cannot be had (the caller then uses the RPC), else the daemon's answer. A create's
+  // answer may carry the writable descriptor of a segment this session had not been granted
+  // (ChannelResponse.attached_segment): it is mapped here, as Mappings::Buffer would have asked for
+  // it. Any other descriptor that came with the answer is closed. `wait` and `cancel` as
+  // MemoryChannel::Exchange's (a create that waits for memory).
+  absl::StatusOr<v1::ChannelResponse> Exchange(v1::ChannelRequest& request,
+                                               absl::Duration wait = absl::ZeroDuration(),
+                                               CancelState* cancel = nullptr) {
     UniqueFd attached;
-    absl::StatusOr<v1::ChannelResponse> answer = memory_.Exchange(session_id(), request, &attached);
+    absl::StatusOr<v1::ChannelResponse> answer =
+        memory_.Exchange(session_id(), request, &attached, wait, cancel);
     if (answer.ok() && answer->has_attached_segment() && attached.valid()) {
       mappings_.AdoptWritable(answer->attached_segment(), std::move(attached));
     }

@@ -25,31 +25,54 @@
 namespace tensorshm {
 namespace {
 
-// The gRPC Create of `request`, waiting up to `timeout` (> 0; infinite: until the call ends) in
-// the daemon for memory to be freed.
-absl::Status CreateWaiting(ClientCore& core, const v1::CreateRequest& request,
-                           absl::Duration timeout, CancelState* cancel,
-                           v1::CreateResponse* response) {
-  v1::CreateRequest waiting = request;
-  // As an acquire's: a create whose answer this client does not take is settled (its buffers
-  // freed) by the daemon.
-  const uint64_t request_id = core.NextRequestId();
-  waiting.set_request_id(request_id);
+// The gRPC Create of `request` (its wait_ms and request_id set, if it waits), for when the memory
+// channel cannot be had.
+absl::Status CreateByRpc(ClientCore& core, const v1::CreateRequest& request, absl::Duration timeout,
+                         CancelState* cancel, v1::CreateResponse* response) {
   grpc::ClientContext context;
-  std::string session;
-  if (timeout == absl::InfiniteDuration()) {
-    waiting.set_wait_ms(-1);
-    session = core.PrepareContext(context, absl::InfiniteDuration());
-  } else {
-    waiting.set_wait_ms(std::max<int64_t>(
-        1, absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)))));
-    // The call's own deadline leaves room for the daemon to answer RESOURCE_EXHAUSTED itself.
-    session = core.PrepareContext(context, timeout + kCallTimeout);
-  }
-  ScopedWait wait(cancel, CancelState::Wait{&context, nullptr});
+  // A wait's deadline leaves room for the daemon to answer RESOURCE_EXHAUSTED itself.
+  const std::string session = core.PrepareContext(
+      context, timeout == absl::InfiniteDuration() ? timeout : timeout + kCallTimeout);
+  ScopedWait wait(cancel, CancelState::Wait{.context = &context});
   if (!wait.registered()) return Cancelled("create");
-  absl::Status s = FromGrpcStatus(core.stub()->Create(&context, waiting, response));
-  if (!s.ok() && MayHaveBeenGranted(s, context)) core.QueueSettle(session, request_id);
+  absl::Status s = FromGrpcStatus(core.stub()->Create(&context, request, response));
+  if (!s.ok() && request.request_id() != 0 && MayHaveBeenGranted(s, context)) {
+    core.QueueSettle(session, request.request_id());
+  }
+  if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) return Cancelled("create");
+  return s;
+}
+
+// The daemon's create of `call` (holding `request`), over the memory channel: answered at once,
+// or once the daemon has grown the pool or, with a `timeout` (> 0; infinite: until it is served),
+// found the memory. Only when the channel cannot be had, by the gRPC Create.
+absl::Status CreateByDaemon(ClientCore& core, v1::ChannelRequest& call, absl::Duration timeout,
+                            CancelState* cancel, v1::CreateResponse* response) {
+  v1::CreateRequest& request = *call.mutable_create();
+  if (timeout > absl::ZeroDuration()) {
+    // As an acquire's: a create whose answer this client does not take is settled (its buffers
+    // freed) by the daemon.
+    request.set_request_id(core.NextRequestId());
+    request.set_wait_ms(timeout == absl::InfiniteDuration()
+                            ? -1
+                            : std::max<int64_t>(1, absl::ToInt64Milliseconds(absl::Ceil(
+                                                       timeout, absl::Milliseconds(1)))));
+  }
+  const std::string session = core.session_id();
+  absl::StatusOr<v1::ChannelResponse> answer =
+      core.Exchange(call, timeout > absl::ZeroDuration() ? timeout : absl::ZeroDuration(), cancel);
+  if (answer.ok()) {
+    *response = std::move(*answer->mutable_created());
+    return absl::OkStatus();
+  }
+  const absl::Status& s = answer.status();
+  if (ChannelNotHad(s)) {
+    // The channel cannot be had (no daemon saw the request).
+    return CreateByRpc(core, request, timeout, cancel, response);
+  }
+  if (SentWithoutAnswer(s) && request.request_id() != 0) {
+    core.QueueSettle(session, request.request_id());
+  }
   if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) return Cancelled("create");
   return s;
 }
@@ -101,14 +124,10 @@ absl::StatusOr<WritableTensor> CreateOnce(const std::shared_ptr<ClientCore>& cor
     request.set_device_uuid(*std::move(uuid));
   }
   v1::CreateResponse response;
-  absl::Status created = ChannelOrRpc(*core, call, &v1::ChannelResponse::mutable_created,
-                                      &v1::TensorShm::Stub::Create, request, &response);
-  if (absl::IsResourceExhausted(created) && timeout > absl::ZeroDuration()) {
-    // The memory channel's creates never wait: the gRPC Create does, in the daemon.
-    response.Clear();
-    created = CreateWaiting(*core, request, timeout, cancel, &response);
+  if (absl::Status created = CreateByDaemon(*core, call, timeout, cancel, &response);
+      !created.ok()) {
+    return created;
   }
-  if (!created.ok()) return created;
   core->AddStock(response.stocked());
   auto state = std::make_unique<WritableTensorState>();
   state->core = core;

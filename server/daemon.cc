@@ -283,6 +283,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                               daemon->policy_.get(), &daemon->peers_, options.uid_limits, hooks);
   daemon->store_->set_evict_policy(options.evict);
   daemon->service_ = std::make_unique<TensorShmService>(*daemon->store_, hooks.cross_cancel_hold);
+  daemon->cross_cancel_hold_ = hooks.cross_cancel_hold;
   if (absl::Status s = daemon->StartServing(started); !s.ok()) return s;
   return daemon;
 }
@@ -328,9 +329,10 @@ absl::Status Daemon::StartServing(absl::Time started) {
       UnixListener::Create(options_.socket, policy_->shared() ? 0666 : 0600);
   if (!listener.ok()) return listener.status();
   listener_ = *std::move(listener);
-  absl::StatusOr<std::unique_ptr<ChannelServer>> channels = ChannelServer::Start(
-      [store = store_.get()](ChannelConnection& connection, const v1::ChannelRequest& request) {
-        return HandleChannelRequest(*store, connection, request);
+  absl::StatusOr<std::unique_ptr<ChannelServer>> channels =
+      ChannelServer::Start([store = store_.get(), hold = cross_cancel_hold_](
+                               ChannelConnection& connection, const v1::ChannelRequest& request) {
+        return HandleChannelRequest(*store, connection, request, hold);
       });
   if (!channels.ok()) return channels.status();
   channels_ = *std::move(channels);
@@ -408,10 +410,12 @@ void Daemon::Serve(const sigset_t& stop_signals) {
     if (options_.keep_segments) store.KeepHeldOnStop();
     server_->GetHealthCheckService()->SetServingStatus(false);
     listener_->Stop();
-    channels_->Stop();
     if (metrics_ != nullptr) metrics_->Stop();
     stopping.Notify();
     store.BeginShutdown();
+    // After the Store's shutdown began: the creates waiting on a memory channel hear that the
+    // daemon stops before their connection closes.
+    channels_->Stop();
     // In-flight calls get a moment to finish; session streams are then cancelled.
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   });

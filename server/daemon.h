@@ -48,6 +48,8 @@ class Daemon {
 
   const DaemonOptions options_;
   bool recovering_ = false;  // the segments of a killed daemon were taken back
+  // StoreTestHooks::cross_cancel_hold, for the memory channel's answers too.
+  absl::Duration cross_cancel_hold_ = absl::ZeroDuration();
   // Members go in reverse order: the socket and the servers first, then the service, the store
   // (and with it the catalog, which unlinks the segments), the prefix last.
   std::optional<PrefixLock> prefix_lock_;

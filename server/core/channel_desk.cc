@@ -10,8 +10,9 @@
 namespace tensorshm {
 
 absl::StatusOr<ChannelReplied> ChannelDesk::Carry(const PeerCredentials& peer,
-                                                  std::string* session_token,
-                                                  const ChannelAsk& ask) {
+                                                  std::string* session_token, const ChannelAsk& ask,
+                                                  absl::FunctionRef<CreateWait*()> waiter,
+                                                  bool stopping, bool* answered_later) {
   if (const auto* bind = std::get_if<ChannelBind>(&ask)) {
     if (!session_token->empty()) {
       return absl::FailedPreconditionError("bind: this channel is bound to a session already");
@@ -47,19 +48,28 @@ absl::StatusOr<ChannelReplied> ChannelDesk::Carry(const PeerCredentials& peer,
     return ChannelReplied{grant, *std::move(fd)};
   }
   if (const auto* order = std::get_if<CreateOrder>(&ask)) {
-    SegmentGrowth growth;
-    absl::StatusOr<Created> created = creator_.Create(*session, *order, &growth);
-    if (created.ok()) {
-      ChannelCreated answer{.created = *std::move(created)};
-      UniqueFd fd = AttachNewSegment(*session, answer.created.place, &answer.attached);
-      return ChannelReplied{std::move(answer), std::move(fd)};
+    ChannelCreated answer;
+    bool made = false;
+    if (order->wait_ms == 0) {
+      SegmentGrowth growth;
+      absl::StatusOr<Created> created = creator_.Create(*session, *order, &growth);
+      if (!created.ok() && !growth.needed() && !growth.busy()) return created.status();
+      made = created.ok();
+      if (made) answer.created = *std::move(created);
     }
-    if (!growth.needed() && !growth.busy()) return created.status();
-    // This thread serves every client's channel: it never makes a segment (posix_fallocate,
-    // cuMemAlloc), nor waits for one. UNAVAILABLE sends the client to the gRPC Create, which
-    // GrowPools answers once the pool has grown.
-    return absl::UnavailableError(
-        "create: the pool must grow first; the gRPC Create waits for that");
+    if (!made) {
+      // This thread serves every client's channel: it never makes a segment (posix_fallocate,
+      // cuMemAlloc), nor waits for memory. The grower or the create queue answers.
+      CreateWait* waiting = waiter();
+      if (absl::Status s = create_queue_.Wait(*session, waiting, stopping, answered_later);
+          !s.ok()) {
+        return s;
+      }
+      if (*answered_later) return ChannelReplied{};
+      answer.created = waiting->created;  // found room at once
+    }
+    UniqueFd fd = AttachNewSegment(*session, answer.created.place, &answer.attached);
+    return ChannelReplied{std::move(answer), std::move(fd)};
   }
   if (const auto* order = std::get_if<PublishOrder>(&ask)) {
     absl::StatusOr<Published> published = publisher_.Publish(*session, *order);
@@ -69,6 +79,13 @@ absl::StatusOr<ChannelReplied> ChannelDesk::Carry(const PeerCredentials& peer,
   const auto& order = std::get<DeleteOrder>(ask);
   if (absl::Status s = publisher_.Delete(*session, order.name); !s.ok()) return s;
   return ChannelReplied{Deleted{}, UniqueFd()};
+}
+
+UniqueFd ChannelDesk::AttachLater(const std::string& token, const TensorPlace& place,
+                                  std::optional<SegmentGranted>* attached) {
+  Session* session = sessions_.Find(token);
+  if (session == nullptr) return UniqueFd();
+  return AttachNewSegment(*session, place, attached);
 }
 
 absl::StatusOr<UniqueFd> ChannelDesk::FastPath(const Session& session, const FastPathAsk& ask,

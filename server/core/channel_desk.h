@@ -9,13 +9,16 @@
 #include <optional>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "common/base/unique_fd.h"
 #include "server/catalog/catalog.h"
+#include "server/core/create_queue.h"
 #include "server/core/creator.h"
 #include "server/core/publisher.h"
 #include "server/core/session.h"
 #include "server/core/tensor_calls.h"
+#include "server/core/waiters.h"
 
 namespace tensorshm {
 
@@ -24,11 +27,12 @@ class ChannelDesk {
  public:
   // All outlive it. `offer_fast_path` false: fast path parts are refused (the test hook
   // StoreTestHooks::cross_cancel_hold, under which acquires must take the RPC).
-  ChannelDesk(Catalog& catalog, SessionTable& sessions, Creator& creator, Publisher& publisher,
-              bool offer_fast_path)
+  ChannelDesk(Catalog& catalog, SessionTable& sessions, Creator& creator, CreateQueue& create_queue,
+              Publisher& publisher, bool offer_fast_path)
       : catalog_(catalog),
         sessions_(sessions),
         creator_(creator),
+        create_queue_(create_queue),
         publisher_(publisher),
         offer_fast_path_(offer_fast_path) {}
   ChannelDesk(const ChannelDesk&) = delete;
@@ -36,10 +40,20 @@ class ChannelDesk {
 
   // One request from a connection with `peer`'s credentials (admitted) bound to
   // `*session_token` (empty: none; a bind sets it): the answer with the descriptor it brings, or
-  // the refusal. A create whose pool must grow first is UNAVAILABLE: this thread serves every
-  // client's channel and never makes a segment.
+  // the refusal. A create that waits (its pool must grow first: this thread serves every
+  // client's channel and never makes a segment; or it may wait for memory, CreateOrder.wait_ms)
+  // is queued as the CreateWait `waiter()` makes (the transport's, its deadline set), which the
+  // grower or CreateQueue answers: `*answered_later`, and no answer returned. `stopping`: the
+  // Store is shutting down (no new wait).
   absl::StatusOr<ChannelReplied> Carry(const PeerCredentials& peer, std::string* session_token,
-                                       const ChannelAsk& ask);
+                                       const ChannelAsk& ask,
+                                       absl::FunctionRef<CreateWait*()> waiter, bool stopping,
+                                       bool* answered_later);
+  // For a channel create answered later: as its answer would have brought, the writable
+  // descriptor of the host segment at `place` if the session `token` names has not been granted
+  // it yet, described in `*attached`; none otherwise.
+  UniqueFd AttachLater(const std::string& token, const TensorPlace& place,
+                       std::optional<SegmentGranted>* attached);
 
  private:
   // The descriptor of fast path part `ask.part` for `session`, described in `*grant`.
@@ -58,6 +72,7 @@ class ChannelDesk {
   Catalog& catalog_;
   SessionTable& sessions_;
   Creator& creator_;
+  CreateQueue& create_queue_;
   Publisher& publisher_;
   const bool offer_fast_path_;
 };

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -160,9 +161,18 @@ class Store {
   // One memory channel request from a connection with `peer`'s credentials bound to
   // `*session_token` (empty: none; a bind sets it): binds, grants one segment's descriptor or a
   // fast path part, or creates / publishes / deletes for the bound session. Returns the answer
-  // with the descriptor it brings, or the refusal. (store_channel.cc)
+  // with the descriptor it brings, or the refusal. A create that waits (for its pool to grow, or
+  // for memory) is the CreateWait `waiter()` makes (the transport's, until CreateWaiterDone),
+  // answered later: `*answered_later`. (store_channel.cc)
   absl::StatusOr<ChannelReplied> Channel(const PeerCredentials& peer, std::string* session_token,
-                                         const ChannelAsk& ask) ABSL_LOCKS_EXCLUDED(mu_);
+                                         const ChannelAsk& ask,
+                                         absl::FunctionRef<CreateWait*()> waiter,
+                                         bool* answered_later) ABSL_LOCKS_EXCLUDED(mu_);
+  // For a channel create answered later, what its answer brings along: the writable descriptor of
+  // the segment at `place` if the session `token` names has not been granted it yet, described in
+  // `*attached`.
+  UniqueFd AttachLater(const std::string& token, const TensorPlace& place,
+                       std::optional<SegmentGranted>* attached) ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- The daemon's life ----
 

@@ -25,6 +25,49 @@ absl::StatusOr<std::unique_ptr<ChannelServer>> ChannelServer::Start(Handler hand
   return server;
 }
 
+bool ChannelLink::Send(const v1::ChannelResponse& response, int fd) {
+  std::string frame(kFrameHeaderBytes, '\0');
+  response.AppendToString(&frame);
+  EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
+  MutexLock lock(&mu_);
+  if (fd_ < 0) return false;
+  absl::Status sent = SendWithFd(fd_, frame, fd, /*nonblocking=*/true, who_);
+  if (sent.ok()) return true;
+  TSM_LOG(kWarning) << sent.message();
+  // The serving thread hears the hang-up and closes the connection.
+  shutdown(fd_, SHUT_RDWR);
+  return false;
+}
+
+bool ChannelLink::Hold(uint64_t sequence, std::shared_ptr<DeferredCall> call) {
+  MutexLock lock(&mu_);
+  if (fd_ < 0) return false;
+  return held_.emplace(sequence, std::move(call)).second;
+}
+
+std::shared_ptr<DeferredCall> ChannelLink::Find(uint64_t sequence) const {
+  MutexLock lock(&mu_);
+  auto it = held_.find(sequence);
+  return it == held_.end() ? nullptr : it->second;
+}
+
+void ChannelLink::Drop(uint64_t sequence) {
+  std::shared_ptr<DeferredCall> dropped;  // freed once the lock is released
+  MutexLock lock(&mu_);
+  auto it = held_.find(sequence);
+  if (it == held_.end()) return;
+  dropped = std::move(it->second);
+  held_.erase(it);
+}
+
+std::vector<std::shared_ptr<DeferredCall>> ChannelLink::Close() {
+  MutexLock lock(&mu_);
+  fd_ = -1;
+  std::vector<std::shared_ptr<DeferredCall>> held;
+  for (auto& [sequence, call] : held_) held.push_back(call);
+  return held;
+}
+
 ChannelServer::~ChannelServer() { Stop(); }
 
 void ChannelServer::Add(UniqueFd accepted, const PeerCredentials& peer) {
@@ -35,6 +78,8 @@ void ChannelServer::Add(UniqueFd accepted, const PeerCredentials& peer) {
     auto connection = std::make_unique<Connection>();
     connection->fd = std::move(accepted);
     connection->state.peer = peer;
+    connection->state.link = std::make_shared<ChannelLink>(
+        fd, absl::StrCat("memory channel of pid ", peer.pid, " (uid ", peer.uid, ")"));
     added = connection.get();
     connections_[fd] = std::move(connection);
   }
@@ -59,18 +104,35 @@ void ChannelServer::Stop() {
   if (!thread_.joinable()) return;
   loop_->Stop();
   thread_.join();
-  MutexLock lock(&mu_);
-  connections_.clear();  // closes them
+  std::vector<std::shared_ptr<DeferredCall>> held;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [fd, connection] : connections_) {
+      for (std::shared_ptr<DeferredCall>& call : connection->state.link->Close()) {
+        held.push_back(std::move(call));
+      }
+    }
+    connections_.clear();  // closes them
+  }
+  for (const std::shared_ptr<DeferredCall>& call : held) call->GiveUp();
 }
 
 void ChannelServer::Close(int fd) {
   loop_->Unwatch(fd);
   std::unique_ptr<Connection> closed;  // closed (and freed) once the lock is released
-  MutexLock lock(&mu_);
-  auto it = connections_.find(fd);
-  if (it == connections_.end()) return;
-  closed = std::move(it->second);
-  connections_.erase(it);
+  std::vector<std::shared_ptr<DeferredCall>> held;
+  {
+    MutexLock lock(&mu_);
+    auto it = connections_.find(fd);
+    if (it == connections_.end()) return;
+    closed = std::move(it->second);
+    connections_.erase(it);
+    // No deferred answer writes to the descriptor from here on.
+    held = closed->state.link->Close();
+  }
+  // The client is gone: what it still waits for is given up on (a create that waits for memory
+  // leaves its queue; one answered meanwhile gives its buffers back, since no one took them).
+  for (const std::shared_ptr<DeferredCall>& call : held) call->GiveUp();
 }
 
 void ChannelServer::Run() {
@@ -107,8 +169,7 @@ void ChannelServer::Run() {
 }
 
 bool ChannelServer::Serve(int fd, Connection& connection) {
-  const PeerCredentials& peer = connection.state.peer;
-  const std::string who = absl::StrCat("of pid ", peer.pid, " (uid ", peer.uid, ")");
+  const std::string& who = connection.state.link->who();
   char buffer[16 * 1024];
   bool closed = false;
   while (true) {
@@ -131,13 +192,13 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
     const FrameReader::Result next = connection.input.Next(&body, &length);
     if (next == FrameReader::Result::kNeedMore) break;
     if (next == FrameReader::Result::kTooLarge) {
-      TSM_LOG(kWarning) << "memory channel " << who << ": frame of " << length << " bytes (at most "
-                        << kMaxChannelFrame << "); closed";
+      TSM_LOG(kWarning) << who << ": frame of " << length << " bytes (at most " << kMaxChannelFrame
+                        << "); closed";
       return false;
     }
     v1::ChannelRequest request;
     if (!request.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
-      TSM_LOG(kWarning) << "memory channel " << who << ": a frame that is no ChannelRequest; "
+      TSM_LOG(kWarning) << who << ": a frame that is no ChannelRequest; "
                         << "closed";
       return false;
     }
@@ -158,15 +219,9 @@ bool ChannelServer::Serve(int fd, Connection& connection) {
       continue;  // answered by nothing
     }
     ChannelReply reply = handler_(connection.state, request);
-    std::string frame(kFrameHeaderBytes, '\0');
-    reply.response.AppendToString(&frame);
-    EncodeFrameHeader(static_cast<uint32_t>(frame.size() - kFrameHeaderBytes), frame.data());
+    if (reply.deferred) continue;  // answered later, through the link (or by nothing)
     // The descriptor the reply brings is closed once sent (with `reply`).
-    absl::Status sent = SendWithFd(fd, frame, reply.fd.get(), /*nonblocking=*/true, who);
-    if (!sent.ok()) {
-      TSM_LOG(kWarning) << sent.message();
-      return false;
-    }
+    if (!connection.state.link->Send(reply.response, reply.fd.get())) return false;
   }
   return !closed;
 }

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -179,6 +180,26 @@ TEST_F(FullPoolTest, WaitingCreatesAreServedInOrder) {
   ASSERT_TRUE(client_->Delete("b").ok());
   EXPECT_EQ(ExitCode(second), 0) << second.Output();
   EXPECT_EQ(Stats().creates_waiting, 0);
+}
+
+// A create waiting for memory holds up no other request of its client: it waits on the memory
+// channel, where the client's other threads send theirs meanwhile (a publish here).
+TEST_F(FullPoolTest, AWaitingCreateHoldsUpNoOtherCallOfItsClient) {
+  ASSERT_NO_FATAL_FAILURE(StartDaemon());
+  tensorshm::StatusOr<WritableTensor> held = Create(kMiB);
+  ASSERT_TRUE(held.ok()) << held.status();
+  Publish("fill", 3 * kMiB);
+  std::future<tensorshm::Status> waiting = std::async(std::launch::async, [&] {
+    tensorshm::StatusOr<WritableTensor> t = Create(kMiB, std::chrono::seconds(60));
+    return t.status();
+  });
+  ExpectWaiting(1);
+  ASSERT_TRUE(client_->Publish(*held, "held").ok());
+  EXPECT_EQ(waiting.wait_for(std::chrono::seconds(0)), std::future_status::timeout);
+  EXPECT_EQ(Stats().creates_waiting, 1);
+  ASSERT_TRUE(client_->Delete("fill").ok());
+  const tensorshm::Status status = waiting.get();
+  EXPECT_TRUE(status.ok()) << status;
 }
 
 // A waiting create rides through a daemon restart (it waits for the reconnect until its

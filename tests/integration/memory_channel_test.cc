@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -50,10 +51,12 @@ class RawChannel {
       EXPECT_EQ(write(fd_, hello.data(), hello.size()), static_cast<ssize_t>(hello.size()));
     }
   }
-  ~RawChannel() {
-    if (fd_ >= 0) close(fd_);
-  }
+  ~RawChannel() { Close(); }
   int fd() const { return fd_; }
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
 
   // Sends `request` and reads the response; `*received` gets a descriptor that came with it.
   absl::StatusOr<v1::ChannelResponse> Call(const v1::ChannelRequest& request, int* received) {
@@ -307,6 +310,133 @@ TEST(ChannelTest, ExpectIsAnsweredByNothingAndItsLookIsBounded) {
   EXPECT_EQ(r->code(), 0) << r->message();
   EXPECT_EQ(r->sequence(), 43u);
   if (fd >= 0) close(fd);
+}
+
+// A raw create of `bytes` bytes (one uint8 dimension) on the host, waiting `wait_ms` for memory.
+v1::ChannelRequest CreateOf(int64_t bytes, int64_t wait_ms, uint64_t sequence,
+                            uint64_t request_id = 0) {
+  v1::ChannelRequest request;
+  request.set_sequence(sequence);
+  v1::CreateRequest& create = *request.mutable_create();
+  create.mutable_dtype()->set_code(kDLUInt);
+  create.mutable_dtype()->set_bits(8);
+  create.mutable_dtype()->set_lanes(1);
+  create.add_shape(bytes);
+  create.mutable_device()->set_type(kDLCPU);
+  create.set_wait_ms(wait_ms);
+  create.set_request_id(request_id);
+  return request;
+}
+
+// Several requests in flight on one connection: a create that waits for memory is answered when
+// it is served, after the requests sent behind it, which are not held up; a ChannelCancel answers
+// the create it names CANCELLED; a closed connection's waiting create leaves the queue. Nothing is
+// redirected to gRPC: every answer comes on the channel.
+TEST(ChannelTest, AWaitingCreateIsAnsweredAfterTheRequestsBehindIt) {
+  constexpr int64_t kMiB = 1 << 20;
+  absl::StatusOr<TestDaemon> daemon =
+      TestDaemon::Start("chan-waits", {"--host-pool", "4Mi", "--segment-size", "4Mi"});
+  ASSERT_OK(daemon);
+  tensorshm::StatusOr<std::shared_ptr<Client>> watcher =
+      Client::Connect(ClientOptions{daemon->socket(), "watcher"});
+  ASSERT_TRUE(watcher.ok()) << watcher.status();
+  auto waiting = [&](int64_t count) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      tensorshm::StatusOr<ServerStats> stats = (*watcher)->Stat();
+      if (stats.ok() && stats->creates_waiting == count) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return false;
+  };
+  RawSession session(daemon->socket(), "chan-waits");
+  RawChannel channel(daemon->socket());
+  int fd = -1;
+  v1::ChannelRequest bind = Bind(session.token());
+  bind.set_sequence(1);
+  absl::StatusOr<v1::ChannelResponse> r = channel.Call(bind, &fd);
+  ASSERT_OK(r);
+  ASSERT_EQ(r->code(), 0) << r->message();
+  auto read = [&]() -> absl::StatusOr<v1::ChannelResponse> {
+    std::string body;
+    if (fd >= 0) close(fd);
+    fd = -1;
+    if (absl::Status s = ReceiveFrame(channel.fd(), &body, &fd, "test"); !s.ok()) return s;
+    v1::ChannelResponse response;
+    if (!response.ParseFromString(body)) return absl::InternalError("unparsable response");
+    return response;
+  };
+
+  // The whole pool, unpublished.
+  r = channel.Call(CreateOf(4 * kMiB, 0, 2), &fd);
+  ASSERT_OK(r);
+  ASSERT_EQ(r->code(), 0) << r->message();
+  const uint64_t fill = r->created().tensor_id();
+  // Without a wait: refused at once, as before.
+  r = channel.Call(CreateOf(kMiB, 0, 3), &fd);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->code(), static_cast<int>(absl::StatusCode::kResourceExhausted)) << r->message();
+
+  // Waits; the delete sent behind it is answered first.
+  ASSERT_TRUE(channel.SendRaw(CreateOf(kMiB, -1, 10, 100).SerializeAsString()).ok());
+  ASSERT_TRUE(waiting(1));
+  v1::ChannelRequest absent;
+  absent.set_sequence(11);
+  absent.mutable_delete_()->set_name("absent");
+  ASSERT_TRUE(channel.SendRaw(absent.SerializeAsString()).ok());
+  r = read();
+  ASSERT_OK(r);
+  EXPECT_EQ(r->sequence(), 11u);
+  EXPECT_EQ(r->code(), static_cast<int>(absl::StatusCode::kNotFound)) << r->message();
+  EXPECT_TRUE(waiting(1));
+  // Cancelled: answered CANCELLED, and gone from the queue.
+  v1::ChannelRequest cancel;
+  cancel.mutable_cancel()->set_sequence(10);
+  ASSERT_TRUE(channel.SendRaw(cancel.SerializeAsString()).ok());
+  r = read();
+  ASSERT_OK(r);
+  EXPECT_EQ(r->sequence(), 10u);
+  EXPECT_EQ(r->code(), static_cast<int>(absl::StatusCode::kCancelled)) << r->message();
+  EXPECT_TRUE(waiting(0));
+
+  // Served once memory comes free: the publish and the delete of the pool's tensor are answered
+  // while it waits, and then the create, with its buffer.
+  ASSERT_TRUE(channel.SendRaw(CreateOf(kMiB, -1, 12, 101).SerializeAsString()).ok());
+  ASSERT_TRUE(waiting(1));
+  v1::ChannelRequest publish;
+  publish.set_sequence(13);
+  publish.mutable_publish()->set_tensor_id(fill);
+  publish.mutable_publish()->set_name("fill");
+  ASSERT_TRUE(channel.SendRaw(publish.SerializeAsString()).ok());
+  r = read();
+  ASSERT_OK(r);
+  EXPECT_EQ(r->sequence(), 13u);
+  EXPECT_EQ(r->code(), 0) << r->message();
+  v1::ChannelRequest drop;
+  drop.set_sequence(14);
+  drop.mutable_delete_()->set_name("fill");
+  ASSERT_TRUE(channel.SendRaw(drop.SerializeAsString()).ok());
+  std::map<uint64_t, v1::ChannelResponse> answers;
+  for (int i = 0; i < 2; ++i) {
+    r = read();
+    ASSERT_OK(r);
+    answers[r->sequence()] = *r;
+  }
+  ASSERT_EQ(answers.count(12), 1u);
+  ASSERT_EQ(answers.count(14), 1u);
+  EXPECT_EQ(answers[14].code(), 0) << answers[14].message();
+  EXPECT_EQ(answers[12].code(), 0) << answers[12].message();
+  EXPECT_TRUE(answers[12].has_created());
+  EXPECT_EQ(answers[12].created().location().length(), static_cast<uint64_t>(kMiB));
+  EXPECT_TRUE(waiting(0));
+
+  // A connection that closes with a create waiting gives it up.
+  ASSERT_TRUE(channel.SendRaw(CreateOf(4 * kMiB, 60'000, 15, 102).SerializeAsString()).ok());
+  ASSERT_TRUE(waiting(1));
+  if (fd >= 0) close(fd);
+  fd = -1;
+  channel.Close();
+  EXPECT_TRUE(waiting(0));
 }
 
 TEST(ChannelTest, HostileConnectionsAreDroppedAndTheDaemonKeepsServing) {
