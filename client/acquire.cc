@@ -80,33 +80,40 @@ absl::StatusOr<std::unique_ptr<Lease>> AcquireLease(const std::shared_ptr<Client
     return absl::UnavailableError(absl::StrCat(
         "name = \"", View(name), "\": the fast path cannot answer; ask the daemon (Acquire)"));
   }
-  v1::AcquireRequest request;
+  v1::ChannelRequest call;
+  v1::AcquireRequest& request = *call.mutable_acquire();
   request.set_name(std::string(name));
   // The daemon settles a call whose answer this client does not take (a cancel or deadline
   // crossing its OK): it gives the lease back when told the id.
   const uint64_t request_id = core->NextRequestId();
   request.set_request_id(request_id);
-  grpc::ClientContext context;
-  std::string session;
-  if (timeout == absl::InfiniteDuration()) {
-    request.set_wait_ms(-1);
-    session = core->PrepareContext(context, absl::InfiniteDuration());
-  } else {
-    const int64_t wait_ms = absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)));
-    request.set_wait_ms(wait_ms);
-    // The call's own deadline leaves room for the daemon to answer DEADLINE_EXCEEDED itself.
-    session = core->PrepareContext(context, timeout + kCallTimeout);
-  }
+  request.set_wait_ms(timeout == absl::InfiniteDuration()
+                          ? -1
+                          : absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1))));
+  const std::string what = absl::StrCat("name = \"", View(name), "\"");
+  CancelState* const cancellable = timeout == absl::ZeroDuration() ? nullptr : cancel;
   v1::AcquireResponse response;
-  {
-    ScopedWait waiting(timeout == absl::ZeroDuration() ? nullptr : cancel,
-                       CancelState::Wait{.context = &context});
-    if (!waiting.registered()) return Cancelled(absl::StrCat("name = \"", View(name), "\""));
+  // Over the memory channel, where a wait holds up none of this client's other calls; by the
+  // gRPC Acquire only when the channel cannot be had.
+  const std::string session = core->session_id();
+  absl::StatusOr<v1::ChannelResponse> answer = core->Exchange(call, timeout, cancellable);
+  if (answer.ok()) {
+    response = std::move(*answer->mutable_acquired());
+  } else if (!ChannelNotHad(answer.status())) {
+    const absl::Status& s = answer.status();
+    if (SentWithoutAnswer(s)) core->QueueSettle(session, request_id);
+    if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) return Cancelled(what);
+    return s;
+  } else {
+    grpc::ClientContext context;
+    // The call's own deadline leaves room for the daemon to answer DEADLINE_EXCEEDED itself.
+    const std::string rpc_session = core->PrepareContext(
+        context, timeout == absl::InfiniteDuration() ? timeout : timeout + kCallTimeout);
+    ScopedWait waiting(cancellable, CancelState::Wait{.context = &context});
+    if (!waiting.registered()) return Cancelled(what);
     absl::Status s = FromGrpcStatus(core->stub()->Acquire(&context, request, &response));
-    if (!s.ok() && MayHaveBeenGranted(s, context)) core->QueueSettle(session, request_id);
-    if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) {
-      return Cancelled(absl::StrCat("name = \"", View(name), "\""));
-    }
+    if (!s.ok() && MayHaveBeenGranted(s, context)) core->QueueSettle(rpc_session, request_id);
+    if (absl::IsCancelled(s) && cancel != nullptr && cancel->cancelled()) return Cancelled(what);
     if (!s.ok()) return s;
   }
   absl::StatusOr<std::unique_ptr<Lease>> lease = MakeLease(core, response);

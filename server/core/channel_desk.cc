@@ -5,14 +5,15 @@
 #include <variant>
 
 #include "absl/strings/str_cat.h"
+#include "common/tensor/name.h"
 #include "server/memory/cuda_pool.h"
 
 namespace tensorshm {
 
 absl::StatusOr<ChannelReplied> ChannelDesk::Carry(const PeerCredentials& peer,
                                                   std::string* session_token, const ChannelAsk& ask,
-                                                  absl::FunctionRef<CreateWait*()> waiter,
-                                                  bool stopping, bool* answered_later) {
+                                                  const ChannelWaiters& waiters, bool stopping,
+                                                  bool* answered_later) {
   if (const auto* bind = std::get_if<ChannelBind>(&ask)) {
     if (!session_token->empty()) {
       return absl::FailedPreconditionError("bind: this channel is bound to a session already");
@@ -60,7 +61,7 @@ absl::StatusOr<ChannelReplied> ChannelDesk::Carry(const PeerCredentials& peer,
     if (!made) {
       // This thread serves every client's channel: it never makes a segment (posix_fallocate,
       // cuMemAlloc), nor waits for memory. The grower or the create queue answers.
-      CreateWait* waiting = waiter();
+      CreateWait* waiting = waiters.create();
       if (absl::Status s = create_queue_.Wait(*session, waiting, stopping, answered_later);
           !s.ok()) {
         return s;
@@ -70,6 +71,16 @@ absl::StatusOr<ChannelReplied> ChannelDesk::Carry(const PeerCredentials& peer,
     }
     UniqueFd fd = AttachNewSegment(*session, answer.created.place, &answer.attached);
     return ChannelReplied{std::move(answer), std::move(fd)};
+  }
+  if (const auto* order = std::get_if<AcquireOrder>(&ask)) {
+    if (absl::Status s = ValidateName(order->name); !s.ok()) return s;
+    AcquireWait* waiting = waiters.acquire();
+    if (absl::Status s = acquire_waits_.Acquire(*session, waiting, stopping, answered_later);
+        !s.ok()) {
+      return s;
+    }
+    if (*answered_later) return ChannelReplied{};
+    return ChannelReplied{waiting->granted, UniqueFd()};
   }
   if (const auto* order = std::get_if<PublishOrder>(&ask)) {
     absl::StatusOr<Published> published = publisher_.Publish(*session, *order);

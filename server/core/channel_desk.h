@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "common/base/unique_fd.h"
 #include "server/catalog/catalog.h"
+#include "server/core/acquire_waits.h"
 #include "server/core/create_queue.h"
 #include "server/core/creator.h"
 #include "server/core/publisher.h"
@@ -22,17 +23,26 @@
 
 namespace tensorshm {
 
+// The transport's side of the channel requests that may be answered later: each makes the wait
+// (the transport's until the Store is done with it: CreateWaiterDone, WaiterDone), its deadline
+// set.
+struct ChannelWaiters {
+  absl::FunctionRef<CreateWait*()> create;
+  absl::FunctionRef<AcquireWait*()> acquire;
+};
+
 // Thread-compatible: the Store's lock guards it and everything it refers to.
 class ChannelDesk {
  public:
   // All outlive it. `offer_fast_path` false: fast path parts are refused (the test hook
   // StoreTestHooks::cross_cancel_hold, under which acquires must take the RPC).
   ChannelDesk(Catalog& catalog, SessionTable& sessions, Creator& creator, CreateQueue& create_queue,
-              Publisher& publisher, bool offer_fast_path)
+              AcquireWaits& acquire_waits, Publisher& publisher, bool offer_fast_path)
       : catalog_(catalog),
         sessions_(sessions),
         creator_(creator),
         create_queue_(create_queue),
+        acquire_waits_(acquire_waits),
         publisher_(publisher),
         offer_fast_path_(offer_fast_path) {}
   ChannelDesk(const ChannelDesk&) = delete;
@@ -42,13 +52,13 @@ class ChannelDesk {
   // `*session_token` (empty: none; a bind sets it): the answer with the descriptor it brings, or
   // the refusal. A create that waits (its pool must grow first: this thread serves every
   // client's channel and never makes a segment; or it may wait for memory, CreateOrder.wait_ms)
-  // is queued as the CreateWait `waiter()` makes (the transport's, its deadline set), which the
-  // grower or CreateQueue answers: `*answered_later`, and no answer returned. `stopping`: the
-  // Store is shutting down (no new wait).
+  // is queued as the CreateWait `waiters.create()` makes, which the grower or CreateQueue
+  // answers; an acquire that waits for a publish (AcquireOrder.wait_ms) is listed as the
+  // AcquireWait `waiters.acquire()` makes: `*answered_later`, and no answer returned. `stopping`:
+  // the Store is shutting down (no new wait).
   absl::StatusOr<ChannelReplied> Carry(const PeerCredentials& peer, std::string* session_token,
-                                       const ChannelAsk& ask,
-                                       absl::FunctionRef<CreateWait*()> waiter, bool stopping,
-                                       bool* answered_later);
+                                       const ChannelAsk& ask, const ChannelWaiters& waiters,
+                                       bool stopping, bool* answered_later);
   // For a channel create answered later: as its answer would have brought, the writable
   // descriptor of the host segment at `place` if the session `token` names has not been granted
   // it yet, described in `*attached`; none otherwise.
@@ -73,6 +83,7 @@ class ChannelDesk {
   SessionTable& sessions_;
   Creator& creator_;
   CreateQueue& create_queue_;
+  AcquireWaits& acquire_waits_;
   Publisher& publisher_;
   const bool offer_fast_path_;
 };

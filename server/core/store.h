@@ -162,11 +162,10 @@ class Store {
   // `*session_token` (empty: none; a bind sets it): binds, grants one segment's descriptor or a
   // fast path part, or creates / publishes / deletes for the bound session. Returns the answer
   // with the descriptor it brings, or the refusal. A create that waits (for its pool to grow, or
-  // for memory) is the CreateWait `waiter()` makes (the transport's, until CreateWaiterDone),
-  // answered later: `*answered_later`. (store_channel.cc)
+  // for memory) or an acquire that waits for a publish is the wait `waiters` makes, answered
+  // later: `*answered_later` (see ChannelDesk::Carry). (store_channel.cc)
   absl::StatusOr<ChannelReplied> Channel(const PeerCredentials& peer, std::string* session_token,
-                                         const ChannelAsk& ask,
-                                         absl::FunctionRef<CreateWait*()> waiter,
+                                         const ChannelAsk& ask, const ChannelWaiters& waiters,
                                          bool* answered_later) ABSL_LOCKS_EXCLUDED(mu_);
   // For a channel create answered later, what its answer brings along: the writable descriptor of
   // the segment at `place` if the session `token` names has not been granted it yet, described in

@@ -9,8 +9,7 @@ namespace tensorshm {
 
 absl::StatusOr<ChannelReplied> Store::Channel(const PeerCredentials& peer,
                                               std::string* session_token, const ChannelAsk& ask,
-                                              absl::FunctionRef<CreateWait*()> waiter,
-                                              bool* answered_later) {
+                                              const ChannelWaiters& waiters, bool* answered_later) {
   if (policy_ != nullptr) {
     if (absl::Status s = policy_->Admit(peer); !s.ok()) return s;
   }
@@ -18,7 +17,7 @@ absl::StatusOr<ChannelReplied> Store::Channel(const PeerCredentials& peer,
   // index's header needs no lock; see CatalogIndex::WakeWaiters).
   if (std::holds_alternative<PublishOrder>(ask)) index_.WakeWaiters();
   Lock lock(this);
-  return channel_.Carry(peer, session_token, ask, waiter, shutting_down_, answered_later);
+  return channel_.Carry(peer, session_token, ask, waiters, shutting_down_, answered_later);
 }
 
 UniqueFd Store::AttachLater(const std::string& token, const TensorPlace& place,

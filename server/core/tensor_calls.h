@@ -152,10 +152,10 @@ struct ChannelCreated {
   std::optional<SegmentGranted> attached{};
 };
 
-using ChannelAsk =
-    std::variant<ChannelBind, SegmentAsk, FastPathAsk, CreateOrder, PublishOrder, DeleteOrder>;
-using ChannelAnswer =
-    std::variant<ChannelBound, SegmentGranted, FastPathGranted, ChannelCreated, Published, Deleted>;
+using ChannelAsk = std::variant<ChannelBind, SegmentAsk, FastPathAsk, CreateOrder, PublishOrder,
+                                DeleteOrder, AcquireOrder>;
+using ChannelAnswer = std::variant<ChannelBound, SegmentGranted, FastPathGranted, ChannelCreated,
+                                   Published, Deleted, LeaseGrant>;
 
 // A channel request's answer, and the descriptor it brings (none: -1).
 struct ChannelReplied {

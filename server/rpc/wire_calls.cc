@@ -137,9 +137,11 @@ absl::StatusOr<ChannelAsk> FromWire(const v1::ChannelRequest& request) {
     }
     case v1::ChannelRequest::kDelete:
       return DeleteOrder{request.delete_().name()};
+    case v1::ChannelRequest::kAcquire:
+      return FromWire(request.acquire());
     case v1::ChannelRequest::KIND_NOT_SET:
       return absl::InvalidArgumentError(
-          "kind: not set (bind, segment, fast_path, create or publish)");
+          "kind: not set (bind, segment, fast_path, create, publish, delete, acquire or cancel)");
     default:
       return absl::InvalidArgumentError("kind: not a request this daemon knows");
   }
@@ -160,6 +162,8 @@ void ToWire(const ChannelAnswer& answer, v1::ChannelResponse* out) {
     if (created->attached.has_value()) ToWire(*created->attached, out->mutable_attached_segment());
   } else if (const auto* published = std::get_if<Published>(&answer)) {
     ToWire(*published, out->mutable_published());
+  } else if (const auto* lease = std::get_if<LeaseGrant>(&answer)) {
+    ToWire(*lease, out->mutable_acquired());
   } else {
     out->mutable_deleted();
   }

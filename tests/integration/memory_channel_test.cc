@@ -331,7 +331,8 @@ v1::ChannelRequest CreateOf(int64_t bytes, int64_t wait_ms, uint64_t sequence,
 // Several requests in flight on one connection: a create that waits for memory is answered when
 // it is served, after the requests sent behind it, which are not held up; a ChannelCancel answers
 // the create it names CANCELLED; a closed connection's waiting create leaves the queue. Nothing is
-// redirected to gRPC: every answer comes on the channel.
+// redirected to gRPC: every answer comes on the channel. The same for an acquire waiting for a
+// publish.
 TEST(ChannelTest, AWaitingCreateIsAnsweredAfterTheRequestsBehindIt) {
   constexpr int64_t kMiB = 1 << 20;
   absl::StatusOr<TestDaemon> daemon =
@@ -430,13 +431,75 @@ TEST(ChannelTest, AWaitingCreateIsAnsweredAfterTheRequestsBehindIt) {
   EXPECT_EQ(answers[12].created().location().length(), static_cast<uint64_t>(kMiB));
   EXPECT_TRUE(waiting(0));
 
-  // A connection that closes with a create waiting gives it up.
+  // An acquire that waits for a publish, answered after the requests behind it (the publish
+  // that wakes it among them); one that is cancelled.
+  auto acquires_waiting = [&](int64_t count) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      tensorshm::StatusOr<std::vector<SessionInfo>> sessions = (*watcher)->Sessions();
+      int64_t waiting_now = 0;
+      for (const SessionInfo& info : sessions.ok() ? *sessions : std::vector<SessionInfo>{}) {
+        waiting_now += info.waiting_acquires;
+      }
+      if (sessions.ok() && waiting_now == count) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return false;
+  };
+  v1::ChannelRequest acquire;
+  acquire.set_sequence(20);
+  acquire.mutable_acquire()->set_name("later");
+  acquire.mutable_acquire()->set_wait_ms(-1);
+  acquire.mutable_acquire()->set_request_id(103);
+  ASSERT_TRUE(channel.SendRaw(acquire.SerializeAsString()).ok());
+  ASSERT_TRUE(acquires_waiting(1));
+  absent.set_sequence(21);
+  ASSERT_TRUE(channel.SendRaw(absent.SerializeAsString()).ok());
+  r = read();
+  ASSERT_OK(r);
+  EXPECT_EQ(r->sequence(), 21u);
+  EXPECT_TRUE(acquires_waiting(1));
+  publish.set_sequence(22);
+  const uint64_t served = answers[12].created().tensor_id();
+  publish.mutable_publish()->set_tensor_id(served);
+  publish.mutable_publish()->set_name("later");
+  ASSERT_TRUE(channel.SendRaw(publish.SerializeAsString()).ok());
+  answers.clear();
+  for (int i = 0; i < 2; ++i) {
+    r = read();
+    ASSERT_OK(r);
+    answers[r->sequence()] = *r;
+  }
+  ASSERT_EQ(answers.count(20), 1u);
+  ASSERT_EQ(answers.count(22), 1u);
+  EXPECT_EQ(answers[22].code(), 0) << answers[22].message();
+  EXPECT_EQ(answers[20].code(), 0) << answers[20].message();
+  EXPECT_NE(answers[20].acquired().lease_id(), 0u);
+  EXPECT_EQ(answers[20].acquired().tensor_id(), served);
+  EXPECT_TRUE(acquires_waiting(0));
+  acquire.set_sequence(23);
+  acquire.mutable_acquire()->set_name("never");
+  ASSERT_TRUE(channel.SendRaw(acquire.SerializeAsString()).ok());
+  ASSERT_TRUE(acquires_waiting(1));
+  cancel.mutable_cancel()->set_sequence(23);
+  ASSERT_TRUE(channel.SendRaw(cancel.SerializeAsString()).ok());
+  r = read();
+  ASSERT_OK(r);
+  EXPECT_EQ(r->sequence(), 23u);
+  EXPECT_EQ(r->code(), static_cast<int>(absl::StatusCode::kCancelled)) << r->message();
+  EXPECT_TRUE(acquires_waiting(0));
+
+  // A connection that closes with a create and an acquire waiting gives both up.
+  acquire.set_sequence(24);
+  ASSERT_TRUE(channel.SendRaw(acquire.SerializeAsString()).ok());
+  ASSERT_TRUE(acquires_waiting(1));
   ASSERT_TRUE(channel.SendRaw(CreateOf(4 * kMiB, 60'000, 15, 102).SerializeAsString()).ok());
   ASSERT_TRUE(waiting(1));
   if (fd >= 0) close(fd);
   fd = -1;
   channel.Close();
   EXPECT_TRUE(waiting(0));
+  EXPECT_TRUE(acquires_waiting(0));
 }
 
 TEST(ChannelTest, HostileConnectionsAreDroppedAndTheDaemonKeepsServing) {
