@@ -181,6 +181,10 @@ class ClientCore {
       sender_.detach();
     }
   }
+  // The sender's batch `request` (a release), sent and answered: over the memory channel, or
+  // the session stream when no channel can be had. False when the daemon is gone or the session
+  // ended (the stream is then finished).
+  bool SendBatch(v1::SessionRequest& request, v1::ReleaseAck* ack) ABSL_LOCKS_EXCLUDED(mu_);
   // The sender thread's body; returns once the Client is gone and no tensor is outstanding.
   void SendReleases(std::shared_ptr<ClientCore> self);
   // Tells the sender the Client is gone; true if nothing is outstanding (it will exit soon).

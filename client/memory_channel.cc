@@ -166,7 +166,7 @@ std::string Frame(const Message& message) {
 
 absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& request, UniqueFd* fd,
                                                         absl::Duration wait, CancelTicket* ticket) {
-  const std::string where = absl::StrCat("unix:", socket_);
+  const std::string& where = where_;
   const uint64_t sequence = next_sequence_++;
   request.set_sequence(sequence);
   if (absl::Status s = SendWithFd(fd_.get(), Frame(request), -1, /*nonblocking=*/false, where);
@@ -213,7 +213,7 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Call(v1::ChannelRequest& requ
 }
 
 void MemoryChannel::ReadOne() {
-  const std::string where = absl::StrCat("unix:", socket_);
+  const std::string& where = where_;
   absl::Time deadline = absl::InfiniteFuture();
   bool prompt = false;
   for (const auto& [sequence, call] : outstanding_) {

@@ -40,7 +40,7 @@ bool ChannelNotHad(const absl::Status& status);
 class MemoryChannel {
  public:
   MemoryChannel(std::string socket, std::optional<uint32_t> server_uid)
-      : socket_(std::move(socket)), server_uid_(server_uid) {}
+      : socket_(std::move(socket)), where_("unix:" + socket_), server_uid_(server_uid) {}
   ~MemoryChannel();
   MemoryChannel(const MemoryChannel&) = delete;
   MemoryChannel& operator=(const MemoryChannel&) = delete;
@@ -131,6 +131,7 @@ class MemoryChannel {
   void SendCancel(uint64_t sequence) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string socket_;
+  const std::string where_;  // "unix:<socket>", for messages
   const std::optional<uint32_t> server_uid_;
   mutable Mutex mu_;
   CondVar answered_;  // a response was handed to its caller, or the reader's turn is free

@@ -78,6 +78,34 @@ absl::Status ClientCore::Flush() {
   return result;
 }
 
+bool ClientCore::SendBatch(v1::SessionRequest& request, v1::ReleaseAck* ack) {
+  // Over the memory channel, as every data-plane call; on the session stream only when the
+  // channel cannot be had.
+  v1::ChannelRequest call;
+  *call.mutable_release() = std::move(*request.mutable_release());
+  UniqueFd unexpected;  // a release's answer brings none
+  absl::StatusOr<v1::ChannelResponse> answer = memory_.Exchange(session_id(), call, &unexpected);
+  if (answer.ok() && answer->has_ack()) {
+    *ack = std::move(*answer->mutable_ack());
+    return true;
+  }
+  if (!ChannelNotHad(answer.status())) {
+    // The daemon is gone or the session ended (its answer, or none): as a broken stream.
+    stream_->WritesDone();
+    stream_->Finish().ok();
+    return false;
+  }
+  *request.mutable_release() = std::move(*call.mutable_release());
+  v1::SessionResponse response;
+  if (stream_->Write(request) && stream_->Read(&response) && response.has_ack()) {
+    *ack = std::move(*response.mutable_ack());
+    return true;
+  }
+  stream_->WritesDone();
+  stream_->Finish().ok();
+  return false;
+}
+
 void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
   while (true) {
     v1::SessionRequest request;
@@ -122,12 +150,8 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
       if (!Reconnect()) break;
       continue;
     }
-    v1::SessionResponse response;
-    const bool ok = stream_->Write(request) && stream_->Read(&response) && response.has_ack();
-    if (!ok) {
-      stream_->WritesDone();
-      stream_->Finish().ok();
-    }
+    v1::ReleaseAck ack;
+    const bool ok = SendBatch(request, &ack);
     MutexLock lock(&mu_);
     if (!ok) {
       // The daemon is gone and with it every lease this batch released; Flush callers learn
@@ -136,7 +160,7 @@ void ClientCore::SendReleases(std::shared_ptr<ClientCore> self) {
       acked_.SignalAll();
       continue;
     }
-    for (const v1::Rejection& r : response.ack().rejected()) {
+    for (const v1::Rejection& r : ack.rejected()) {
       if (rejection_.ok()) {
         rejection_ = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
       }

@@ -72,6 +72,9 @@ absl::StatusOr<ChannelReplied> ChannelDesk::Carry(const PeerCredentials& peer,
     UniqueFd fd = AttachNewSegment(*session, answer.created.place, &answer.attached);
     return ChannelReplied{std::move(answer), std::move(fd)};
   }
+  if (const auto* batch = std::get_if<Releases>(&ask)) {
+    return ChannelReplied{session_desk_.Release(*session, *batch), UniqueFd()};
+  }
   if (const auto* order = std::get_if<AcquireOrder>(&ask)) {
     if (absl::Status s = ValidateName(order->name); !s.ok()) return s;
     AcquireWait* waiting = waiters.acquire();

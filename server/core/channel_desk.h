@@ -18,6 +18,7 @@
 #include "server/core/creator.h"
 #include "server/core/publisher.h"
 #include "server/core/session.h"
+#include "server/core/session_desk.h"
 #include "server/core/tensor_calls.h"
 #include "server/core/waiters.h"
 
@@ -37,12 +38,14 @@ class ChannelDesk {
   // All outlive it. `offer_fast_path` false: fast path parts are refused (the test hook
   // StoreTestHooks::cross_cancel_hold, under which acquires must take the RPC).
   ChannelDesk(Catalog& catalog, SessionTable& sessions, Creator& creator, CreateQueue& create_queue,
-              AcquireWaits& acquire_waits, Publisher& publisher, bool offer_fast_path)
+              AcquireWaits& acquire_waits, SessionDesk& session_desk, Publisher& publisher,
+              bool offer_fast_path)
       : catalog_(catalog),
         sessions_(sessions),
         creator_(creator),
         create_queue_(create_queue),
         acquire_waits_(acquire_waits),
+        session_desk_(session_desk),
         publisher_(publisher),
         offer_fast_path_(offer_fast_path) {}
   ChannelDesk(const ChannelDesk&) = delete;
@@ -84,6 +87,7 @@ class ChannelDesk {
   Creator& creator_;
   CreateQueue& create_queue_;
   AcquireWaits& acquire_waits_;
+  SessionDesk& session_desk_;
   Publisher& publisher_;
   const bool offer_fast_path_;
 };

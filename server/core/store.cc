@@ -46,7 +46,8 @@ Store::Store(std::unique_ptr<Catalog> catalog, uint64_t session_quota_bytes,
       session_desk_(*catalog_, sessions_, leasing_, acquire_waits_, create_queue_, uid_limits_,
                     metrics_, policy),
       publisher_(*catalog_, leasing_, acquire_waits_, creator_, growth_, policy),
-      channel_(*catalog_, sessions_, creator_, create_queue_, acquire_waits_, publisher_,
+      channel_(*catalog_, sessions_, creator_, create_queue_, acquire_waits_, session_desk_,
+               publisher_,
                /*offer_fast_path=*/cross_cancel_hold_ == absl::ZeroDuration()) {
   // The host pool is shared evenly between the uids creating tensors (HostPool::FairShare).
   catalog_->mutable_host_pool().set_creating_uids([this] { return uid_limits_.CreatingUids(); });

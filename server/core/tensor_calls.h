@@ -15,6 +15,7 @@
 
 #include "common/base/unique_fd.h"
 #include "common/tensor/layout.h"
+#include "server/core/session_calls.h"
 
 namespace tensorshm {
 
@@ -153,9 +154,9 @@ struct ChannelCreated {
 };
 
 using ChannelAsk = std::variant<ChannelBind, SegmentAsk, FastPathAsk, CreateOrder, PublishOrder,
-                                DeleteOrder, AcquireOrder>;
+                                DeleteOrder, AcquireOrder, Releases>;
 using ChannelAnswer = std::variant<ChannelBound, SegmentGranted, FastPathGranted, ChannelCreated,
-                                   Published, Deleted, LeaseGrant>;
+                                   Published, Deleted, LeaseGrant, ReleasesDone>;
 
 // A channel request's answer, and the descriptor it brings (none: -1).
 struct ChannelReplied {

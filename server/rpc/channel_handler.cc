@@ -29,6 +29,8 @@ MetricOp ChannelRequestOp(const v1::ChannelRequest& request) {
       return MetricOp::kDelete;
     case v1::ChannelRequest::kAcquire:
       return MetricOp::kAcquire;
+    case v1::ChannelRequest::kRelease:
+      return MetricOp::kRelease;
     default:
       return MetricOp::kUnknown;
   }

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "common/tensor/wire.h"
+#include "server/rpc/wire_results.h"
 
 namespace tensorshm {
 namespace {
@@ -139,6 +140,8 @@ absl::StatusOr<ChannelAsk> FromWire(const v1::ChannelRequest& request) {
       return DeleteOrder{request.delete_().name()};
     case v1::ChannelRequest::kAcquire:
       return FromWire(request.acquire());
+    case v1::ChannelRequest::kRelease:
+      return FromWire(request.release());
     case v1::ChannelRequest::KIND_NOT_SET:
       return absl::InvalidArgumentError(
           "kind: not set (bind, segment, fast_path, create, publish, delete, acquire or cancel)");
@@ -164,6 +167,8 @@ void ToWire(const ChannelAnswer& answer, v1::ChannelResponse* out) {
     ToWire(*published, out->mutable_published());
   } else if (const auto* lease = std::get_if<LeaseGrant>(&answer)) {
     ToWire(*lease, out->mutable_acquired());
+  } else if (const auto* done = std::get_if<ReleasesDone>(&answer)) {
+    ToWire(*done, out->mutable_ack());
   } else {
     out->mutable_deleted();
   }

@@ -477,6 +477,23 @@ TEST(ChannelTest, AWaitingCreateIsAnsweredAfterTheRequestsBehindIt) {
   EXPECT_NE(answers[20].acquired().lease_id(), 0u);
   EXPECT_EQ(answers[20].acquired().tensor_id(), served);
   EXPECT_TRUE(acquires_waiting(0));
+  // Its lease goes back over the channel too (the Session stream's release batch): taken back
+  // once, refused the second time.
+  v1::ChannelRequest release;
+  release.set_sequence(30);
+  release.mutable_release()->set_sequence(7);
+  release.mutable_release()->add_lease_ids(answers[20].acquired().lease_id());
+  r = channel.Call(release, &fd);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->sequence(), 30u);
+  ASSERT_TRUE(r->has_ack()) << r->ShortDebugString();
+  EXPECT_EQ(r->ack().sequence(), 7u);
+  EXPECT_EQ(r->ack().rejected_size(), 0) << r->ShortDebugString();
+  release.set_sequence(31);
+  r = channel.Call(release, &fd);
+  ASSERT_OK(r);
+  ASSERT_TRUE(r->has_ack()) << r->ShortDebugString();
+  EXPECT_EQ(r->ack().rejected_size(), 1) << r->ShortDebugString();
   acquire.set_sequence(23);
   acquire.mutable_acquire()->set_name("never");
   ASSERT_TRUE(channel.SendRaw(acquire.SerializeAsString()).ok());
