@@ -341,7 +341,11 @@ absl::StatusOr<v1::ChannelResponse> MemoryChannel::Exchange(const std::string& s
   for (int attempt = 0; attempt < 2; ++attempt) {
     while (fd_.valid() && bound_token_ != session_token) CloseConnection();
     if (!fd_.valid()) {
-      if (absl::Status s = Open(session_token); !s.ok()) return NotHad(s);
+      // Only a channel that cannot be had now; a refusal (a server of another uid, a bind the
+      // daemon refused) is the caller's answer.
+      if (absl::Status s = Open(session_token); !s.ok()) {
+        return absl::IsUnavailable(s) ? NotHad(s) : s;
+      }
     }
     absl::StatusOr<v1::ChannelResponse> response =
         Call(request, fd, wait, cancel != nullptr ? &ticket : nullptr);

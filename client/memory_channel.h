@@ -32,9 +32,9 @@ class CancelState;
 // stopped, or closed the connection). Other failures left the request unseen by any daemon.
 bool SentWithoutAnswer(const absl::Status& status);
 // True for an Exchange failure that left the request unseen because the channel could not be
-// had (no connection, a refused bind, a connection that broke twice before the request went):
-// the caller may make the RPC instead. A daemon's answer (UNAVAILABLE "tensorshmd is stopping"
-// too) is never this.
+// had (no connection, one closed before its bind was answered, one that broke twice before the
+// request went): the caller may make the RPC instead. A daemon's answer (UNAVAILABLE "tensorshmd is
+// stopping" too, a refused bind) is never this.
 bool ChannelNotHad(const absl::Status& status);
 
 class MemoryChannel {
