@@ -217,6 +217,8 @@ void MemoryChannel::ReadOne() {
   absl::Time deadline = absl::InfiniteFuture();
   bool prompt = false;
   for (const auto& [sequence, call] : outstanding_) {
+    // An abandoned request's answer is read when it comes, but nothing waits for it.
+    if (call->abandoned) continue;
     deadline = std::min(deadline, call->deadline);
     prompt = prompt || call->prompt;
   }
@@ -237,21 +239,22 @@ void MemoryChannel::ReadOne() {
   bool readable = spin && AwaitReply(socket);
   missed = spin && !readable;
   if (!readable) {
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
+    // What came is read even past the deadline (an answer may have waited in the socket while
+    // no one read it); only a deadline passed with nothing to read is the daemon's silence.
+    const absl::Duration left = std::max(absl::ZeroDuration(), deadline - absl::Now());
+    pollfd wanted[2] = {{socket, POLLIN, 0}, {wake, POLLIN, 0}};
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(
+        absl::Ceil(std::min(left, kLongestSleep), absl::Milliseconds(1))));
+    const int ready = poll(wanted, 2, ms);
+    if (ready < 0 && errno != EINTR) status = ErrnoError("poll", where, errno);
+    if (ready > 0 && wanted[1].revents != 0) {
+      uint64_t count;
+      (void)read(wake, &count, sizeof(count));  // a cancel: the callers look again
+    }
+    readable = ready > 0 && wanted[0].revents != 0;
+    if (status.ok() && !readable && absl::Now() >= deadline) {
       status = absl::UnavailableError(
           absl::StrCat("memory channel ", where, ": the daemon did not answer within its time"));
-    } else {
-      pollfd wanted[2] = {{socket, POLLIN, 0}, {wake, POLLIN, 0}};
-      const int ms = static_cast<int>(absl::ToInt64Milliseconds(
-          absl::Ceil(std::min(left, kLongestSleep), absl::Milliseconds(1))));
-      const int ready = poll(wanted, 2, ms);
-      if (ready < 0 && errno != EINTR) status = ErrnoError("poll", where, errno);
-      if (ready > 0 && wanted[1].revents != 0) {
-        uint64_t count;
-        (void)read(wake, &count, sizeof(count));  // a cancel: the callers look again
-      }
-      readable = ready > 0 && wanted[0].revents != 0;
     }
   }
   if (status.ok() && readable) status = ReceiveFrame(socket, &body, &received, where);
