@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <map>
 #include <sstream>
@@ -341,15 +342,29 @@ TEST(ChannelTest, AWaitingCreateIsAnsweredAfterTheRequestsBehindIt) {
   tensorshm::StatusOr<std::shared_ptr<Client>> watcher =
       Client::Connect(ClientOptions{daemon->socket(), "watcher"});
   ASSERT_TRUE(watcher.ok()) << watcher.status();
-  auto waiting = [&](int64_t count) {
+  // Polls `read` until it says `count` (bounded: a hung test fails); false if it never did.
+  auto becomes = [](const std::function<int64_t()>& read, int64_t count) {
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
     while (absl::Now() < deadline) {
-      tensorshm::StatusOr<ServerStats> stats = (*watcher)->Stat();
-      if (stats.ok() && stats->creates_waiting == count) return true;
+      if (read() == count) return true;
       absl::SleepFor(absl::Milliseconds(5));
     }
     return false;
   };
+  // Creates waiting for memory, and acquires waiting for a publish, in the daemon (-1: unknown).
+  auto creates_now = [&]() -> int64_t {
+    tensorshm::StatusOr<ServerStats> stats = (*watcher)->Stat();
+    return stats.ok() ? stats->creates_waiting : -1;
+  };
+  auto acquires_now = [&]() -> int64_t {
+    tensorshm::StatusOr<std::vector<SessionInfo>> sessions = (*watcher)->Sessions();
+    if (!sessions.ok()) return -1;
+    int64_t waiting_now = 0;
+    for (const SessionInfo& info : *sessions) waiting_now += info.waiting_acquires;
+    return waiting_now;
+  };
+  auto waiting = [&](int64_t count) { return becomes(creates_now, count); };
+  auto acquires_waiting = [&](int64_t count) { return becomes(acquires_now, count); };
   RawSession session(daemon->socket(), "chan-waits");
   RawChannel channel(daemon->socket());
   int fd = -1;
@@ -433,19 +448,6 @@ TEST(ChannelTest, AWaitingCreateIsAnsweredAfterTheRequestsBehindIt) {
 
   // An acquire that waits for a publish, answered after the requests behind it (the publish
   // that wakes it among them); one that is cancelled.
-  auto acquires_waiting = [&](int64_t count) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < deadline) {
-      tensorshm::StatusOr<std::vector<SessionInfo>> sessions = (*watcher)->Sessions();
-      int64_t waiting_now = 0;
-      for (const SessionInfo& info : sessions.ok() ? *sessions : std::vector<SessionInfo>{}) {
-        waiting_now += info.waiting_acquires;
-      }
-      if (sessions.ok() && waiting_now == count) return true;
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    return false;
-  };
   v1::ChannelRequest acquire;
   acquire.set_sequence(20);
   acquire.mutable_acquire()->set_name("later");
